@@ -1,0 +1,124 @@
+"""Source spans and the one error type every layer raises.
+
+This module is the bottom layer: it imports only the standard library, and every other
+module of pipecc may import it. A user-facing failure is a `PipeccError`; its `str()` is the
+whole message, in the `file:line:col: error: ...` form with a caret snippet under the source
+line. `exit_code` says what the command line returns for it (DESIGN §8): 2 for input pipecc
+cannot use, 1 for a schedule or program that is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    """The text of one input file, kept so that errors can quote the offending line."""
+
+    name: str
+    text: str = field(repr=False)
+
+    def line_text(self, line: int) -> str:
+        """Return line `line` (1-based) without its newline, or "" when out of range."""
+        lines = self.text.splitlines()
+        if 1 <= line <= len(lines):
+            return lines[line - 1]
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A region of a source file: 1-based line and column, end column exclusive."""
+
+    source: SourceFile | None
+    line: int
+    col: int
+    end_line: int | None = None
+    end_col: int | None = None
+
+    @property
+    def file(self) -> str:
+        return self.source.name if self.source is not None else "<input>"
+
+    def location(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+    def text(self) -> str:
+        """The source text the span covers when it lies on one line, else ""."""
+        if self.source is None or self.end_line != self.line or self.end_col is None:
+            return ""
+        return self.source.line_text(self.line)[self.col - 1 : self.end_col - 1]
+
+    def snippet(self) -> str:
+        """The source line and a caret line under the span, or "" without source text."""
+        if self.source is None:
+            return ""
+        text = self.source.line_text(self.line)
+        if not text:
+            return ""
+        width = 1
+        if self.end_line == self.line and self.end_col is not None:
+            width = max(1, self.end_col - self.col)
+        width = min(width, max(1, len(text) - self.col + 1))
+        gutter = f"{self.line:>5} | "
+        caret = " " * (len(gutter) - 2) + "| " + " " * (self.col - 1) + "^" * width
+        return f"{gutter}{text}\n{caret}"
+
+
+Note = tuple[Span | None, str]
+
+
+class PipeccError(Exception):
+    """A failure the user must see: a message, an optional location, optional notes.
+
+    Subclasses set `exit_code`: 2 when pipecc cannot use its input, 1 when the schedule or
+    program is wrong (DESIGN §8).
+    """
+
+    exit_code = 2
+    kind = "error"
+
+    def __init__(
+        self, message: str, span: Span | None = None, *, notes: tuple[Note, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.notes = notes
+
+    def __str__(self) -> str:
+        parts = [_render_one(self.span, self.kind, self.message)]
+        parts.extend(_render_one(span, "note", text) for span, text in self.notes)
+        return "\n".join(parts)
+
+
+def _render_one(span: Span | None, kind: str, message: str) -> str:
+    if span is None:
+        return f"{kind}: {message}"
+    head = f"{span.location()}: {kind}: {message}"
+    snippet = span.snippet()
+    return f"{head}\n{snippet}" if snippet else head
+
+
+class InputError(PipeccError):
+    """Input pipecc cannot use: a missing or unreadable file, a bad flag, malformed JSON/CSV."""
+
+
+class ParseError(InputError):
+    """A `.sched` file that does not follow the grammar."""
+
+
+class ScheduleError(InputError):
+    """A schedule that cannot be compiled into a complete program (unknown name, violated
+    `require`, negative loop count, a stage or microbatch left without its ops, ...)."""
+
+
+class CostModelError(InputError):
+    """A cost model that cannot be used (unknown key, negative duration, bad TOML)."""
+
+
+class ProgramError(PipeccError):
+    """A compiled program that is wrong: found by the verifier, or by the runtime."""
+
+    exit_code = 1

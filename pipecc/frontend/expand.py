@@ -1,0 +1,338 @@
+"""Expand a parsed schedule for given sizes into per-rank op streams.
+
+The declarations of a file run in source order, once per rank, with `P`, `M` and `rank`
+bound: parameters take their `-D` value or their default, `let`s are evaluated, `require`s
+are checked (a violated one is an error quoting it with the values involved), then the phases
+append their ops to the rank's stream.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePath
+
+from pipecc.diagnostics import ScheduleError, Span
+from pipecc.frontend import ast
+from pipecc.frontend.evaluate import (
+    SLOT_RANK,
+    Env,
+    Scope,
+    StmtFn,
+    Type,
+    compile_body,
+    compile_expr,
+    expect,
+    root_scope,
+    where,
+)
+from pipecc.ir.placement import (
+    Placement,
+    PlacementError,
+    StageSlot,
+    bidirectional_placement,
+    loop_placement,
+    vshape_placement,
+)
+from pipecc.ir.streams import Streams, StreamItem
+
+PLACEMENTS = ("loop", "vshape", "bidirectional")
+Step = Callable[[Env, "_RankState"], None]
+
+
+@dataclass
+class _RankState:
+    """What running the declarations for one rank produces."""
+
+    stream: list[StreamItem] = field(default_factory=list)
+    params: dict[str, int] = field(default_factory=dict)
+    generated: int | None = None
+    table: list[StageSlot] = field(default_factory=list)
+    placement_arg: int | None = None
+
+
+@dataclass
+class _Declarations:
+    """The compiled declarations of a file, ready to run for each rank."""
+
+    name: str
+    steps: list[Step]
+    param_names: list[str]
+    env_size: int
+    placement: ast.NamedPlacement | ast.TablePlacement | None
+
+
+def expand(
+    file: ast.ScheduleFile,
+    *,
+    ranks: int,
+    microbatches: int,
+    defines: Mapping[str, int] | None = None,
+) -> Streams:
+    """Evaluate `file` for P=`ranks`, M=`microbatches` and `-D` values `defines`.
+
+    Raises ScheduleError for unknown names or parameters, violated requirements, negative
+    loop counts, inexact divisions and invalid placements.
+    """
+    defines = dict(defines or {})
+    _check_sizes(ranks, microbatches)
+    decls = _compile_declarations(file, defines)
+    states = [_run_rank(decls, rank, ranks, microbatches) for rank in range(ranks)]
+    placement = _build_placement(decls, states, ranks)
+    generated = states[0].generated if states[0].generated is not None else microbatches
+    params = tuple(sorted(states[0].params.items()))
+    return Streams(
+        schedule=decls.name,
+        source=file.path,
+        num_ranks=ranks,
+        num_microbatches=microbatches,
+        generated_microbatches=generated,
+        params=params,
+        placement=placement,
+        ranks=tuple(tuple(state.stream) for state in states),
+    )
+
+
+def _check_sizes(ranks: int, microbatches: int) -> None:
+    if ranks < 1:
+        raise ScheduleError(f"the number of ranks must be at least 1, got {ranks}")
+    if microbatches < 1:
+        raise ScheduleError(f"the number of microbatches must be at least 1, got {microbatches}")
+
+
+def _compile_declarations(file: ast.ScheduleFile, defines: dict[str, int]) -> _Declarations:
+    scope = root_scope()
+    steps: list[Step] = []
+    names: list[str] = []
+    single: dict[type, ast.Decl] = {}
+    for decl in file.decls:
+        _check_single(decl, single)
+        match decl:
+            case ast.Param():
+                steps.append(_param_step(decl, scope, defines))
+                names.append(decl.name)
+            case ast.Let():
+                steps.append(_let_step(decl, scope))
+            case ast.Require():
+                steps.extend(_require_step(cond, decl, scope) for cond in decl.conditions)
+            case ast.Pad():
+                steps.append(_pad_step(decl, scope))
+            case ast.Phase():
+                steps.append(_phase_step(decl, scope))
+            case ast.TablePlacement():
+                steps.append(_table_step(decl, scope))
+            case ast.NamedPlacement(arg=arg) if arg is not None:
+                steps.append(_placement_arg_step(arg, scope))
+            case ast.NamedPlacement():
+                pass
+            case ast.ScheduleName():
+                pass
+            case _:
+                raise AssertionError(f"unknown declaration {decl!r}")
+    _check_defines(defines, names)
+    schedule = single.get(ast.ScheduleName)
+    name = schedule.name if isinstance(schedule, ast.ScheduleName) else PurePath(file.path).stem
+    placement = single.get(ast.NamedPlacement) or single.get(ast.TablePlacement)
+    assert placement is None or isinstance(placement, ast.NamedPlacement | ast.TablePlacement)
+    return _Declarations(name, steps, names, scope.slots.count, placement)
+
+
+def _check_single(decl: ast.Decl, seen: dict[type, ast.Decl]) -> None:
+    """`schedule`, `placement` and `pad` may appear once each."""
+    key: type | None = None
+    if isinstance(decl, ast.NamedPlacement | ast.TablePlacement):
+        key = ast.NamedPlacement if isinstance(decl, ast.NamedPlacement) else ast.TablePlacement
+        other = seen.get(ast.NamedPlacement) or seen.get(ast.TablePlacement)
+        if other is not None:
+            raise ScheduleError(
+                "a schedule has one placement", decl.span, notes=((other.span, "first one here"),)
+            )
+    elif isinstance(decl, ast.ScheduleName | ast.Pad):
+        key = type(decl)
+        if key in seen:
+            word = "schedule" if key is ast.ScheduleName else "pad"
+            raise ScheduleError(
+                f"'{word}' may appear once", decl.span, notes=((seen[key].span, "first one here"),)
+            )
+    if key is not None:
+        seen[key] = decl
+
+
+def _check_defines(defines: dict[str, int], names: list[str]) -> None:
+    for name in defines:
+        if name not in names:
+            known = ", ".join(names) if names else "none"
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ScheduleError(
+                f"-D {name}: the schedule has no parameter '{name}' (its parameters: {known})"
+                f"{hint}"
+            )
+
+
+def _param_step(decl: ast.Param, scope: Scope, defines: dict[str, int]) -> Step:
+    default = expect(decl.default, scope, Type.INT).fn
+    slot = scope.define(decl.name, Type.INT, "param", decl.span).slot
+    name, override = decl.name, defines.get(decl.name)
+
+    def bind(env: Env, state: _RankState) -> None:
+        env[slot] = override if override is not None else default(env)
+        state.params[name] = env[slot]
+
+    return bind
+
+
+def _let_step(decl: ast.Let, scope: Scope) -> Step:
+    typed = compile_expr(decl.value, scope)
+    slot = scope.define(decl.name, typed.type, "let", decl.span).slot
+    fn = typed.fn
+
+    def bind(env: Env, state: _RankState) -> None:
+        env[slot] = fn(env)
+
+    return bind
+
+
+def _require_step(cond: ast.Expr, decl: ast.Require, scope: Scope) -> Step:
+    check = expect(cond, scope, Type.BOOL).fn
+    shown = _names_in(cond)
+    slots = [(name, binding.slot) for name in shown if (binding := scope.lookup(name))]
+    text = (cond.span.text() if cond.span else "") or "the requirement"
+    uses_rank = "rank" in shown
+
+    def require(env: Env, state: _RankState) -> None:
+        if not check(env):
+            values = ", ".join(f"{name}={env[slot]}" for name, slot in slots)
+            at = f" on rank {env[SLOT_RANK]}" if uses_rank else ""
+            got = f", got {values}" if values else ""
+            raise ScheduleError(f"requires {text}{got}{at}", cond.span or decl.span)
+
+    return require
+
+
+def _names_in(expr: ast.Expr) -> list[str]:
+    """The names an expression mentions, in order of first appearance, builtins last."""
+    found: list[str] = []
+    stack: list[ast.Expr] = [expr]
+    while stack:
+        node = stack.pop()
+        match node:
+            case ast.Name(id=name):
+                if name not in found:
+                    found.append(name)
+            case ast.Neg(operand=x) | ast.Not(operand=x):
+                stack.append(x)
+            case ast.Binary(left=left, right=right):
+                stack.extend((right, left))
+            case ast.Call(args=args):
+                stack.extend(reversed(args))
+            case ast.Conditional(test=test, then=then, orelse=orelse):
+                stack.extend((orelse, then, test))
+    order = {"M": 1, "P": 2, "rank": 3}
+    return sorted(found, key=lambda name: order.get(name, 0))
+
+
+def _pad_step(decl: ast.Pad, scope: Scope) -> Step:
+    count = expect(decl.count, scope, Type.INT).fn
+
+    def pad(env: Env, state: _RankState) -> None:
+        value = count(env)
+        if value < env[1]:
+            raise ScheduleError(
+                f"pad microbatches to {value}: that is fewer than M={env[1]}", decl.span
+            )
+        state.generated = value
+
+    return pad
+
+
+def _phase_step(decl: ast.Phase, scope: Scope) -> Step:
+    body: StmtFn | None = compile_body(decl.body, scope.child()) if decl.body else None
+
+    def run(env: Env, state: _RankState) -> None:
+        if body is not None:
+            body(env, state.stream)
+
+    return run
+
+
+def _placement_arg_step(arg: ast.Expr, scope: Scope) -> Step:
+    value = expect(arg, scope, Type.INT).fn
+
+    def evaluate(env: Env, state: _RankState) -> None:
+        state.placement_arg = value(env)
+
+    return evaluate
+
+
+def _table_step(decl: ast.TablePlacement, scope: Scope) -> Step:
+    entries = [
+        (
+            entry.chunk,
+            expect(entry.pipe, scope, Type.INT).fn if entry.pipe is not None else None,
+            expect(entry.stage, scope, Type.INT).fn,
+            entry.span,
+        )
+        for entry in decl.entries
+    ]
+
+    def place(env: Env, state: _RankState) -> None:
+        for chunk, pipe, stage, span in entries:
+            pipe_value = pipe(env) if pipe is not None else 0
+            stage_value = stage(env)
+            if pipe_value < 0 or stage_value < 0:
+                raise ScheduleError(
+                    f"chunk {chunk} gets pipe {pipe_value}, stage {stage_value} {where(env)}; "
+                    "both must be ≥ 0",
+                    span,
+                )
+            state.table.append(StageSlot(env[SLOT_RANK], chunk, pipe_value, stage_value))
+
+    return place
+
+
+def _run_rank(decls: _Declarations, rank: int, ranks: int, microbatches: int) -> _RankState:
+    env: Env = [0] * decls.env_size
+    env[0], env[1], env[2] = ranks, microbatches, rank
+    state = _RankState()
+    for step in decls.steps:
+        step(env, state)
+    return state
+
+
+def _build_placement(decls: _Declarations, states: list[_RankState], ranks: int) -> Placement:
+    decl = decls.placement
+    try:
+        match decl:
+            case None:
+                return loop_placement(ranks, 1)
+            case ast.TablePlacement():
+                return Placement("table", tuple(s for state in states for s in state.table))
+            case ast.NamedPlacement(name="loop"):
+                return loop_placement(ranks, _loop_chunks(decl, states[0]))
+            case ast.NamedPlacement(name="vshape" | "bidirectional" as name, arg=arg):
+                if arg is not None:
+                    raise ScheduleError(f"placement {name} takes no argument", arg.span)
+                if name == "vshape":
+                    return vshape_placement(ranks)
+                return bidirectional_placement(ranks)
+            case ast.NamedPlacement(name=name):
+                close = difflib.get_close_matches(name, PLACEMENTS, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ScheduleError(
+                    f"unknown placement '{name}' (known: {', '.join(PLACEMENTS)}, or a table "
+                    f"'placement {{ chunk 0: stage ... }}'){hint}",
+                    decl.span,
+                )
+            case _:
+                raise AssertionError(decl)
+    except PlacementError as err:
+        raise ScheduleError(f"invalid placement for P={ranks}: {err}", decl and decl.span) from err
+
+
+def _loop_chunks(decl: ast.NamedPlacement, state: _RankState) -> int:
+    chunks = state.placement_arg if state.placement_arg is not None else 1
+    if chunks < 1:
+        raise ScheduleError(f"placement loop({chunks}): the number of chunks must be ≥ 1", decl.span)
+    return chunks

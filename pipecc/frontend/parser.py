@@ -1,0 +1,323 @@
+"""Parse .sched text into a `ScheduleFile` (grammar: grammars/sched.lark).
+
+The grammar is loaded once and cached (LALR, positions propagated). One `Transformer` builds
+the AST nodes of `pipecc.frontend.ast`, each with its span; nothing is resolved here. Syntax
+errors become `ParseError`s with file:line:col, a caret and what was expected there.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any
+
+import lark
+from lark import Token, Transformer, v_args
+from lark.tree import Meta
+
+from pipecc.diagnostics import ParseError, SourceFile, Span
+from pipecc.frontend import ast
+from pipecc.ir.ops import Kind, Msg
+
+
+@functools.cache
+def _parser() -> lark.Lark:
+    grammar = resources.files("pipecc.grammars").joinpath("sched.lark").read_text("utf-8")
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
+    """Parse the text of a .sched file.
+
+    Raises ParseError (with the location and a caret) when the text does not follow the grammar.
+    """
+    source = SourceFile(path, text)
+    try:
+        tree = _parser().parse(text)
+    except lark.UnexpectedInput as err:
+        raise _parse_error(err, source) from err
+    decls = _Builder(source).transform(tree)
+    return ast.ScheduleFile(path, tuple(decls))
+
+
+# ---- syntax errors -------------------------------------------------------------------------
+
+_TOKEN_WORDS = {
+    "LBRACE": "'{'",
+    "RBRACE": "'}'",
+    "LPAR": "'('",
+    "RPAR": "')'",
+    "LSQB": "'['",
+    "RSQB": "']'",
+    "COMMA": "','",
+    "COLON": "':'",
+    "EQUAL": "'='",
+    "AMPERSAND": "'&'",
+    "NAME": "a name",
+    "INT": "an integer",
+    "OPCODE": "an op (F0, B1, I1, W, ...)",
+    "MSGKIND": "'act' or 'grad'",
+    "COMPOP": "a comparison",
+    "__ANON_0": "'..'",
+}
+
+
+def _describe_expected(expected: set[str]) -> str:
+    words = sorted({_TOKEN_WORDS.get(name, _keyword(name)) for name in expected})
+    if len(words) > 8:
+        words = words[:8] + ["..."]
+    return ", ".join(words)
+
+
+def _keyword(name: str) -> str:
+    pattern = _terminal_patterns().get(name)
+    return f"'{pattern}'" if pattern else name.lower()
+
+
+@functools.cache
+def _terminal_patterns() -> dict[str, str]:
+    patterns: dict[str, str] = {}
+    for terminal in _parser().terminals:
+        if isinstance(terminal.pattern, lark.lexer.PatternStr):
+            patterns[terminal.name] = terminal.pattern.value
+    return patterns
+
+
+def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
+    line = getattr(err, "line", 1) or 1
+    col = getattr(err, "column", 1) or 1
+    if isinstance(err, lark.UnexpectedEOF):
+        line, col = _end_position(source.text)
+        message = "unexpected end of file"
+        expected = err.expected
+    elif isinstance(err, lark.UnexpectedToken):
+        token: Token = err.token
+        shown = "end of file" if token.type == "$END" else repr(str(token))
+        message = f"unexpected {shown}"
+        expected = err.expected
+        if token.type == "$END":
+            line, col = _end_position(source.text)
+    elif isinstance(err, lark.UnexpectedCharacters):
+        char = source.text[err.pos_in_stream] if err.pos_in_stream < len(source.text) else "?"
+        message = f"unexpected character {char!r}"
+        expected = err.allowed or set()
+    else:
+        message, expected = str(err), set()
+    hint = _hint(message, expected)
+    if expected:
+        message += f"; expected {_describe_expected(set(expected))}"
+    if hint:
+        message += f" ({hint})"
+    width = _token_width(err)
+    return ParseError(message, Span(source, line, col, line, col + width))
+
+
+def _hint(message: str, expected: Any) -> str:
+    names = set(expected or ())
+    if "'&'" in message:
+        return "a fused op is written without spaces around '&' only between two ops: F0&B1"
+    if names == {"RBRACE"} or ("RBRACE" in names and "OPCODE" in names):
+        return "is a '}' missing?"
+    return ""
+
+
+def _token_width(err: lark.UnexpectedInput) -> int:
+    token = getattr(err, "token", None)
+    if isinstance(token, Token) and token.type != "$END":
+        return max(1, len(str(token)))
+    return 1
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    lines = text.splitlines() or [""]
+    return len(lines), len(lines[-1]) + 1
+
+
+# ---- tree to AST ---------------------------------------------------------------------------
+
+
+_COMPARE = {op.value: op for op in ast.BinOp}
+
+
+@v_args(inline=True, meta=True)
+class _Builder(Transformer[Token, list[ast.Decl]]):
+    """Builds AST nodes from the parse tree; one method per grammar rule."""
+
+    def __init__(self, source: SourceFile) -> None:
+        super().__init__()
+        self._source = source
+
+    def _span(self, meta: Meta) -> Span | None:
+        if getattr(meta, "empty", True):
+            return None
+        return Span(self._source, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _token_span(self, token: Token) -> Span:
+        return Span(self._source, token.line or 1, token.column or 1, token.end_line,
+                    token.end_column)
+
+    def start(self, meta: Meta, *decls: ast.Decl) -> list[ast.Decl]:
+        return list(decls)
+
+    # declarations
+    def schedule_decl(self, meta: Meta, name: Token) -> ast.ScheduleName:
+        return ast.ScheduleName(str(name), self._span(meta))
+
+    def param_decl(self, meta: Meta, name: Token, value: ast.Expr) -> ast.Param:
+        return ast.Param(str(name), value, self._span(meta))
+
+    def require_decl(self, meta: Meta, *conditions: ast.Expr) -> ast.Require:
+        return ast.Require(tuple(conditions), self._span(meta))
+
+    def pad_decl(self, meta: Meta, count: ast.Expr) -> ast.Pad:
+        return ast.Pad(count, self._span(meta))
+
+    def phase_decl(self, meta: Meta, name: Token, body: tuple[ast.Stmt, ...]) -> ast.Phase:
+        return ast.Phase(str(name), body, self._span(meta))
+
+    def named_placement(
+        self, meta: Meta, name: Token, arg: ast.Expr | None
+    ) -> ast.NamedPlacement:
+        return ast.NamedPlacement(str(name), arg, self._span(meta))
+
+    def table_placement(self, meta: Meta, *entries: ast.ChunkEntry) -> ast.TablePlacement:
+        return ast.TablePlacement(tuple(entries), self._span(meta))
+
+    def chunk_entry(
+        self, meta: Meta, chunk: Token, pipe: ast.Expr | None, stage: ast.Expr
+    ) -> ast.ChunkEntry:
+        return ast.ChunkEntry(int(chunk), pipe, stage, self._span(meta))
+
+    # statements
+    def block(self, meta: Meta, *stmts: ast.Stmt) -> tuple[ast.Stmt, ...]:
+        return stmts
+
+    def let_stmt(self, meta: Meta, name: Token, value: ast.Expr) -> ast.Let:
+        return ast.Let(str(name), value, self._span(meta))
+
+    def repeat_stmt(
+        self, meta: Meta, count: ast.Expr, body: tuple[ast.Stmt, ...]
+    ) -> ast.Repeat:
+        return ast.Repeat(count, body, self._span(meta))
+
+    def for_stmt(
+        self, meta: Meta, var: Token, start: ast.Expr, stop: ast.Expr, body: tuple[ast.Stmt, ...]
+    ) -> ast.For:
+        return ast.For(str(var), start, stop, body, self._span(meta))
+
+    def if_stmt(self, meta: Meta, cond: ast.Expr, body: tuple[ast.Stmt, ...], *rest: Any) -> ast.If:
+        branches = [(cond, body)]
+        orelse: tuple[ast.Stmt, ...] = ()
+        for clause in rest:
+            if clause is None:
+                continue
+            kind, value = clause
+            if kind == "elif":
+                branches.append(value)
+            else:
+                orelse = value
+        return ast.If(tuple(branches), orelse, self._span(meta))
+
+    def elif_clause(
+        self, meta: Meta, cond: ast.Expr, body: tuple[ast.Stmt, ...]
+    ) -> tuple[str, tuple[ast.Expr, tuple[ast.Stmt, ...]]]:
+        return ("elif", (cond, body))
+
+    def else_clause(
+        self, meta: Meta, body: tuple[ast.Stmt, ...]
+    ) -> tuple[str, tuple[ast.Stmt, ...]]:
+        return ("else", body)
+
+    def op_stmt(self, meta: Meta, *ops: ast.OpRef) -> ast.OpStmt:
+        return ast.OpStmt(tuple(ops), self._span(meta))
+
+    def compute(
+        self, meta: Meta, opcode: Token, chunk: ast.Expr | None, mb: ast.Expr | None
+    ) -> ast.OpRef:
+        text = str(opcode)
+        kind = Kind(text[0])
+        digits = text[1:]
+        if digits and chunk is not None:
+            raise ParseError(
+                f"'{text}' already names chunk {digits}; write {text[0]}(expr) for a computed "
+                "chunk",
+                self._span(meta),
+            )
+        if digits:
+            chunk = ast.Num(int(digits), self._token_span(opcode))
+        return ast.OpRef(kind, chunk, mb, self._span(meta))
+
+    def chunk_expr(self, meta: Meta, expr: ast.Expr) -> ast.Expr:
+        return expr
+
+    def mb_expr(self, meta: Meta, expr: ast.Expr) -> ast.Expr:
+        return expr
+
+    def send_stmt(self, meta: Meta, what: Token) -> ast.CommStmt:
+        return ast.CommStmt(True, Msg(str(what)), self._span(meta))
+
+    def recv_stmt(self, meta: Meta, what: Token) -> ast.CommStmt:
+        return ast.CommStmt(False, Msg(str(what)), self._span(meta))
+
+    def wait_stmt(self, meta: Meta) -> ast.WaitStmt:
+        return ast.WaitStmt(self._span(meta))
+
+    def group_stmt(self, meta: Meta, *ops: ast.CommStmt) -> ast.GroupStmt:
+        return ast.GroupStmt(tuple(ops), self._span(meta))
+
+    # expressions
+    def number(self, meta: Meta, token: Token) -> ast.Num:
+        return ast.Num(int(token), self._span(meta))
+
+    def true(self, meta: Meta) -> ast.Num:
+        return ast.Num(True, self._span(meta))
+
+    def false(self, meta: Meta) -> ast.Num:
+        return ast.Num(False, self._span(meta))
+
+    def name(self, meta: Meta, token: Token) -> ast.Name:
+        return ast.Name(str(token), self._span(meta))
+
+    def call(self, meta: Meta, func: Token, *args: ast.Expr | None) -> ast.Call:
+        return ast.Call(str(func), tuple(a for a in args if a is not None), self._span(meta))
+
+    def neg(self, meta: Meta, operand: ast.Expr) -> ast.Neg:
+        return ast.Neg(operand, self._span(meta))
+
+    def not_op(self, meta: Meta, operand: ast.Expr) -> ast.Not:
+        return ast.Not(operand, self._span(meta))
+
+    def conditional(
+        self, meta: Meta, test: ast.Expr, then: ast.Expr, orelse: ast.Expr
+    ) -> ast.Conditional:
+        return ast.Conditional(test, then, orelse, self._span(meta))
+
+    def compare(self, meta: Meta, left: ast.Expr, op: Token, right: ast.Expr) -> ast.Binary:
+        return ast.Binary(_COMPARE[str(op)], left, right, self._span(meta))
+
+    def _binary(self, op: ast.BinOp, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return ast.Binary(op, left, right, self._span(meta))
+
+    def add(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.ADD, meta, left, right)
+
+    def sub(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.SUB, meta, left, right)
+
+    def mul(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.MUL, meta, left, right)
+
+    def div(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.DIV, meta, left, right)
+
+    def floordiv(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.FLOORDIV, meta, left, right)
+
+    def mod(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.MOD, meta, left, right)
+
+    def and_op(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.AND, meta, left, right)
+
+    def or_op(self, meta: Meta, left: ast.Expr, right: ast.Expr) -> ast.Binary:
+        return self._binary(ast.BinOp.OR, meta, left, right)

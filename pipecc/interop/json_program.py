@@ -1,0 +1,245 @@
+"""The compiled program as JSON: the contract of DESIGN §4 (schema: docs/program.schema.json).
+
+`dumps` writes deterministic text (the same program gives the same bytes): the header fields,
+then `programs`, one instruction per line. `loads` reads it back, checking every field and
+naming the rank and instruction of anything malformed; `loads(dumps(p)) == p`.
+
+Fields beyond the contract: `placement_name`, and `line`/`col` on instructions that came from a
+.sched line (so the verifier can point at the source).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipecc.diagnostics import InputError, SourceFile, Span
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.placement import Placement, PlacementError, StageSlot
+from pipecc.ir.program import Program
+
+FORMAT = "pipecc.program/1"
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def dumps(program: Program) -> str:
+    """The program as JSON text (deterministic)."""
+    header = {
+        "format": FORMAT,
+        "schedule": program.schedule,
+        "source": program.source,
+        "ranks": program.num_ranks,
+        "microbatches": program.num_microbatches,
+        "params": dict(program.params),
+        "comm": program.comm,
+        "placement_name": program.placement.name,
+        "placement": [
+            {"rank": s.rank, "chunk": s.chunk, "pipe": s.pipe, "stage": s.stage}
+            for s in program.placement.slots
+        ],
+    }
+    lines = ["{"]
+    for key, value in header.items():
+        lines.append(f"  {json.dumps(key)}: {json.dumps(value)},")
+    lines.append('  "programs": [')
+    for rank, instrs in enumerate(program.ranks):
+        lines.append("    [")
+        body = [f"      {json.dumps(instr_to_dict(instr))}" for instr in instrs]
+        lines.append(",\n".join(body))
+        lines.append("    ]" + ("," if rank + 1 < program.num_ranks else ""))
+    lines.append("  ]")
+    lines.append("}")
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def _compute_dict(op: Compute) -> dict[str, Any]:
+    return {"op": op.kind.value, "chunk": op.chunk, "pipe": op.pipe, "stage": op.stage,
+            "mb": op.mb}
+
+
+def _with_span(entry: dict[str, Any], span: Span | None) -> dict[str, Any]:
+    if span is not None:
+        entry["line"] = span.line
+        entry["col"] = span.col
+    return entry
+
+
+def instr_to_dict(instr: Instr) -> dict[str, Any]:
+    """One instruction in its JSON form."""
+    match instr:
+        case Compute():
+            return _with_span(_compute_dict(instr), instr.span)
+        case Fused(forward=f, backward=b):
+            name = f"F&{b.kind.value}"
+            return _with_span({"op": name, "f": _compute_dict(f), "b": _compute_dict(b)},
+                              instr.span)
+        case Send() | Recv():
+            entry = {"op": "send" if type(instr) is Send else "recv", "what": instr.what.value,
+                     "peer": instr.peer, "pipe": instr.pipe, "stage": instr.stage,
+                     "mb": instr.mb, "group": instr.group}
+            return _with_span(entry, instr.span)
+        case Wait():
+            return _with_span({"op": "wait", "ops": list(instr.ops)}, instr.span)
+        case _:
+            raise AssertionError(f"unknown instruction {instr!r}")
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Checks fields as it reads them; errors name the file and the JSON path."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.source: SourceFile | None = None
+
+    def fail(self, where: str, message: str) -> InputError:
+        return InputError(f"{self.path}: {where}: {message}")
+
+    def field(self, obj: Any, key: str, where: str, check: Callable[[Any], bool],
+              expected: str) -> Any:
+        if not isinstance(obj, dict):
+            raise self.fail(where, "expected a JSON object")
+        if key not in obj:
+            raise self.fail(where, f"missing field '{key}'")
+        value = obj[key]
+        if not check(value):
+            raise self.fail(where, f"field '{key}' must be {expected}, got {json.dumps(value)}")
+        return value
+
+    def integer(self, obj: Any, key: str, where: str, minimum: int = 0) -> int:
+        return int(self.field(obj, key, where, lambda v: _is_int(v) and v >= minimum,
+                              f"an integer ≥ {minimum}"))
+
+    def span(self, obj: dict[str, Any]) -> Span | None:
+        line, col = obj.get("line"), obj.get("col")
+        if _is_int(line) and _is_int(col):
+            return Span(self.source, line, col)
+        return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def loads(text: str, path: str = "<program>") -> Program:
+    """Read a program written by `dumps`; InputError (naming rank and index) if malformed."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}:{err.lineno}:{err.colno}: malformed JSON: {err.msg}") from None
+    reader = _Reader(path)
+    if not isinstance(data, dict):
+        raise reader.fail("top level", "expected a JSON object")
+    fmt = data.get("format")
+    if fmt != FORMAT:
+        raise reader.fail("format", f"expected {json.dumps(FORMAT)}, got {json.dumps(fmt)}")
+    num_ranks = reader.integer(data, "ranks", "header", 1)
+    microbatches = reader.integer(data, "microbatches", "header", 1)
+    source = str(data.get("source", ""))
+    reader.source = _source_file(source, path)
+    placement = _read_placement(data, reader)
+    if placement.num_ranks != num_ranks:
+        raise reader.fail("placement", f"places {placement.num_ranks} ranks, header says "
+                          f"{num_ranks}")
+    programs = reader.field(data, "programs", "header", lambda v: isinstance(v, list),
+                            "a list with one instruction list per rank")
+    if len(programs) != num_ranks:
+        raise reader.fail("programs", f"has {len(programs)} rank lists, header says {num_ranks}")
+    params = reader.field(data, "params", "header", lambda v: isinstance(v, dict)
+                          and all(_is_int(x) for x in v.values()), "an object of integers")
+    ranks = tuple(
+        tuple(_read_instr(item, f"programs[{rank}][{index}]", reader)
+              for index, item in enumerate(_rank_list(programs[rank], rank, reader)))
+        for rank in range(num_ranks)
+    )
+    return Program(
+        schedule=str(data.get("schedule", Path(path).stem)),
+        source=source,
+        num_ranks=num_ranks,
+        num_microbatches=microbatches,
+        params=tuple(sorted((str(k), int(v)) for k, v in params.items())),
+        comm=str(data.get("comm", "unknown")),
+        placement=placement,
+        ranks=ranks,
+    )
+
+
+def _source_file(source: str, path: str) -> SourceFile | None:
+    """The .sched file a program came from, when it is still there, so errors can quote it."""
+    if not source:
+        return None
+    candidate = Path(source)
+    if not candidate.is_absolute():
+        candidate = Path(path).parent / candidate if not candidate.exists() else candidate
+    try:
+        return SourceFile(source, candidate.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return SourceFile(source, "")
+
+
+def _rank_list(value: Any, rank: int, reader: _Reader) -> list[Any]:
+    if not isinstance(value, list):
+        raise reader.fail(f"programs[{rank}]", "expected a list of instructions")
+    return value
+
+
+def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
+    entries = reader.field(data, "placement", "header", lambda v: isinstance(v, list) and v,
+                           "a non-empty list")
+    slots = []
+    for i, entry in enumerate(entries):
+        where = f"placement[{i}]"
+        slots.append(StageSlot(*(reader.integer(entry, key, where)
+                                 for key in ("rank", "chunk", "pipe", "stage"))))
+    try:
+        return Placement(str(data.get("placement_name", "table")), tuple(slots))
+    except PlacementError as err:
+        raise reader.fail("placement", str(err)) from None
+
+
+_KINDS = {kind.value: kind for kind in Kind}
+_MSGS = {msg.value: msg for msg in Msg}
+
+
+def _read_compute(obj: Any, where: str, reader: _Reader, kind: Kind | None = None) -> Compute:
+    if kind is None:
+        name = reader.field(obj, "op", where, lambda v: v in _KINDS, "one of F, B, I, W")
+        kind = _KINDS[name]
+    chunk, pipe, stage, mb = (reader.integer(obj, key, where)
+                              for key in ("chunk", "pipe", "stage", "mb"))
+    return Compute(kind, chunk, pipe, stage, mb, reader.span(obj))
+
+
+def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
+    op = reader.field(obj, "op", where, lambda v: isinstance(v, str), "an op name")
+    if op in _KINDS:
+        return _read_compute(obj, where, reader)
+    if op in ("F&B", "F&I"):
+        forward = _read_compute(obj.get("f"), f"{where}.f", reader)
+        backward = _read_compute(obj.get("b"), f"{where}.b", reader)
+        if forward.kind is not Kind.F or backward.kind.value != op[-1]:
+            raise reader.fail(where, f"a {op} holds an F in 'f' and a {op[-1]} in 'b'")
+        return Fused(forward, backward, reader.span(obj))
+    if op in ("send", "recv"):
+        what = _MSGS[reader.field(obj, "what", where, lambda v: v in _MSGS, '"act" or "grad"')]
+        peer, pipe, stage, mb = (reader.integer(obj, key, where)
+                                 for key in ("peer", "pipe", "stage", "mb"))
+        group = obj.get("group")
+        if group is not None and not (_is_int(group) and group >= 0):
+            raise reader.fail(where, f"field 'group' must be null or an integer ≥ 0, got "
+                              f"{json.dumps(group)}")
+        cls = Send if op == "send" else Recv
+        return cls(what, peer, pipe, stage, mb, group, reader.span(obj))
+    if op == "wait":
+        ops = reader.field(obj, "ops", where, lambda v: isinstance(v, list) and v
+                           and all(_is_int(i) and i >= 0 for i in v),
+                           "a non-empty list of instruction indices")
+        return Wait(tuple(ops), reader.span(obj))
+    raise reader.fail(where, f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, "
+                      "send, recv or wait)")

@@ -1,0 +1,170 @@
+"""The instructions of a compiled program: a closed, typed vocabulary (DESIGN §2, §4).
+
+Instructions are immutable `NamedTuple`s rather than frozen dataclasses: a large program holds
+about 10⁶ of them and a named tuple is built twice as fast (see benchmarks/compile_scale.py).
+They keep the properties the house style asks of IR nodes: immutable, typed fields, an enum
+for every opcode, and a source span that takes no part in equality or hashing. Equality also
+compares the class, so a `Send` never equals a `Recv` with the same fields.
+
+    Instr = Compute | Fused | Send | Recv | Wait
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+from pipecc.diagnostics import Span
+
+
+class Kind(enum.Enum):
+    """Compute op kinds, in torch.distributed.pipelining's letters."""
+
+    F = "F"  # forward
+    B = "B"  # full backward (input and weight gradients)
+    I = "I"  # noqa: E741  backward for the input only (zero-bubble split)
+    W = "W"  # backward for the weights of one earlier I
+
+    @property
+    def is_backward(self) -> bool:
+        """True for B and I: the ops that consume a gradient and produce one upstream."""
+        return self is Kind.B or self is Kind.I
+
+
+class Msg(enum.Enum):
+    """What a message carries: an activation (forward direction) or a gradient (backward)."""
+
+    ACT = "act"
+    GRAD = "grad"
+
+
+class Compute(NamedTuple):
+    """One computation of one chunk on one microbatch."""
+
+    kind: Kind
+    chunk: int
+    pipe: int
+    stage: int
+    mb: int
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Compute and self[:5] == other[:5]  # type: ignore[index]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Compute", *self[:5]))
+
+    def label(self) -> str:
+        """The short form used in grids and messages: `F0.3` is chunk 0, microbatch 3."""
+        return f"{self.kind.value}{self.chunk}.{self.mb}"
+
+
+class Fused(NamedTuple):
+    """F&B or F&I: a forward of one chunk overlapped with a backward of another."""
+
+    forward: Compute
+    backward: Compute
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Fused and self[:2] == other[:2]  # type: ignore[index]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Fused", *self[:2]))
+
+    def label(self) -> str:
+        return f"{self.forward.label()}&{self.backward.label()}"
+
+
+class Send(NamedTuple):
+    """Post a non-blocking send of message (what, pipe, stage, mb) to `peer`.
+
+    `stage` is the receiving stage, on the send as on the recv, so a matched pair carries
+    equal names. Consecutive ops with the same non-null `group` are posted together.
+    """
+
+    what: Msg
+    peer: int
+    pipe: int
+    stage: int
+    mb: int
+    group: int | None = None
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Send and self[:6] == other[:6]  # type: ignore[index]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Send", *self[:6]))
+
+    def label(self) -> str:
+        return f"send {self.what.value} s{self.stage}.{self.mb}→r{self.peer}"
+
+
+class Recv(NamedTuple):
+    """Post a non-blocking receive of message (what, pipe, stage, mb) from `peer`."""
+
+    what: Msg
+    peer: int
+    pipe: int
+    stage: int
+    mb: int
+    group: int | None = None
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Recv and self[:6] == other[:6]  # type: ignore[index]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Recv", *self[:6]))
+
+    def label(self) -> str:
+        return f"recv {self.what.value} s{self.stage}.{self.mb}←r{self.peer}"
+
+
+class Wait(NamedTuple):
+    """Block until the listed ops (indices into this rank's list) have completed."""
+
+    ops: tuple[int, ...]
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Wait and self[0] == other[0]  # type: ignore[index]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Wait", self[0]))
+
+    def label(self) -> str:
+        return "wait " + ",".join(str(i) for i in self.ops)
+
+
+Comm = Send | Recv
+Instr = Compute | Fused | Send | Recv | Wait
+
+
+def computations(instr: Instr) -> tuple[Compute, ...]:
+    """The computations an instruction performs: one, two for a fused op, none for comm."""
+    match instr:
+        case Compute():
+            return (instr,)
+        case Fused():
+            return (instr.forward, instr.backward)
+        case Send() | Recv() | Wait():
+            return ()
+        case _:
+            raise AssertionError(f"unknown instruction {instr!r}")

@@ -1,0 +1,366 @@
+"""Give every op its microbatch and every W its I: per-rank streams → compute-only Program.
+
+Requires: `Streams` from the front end (chunks may be open for a plain `W`, microbatches
+open where the schedule left them to the compiler).
+Ensures: every Compute names (chunk, pipe, stage, mb); each (pipe, stage, mb) with mb < M has
+exactly one F and either one B or one I and one W, on the rank that holds the stage; every
+backward comes after its own F on its rank and every W after its I; ops generated for padded
+microbatches (mb ≥ M) are dropped; hand-placed sends, recvs and waits name concrete messages.
+
+Numbering (DESIGN §2): each chunk has a forward counter and a backward counter (shared by B,
+I and the backward half of a fused op) that start at the first microbatch of the chunk's pipe;
+an op takes the next value of its counter unless it names its microbatch. A plain `W` takes
+the rank's oldest pending I, `W1` the oldest pending I of chunk 1 (FIFO).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pipecc.diagnostics import ScheduleError, Span
+from pipecc.ir.dataflow import Dataflow, Message
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait, computations
+from pipecc.ir.placement import Placement
+from pipecc.ir.program import Program
+from pipecc.ir.streams import CommSpec, FusedSpec, OpSpec, StreamItem, Streams, WaitSpec
+
+
+
+def assign_microbatches(streams: Streams) -> Program:
+    """Resolve microbatches and W targets; check that the program is complete."""
+    placement = streams.placement
+    if streams.generated_microbatches != streams.num_microbatches and placement.num_pipes > 1:
+        raise ScheduleError("'pad microbatches' needs a placement with one pipe")
+    if streams.num_microbatches % placement.num_pipes:
+        raise ScheduleError(
+            f"placement {placement.name} splits the microbatches over {placement.num_pipes} "
+            f"pipes, so M must be a multiple of {placement.num_pipes}; got M="
+            f"{streams.num_microbatches}"
+        )
+    ranks = tuple(
+        _RankAssigner(streams, rank).run(stream) for rank, stream in enumerate(streams.ranks)
+    )
+    _check_coverage(ranks, placement, streams)
+    return Program(
+        schedule=streams.schedule,
+        source=streams.source,
+        num_ranks=streams.num_ranks,
+        num_microbatches=streams.num_microbatches,
+        params=streams.params,
+        comm="none",
+        placement=placement,
+        ranks=ranks,
+    )
+
+
+@dataclass
+class _RankAssigner:
+    """Walks one rank's stream once, keeping its counters and queues."""
+
+    streams: Streams
+    rank: int
+    out: list[Instr] = field(default_factory=list)
+    fwd: list[int] = field(default_factory=list)
+    bwd: list[int] = field(default_factory=list)
+    limits: list[range] = field(default_factory=list)
+    pending_all: deque[tuple[int, int, Span | None]] = field(default_factory=deque)
+    pending_chunk: list[deque[tuple[int, int, Span | None]]] = field(default_factory=list)
+    waited: set[tuple[int, int]] = field(default_factory=set)
+    forwards: set[tuple[int, int]] = field(default_factory=set)
+    unsent: dict[Msg, deque[tuple[Message, int]]] = field(default_factory=dict)
+    posted: list[int] = field(default_factory=list)
+    manual_recvs: list[tuple[int, CommSpec]] = field(default_factory=list)
+    groups: dict[int, int] = field(default_factory=dict)
+    flow: Dataflow = field(init=False)
+
+    def __post_init__(self) -> None:
+        placement = self.streams.placement
+        self.flow = Dataflow(placement)
+        generated = self.streams.generated_microbatches
+        for slot in placement.chunks(self.rank):
+            mbs = placement.microbatches(slot.pipe, generated)
+            self.fwd.append(mbs.start)
+            self.bwd.append(mbs.start)
+            self.limits.append(mbs)
+            self.pending_chunk.append(deque())
+        self.unsent = {Msg.ACT: deque(), Msg.GRAD: deque()}
+
+    def run(self, stream: tuple[StreamItem, ...]) -> tuple[Instr, ...]:
+        for item in stream:
+            match item:
+                case OpSpec():
+                    op = self._resolve(item)
+                    if op is not None:
+                        self._emit(op)
+                case FusedSpec():
+                    self._fused(item)
+                case CommSpec():
+                    self._comm(item)
+                case WaitSpec():
+                    self._wait(item)
+                case _:
+                    raise AssertionError(f"unknown stream item {item!r}")
+        self._finish()
+        return tuple(self.out)
+
+    # ---- computations ----------------------------------------------------------------------
+
+    def _fused(self, item: FusedSpec) -> None:
+        forward = self._resolve(item.forward)
+        backward = self._resolve(item.backward)
+        if forward is not None and backward is not None:
+            self._check_order(forward)
+            self._check_order(backward)
+            self.out.append(Fused(forward, backward, item.span))
+            self._note_produced(forward)
+            self._note_produced(backward)
+        elif forward is not None or backward is not None:
+            self._emit(forward if forward is not None else backward)  # type: ignore[arg-type]
+
+    def _emit(self, op: Compute) -> None:
+        self._check_order(op)
+        self.out.append(op)
+        self._note_produced(op)
+
+    def _resolve(self, spec: OpSpec) -> Compute | None:
+        """The Compute for `spec`, or None when it falls on a padded microbatch."""
+        if spec.kind is Kind.W:
+            return self._resolve_weight(spec)
+        chunk = self._chunk(spec)
+        counters = self.fwd if spec.kind is Kind.F else self.bwd
+        if spec.mb is None:
+            mb = counters[chunk]
+            counters[chunk] = mb + 1
+        else:
+            mb = spec.mb
+        self._check_mb(spec, chunk, mb)
+        if mb >= self.streams.num_microbatches:
+            if spec.kind is Kind.I:
+                self._queue_weight(chunk, mb, spec.span)  # its W is dropped in turn
+            return None
+        slot = self.streams.placement.slot(self.rank, chunk)
+        op = Compute(spec.kind, chunk, slot.pipe, slot.stage, mb, spec.span)
+        if spec.kind is Kind.I:
+            self._queue_weight(chunk, mb, spec.span)
+        return op
+
+    def _chunk(self, spec: OpSpec) -> int:
+        placement = self.streams.placement
+        if spec.chunk is None:
+            if placement.num_chunks(self.rank) == 1:
+                return 0
+            raise ScheduleError(
+                f"'{spec.kind.value}' needs a chunk number: rank {self.rank} holds "
+                f"{placement.num_chunks(self.rank)} chunks (write {spec.kind.value}0, "
+                f"{spec.kind.value}1, ...)",
+                spec.span,
+            )
+        if not placement.has_chunk(self.rank, spec.chunk):
+            raise ScheduleError(
+                f"{spec.kind.value}{spec.chunk}: rank {self.rank} has no chunk {spec.chunk} "
+                f"(placement {placement.name} gives it {placement.num_chunks(self.rank)})",
+                spec.span,
+            )
+        return spec.chunk
+
+    def _check_mb(self, spec: OpSpec, chunk: int, mb: int) -> None:
+        limit = self.limits[chunk]
+        if mb in limit:
+            return
+        slot = self.streams.placement.slot(self.rank, chunk)
+        what = f"{spec.kind.value}{chunk}"
+        if spec.mb is None:
+            raise ScheduleError(
+                f"{what} on rank {self.rank} would take microbatch {mb}, but pipe {slot.pipe} "
+                f"has only microbatches {limit.start}..{limit.stop - 1}: too many "
+                f"{'forwards' if spec.kind is Kind.F else 'backwards'} for chunk {chunk}",
+                spec.span,
+            )
+        raise ScheduleError(
+            f"{what}[{mb}] on rank {self.rank}: microbatch {mb} is not in pipe {slot.pipe}'s "
+            f"range {limit.start}..{limit.stop - 1}",
+            spec.span,
+        )
+
+    def _queue_weight(self, chunk: int, mb: int, span: Span | None) -> None:
+        entry = (chunk, mb, span)
+        self.pending_all.append(entry)
+        self.pending_chunk[chunk].append(entry)
+
+    def _resolve_weight(self, spec: OpSpec) -> Compute | None:
+        entry = self._pop_weight(spec)
+        chunk, mb, _ = entry
+        self.waited.add((chunk, mb))
+        if mb >= self.streams.num_microbatches:
+            return None  # the W of an I generated for a padded microbatch
+        slot = self.streams.placement.slot(self.rank, chunk)
+        return Compute(Kind.W, chunk, slot.pipe, slot.stage, mb, spec.span)
+
+    def _pop_weight(self, spec: OpSpec) -> tuple[int, int, Span | None]:
+        if spec.chunk is None:
+            queue = self.pending_all
+        else:
+            queue = self.pending_chunk[self._chunk(spec)]
+        if spec.mb is not None:
+            for entry in queue:
+                if entry[1] == spec.mb and (entry[0], entry[1]) not in self.waited:
+                    return entry
+            raise ScheduleError(
+                f"W{spec.chunk}[{spec.mb}] on rank {self.rank}: no pending I{spec.chunk} on "
+                f"microbatch {spec.mb} before it",
+                spec.span,
+            )
+        while queue and (queue[0][0], queue[0][1]) in self.waited:
+            queue.popleft()
+        if not queue:
+            which = "" if spec.chunk is None else f" of chunk {spec.chunk}"
+            raise ScheduleError(
+                f"W on rank {self.rank} has no pending I{which} to complete (a W computes the "
+                "weight gradient of an earlier I)",
+                spec.span,
+            )
+        return queue.popleft()
+
+    def _check_order(self, op: Compute) -> None:
+        key = (op.chunk, op.mb)
+        if op.kind is Kind.F:
+            self.forwards.add(key)
+        elif op.kind.is_backward and key not in self.forwards:
+            raise ScheduleError(
+                f"{op.label()} on rank {self.rank} comes before its forward {Kind.F.value}"
+                f"{op.chunk}.{op.mb} (a backward needs the activations of its forward)",
+                op.span,
+            )
+
+    def _finish(self) -> None:
+        for chunk, mb, span in self.pending_all:
+            if mb < self.streams.num_microbatches and (chunk, mb) not in self.waited:
+                raise ScheduleError(
+                    f"I{chunk}.{mb} on rank {self.rank} has no W: its weight gradient is never "
+                    "computed",
+                    span,
+                )
+        self._resolve_manual_recvs()
+
+    # ---- hand-placed communication ---------------------------------------------------------
+
+    def _note_produced(self, op: Compute) -> None:
+        flow = self.flow.output_flow(op.kind, op.pipe, op.stage, op.mb)
+        if flow is not None and flow.src != flow.dst:
+            message = self.flow.message(flow.key)
+            self.unsent[message.what].append((message, flow.dst))
+
+    def _comm(self, item: CommSpec) -> None:
+        group = self._group(item.group)
+        if item.send:
+            queue = self.unsent[item.what]
+            if not queue:
+                raise ScheduleError(
+                    f"send {item.what.value} on rank {self.rank}: no {_noun(item.what)} produced "
+                    "on this rank is waiting to be sent (a send follows the op that produces its "
+                    "tensor)",
+                    item.span,
+                )
+            message, peer = queue.popleft()
+            self.posted.append(len(self.out))
+            self.out.append(Send(item.what, peer, message.pipe, message.stage, message.mb,
+                                 group, item.span))
+        else:
+            self.posted.append(len(self.out))
+            self.manual_recvs.append((len(self.out), item))
+            self.out.append(Recv(item.what, -1, 0, 0, 0, group, item.span))  # resolved at end
+
+    def _group(self, group: int | None) -> int | None:
+        if group is None:
+            return None
+        return self.groups.setdefault(group, len(self.groups))
+
+    def _wait(self, item: WaitSpec) -> None:
+        if not self.posted:
+            raise ScheduleError(
+                f"wait on rank {self.rank}: no hand-placed send or recv is waiting to complete",
+                item.span,
+            )
+        self.out.append(Wait(tuple(self.posted), item.span))
+        self.posted = []
+
+    def _resolve_manual_recvs(self) -> None:
+        """A hand-placed `recv act|grad` receives the input of the next op after it that
+        consumes such a tensor from another rank and has no hand-placed recv yet."""
+        if not self.manual_recvs:
+            return
+        consumers: dict[Msg, deque[tuple[int, Message, int]]] = {Msg.ACT: deque(), Msg.GRAD: deque()}
+        for index, instr in enumerate(self.out):
+            for op in computations(instr):
+                flow = self.flow.input_flow(op.kind, op.pipe, op.stage, op.mb)
+                if flow is not None and flow.src != flow.dst:
+                    message = self.flow.message(flow.key)
+                    consumers[message.what].append((index, message, flow.src))
+        for index, item in self.manual_recvs:
+            queue = consumers[item.what]
+            while queue and queue[0][0] < index:
+                queue.popleft()
+            if not queue:
+                raise ScheduleError(
+                    f"recv {item.what.value} on rank {self.rank}: no later op on this rank "
+                    f"consumes a {_noun(item.what)} from another rank",
+                    item.span,
+                )
+            _, message, peer = queue.popleft()
+            self.out[index] = Recv(item.what, peer, message.pipe, message.stage, message.mb,
+                                   self.out[index].group, item.span)  # type: ignore[union-attr]
+
+
+def _noun(what: Msg) -> str:
+    return "activation" if what is Msg.ACT else "gradient"
+
+
+# ---- completeness --------------------------------------------------------------------------
+
+
+def _check_coverage(
+    ranks: tuple[tuple[Instr, ...], ...], placement: Placement, streams: Streams
+) -> None:
+    """Each (pipe, stage, mb) needs one F and one B, or one I and one W."""
+    seen: dict[tuple[Kind, int, int, int], Compute] = {}
+    for instrs in ranks:
+        for instr in instrs:
+            for op in computations(instr):
+                key = (op.kind, op.pipe, op.stage, op.mb)
+                first = seen.get(key)
+                if first is not None:
+                    raise ScheduleError(
+                        f"{op.kind.value} of stage {op.stage} (pipe {op.pipe}) on microbatch "
+                        f"{op.mb} appears twice",
+                        op.span,
+                        notes=((first.span, "first here"),),
+                    )
+                seen[key] = op
+    for rank in range(streams.num_ranks):
+        for slot in placement.chunks(rank):
+            for mb in placement.microbatches(slot.pipe, streams.num_microbatches):
+                _check_one(seen, rank, slot.chunk, slot.pipe, slot.stage, mb)
+
+
+def _check_one(
+    seen: dict[tuple[Kind, int, int, int], Compute],
+    rank: int,
+    chunk: int,
+    pipe: int,
+    stage: int,
+    mb: int,
+) -> None:
+    where = f"rank {rank} chunk {chunk} (stage {stage} of pipe {pipe})"
+    if (Kind.F, pipe, stage, mb) not in seen:
+        raise ScheduleError(f"{where} has no forward for microbatch {mb}")
+    full = (Kind.B, pipe, stage, mb) in seen
+    split = (Kind.I, pipe, stage, mb) in seen
+    if full and split:
+        raise ScheduleError(
+            f"{where} has both a B and an I for microbatch {mb}",
+            seen[(Kind.I, pipe, stage, mb)].span,
+            notes=((seen[(Kind.B, pipe, stage, mb)].span, "the B is here"),),
+        )
+    if not full and not split:
+        raise ScheduleError(f"{where} has no backward (B or I) for microbatch {mb}")
