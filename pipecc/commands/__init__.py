@@ -1,0 +1,4 @@
+"""The subcommands of the `pipecc` command line, one module each.
+
+Each module has `register(commands)`, which adds its subparser and sets `run(args) -> int`.
+"""

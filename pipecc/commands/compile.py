@@ -1,0 +1,68 @@
+"""`pipecc compile`: a schedule → per-rank instruction lists (JSON, grid, listing, torch CSV)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipecc.commands.common import SubParsers, add_size_args, load_input, write_output
+from pipecc.interop import json_program, torch_csv
+from pipecc.ir.printer import format_grid, format_listing
+
+FORMATS = ("json", "text", "listing", "torch-csv", "torch-csv-comms")
+
+DESCRIPTION = """\
+Compile a schedule for P ranks and M microbatches: expand its phases, give every op its
+microbatch, resolve every W to its I, and place sends, receives and waits with the default
+comm policy (docs/compile.md). FILE is a .sched file, the name of a bundled schedule (see
+'pipecc list'), or a compiled program (.json) to convert to another format.
+"""
+
+EPILOG = """\
+formats:
+  json             the compiled program (DESIGN §4; docs/program.schema.json)
+  text             one row per rank, one column per compute op (F0.3 = forward of chunk 0
+                   on microbatch 3; F0.4&B1.1 = a fused pair)
+  listing          every instruction of every rank, comm ops and waits included
+  torch-csv        torch.distributed.pipelining action CSV, compute only
+  torch-csv-comms  the same with SEND_F/RECV_F/SEND_B/RECV_B cells
+
+examples:
+  pipecc compile schedules/dualpipe.sched -P 8 -M 20 -o dualpipe.json
+  pipecc compile schedules/interleaved_1f1b.sched -P 4 -M 8 -D V=2 --format text
+  pipecc compile zb_h1 -P 4 -M 8 --format torch-csv
+"""
+
+
+def register(commands: SubParsers) -> None:
+    cmd = commands.add_parser(
+        "compile",
+        help="compile a .sched file into per-rank instruction lists",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
+    add_size_args(cmd)
+    cmd.add_argument("--format", choices=FORMATS, default="json",
+                     help="output format (default: json)")
+    cmd.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    cmd.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    program = load_input(args.file, args)
+    match args.format:
+        case "json":
+            text = json_program.dumps(program)
+        case "text":
+            text = format_grid(program)
+        case "listing":
+            text = format_listing(program)
+        case "torch-csv":
+            text = torch_csv.dumps(program)
+        case "torch-csv-comms":
+            text = torch_csv.dumps(program, with_comms=True)
+        case _:
+            raise AssertionError(args.format)
+    write_output(text, args.output)
+    return 0
