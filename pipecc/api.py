@@ -20,6 +20,7 @@ from pipecc.interop import json_program
 from pipecc.ir.program import Program
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import insert_comms
+from pipecc.perf import paused_gc
 
 Pass = Callable[[Program], Program]
 PASSES: tuple[Pass, ...] = (insert_comms,)
@@ -79,10 +80,11 @@ def compile_source(
 ) -> Program:
     """Compile .sched text: parse, expand for (P, M, -D), assign microbatches, lower."""
     tree = parse(text, path)
-    streams = expand(tree, ranks=ranks, microbatches=microbatches, defines=defines)
-    program = assign_microbatches(streams)
-    for step in PASSES:
-        program = step(program)
+    with paused_gc():
+        streams = expand(tree, ranks=ranks, microbatches=microbatches, defines=defines)
+        program = assign_microbatches(streams)
+        for step in PASSES:
+            program = step(program)
     return program
 
 
@@ -103,4 +105,6 @@ def compile_schedule(
 def load_program(path: str | Path) -> Program:
     """Load a compiled program written by `pipecc compile` (JSON)."""
     path = Path(path)
-    return json_program.loads(read_text(path), str(path))
+    text = read_text(path)
+    with paused_gc():
+        return json_program.loads(text, str(path))

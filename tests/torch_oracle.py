@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
+try:
+    import pytest
 
-schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+except ImportError:  # used from benchmarks/, outside pytest
+    from torch.distributed.pipelining import schedules
 
 Order = list[list[tuple[Any, ...]]]
 _COMPUTE = {"F", "B", "I", "W"}
@@ -30,7 +33,8 @@ def _normalise(action: Any) -> tuple[Any, ...] | None:
     return (kind, action.stage_index, action.microbatch_index)
 
 
-def _bare(name: str, ranks: int, microbatches: int, chunks: int) -> Any:
+def bare_schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Any:
+    """An instance of torch's schedule class `name` with just what its generators read."""
     cls = getattr(schedules, name)
     obj = object.__new__(cls)
     obj.pp_group_size = ranks
@@ -47,11 +51,11 @@ def _bare(name: str, ranks: int, microbatches: int, chunks: int) -> Any:
 def torch_order(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Order:
     """The per-rank compute order torch's generator `name` produces."""
     if name == "ScheduleGPipe":
-        obj = _bare(name, ranks, microbatches, 1)
+        obj = bare_schedule(name, ranks, microbatches, 1)
         raw = obj._get_pipeline_order()
         per_rank = [raw[rank] for rank in range(ranks)]
     else:
-        obj = _bare(name, ranks, microbatches, chunks)
+        obj = bare_schedule(name, ranks, microbatches, chunks)
         per_rank = []
         for rank in range(ranks):
             obj.rank = rank

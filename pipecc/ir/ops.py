@@ -25,6 +25,10 @@ class Kind(enum.Enum):
     I = "I"  # noqa: E741  backward for the input only (zero-bubble split)
     W = "W"  # backward for the weights of one earlier I
 
+    # Members are singletons: identity hashing is correct, and much faster than Enum's
+    # Python-level hash in the passes' dictionaries.
+    __hash__ = object.__hash__
+
     @property
     def is_backward(self) -> bool:
         """True for B and I: the ops that consume a gradient and produce one upstream."""
@@ -36,6 +40,8 @@ class Msg(enum.Enum):
 
     ACT = "act"
     GRAD = "grad"
+
+    __hash__ = object.__hash__
 
 
 class Compute(NamedTuple):

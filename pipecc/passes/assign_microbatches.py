@@ -25,6 +25,8 @@ from pipecc.ir.placement import Placement
 from pipecc.ir.program import Program
 from pipecc.ir.streams import CommSpec, FusedSpec, OpSpec, StreamItem, Streams, WaitSpec
 
+_new = tuple.__new__
+
 
 
 def assign_microbatches(streams: Streams) -> Program:
@@ -41,7 +43,6 @@ def assign_microbatches(streams: Streams) -> Program:
     ranks = tuple(
         _RankAssigner(streams, rank).run(stream) for rank, stream in enumerate(streams.ranks)
     )
-    _check_coverage(ranks, placement, streams)
     return Program(
         schedule=streams.schedule,
         source=streams.source,
@@ -67,12 +68,15 @@ class _RankAssigner:
     pending_all: deque[tuple[int, int, Span | None]] = field(default_factory=deque)
     pending_chunk: list[deque[tuple[int, int, Span | None]]] = field(default_factory=list)
     waited: set[tuple[int, int]] = field(default_factory=set)
-    forwards: set[tuple[int, int]] = field(default_factory=set)
+    forwards: set[int] = field(default_factory=set)
+    done: dict[Kind, list[bytearray]] = field(default_factory=dict)  # kind -> chunk -> mb
     unsent: dict[Msg, deque[tuple[Message, int]]] = field(default_factory=dict)
     posted: list[int] = field(default_factory=list)
     manual_recvs: list[tuple[int, CommSpec]] = field(default_factory=list)
     groups: dict[int, int] = field(default_factory=dict)
     flow: Dataflow = field(init=False)
+    slots: list[tuple[int, int]] = field(default_factory=list)  # chunk -> (pipe, stage)
+    manual: bool = False  # the stream has hand-placed comm ops
 
     def __post_init__(self) -> None:
         placement = self.streams.placement
@@ -84,23 +88,26 @@ class _RankAssigner:
             self.bwd.append(mbs.start)
             self.limits.append(mbs)
             self.pending_chunk.append(deque())
+            self.slots.append((slot.pipe, slot.stage))
+        count = self.streams.num_microbatches
+        self.done = {kind: [bytearray(count) for _ in self.slots] for kind in Kind}
         self.unsent = {Msg.ACT: deque(), Msg.GRAD: deque()}
 
     def run(self, stream: tuple[StreamItem, ...]) -> tuple[Instr, ...]:
+        self.manual = any(type(item) is CommSpec or type(item) is WaitSpec for item in stream)
         for item in stream:
-            match item:
-                case OpSpec():
-                    op = self._resolve(item)
-                    if op is not None:
-                        self._emit(op)
-                case FusedSpec():
-                    self._fused(item)
-                case CommSpec():
-                    self._comm(item)
-                case WaitSpec():
-                    self._wait(item)
-                case _:
-                    raise AssertionError(f"unknown stream item {item!r}")
+            if type(item) is OpSpec:
+                op = self._resolve(item)
+                if op is not None:
+                    self._emit(op)
+            elif type(item) is FusedSpec:
+                self._fused(item)
+            elif type(item) is CommSpec:
+                self._comm(item)
+            elif type(item) is WaitSpec:
+                self._wait(item)
+            else:
+                raise AssertionError(f"unknown stream item {item!r}")
         self._finish()
         return tuple(self.out)
 
@@ -113,37 +120,37 @@ class _RankAssigner:
             self._check_order(forward)
             self._check_order(backward)
             self.out.append(Fused(forward, backward, item.span))
-            self._note_produced(forward)
-            self._note_produced(backward)
+            if self.manual:
+                self._note_produced(forward)
+                self._note_produced(backward)
         elif forward is not None or backward is not None:
             self._emit(forward if forward is not None else backward)  # type: ignore[arg-type]
 
     def _emit(self, op: Compute) -> None:
         self._check_order(op)
         self.out.append(op)
-        self._note_produced(op)
+        if self.manual:
+            self._note_produced(op)
 
     def _resolve(self, spec: OpSpec) -> Compute | None:
         """The Compute for `spec`, or None when it falls on a padded microbatch."""
-        if spec.kind is Kind.W:
+        kind, chunk, mb, span = spec
+        if kind is Kind.W:
             return self._resolve_weight(spec)
-        chunk = self._chunk(spec)
-        counters = self.fwd if spec.kind is Kind.F else self.bwd
-        if spec.mb is None:
+        if chunk is None or not 0 <= chunk < len(self.slots):
+            chunk = self._chunk(spec)
+        if mb is None:
+            counters = self.fwd if kind is Kind.F else self.bwd
             mb = counters[chunk]
             counters[chunk] = mb + 1
-        else:
-            mb = spec.mb
-        self._check_mb(spec, chunk, mb)
+        if mb not in self.limits[chunk]:
+            self._mb_error(spec, chunk, mb)
+        if kind is Kind.I:
+            self._queue_weight(chunk, mb, span)  # queued even when padded: its W drops too
         if mb >= self.streams.num_microbatches:
-            if spec.kind is Kind.I:
-                self._queue_weight(chunk, mb, spec.span)  # its W is dropped in turn
             return None
-        slot = self.streams.placement.slot(self.rank, chunk)
-        op = Compute(spec.kind, chunk, slot.pipe, slot.stage, mb, spec.span)
-        if spec.kind is Kind.I:
-            self._queue_weight(chunk, mb, spec.span)
-        return op
+        pipe, stage = self.slots[chunk]
+        return _new(Compute, (kind, chunk, pipe, stage, mb, span))
 
     def _chunk(self, spec: OpSpec) -> int:
         placement = self.streams.placement
@@ -164,10 +171,8 @@ class _RankAssigner:
             )
         return spec.chunk
 
-    def _check_mb(self, spec: OpSpec, chunk: int, mb: int) -> None:
+    def _mb_error(self, spec: OpSpec, chunk: int, mb: int) -> None:
         limit = self.limits[chunk]
-        if mb in limit:
-            return
         slot = self.streams.placement.slot(self.rank, chunk)
         what = f"{spec.kind.value}{chunk}"
         if spec.mb is None:
@@ -223,17 +228,47 @@ class _RankAssigner:
         return queue.popleft()
 
     def _check_order(self, op: Compute) -> None:
-        key = (op.chunk, op.mb)
+        key = op.mb * len(self.slots) + op.chunk
+        self._mark_done(op)
         if op.kind is Kind.F:
             self.forwards.add(key)
-        elif op.kind.is_backward and key not in self.forwards:
+        elif op.kind is not Kind.W and key not in self.forwards:
             raise ScheduleError(
                 f"{op.label()} on rank {self.rank} comes before its forward {Kind.F.value}"
                 f"{op.chunk}.{op.mb} (a backward needs the activations of its forward)",
                 op.span,
             )
 
+    def _mark_done(self, op: Compute) -> None:
+        marks = self.done[op.kind][op.chunk]
+        if marks[op.mb]:
+            first = next(o for instr in self.out for o in computations(instr) if o == op)
+            raise ScheduleError(
+                f"{op.label()} appears twice on rank {self.rank} (stage {op.stage} of pipe "
+                f"{op.pipe} has one {op.kind.value} per microbatch)",
+                op.span,
+                notes=((first.span, "first here"),) if first.span else (),
+            )
+        marks[op.mb] = 1
+
+    def _check_complete(self) -> None:
+        """Each (chunk, mb) of this rank needs one F and one B, or one I and one W."""
+        done, placement = self.done, self.streams.placement
+        for chunk, (pipe, stage) in enumerate(self.slots):
+            where = f"rank {self.rank} chunk {chunk} (stage {stage} of pipe {pipe})"
+            for mb in placement.microbatches(pipe, self.streams.num_microbatches):
+                if not done[Kind.F][chunk][mb]:
+                    raise ScheduleError(f"{where} has no forward for microbatch {mb}")
+                full, split = done[Kind.B][chunk][mb], done[Kind.I][chunk][mb]
+                if full and split:
+                    raise ScheduleError(f"{where} has both a B and an I for microbatch {mb}")
+                if not full and not split:
+                    raise ScheduleError(
+                        f"{where} has no backward (B or I) for microbatch {mb}"
+                    )
+
     def _finish(self) -> None:
+        self._check_complete()
         for chunk, mb, span in self.pending_all:
             if mb < self.streams.num_microbatches and (chunk, mb) not in self.waited:
                 raise ScheduleError(
@@ -317,50 +352,3 @@ def _noun(what: Msg) -> str:
 
 
 # ---- completeness --------------------------------------------------------------------------
-
-
-def _check_coverage(
-    ranks: tuple[tuple[Instr, ...], ...], placement: Placement, streams: Streams
-) -> None:
-    """Each (pipe, stage, mb) needs one F and one B, or one I and one W."""
-    seen: dict[tuple[Kind, int, int, int], Compute] = {}
-    for instrs in ranks:
-        for instr in instrs:
-            for op in computations(instr):
-                key = (op.kind, op.pipe, op.stage, op.mb)
-                first = seen.get(key)
-                if first is not None:
-                    raise ScheduleError(
-                        f"{op.kind.value} of stage {op.stage} (pipe {op.pipe}) on microbatch "
-                        f"{op.mb} appears twice",
-                        op.span,
-                        notes=((first.span, "first here"),),
-                    )
-                seen[key] = op
-    for rank in range(streams.num_ranks):
-        for slot in placement.chunks(rank):
-            for mb in placement.microbatches(slot.pipe, streams.num_microbatches):
-                _check_one(seen, rank, slot.chunk, slot.pipe, slot.stage, mb)
-
-
-def _check_one(
-    seen: dict[tuple[Kind, int, int, int], Compute],
-    rank: int,
-    chunk: int,
-    pipe: int,
-    stage: int,
-    mb: int,
-) -> None:
-    where = f"rank {rank} chunk {chunk} (stage {stage} of pipe {pipe})"
-    if (Kind.F, pipe, stage, mb) not in seen:
-        raise ScheduleError(f"{where} has no forward for microbatch {mb}")
-    full = (Kind.B, pipe, stage, mb) in seen
-    split = (Kind.I, pipe, stage, mb) in seen
-    if full and split:
-        raise ScheduleError(
-            f"{where} has both a B and an I for microbatch {mb}",
-            seen[(Kind.I, pipe, stage, mb)].span,
-            notes=((seen[(Kind.B, pipe, stage, mb)].span, "the B is here"),),
-        )
-    if not full and not split:
-        raise ScheduleError(f"{where} has no backward (B or I) for microbatch {mb}")

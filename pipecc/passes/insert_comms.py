@@ -39,6 +39,15 @@ UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
 _new = tuple.__new__
 
+# A message event is (order, payload, key, is_send): `payload` is the Send/Recv fields up to
+# the group, (what, peer, pipe, stage, mb). `order` is an integer that sorts compute starts
+# and messages into one global order:
+#   compute k of rank r at time t:      ((2t + 1)·P + r)·L + k) · 2
+#   message from op k of rank r ending t: ((2t)·P + r)·L + k) · 2 + i   (i-th output of op k)
+# where L bounds the ops of a rank, so a message sorts before any compute that starts when it
+# appears, and ties break by rank and program position the same way on every rank.
+Event = tuple[int, tuple[object, ...], int, bool]
+
 
 @dataclass
 class _RankOps:
@@ -47,7 +56,9 @@ class _RankOps:
     computes: list[Compute | Fused] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index in the input list
     inputs: list[tuple[int, ...]] = field(default_factory=list)  # message keys needed
-    outputs: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # (key, dst)
+    outputs: list[tuple[tuple[int, int, tuple[object, ...], tuple[object, ...]], ...]] = field(
+        default_factory=list
+    )  # (key, dst, send payload, recv payload)
     durations: list[int] = field(default_factory=list)
     start: list[int] = field(default_factory=list)
     end: list[int] = field(default_factory=list)
@@ -59,9 +70,10 @@ def insert_comms(prog: Program) -> Program:
     ranks = [_collect(instrs, flow) for instrs in prog.ranks]
     manual_sends, manual_recvs = _manual_messages(prog, flow)
     _replay_unit_times(ranks, prog)
-    events = _message_events(ranks, manual_sends, manual_recvs, prog.num_ranks)
+    span = 2 * max((len(ops.computes) for ops in ranks), default=1) + 2
+    events = _message_events(ranks, manual_sends, manual_recvs, span)
     lowered = tuple(
-        _emit_rank(rank, prog.ranks[rank], ranks[rank], events[rank], flow)
+        _emit_rank(rank, prog.ranks[rank], ranks[rank], events[rank], _Emitter(flow), span)
         for rank in range(prog.num_ranks)
     )
     return Program(
@@ -78,29 +90,34 @@ def insert_comms(prog: Program) -> Program:
 
 def _collect(instrs: Sequence[Instr], flow: Dataflow) -> _RankOps:
     ops = _RankOps()
+    stride, inputs_of, outputs_of = flow.mb_stride, flow.inputs, flow.outputs
+    add_compute, add_position = ops.computes.append, ops.positions.append
+    add_inputs, add_outputs, add_duration = ops.inputs.append, ops.outputs.append, ops.durations.append
     for position, instr in enumerate(instrs):
         if type(instr) is Compute:
             parts: tuple[Compute, ...] = (instr,)
-            duration = UNIT_COST[instr.kind]
         elif type(instr) is Fused:
-            parts = (instr.forward, instr.backward)
-            duration = UNIT_COST[instr.forward.kind] + UNIT_COST[instr.backward.kind]
+            parts = (instr[0], instr[1])
         else:
             continue
         inputs = []
         outputs = []
-        for op in parts:
-            needed = flow.input_flow(op.kind, op.pipe, op.stage, op.mb)
+        duration = 0
+        for kind, _, pipe, stage, mb, _ in parts:
+            duration += UNIT_COST[kind]
+            needed = inputs_of[kind][pipe][stage]
             if needed is not None:
-                inputs.append(needed.key)
-            made = flow.output_flow(op.kind, op.pipe, op.stage, op.mb)
+                inputs.append(mb * stride + needed[0])
+            made = outputs_of[kind][pipe][stage]
             if made is not None:
-                outputs.append((made.key, made.dst))
-        ops.computes.append(instr)
-        ops.positions.append(position)
-        ops.inputs.append(tuple(inputs))
-        ops.outputs.append(tuple(outputs))
-        ops.durations.append(duration)
+                base, src, dst, what, _, to = made
+                outputs.append((mb * stride + base, dst, (what, dst, pipe, to, mb),
+                                (what, src, pipe, to, mb)))
+        add_compute(instr)
+        add_position(position)
+        add_inputs(tuple(inputs))
+        add_outputs(tuple(outputs))
+        add_duration(duration)
     return ops
 
 
@@ -142,8 +159,8 @@ def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> None:
                     now = ready + durations[k]
                     start.append(ready)
                     end.append(now)
-                    for key, _ in outputs[k]:
-                        available[key] = now
+                    for output in outputs[k]:
+                        available[output[0]] = now
                     k += 1
                     continue
                 break
@@ -177,37 +194,34 @@ def _stuck(
 
 # ---- global order ---------------------------------------------------------------------------
 
-# An event key sorts compute starts and messages into one global order:
-#   compute k of rank r: (start, 1, r, k)
-#   message:             (end of producer, 0, producing rank, producer index, output index)
-# A message sorts before any compute that starts when it appears, so it is posted first.
-
-
-@dataclass
-class _Event:
-    key: tuple[int, int, int, int, int]
-    message: int
-    peer: int
-    send: bool
-
 
 def _message_events(
-    ranks: list[_RankOps], manual_sends: set[int], manual_recvs: set[int], num_ranks: int
-) -> list[list[_Event]]:
-    events: list[list[_Event]] = [[] for _ in range(num_ranks)]
+    ranks: list[_RankOps], manual_sends: set[int], manual_recvs: set[int], span: int
+) -> list[list[Event]]:
+    """Every rank's message events (its sends and its recvs), sorted in the global order."""
+    num_ranks = len(ranks)
+    events: list[list[Event]] = [[] for _ in range(num_ranks)]
     for src, ops in enumerate(ranks):
+        own = events[src]
         for k, outputs in enumerate(ops.outputs):
-            for sub, (key, dst) in enumerate(outputs):
+            if not outputs:
+                continue
+            base = ((2 * ops.end[k] * num_ranks + src) * span + k) * 2
+            for sub, (key, dst, send, recv) in enumerate(outputs):
                 if dst == src:
                     continue
-                order = (ops.end[k], 0, src, k, sub)
+                order = base + sub
                 if key not in manual_sends:
-                    events[src].append(_Event(order, key, dst, True))
+                    own.append((order, send, key, True))
                 if key not in manual_recvs:
-                    events[dst].append(_Event(order, key, src, False))
+                    events[dst].append((order, recv, key, False))
     for rank_events in events:
-        rank_events.sort(key=lambda event: event.key)
+        rank_events.sort()
     return events
+
+
+def _compute_order(start: int, rank: int, k: int, num_ranks: int, span: int) -> int:
+    return (((2 * start + 1) * num_ranks + rank) * span + k) * 2
 
 
 # ---- emission -------------------------------------------------------------------------------
@@ -226,21 +240,20 @@ class _Emitter:
     next_group: int = 0
     moved: dict[int, int] = field(default_factory=dict)  # input index -> output index
 
-    def post(self, batch: list[_Event]) -> None:
+    def post(self, batch: list[Event]) -> None:
         group = None
         if len(batch) > 1:
             group = self.next_group
             self.next_group += 1
-        message = self.flow.message
-        for event in batch:
-            what, pipe, stage, mb = message(event.message)
-            index = len(self.out)
-            if event.send:
-                self.out.append(_new(Send, (what, event.peer, pipe, stage, mb, group, None)))
-                self.open_sends.append(index)
+        tail = (group, None)
+        out = self.out
+        for _, payload, key, send in batch:
+            if send:
+                self.open_sends.append(len(out))
+                out.append(_new(Send, payload + tail))
             else:
-                self.out.append(_new(Recv, (what, event.peer, pipe, stage, mb, group, None)))
-                self.recv_at[event.message] = index
+                self.recv_at[key] = len(out)
+                out.append(_new(Recv, payload + tail))
 
     def manual(self, position: int, instr: Instr) -> None:
         """Copy a hand-placed Send/Recv/Wait, renumbering its group and wait indices."""
@@ -258,67 +271,72 @@ class _Emitter:
                 self.groups[group] = self.next_group
                 self.next_group += 1
             group = self.groups[group]
-        key = self.flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
         self.out.append(instr._replace(group=group))
         if type(instr) is Send:
             self.open_sends.append(index)
         else:
-            self.recv_at[key] = index
+            self.recv_at[self.flow.key(instr.what, instr.pipe, instr.stage, instr.mb)] = index
 
     def wait_before(self, inputs: tuple[int, ...]) -> None:
-        targets = [i for i in self.open_sends if i not in self.waited]
+        waited = self.waited
+        targets = [i for i in self.open_sends if i not in waited] if waited else self.open_sends
         for key in inputs:
             index = self.recv_at.pop(key, None)
-            if index is not None and index not in self.waited:
+            if index is not None and index not in waited:
                 targets.append(index)
         self.open_sends = []
         if targets:
-            self.waited.update(targets)
-            self.out.append(_new(Wait, (tuple(sorted(targets)), None)))
+            if self.moved:
+                waited.update(targets)
+            targets.sort()
+            self.out.append(_new(Wait, (tuple(targets), None)))
 
     def wait_all(self) -> None:
+        waited = self.waited
         posted = [
             i
             for i, instr in enumerate(self.out)
-            if (type(instr) is Send or type(instr) is Recv) and i not in self.waited
+            if (type(instr) is Send or type(instr) is Recv) and i not in waited
         ]
+        done = {i for instr in self.out if type(instr) is Wait for i in instr.ops}
+        posted = [i for i in posted if i not in done]
         if posted:
-            self.waited.update(posted)
             self.out.append(_new(Wait, (tuple(posted), None)))
 
 
 def _emit_rank(
-    rank: int, instrs: Sequence[Instr], ops: _RankOps, events: list[_Event], flow: Dataflow
+    rank: int,
+    instrs: Sequence[Instr],
+    ops: _RankOps,
+    events: list[Event],
+    emitter: _Emitter,
+    span: int,
 ) -> tuple[Instr, ...]:
-    emitter = _Emitter(flow)
+    num_ranks = emitter.flow.placement.num_ranks
     cursor = 0
     position = 0  # next input instruction to copy (hand-placed comm ops)
+    count = len(events)
     for k, instr in enumerate(ops.computes):
-        key = (ops.start[k], 1, rank, k, 0)
-        cursor = _post_until(emitter, events, cursor, key)
-        position = _copy_manual(emitter, instrs, position, ops.positions[k])
+        order = _compute_order(ops.start[k], rank, k, num_ranks, span)
+        stop = cursor
+        while stop < count and events[stop][0] < order:
+            stop += 1
+        if stop > cursor:
+            emitter.post(events[cursor:stop])
+            cursor = stop
+        if position < ops.positions[k]:
+            position = _copy_manual(emitter, instrs, position, ops.positions[k])
         emitter.wait_before(ops.inputs[k])
         emitter.out.append(instr)
         position += 1
-    _post_until(emitter, events, cursor, None)
+    if cursor < count:
+        emitter.post(events[cursor:])
     _copy_manual(emitter, instrs, position, len(instrs))
     emitter.wait_all()
     return tuple(emitter.out)
-
-
-def _post_until(
-    emitter: _Emitter, events: list[_Event], cursor: int, key: tuple[int, ...] | None
-) -> int:
-    stop = cursor
-    while stop < len(events) and (key is None or events[stop].key < key):
-        stop += 1
-    if stop > cursor:
-        emitter.post(events[cursor:stop])
-    return stop
 
 
 def _copy_manual(emitter: _Emitter, instrs: Sequence[Instr], start: int, stop: int) -> int:
     for position in range(start, stop):
         emitter.manual(position, instrs[position])
     return stop
-
