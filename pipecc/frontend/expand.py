@@ -163,8 +163,9 @@ def _check_defines(defines: dict[str, int], names: list[str]) -> None:
     for name in defines:
         if name not in names:
             known = ", ".join(names) if names else "none"
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            lowered = {known.lower(): known for known in names}
+            close = difflib.get_close_matches(name.lower(), list(lowered), n=1)
+            hint = f"; did you mean '{lowered[close[0]]}'?" if close else ""
             raise ScheduleError(
                 f"-D {name}: the schedule has no parameter '{name}' (its parameters: {known})"
                 f"{hint}"

@@ -63,10 +63,16 @@ _TOKEN_WORDS = {
 
 
 def _describe_expected(expected: set[str]) -> str:
-    words = sorted({_TOKEN_WORDS.get(name, _keyword(name)) for name in expected})
+    names = sorted(expected, key=lambda name: (name not in _FIRST, _FIRST.get(name, 0), name))
+    words = list(dict.fromkeys(_TOKEN_WORDS.get(name, _keyword(name)) for name in names))
     if len(words) > 8:
         words = words[:8] + ["..."]
     return ", ".join(words)
+
+
+# What a reader most needs to see first in "expected ..." lists.
+_FIRST = {"OPCODE": 0, "RBRACE": 1, "NAME": 2, "INT": 3, "LBRACE": 4}
+_TOP_LEVEL = {"phase", "placement", "schedule", "param", "require", "pad"}
 
 
 def _keyword(name: str) -> str:
@@ -103,7 +109,10 @@ def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
         expected = err.allowed or set()
     else:
         message, expected = str(err), set()
-    hint = _hint(message, expected)
+    token_text = None
+    if isinstance(err, lark.UnexpectedToken) and err.token.type != "$END":
+        token_text = str(err.token)
+    hint = _hint(message, expected, token_text)
     if expected:
         message += f"; expected {_describe_expected(set(expected))}"
     if hint:
@@ -112,12 +121,14 @@ def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
     return ParseError(message, Span(source, line, col, line, col + width))
 
 
-def _hint(message: str, expected: Any) -> str:
+def _hint(message: str, expected: Any, token: str | None) -> str:
     names = set(expected or ())
-    if "'&'" in message:
-        return "a fused op is written without spaces around '&' only between two ops: F0&B1"
-    if names == {"RBRACE"} or ("RBRACE" in names and "OPCODE" in names):
+    if token == "&":
+        return "a fused op is two ops joined by '&': F0&B1"
+    if "RBRACE" in names and (token is None or token in _TOP_LEVEL):
         return "is a '}' missing?"
+    if "OPCODE" in names and token is not None and token.isidentifier():
+        return "a block holds ops (F0, B1, I1, W, F0&B1), repeat/for/if/let, and send/recv/wait"
     return ""
 
 

@@ -117,8 +117,8 @@ class _RankAssigner:
         forward = self._resolve(item.forward)
         backward = self._resolve(item.backward)
         if forward is not None and backward is not None:
+            self._check_order(backward)  # the two halves run together: no B on its own F
             self._check_order(forward)
-            self._check_order(backward)
             self.out.append(Fused(forward, backward, item.span))
             if self.manual:
                 self._note_produced(forward)
@@ -297,7 +297,7 @@ class _RankAssigner:
                     "tensor)",
                     item.span,
                 )
-            message, peer = queue.popleft()
+            message, peer = queue.pop()  # the most recent one not yet sent by hand
             self.posted.append(len(self.out))
             self.out.append(Send(item.what, peer, message.pipe, message.stage, message.mb,
                                  group, item.span))

@@ -41,11 +41,9 @@ _new = tuple.__new__
 
 # A message event is (order, payload, key, is_send): `payload` is the Send/Recv fields up to
 # the group, (what, peer, pipe, stage, mb). `order` is an integer that sorts compute starts
-# and messages into one global order:
-#   compute k of rank r at time t:      ((2t + 1)·P + r)·L + k) · 2
-#   message from op k of rank r ending t: ((2t)·P + r)·L + k) · 2 + i   (i-th output of op k)
-# where L bounds the ops of a rank, so a message sorts before any compute that starts when it
-# appears, and ties break by rank and program position the same way on every rank.
+# and messages into one global order (see _message_order and _compute_order): by time, then
+# messages before computes, then rank, then position in the rank's list, so ties break the
+# same way on every rank.
 Event = tuple[int, tuple[object, ...], int, bool]
 
 
@@ -62,15 +60,18 @@ class _RankOps:
     durations: list[int] = field(default_factory=list)
     start: list[int] = field(default_factory=list)
     end: list[int] = field(default_factory=list)
+    # With hand-placed sends: the message keys that become available when compute k ends
+    # (a hand-placed send publishes its tensor where it is posted, not where it is made).
+    publish: list[list[int]] | None = None
 
 
 def insert_comms(prog: Program) -> Program:
     """Lower a compute-only program with the default policy (module docstring)."""
     flow = Dataflow(prog.placement)
     ranks = [_collect(instrs, flow) for instrs in prog.ranks]
-    manual_sends, manual_recvs = _manual_messages(prog, flow)
     _replay_unit_times(ranks, prog)
-    span = 2 * max((len(ops.computes) for ops in ranks), default=1) + 2
+    span = 2 * max((len(instrs) for instrs in prog.ranks), default=1) + 2
+    manual_sends, manual_recvs = _manual_messages(prog, ranks, flow, span)
     events = _message_events(ranks, manual_sends, manual_recvs, span)
     lowered = tuple(
         _emit_rank(rank, prog.ranks[rank], ranks[rank], events[rank], _Emitter(flow), span)
@@ -118,17 +119,49 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow) -> _RankOps:
         add_inputs(tuple(inputs))
         add_outputs(tuple(outputs))
         add_duration(duration)
+    if any(type(instr) is Send for instr in instrs):
+        _anchor_manual_sends(ops, instrs, flow)
     return ops
 
 
-def _manual_messages(prog: Program, flow: Dataflow) -> tuple[set[int], set[int]]:
-    """The message keys whose send (resp. recv) the schedule placed by hand."""
-    sends: set[int] = set()
+def _anchor_manual_sends(ops: _RankOps, instrs: Sequence[Instr], flow: Dataflow) -> None:
+    """Publish each hand-sent message at the end of the compute op just before its send."""
+    manual = {
+        flow.key(i.what, i.pipe, i.stage, i.mb): position
+        for position, i in enumerate(instrs)
+        if type(i) is Send
+    }
+    ops.publish = [[key for key, *_ in outputs if key not in manual] for outputs in ops.outputs]
+    k = -1
+    for position, instr in enumerate(instrs):
+        if type(instr) is Compute or type(instr) is Fused:
+            k += 1
+        elif type(instr) is Send:
+            ops.publish[k].append(flow.key(instr.what, instr.pipe, instr.stage, instr.mb))
+
+
+def _manual_messages(
+    prog: Program, ranks: list[_RankOps], flow: Dataflow, span: int
+) -> tuple[dict[int, int], set[int]]:
+    """The messages the schedule sends by hand, with the global order of their posts, and the
+    messages it receives by hand.
+
+    A hand-placed send is posted where the schedule wrote it, possibly well after its producer;
+    the receiving side (placed by this pass) must see it in the same order among that pair's
+    messages, so the message takes its order from the send's own position.
+    """
+    sends: dict[int, int] = {}
     recvs: set[int] = set()
-    for instrs in prog.ranks:
-        for instr in instrs:
-            if type(instr) is Send:
-                sends.add(flow.key(instr.what, instr.pipe, instr.stage, instr.mb))
+    num_ranks = prog.num_ranks
+    for rank, instrs in enumerate(prog.ranks):
+        ends, computes = ranks[rank].end, -1
+        for position, instr in enumerate(instrs):
+            if type(instr) is Compute or type(instr) is Fused:
+                computes += 1
+            elif type(instr) is Send:
+                key = flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
+                time = ends[computes] if computes >= 0 else 0
+                sends[key] = _message_order(time, rank, position, 0, num_ranks, span)
             elif type(instr) is Recv:
                 recvs.add(flow.key(instr.what, instr.pipe, instr.stage, instr.mb))
     return sends, recvs
@@ -140,12 +173,17 @@ def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> None:
     cursor = [0] * len(ranks)
     clock = [0] * len(ranks)
     remaining = sum(len(r.computes) for r in ranks)
+    publishes = [
+        ops.publish or [[output[0] for output in outputs] for outputs in ops.outputs]
+        for ops in ranks
+    ]
     while remaining:
         progressed = 0
         for rank, ops in enumerate(ranks):
             k, now = cursor[rank], clock[rank]
-            inputs, outputs, durations = ops.inputs, ops.outputs, ops.durations
+            inputs, durations = ops.inputs, ops.durations
             start, end = ops.start, ops.end
+            publish = publishes[rank]
             count = len(ops.computes)
             while k < count:
                 ready = now
@@ -159,8 +197,8 @@ def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> None:
                     now = ready + durations[k]
                     start.append(ready)
                     end.append(now)
-                    for output in outputs[k]:
-                        available[output[0]] = now
+                    for key in publish[k]:
+                        available[key] = now
                     k += 1
                     continue
                 break
@@ -196,7 +234,7 @@ def _stuck(
 
 
 def _message_events(
-    ranks: list[_RankOps], manual_sends: set[int], manual_recvs: set[int], span: int
+    ranks: list[_RankOps], manual_sends: dict[int, int], manual_recvs: set[int], span: int
 ) -> list[list[Event]]:
     """Every rank's message events (its sends and its recvs), sorted in the global order."""
     num_ranks = len(ranks)
@@ -206,12 +244,13 @@ def _message_events(
         for k, outputs in enumerate(ops.outputs):
             if not outputs:
                 continue
-            base = ((2 * ops.end[k] * num_ranks + src) * span + k) * 2
+            base = _message_order(ops.end[k], src, ops.positions[k], 0, num_ranks, span)
             for sub, (key, dst, send, recv) in enumerate(outputs):
                 if dst == src:
                     continue
-                order = base + sub
-                if key not in manual_sends:
+                order = manual_sends.get(key)
+                if order is None:
+                    order = base + sub
                     own.append((order, send, key, True))
                 if key not in manual_recvs:
                     events[dst].append((order, recv, key, False))
@@ -220,8 +259,16 @@ def _message_events(
     return events
 
 
-def _compute_order(start: int, rank: int, k: int, num_ranks: int, span: int) -> int:
-    return (((2 * start + 1) * num_ranks + rank) * span + k) * 2
+def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int,
+                   span: int) -> int:
+    """Messages posted at `time` after input position `position` of `rank` (sub: which of
+    the op's outputs). Sorts before every compute that starts at `time`."""
+    return ((2 * time * num_ranks + rank) * span + 2 * position) + sub
+
+
+def _compute_order(start: int, rank: int, position: int, num_ranks: int, span: int) -> int:
+    """The start of the compute op at input position `position` of `rank`."""
+    return ((2 * start + 1) * num_ranks + rank) * span + 2 * position
 
 
 # ---- emission -------------------------------------------------------------------------------
@@ -317,7 +364,7 @@ def _emit_rank(
     position = 0  # next input instruction to copy (hand-placed comm ops)
     count = len(events)
     for k, instr in enumerate(ops.computes):
-        order = _compute_order(ops.start[k], rank, k, num_ranks, span)
+        order = _compute_order(ops.start[k], rank, ops.positions[k], num_ranks, span)
         stop = cursor
         while stop < count and events[stop][0] < order:
             stop += 1

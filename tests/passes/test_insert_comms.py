@@ -1,0 +1,93 @@
+"""The default lowering: every message sent once and received once, in the same order on both
+sides of every pair; every posted op waited exactly once; a recv waited before its consumer."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from helpers import compile_bundled
+
+from pipecc.api import compile_source
+from pipecc.ir.dataflow import Dataflow
+from pipecc.ir.ops import Compute, Fused, Recv, Send, Wait, computations
+from pipecc.ir.program import Program
+
+SIZES = {
+    "gpipe": [(2, 1), (3, 5), (4, 8)],
+    "1f1b": [(2, 1), (3, 5), (4, 8)],
+    "interleaved_1f1b": [(2, 4), (3, 6), (4, 8)],
+    "interleaved_zb": [(2, 4), (3, 6), (4, 8)],
+    "looped_bfs": [(2, 3), (4, 8)],
+    "zb_h1": [(2, 2), (3, 5), (4, 8)],
+    "zb_h2": [(2, 3), (3, 6), (4, 8)],
+    "zbv": [(2, 1), (3, 4), (4, 8)],
+    "dualpipe": [(2, 4), (4, 8), (6, 14)],
+    "dualpipev": [(2, 4), (3, 7), (4, 8)],
+}
+
+
+def check_lowering(program: Program) -> None:
+    """Structural invariants of a lowered program (assertion messages name rank and index)."""
+    flow = Dataflow(program.placement)
+    sends: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # type: ignore[type-arg]
+    recvs: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # type: ignore[type-arg]
+    for rank, instrs in enumerate(program.ranks):
+        waited_at: dict[int, int] = {}
+        for index, instr in enumerate(instrs):
+            if isinstance(instr, Send):
+                sends[(rank, instr.peer)].append(instr[:5][0:1] + instr[2:5])
+            elif isinstance(instr, Recv):
+                recvs[(instr.peer, rank)].append(instr[:5][0:1] + instr[2:5])
+            elif isinstance(instr, Wait):
+                for target in instr.ops:
+                    assert target not in waited_at, f"rank {rank}: op {target} waited twice"
+                    assert isinstance(instrs[target], Send | Recv)
+                    waited_at[target] = index
+        posted = [i for i, instr in enumerate(instrs) if isinstance(instr, Send | Recv)]
+        assert sorted(waited_at) == posted, f"rank {rank}: posted ops never waited"
+        _check_recvs_before_use(rank, instrs, waited_at, flow)
+    assert dict(sends) == dict(recvs)
+
+
+def _check_recvs_before_use(rank: int, instrs: tuple, waited_at: dict[int, int],  # type: ignore[type-arg]
+                            flow: Dataflow) -> None:
+    recv_index = {}
+    for index, instr in enumerate(instrs):
+        if isinstance(instr, Recv):
+            recv_index[flow.key(instr.what, instr.pipe, instr.stage, instr.mb)] = index
+        if isinstance(instr, Compute | Fused):
+            for op in computations(instr):
+                needed = flow.input_flow(op.kind, op.pipe, op.stage, op.mb)
+                if needed is None or needed.src == rank:
+                    continue
+                at = recv_index[needed.key]
+                assert waited_at[at] < index, f"rank {rank}: {op.label()} before its wait"
+
+
+@pytest.mark.parametrize("schedule", sorted(SIZES))
+def test_default_lowering_invariants(schedule: str) -> None:
+    for ranks, microbatches in SIZES[schedule]:
+        check_lowering(compile_bundled(schedule, ranks, microbatches))
+
+
+def test_posts_between_computes_form_one_group() -> None:
+    program = compile_bundled("1f1b", 2, 3)
+    rank0 = program.ranks[0]
+    groups = [instr.group for instr in rank0 if isinstance(instr, Send | Recv)]
+    # the first send goes alone; afterwards a send and a recv are posted together
+    assert groups[0] is None
+    assert groups[1] == groups[2] == 0
+
+
+def test_lowering_is_deterministic() -> None:
+    first = compile_bundled("dualpipe", 4, 8)
+    second = compile_bundled("dualpipe", 4, 8)
+    assert first == second
+
+
+def test_local_handoff_has_no_comm_ops() -> None:
+    # the last rank of a V passes chunk 0's output to chunk 1 without sending
+    program = compile_bundled("zbv", 2, 2)
+    last = program.ranks[1]
+    assert not [i for i in last if isinstance(i, Send | Recv) and i.peer == 1]
