@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from pipecc.diagnostics import InputError
+from pipecc.frontend.ast import Param
 from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
 from pipecc.interop import json_program
@@ -100,6 +101,13 @@ def compile_schedule(
     return compile_source(
         read_text(path), str(path), ranks=ranks, microbatches=microbatches, defines=defines
     )
+
+
+def schedule_parameters(path: str | Path) -> tuple[str, ...]:
+    """The names of the parameters a .sched file declares (`param NAME = ...`)."""
+    path = Path(path)
+    tree = parse(read_text(path), str(path))
+    return tuple(decl.name for decl in tree.decls if isinstance(decl, Param))
 
 
 def load_program(path: str | Path) -> Program:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from pipecc.api import compile_schedule, load_program
+from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
@@ -81,3 +82,26 @@ def write_output(text: str, output: str | None) -> None:
         Path(output).write_text(text, encoding="utf-8")
     except OSError as err:
         raise InputError(f"{output}: cannot write: {err.strerror or err}") from None
+
+
+COMM_MODELS = ("nccl", "nccl-single", "rendezvous", "eager")
+
+
+def add_cost_args(parser: argparse.ArgumentParser) -> None:
+    """--cost, --cost-file and --comm: the simulator's inputs (DESIGN §6)."""
+    parser.add_argument("--cost", metavar="K=V,...",
+                        help="durations and comm latency, e.g. F=1,B=2,I=1,W=1,FB=2.5,comm=0.1 "
+                             "(docs/simulate.md; default F=1,B=2,I=1,W=1)")
+    parser.add_argument("--cost-file", metavar="TOML",
+                        help="a cost file ([cost] and [cost.stage.N]; `pipecc run --profile` "
+                             "writes one); --cost overrides its global values")
+    parser.add_argument("--comm", choices=COMM_MODELS, default="nccl",
+                        help="how sends and receives complete (DESIGN §5; default nccl)")
+
+
+def load_costs(args: argparse.Namespace) -> CostModel:
+    """The cost model from --cost-file and --cost (flags win)."""
+    model = load_cost_file(args.cost_file) if args.cost_file else CostModel()
+    if args.cost:
+        model = model.overridden_by(parse_cost_flag(args.cost))
+    return model

@@ -19,13 +19,18 @@ The policy, "default":
    the same order on both sides, and the global order is itself a run in which every op
    completes when it is reached — which is why no comm model can deadlock it.
 3. The posts between two compute ops form one group (posted together, as
-   `batch_isend_irecv`). Before each compute op one Wait completes the receives it consumes
-   and every send posted since the previous compute op (as DualPipe does); whatever is still
-   open at the end is completed by a final Wait.
+   `batch_isend_irecv`). Before each compute op one Wait completes the receives it consumes,
+   and the sends that are due: a send is completed before the first compute op of its rank
+   that starts, in the replay of step 1, no earlier than the op that consumes the message on
+   the receiving rank. By then the receiver has posted its receive, so a rendezvous send does
+   not hold its rank up in the unit-time picture, and the buffer is not held for longer than
+   the message is in use. Whatever is still open at the end is completed by a final Wait.
+   Hand-placed sends without a hand-placed `wait` follow the same rule.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,12 +74,13 @@ def insert_comms(prog: Program) -> Program:
     """Lower a compute-only program with the default policy (module docstring)."""
     flow = Dataflow(prog.placement)
     ranks = [_collect(instrs, flow) for instrs in prog.ranks]
-    _replay_unit_times(ranks, prog)
+    consumed = _replay_unit_times(ranks, prog)
     span = 2 * max((len(instrs) for instrs in prog.ranks), default=1) + 2
     manual_sends, manual_recvs = _manual_messages(prog, ranks, flow, span)
     events = _message_events(ranks, manual_sends, manual_recvs, span)
     lowered = tuple(
-        _emit_rank(rank, prog.ranks[rank], ranks[rank], events[rank], _Emitter(flow), span)
+        _emit_rank(rank, prog.ranks[rank], ranks[rank], events[rank],
+                   _Emitter(flow, ranks[rank].start, consumed), span)
         for rank in range(prog.num_ranks)
     )
     return Program(
@@ -167,9 +173,11 @@ def _manual_messages(
     return sends, recvs
 
 
-def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> None:
-    """Run every rank's computes as soon as their inputs exist (unit durations)."""
+def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> dict[int, int]:
+    """Run every rank's computes as soon as their inputs exist (unit durations); return when
+    each message is consumed."""
     available: dict[int, int] = {}
+    consumed: dict[int, int] = {}
     cursor = [0] * len(ranks)
     clock = [0] * len(ranks)
     remaining = sum(len(r.computes) for r in ranks)
@@ -194,6 +202,8 @@ def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> None:
                     if at > ready:
                         ready = at
                 else:
+                    for key in inputs[k]:
+                        consumed[key] = ready
                     now = ready + durations[k]
                     start.append(ready)
                     end.append(now)
@@ -207,6 +217,7 @@ def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> None:
         if not progressed:
             raise _stuck(ranks, cursor, available, prog)
         remaining -= progressed
+    return consumed
 
 
 def _stuck(
@@ -279,8 +290,10 @@ class _Emitter:
     """Builds one rank's lowered list: posts, waits and computes in order."""
 
     flow: Dataflow
+    starts: list[int]  # unit-time start of each compute op of the rank
+    consumed: dict[int, int]  # message key -> unit-time start of the op consuming it
     out: list[Instr] = field(default_factory=list)
-    open_sends: list[int] = field(default_factory=list)
+    due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
     recv_at: dict[int, int] = field(default_factory=dict)  # message key -> index of its Recv
     waited: set[int] = field(default_factory=set)
     groups: dict[int, int] = field(default_factory=dict)
@@ -296,7 +309,7 @@ class _Emitter:
         out = self.out
         for _, payload, key, send in batch:
             if send:
-                self.open_sends.append(len(out))
+                self._due(key, len(out))
                 out.append(_new(Send, payload + tail))
             else:
                 self.recv_at[key] = len(out)
@@ -319,19 +332,28 @@ class _Emitter:
                 self.next_group += 1
             group = self.groups[group]
         self.out.append(instr._replace(group=group))
+        key = self.flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
         if type(instr) is Send:
-            self.open_sends.append(index)
+            self._due(key, index)
         else:
-            self.recv_at[self.flow.key(instr.what, instr.pipe, instr.stage, instr.mb)] = index
+            self.recv_at[key] = index
 
-    def wait_before(self, inputs: tuple[int, ...]) -> None:
+    def _due(self, key: int, index: int) -> None:
+        """A send is completed before the first compute op of its rank that starts, in the
+        unit-time replay, once its receiver has consumed it (the receiver has posted its recv
+        by then): late enough not to hold the sender up, early enough to free the buffer."""
+        k = bisect_left(self.starts, self.consumed.get(key, 0))
+        self.due.setdefault(k, []).append(index)
+
+    def wait_before(self, k: int, inputs: tuple[int, ...]) -> None:
+        """The Wait before compute op k: the recvs it consumes and the sends due there."""
         waited = self.waited
-        targets = [i for i in self.open_sends if i not in waited] if waited else self.open_sends
+        due = self.due.pop(k, [])
+        targets = [i for i in due if i not in waited] if waited else due
         for key in inputs:
             index = self.recv_at.pop(key, None)
             if index is not None and index not in waited:
                 targets.append(index)
-        self.open_sends = []
         if targets:
             if self.moved:
                 waited.update(targets)
@@ -373,7 +395,7 @@ def _emit_rank(
             cursor = stop
         if position < ops.positions[k]:
             position = _copy_manual(emitter, instrs, position, ops.positions[k])
-        emitter.wait_before(ops.inputs[k])
+        emitter.wait_before(k, ops.inputs[k])
         emitter.out.append(instr)
         position += 1
     if cursor < count:

@@ -1,0 +1,251 @@
+"""The cost model of the simulator (DESIGN §6): op durations, message latency, sizes.
+
+Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML file under
+`[cost]`, with per-stage overrides under `[cost.stage.N]`):
+
+    F, B, I, W    durations of a forward, full backward, input-gradient and weight-gradient op
+    FB, FI        duration of a fused F&B / F&I instruction (default F + B / F + I: no overlap
+                  benefit unless the user says so)
+    comm          latency of one message: from the moment a transfer can start to the data
+                  being at the receiver (not busy time on either rank)
+    bytes         size of one message (with `bandwidth`, adds bytes / bandwidth to `comm`)
+    bandwidth     bytes per time unit (global only)
+    act_bytes     bytes of one microbatch's activations of a stage (for peak memory in bytes)
+    unit          the name of the time unit, for display ("ms" in files the runtime writes)
+
+Defaults: F=1, B=2, I=1, W=1. Given only B, I = W = B/2; given I and W, B = I + W; given B
+and I, W = B - I. A stage override `[cost.stage.N]` applies to stage N of every pipe (the two
+pipes of DualPipe hold the same layers at the same stage index).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pipecc.diagnostics import CostModelError
+from pipecc.ir.ops import Compute, Fused, Kind
+
+DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes")
+GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", "unit")
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """Durations and sizes for one stage (None: not given, derived or defaulted)."""
+
+    F: float | None = None
+    B: float | None = None
+    I: float | None = None  # noqa: E741
+    W: float | None = None
+    FB: float | None = None
+    FI: float | None = None
+    comm: float | None = None
+    bytes: float | None = None
+    act_bytes: float | None = None
+
+    def over(self, base: StageCost) -> StageCost:
+        """This stage's values where given, `base`'s elsewhere."""
+        merged = {key: getattr(self, key) for key in DURATION_KEYS}
+        return replace(base, **{k: v for k, v in merged.items() if v is not None})
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedCost:
+    """Every duration of one stage, defaults and derivations applied."""
+
+    F: float
+    B: float
+    I: float  # noqa: E741
+    W: float
+    FB: float | None
+    FI: float | None
+    comm: float
+    bytes: float | None
+    act_bytes: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Global costs, per-stage overrides, and the bandwidth that turns bytes into time."""
+
+    base: StageCost = StageCost()
+    stages: tuple[tuple[int, StageCost], ...] = ()
+    bandwidth: float | None = None
+    unit: str = ""
+    _resolved: dict[int, ResolvedCost] = field(default_factory=dict, compare=False, repr=False)
+
+    def stage(self, stage: int) -> ResolvedCost:
+        """The resolved costs of `stage` (cached)."""
+        cached = self._resolved.get(stage)
+        if cached is None:
+            raw = dict(self.stages).get(stage, StageCost()).over(self.base)
+            cached = _resolve(raw, self.bandwidth)
+            self._resolved[stage] = cached
+        return cached
+
+    def compute(self, op: Compute) -> float:
+        cost = self.stage(op.stage)
+        return {Kind.F: cost.F, Kind.B: cost.B, Kind.I: cost.I, Kind.W: cost.W}[op.kind]
+
+    def fused(self, op: Fused) -> float:
+        """F&B (or F&I): the given FB/FI of the forward's stage, else the two durations added."""
+        given = self.stage(op.forward.stage)
+        value = given.FB if op.backward.kind is Kind.B else given.FI
+        if value is not None:
+            return value
+        return self.compute(op.forward) + self.compute(op.backward)
+
+    def latency(self, stage: int) -> float:
+        """Time for one message named by receiving stage `stage` to arrive."""
+        cost = self.stage(stage)
+        return cost.comm
+
+    def scaled(self, factor: float) -> CostModel:
+        """Compute durations multiplied by `factor` (comm and sizes unchanged): the same
+        model cut into more, smaller stages."""
+        if factor == 1:
+            return self
+
+        def scale(cost: StageCost) -> StageCost:
+            values = {key: getattr(cost, key) for key in ("F", "B", "I", "W", "FB", "FI")}
+            return replace(cost, **{k: v * factor for k, v in values.items() if v is not None})
+
+        base = self.base
+        if all(getattr(base, key) is None for key in ("F", "B", "I", "W")):
+            base = replace(base, F=1.0, B=2.0)  # scale the defaults too
+        return CostModel(scale(base), tuple((n, scale(c)) for n, c in self.stages),
+                         self.bandwidth, self.unit)
+
+    def overridden_by(self, other: CostModel) -> CostModel:
+        """This model with `other`'s global values where `other` gives them."""
+        return CostModel(
+            base=other.base.over(self.base),
+            stages=self.stages,
+            bandwidth=other.bandwidth if other.bandwidth is not None else self.bandwidth,
+            unit=other.unit or self.unit,
+        )
+
+    def describe(self) -> str:
+        """One line: the global costs as given (for report headers)."""
+        given = [f"{k}={_fmt(getattr(self.base, k))}" for k in DURATION_KEYS
+                 if getattr(self.base, k) is not None]
+        if self.bandwidth is not None:
+            given.append(f"bandwidth={_fmt(self.bandwidth)}")
+        resolved = self.stage(0)
+        shown = ", ".join(given) if given else "defaults"
+        return (f"{shown} (F={_fmt(resolved.F)}, B={_fmt(resolved.B)}, I={_fmt(resolved.I)}, "
+                f"W={_fmt(resolved.W)}, comm={_fmt(resolved.comm)})")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}"
+
+
+def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
+    F = cost.F if cost.F is not None else 1.0
+    B, I, W = cost.B, cost.I, cost.W  # noqa: E741
+    if B is None and I is not None and W is not None:
+        B = I + W
+    if B is None:
+        B = 2.0 if I is None and W is None else (I or W or 1.0) * 2
+    if I is None and W is None:
+        I = W = B / 2  # noqa: E741
+    elif I is None:
+        I = B - W  # type: ignore[operator]  # noqa: E741
+    elif W is None:
+        W = B - I
+    if I < 0 or W < 0:  # type: ignore[operator]
+        raise CostModelError(f"B={B:g} is less than its given half (I={I:g}, W={W:g})")
+    comm = cost.comm or 0.0
+    if cost.bytes is not None and bandwidth:
+        comm += cost.bytes / bandwidth
+    return ResolvedCost(F, B, I, W, cost.FB, cost.FI, comm, cost.bytes,  # type: ignore[arg-type]
+                        cost.act_bytes)
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+
+def _number(key: str, value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise CostModelError(f"{where}: {key} must be a number, got {value!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise CostModelError(f"{where}: {key} must be a finite number ≥ 0, got {value}")
+    return float(value)
+
+
+def _check_key(key: str, known: tuple[str, ...], where: str) -> None:
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise CostModelError(f"{where}: unknown cost key '{key}' (known: {', '.join(known)})"
+                             f"{hint}")
+
+
+def _stage_cost(values: dict[str, Any], where: str) -> StageCost:
+    fields = {}
+    for key, value in values.items():
+        _check_key(key, DURATION_KEYS, where)
+        fields[key] = _number(key, value, where)
+    return StageCost(**fields)
+
+
+def parse_cost_flag(text: str) -> CostModel:
+    """`F=1,B=2,I=1,W=1,FB=2.5,comm=0.1` → CostModel (global values only)."""
+    values: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CostModelError(f"--cost: expected KEY=VALUE, got {item!r}")
+        values[key.strip()] = value.strip()
+    return _model(values, {}, "--cost")
+
+
+def load_cost_file(path: str | Path) -> CostModel:
+    """A TOML cost file: `[cost]` with global keys, `[cost.stage.N]` with overrides."""
+    where = str(path)
+    try:
+        data = tomllib.loads(Path(path).read_text("utf-8"))
+    except FileNotFoundError:
+        raise CostModelError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CostModelError(f"{where}: cannot read: {err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise CostModelError(f"{where}: malformed TOML: {err}") from None
+    cost = data.get("cost")
+    if not isinstance(cost, dict):
+        raise CostModelError(f"{where}: expected a [cost] table")
+    stages = cost.get("stage", {})
+    values = {k: v for k, v in cost.items() if k != "stage"}
+    return _model(values, stages, where)
+
+
+def _model(values: dict[str, Any], stages: Any, where: str) -> CostModel:
+    unit = str(values.pop("unit", ""))
+    bandwidth = values.pop("bandwidth", None)
+    base = _stage_cost(values, where)
+    if not isinstance(stages, dict):
+        raise CostModelError(f"{where}: [cost.stage] must hold tables [cost.stage.N]")
+    overrides = []
+    for name, table in sorted(stages.items(), key=lambda item: str(item[0])):
+        if not str(name).isdigit() or not isinstance(table, dict):
+            raise CostModelError(f"{where}: [cost.stage.{name}]: N must be a stage number")
+        overrides.append((int(name), _stage_cost(table, f"{where} [cost.stage.{name}]")))
+    model = CostModel(
+        base=base,
+        stages=tuple(sorted(overrides)),
+        bandwidth=_number("bandwidth", bandwidth, where) if bandwidth is not None else None,
+        unit=unit,
+    )
+    model.stage(0)  # resolve once, so inconsistent values fail here with the file's name
+    for stage, _ in overrides:
+        model.stage(stage)
+    return model
