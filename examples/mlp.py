@@ -1,0 +1,45 @@
+"""A model file for `pipecc run`: an MLP of Linear+GELU blocks, cut into equal stages.
+
+    pipecc run schedules/zb_h1.sched --nproc 4 --microbatches 8 --model examples/mlp.py --check
+
+`pipecc run` calls `build_stages(num_stages)` on every rank (same seed, same weights),
+`make_batch(num_rows, seed)` for each step, and `loss_fn(output, target)`. The sizes can be
+changed with environment variables: PIPECC_MLP_HIDDEN (default 64) and PIPECC_MLP_BLOCKS
+(default: 2 per stage).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+HIDDEN = int(os.environ.get("PIPECC_MLP_HIDDEN", "64"))
+BLOCKS = int(os.environ.get("PIPECC_MLP_BLOCKS", "0"))  # 0: two blocks per stage
+
+
+def block(hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.GELU())
+
+
+def build_stages(num_stages: int) -> list[nn.Module]:
+    """The whole model as `num_stages` consecutive stages of equal depth."""
+    blocks = BLOCKS or 2 * num_stages
+    if blocks % num_stages:
+        raise ValueError(f"{blocks} blocks cannot be cut into {num_stages} equal stages")
+    torch.manual_seed(0)
+    per_stage = blocks // num_stages
+    return [nn.Sequential(*(block(HIDDEN) for _ in range(per_stage))) for _ in range(num_stages)]
+
+
+def make_batch(num_rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and regression targets for one step."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(num_rows, HIDDEN, generator=generator)
+    targets = torch.randn(num_rows, HIDDEN, generator=generator)
+    return inputs, targets
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)

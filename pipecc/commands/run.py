@@ -1,0 +1,175 @@
+"""`pipecc run`: execute a schedule on local processes with a user's model (needs torch).
+
+The runtime and torch are imported inside `run`, so `pipecc` itself works without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pipecc.commands.common import SubParsers, add_size_args, load_input, positive
+from pipecc.diagnostics import InputError, ProgramError
+from pipecc.ir.program import Program
+
+DESCRIPTION = """\
+Run a schedule on P local processes (gloo on CPU; NCCL when there is a GPU per rank) with the
+stages of a model file, time its steps, and optionally check every gradient against a
+single-process reference (docs/runtime.md).
+
+The model file defines build_stages(num_stages) -> list of modules (the whole model as
+consecutive stages, deterministic), make_batch(num_rows, seed) -> (inputs, targets), and
+optionally loss_fn(output, target) (default: mean squared error).
+"""
+
+EPILOG = """\
+examples:
+  pipecc run schedules/zb_h1.sched --nproc 4 --microbatches 8 --model examples/mlp.py --check
+  pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --steps 10 --warmup 2 --json
+  pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
+
+exit codes: 0 ok; 1 the check failed or a rank failed (the message names the rank and
+instruction); 2 input pipecc cannot use.
+"""
+
+
+def register(commands: SubParsers) -> None:
+    cmd = commands.add_parser(
+        "run",
+        help="run a schedule on local processes with a model file (needs torch)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
+    add_size_args(cmd)
+    cmd.add_argument("--nproc", dest="ranks", type=positive, help="processes to start (= -P)")
+    cmd.add_argument("--model", required=True, metavar="FILE.py", help="the model file")
+    cmd.add_argument(
+        "--batch-size",
+        type=positive,
+        metavar="N",
+        help="rows per step, split evenly into M microbatches (default: 8·M)",
+    )
+    cmd.add_argument("--steps", type=positive, default=1, help="timed steps (default: 1)")
+    cmd.add_argument("--warmup", type=_count, default=0, help="untimed steps first (default: 0)")
+    cmd.add_argument(
+        "--check",
+        action="store_true",
+        help="compare every step with a single-process reference; exit 1 if not equal",
+    )
+    cmd.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-5,
+        help="largest max_rel_grad_diff (and relative loss difference) that "
+        "--check accepts (default: 1e-5)",
+    )
+    cmd.add_argument("--json", action="store_true", help="print one JSON object")
+    cmd.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank may wait for a message (default: 300)",
+    )
+    cmd.add_argument(
+        "--profile", metavar="FILE", help="write measured per-(stage, op) costs as a TOML cost file"
+    )
+    cmd.set_defaults(run=run)
+
+
+def _count(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _program(args: argparse.Namespace) -> Program:
+    program = load_input(args.file, args)
+    if args.ranks is not None and program.num_ranks != args.ranks:
+        raise InputError(
+            f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"
+        )
+    if args.microbatches is not None and program.num_microbatches != args.microbatches:
+        raise InputError(
+            f"{args.file}: the program is for {program.num_microbatches} "
+            f"microbatches, not -M {args.microbatches}"
+        )
+    return program
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise InputError("--timeout must be positive")
+    program = _program(args)
+    try:
+        from pipecc.runtime.launcher import RunJob, run_job
+    except ImportError as err:
+        raise InputError(f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}") from None
+    batch = args.batch_size or 8 * program.num_microbatches
+    job = RunJob(
+        program=program,
+        model=args.model,
+        batch_size=batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        check=args.check,
+        timeout=args.timeout,
+        profile=args.profile is not None,
+    )
+    report = run_job(job)
+    if args.profile is not None and report.cost_file is not None:
+        _write(args.profile, report.cost_file)
+    fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
+    failure = _failure(fields, args.tolerance) if args.check else None
+    if args.json:
+        print(json.dumps(fields))
+    else:
+        _print_summary(fields, args, failure)
+    if failure is not None:
+        raise ProgramError(f"check failed: {failure}")
+    return 0
+
+
+def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
+    rel = fields["max_rel_grad_diff"]
+    if rel > tolerance:
+        return f"max_rel_grad_diff {rel:.3g} > tolerance {tolerance:g}"
+    loss, ref = fields["loss"], fields["reference_loss"]
+    if abs(loss - ref) > tolerance * max(abs(ref), 1e-30):
+        return f"loss {loss!r} differs from the reference {ref!r} (tolerance {tolerance:g})"
+    return None
+
+
+def _print_summary(fields: dict[str, Any], args: argparse.Namespace, failure: str | None) -> None:
+    print(
+        f"{fields['schedule']}  P={fields['ranks']} M={fields['microbatches']}  "
+        f"batch {fields['batch_size']} rows  backend {fields['backend']}"
+    )
+    line = f"loss {fields['loss']:.6g}"
+    if fields["reference_loss"] is not None:
+        line += f" (reference {fields['reference_loss']:.6g})"
+    print(line)
+    if args.check:
+        verdict = "ok" if failure is None else "FAILED"
+        print(
+            f"gradients: max abs diff {fields['max_abs_grad_diff']:.3g}, max rel diff "
+            f"{fields['max_rel_grad_diff']:.3g} (tolerance {args.tolerance:g}): {verdict}"
+        )
+    print(
+        f"step {fields['step_ms']:.3f} ms (median of {fields['steps']} step(s) after "
+        f"{fields['warmup']} warm-up)"
+    )
+    if args.profile is not None:
+        print(f"wrote {args.profile}")
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise InputError(f"{path}: cannot write: {err.strerror or err}") from None

@@ -1,0 +1,102 @@
+"""Per-step state of the interpreter: everything one `step` creates and consumes.
+
+Nothing here outlives a step: a fresh `StepContext` is built for each call, so two runtimes
+(or two steps) never share state, and a step that ends with anything left over is a wrong
+program (`leftovers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from pipecc.diagnostics import InputError
+from pipecc.ir.ops import Msg, Recv, Send
+
+from .profile import Recorder
+from .split_backward import WeightGrad
+
+MessageKey = tuple[Msg, int, int, int]  # (what, pipe, receiving stage, mb)
+Tensors = tuple[torch.Tensor, ...]
+
+
+class Saved(NamedTuple):
+    """What a forward leaves for the backward of one (chunk, mb).
+
+    `inputs` are the stage's input leaves; `outputs` the tensors a backward starts from (the
+    stage outputs, or the loss already scaled by 1/M on a last stage).
+    """
+
+    inputs: Tensors
+    outputs: Tensors
+
+
+class Pending(NamedTuple):
+    """A posted send or receive, until its `wait`."""
+
+    instr: Send | Recv
+    works: tuple[object, ...]
+    tensors: Tensors
+    posted: float
+
+
+@dataclass
+class StepContext:
+    """The state of one step on one rank."""
+
+    inputs: list[Tensors] | None
+    targets: list[object] | None
+    scale: float  # 1/M: each microbatch's share of the step's mean loss
+    training: bool = True  # False: forward only, nothing kept for a backward
+    mail: dict[MessageKey, Tensors] = field(default_factory=dict)
+    saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
+    weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)
+    pending: dict[int, Pending] = field(default_factory=dict)
+    queue: list[tuple[int, Send | Recv, Tensors]] = field(default_factory=list)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Tensors] = field(default_factory=dict)
+    recorder: Recorder | None = None
+
+    def leftovers(self) -> list[str]:
+        """What a complete program would have consumed by the end of the step."""
+        found = []
+        if self.pending:
+            found.append(f"posted ops never waited: instructions {sorted(self.pending)}")
+        if self.saved:
+            found.append(f"forwards without a backward: (chunk, mb) {sorted(self.saved)}")
+        if self.weights:
+            found.append(f"I without its W: (chunk, mb) {sorted(self.weights)}")
+        if self.mail:
+            names = sorted(f"{w.value} pipe {p} stage {s} mb {m}" for w, p, s, m in self.mail)
+            found.append("tensors produced but never consumed: " + "; ".join(names))
+        return found
+
+
+def split_microbatches(
+    value: object, microbatches: int, what: str, device: torch.device
+) -> list[Tensors]:
+    """Split a tensor (or a tuple of tensors) into M equal microbatches along dim 0."""
+    tensors = (value,) if isinstance(value, torch.Tensor) else value
+    if not isinstance(tensors, (tuple, list)) or not all(
+        isinstance(t, torch.Tensor) for t in tensors
+    ):
+        raise InputError(f"{what}: expected a tensor or a tuple of tensors, got {value!r}")
+    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
+    if len(rows) != 1:
+        raise InputError(f"{what}: the tensors have different numbers of rows {sorted(rows)}")
+    (count,) = rows
+    if count == 0 or count % microbatches:
+        raise InputError(
+            f"{what}: {count} rows cannot be split into {microbatches} equal microbatches"
+        )
+    size = count // microbatches
+    parts = [t.to(device, non_blocking=True).split(size) for t in tensors]
+    return [tuple(part[mb] for part in parts) for mb in range(microbatches)]
+
+
+def unwrap(tensors: Sequence[torch.Tensor]) -> object:
+    """A 1-tuple as its tensor, longer tuples as they are (what a loss function receives)."""
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)

@@ -1,0 +1,178 @@
+"""Binding a program to this rank: its chunks, their modules and boundary shapes; and the
+checks of the first step.
+
+Every check that can fail differently on different ranks (a module missing on one rank, a
+stage whose output does not match the next stage's input) runs on the first step, and the
+findings of all ranks are gathered with one collective before any point-to-point op, so every
+rank raises the same `SetupError` instead of some ranks hanging on a peer that gave up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipecc.diagnostics import SetupError
+from pipecc.ir.ops import Msg, Recv
+from pipecc.ir.placement import StageSlot
+from pipecc.ir.program import Program
+
+from .specs import Specs, describe_specs, meta_forward
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stage held by this rank: its module and where its tensors come from and go."""
+
+    slot: StageSlot
+    module: torch.nn.Module
+    params: frozenset[int]  # id() of each parameter, for split backward
+    first: bool  # stage 0 of its pipe: takes the step's inputs
+    last: bool  # last stage of its pipe: computes the loss
+
+
+def bind_chunks(
+    program: Program, rank: int, modules: Mapping[int, torch.nn.Module]
+) -> dict[int, Chunk]:
+    """The chunks of `rank` that have a module (missing ones are reported by `problems`)."""
+    placement = program.placement
+    chunks = {}
+    for slot in placement.chunks(rank):
+        module = modules.get(slot.chunk)
+        if module is None:
+            continue
+        chunks[slot.chunk] = Chunk(
+            slot=slot,
+            module=module,
+            params=frozenset(id(p) for p in module.parameters()),
+            first=slot.stage == 0,
+            last=placement.is_last_stage(slot.pipe, slot.stage),
+        )
+    return chunks
+
+
+def recv_specs(program: Program, rank: int, boundaries: Mapping[int, Specs]) -> dict:
+    """The buffer specs of every message this rank receives, keyed by (what, pipe, stage)."""
+    specs: dict[tuple[Msg, int, int], Specs] = {}
+    for instr in program.ranks[rank]:
+        if type(instr) is Recv:
+            key = (instr.what, instr.pipe, instr.stage)
+            found = message_specs(instr.what, instr.stage, boundaries)
+            if found is not None:
+                specs[key] = found
+    return specs
+
+
+def message_specs(what: Msg, stage: int, boundaries: Mapping[int, Specs]) -> Specs | None:
+    """An activation for stage s carries the input of s; a gradient for stage s carries the
+    gradient of s's output (the input of s+1), floating tensors only."""
+    if what is Msg.ACT:
+        return boundaries.get(stage)
+    found = boundaries.get(stage + 1)
+    return None if found is None else tuple(s for s in found if s.is_floating)
+
+
+def world_problem(program: Program, world: int, rank_map: Sequence[int], me: int) -> str | None:
+    """A mismatch every rank sees alike (checked before anything else, no collective)."""
+    if program.num_ranks != world:
+        return (
+            f"the program was compiled for {program.num_ranks} ranks but the pipeline group "
+            f"has {world}; recompile it with -P {world}"
+        )
+    if len(rank_map) != world or len(set(rank_map)) != world:
+        return f"the rank map {list(rank_map)} must list {world} distinct global ranks"
+    if me not in rank_map:
+        return f"this process (global rank {me}) is not in the rank map {list(rank_map)}"
+    return None
+
+
+def problems(
+    program: Program,
+    rank: int,
+    modules: Mapping[int, torch.nn.Module],
+    boundaries: Mapping[int, Specs],
+    *,
+    check_shapes: bool,
+) -> list[str]:
+    """What is wrong on this rank: missing modules, boundaries, shape or dtype mismatches."""
+    found = []
+    placement = program.placement
+    for slot in placement.chunks(rank):
+        if slot.chunk not in modules:
+            found.append(
+                f"no stage module for chunk {slot.chunk} (stage {slot.stage} of "
+                f"pipe {slot.pipe}); this rank holds {placement.num_chunks(rank)} chunks"
+            )
+    extra = sorted(set(modules) - {s.chunk for s in placement.chunks(rank)})
+    if extra:
+        found.append(f"stage modules given for chunks {extra} that this rank does not hold")
+    for what, pipe, stage in _messages(program, rank):
+        if message_specs(what, stage, boundaries) is None:
+            need = stage if what is Msg.ACT else stage + 1
+            found.append(
+                f"no boundary shapes for the input of stage {need} "
+                f"({what.value} pipe {pipe} stage {stage})"
+            )
+    if check_shapes and not found:
+        found.extend(_shape_problems(program, rank, modules, boundaries))
+    return found
+
+
+def _messages(program: Program, rank: int) -> set[tuple[Msg, int, int]]:
+    return {(i.what, i.pipe, i.stage) for i in program.ranks[rank] if type(i) is Recv}
+
+
+def _shape_problems(
+    program: Program,
+    rank: int,
+    modules: Mapping[int, torch.nn.Module],
+    boundaries: Mapping[int, Specs],
+) -> list[str]:
+    """Run each chunk on the meta device and compare with the next stage's input specs."""
+    found = []
+    placement = program.placement
+    for slot in placement.chunks(rank):
+        last = slot.stage == placement.num_stages(slot.pipe) - 1
+        given, wanted = boundaries.get(slot.stage), boundaries.get(slot.stage + 1)
+        if last or given is None or wanted is None:
+            continue
+        try:
+            got = meta_forward(modules[slot.chunk], given)
+        except Exception:  # no meta kernel for some op: the check at send time remains
+            continue
+        if got != wanted:
+            found.append(
+                f"chunk {slot.chunk} (stage {slot.stage} of pipe {slot.pipe}) returns "
+                f"{describe_specs(got)} for input {describe_specs(given)}, but stage "
+                f"{slot.stage + 1} takes {describe_specs(wanted)}"
+            )
+    return found
+
+
+def agree(
+    found: list[str], group: dist.ProcessGroup | None, world: int, device: torch.device
+) -> None:
+    """Gather every rank's findings; raise the same SetupError on every rank if any.
+
+    `found[i]` lines already name their rank. Text travels as UTF-8 bytes in two
+    `all_gather`s (sizes, then padded bytes): `all_gather_object` would need numpy.
+    """
+    data = "\n".join(found).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    if longest == 0:
+        return
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    texts = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(texts, mine, group=group)
+    lines = []
+    for text, length in zip(texts, sizes, strict=True):
+        lines.extend(bytes(text[: int(length.item())].tolist()).decode().splitlines())
+    raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))

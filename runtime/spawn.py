@@ -1,0 +1,137 @@
+"""Start P local processes in one process group, run a function in each, collect results.
+
+The parent watches its children: when one reports an error or dies (killed, crashed), it
+gives the others a moment to report their own errors, then terminates them, so a dead rank
+never leaves the rest hanging. Results travel back as `torch.save` bytes, so they may hold
+tensors without sharing memory with a process that is about to exit.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecc.diagnostics import PipeccError, RankError
+
+Worker = Callable[[int, int, Any], Any]  # (rank, world size, payload) -> result
+GRACE = 1.0  # seconds the others get to report after the first failure
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bootstrap(
+    rank: int, world: int, address: tuple[int, str, float], worker: Worker, payload: Any,
+    results: Any,
+) -> None:  # fmt: skip
+    port, backend, timeout = address
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+        )
+        value = worker(rank, world, payload)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put(("ok", rank, buffer.getvalue()))
+        dist.destroy_process_group()
+    except PipeccError as err:
+        _report(results, rank, str(err))
+    except BaseException as err:  # a bug or a user's exception: keep the traceback
+        _report(results, rank, f"rank {rank}: {type(err).__name__}: {err}\n"
+                + "".join(traceback.format_exception(err)))  # fmt: skip
+
+
+def _report(results: Any, rank: int, message: str) -> None:
+    """Send the error, then leave at once: a clean shutdown could block on dead peers."""
+    results.put(("error", rank, message))
+    results.close()
+    results.join_thread()
+    os._exit(1)
+
+
+def spawn(
+    worker: Worker, world: int, payload: Any, *, backend: str = "gloo", timeout: float = 300.0
+) -> list[Any]:
+    """Run `worker(rank, world, payload)` in `world` new processes; their results by rank.
+
+    Raises `RankError` naming every rank that failed, once all have stopped.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    address = (free_port(), backend, timeout)
+    processes = [
+        context.Process(target=_bootstrap, args=(r, world, address, worker, payload, results))
+        for r in range(world)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        values, failures = _collect(processes, results)
+    finally:
+        _stop(processes)
+    if failures:
+        raise RankError("\n".join(failures[r] for r in sorted(failures)))
+    return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world)]
+
+
+def _collect(processes: list[Any], results: Any) -> tuple[dict[int, bytes], dict[int, str]]:
+    values: dict[int, bytes] = {}
+    failures: dict[int, str] = {}
+    failed_at: float | None = None
+    while len(values) + len(failures) < len(processes):
+        if failed_at is not None and time.monotonic() - failed_at > GRACE:
+            break
+        try:
+            status, rank, data = results.get(timeout=0.1)
+        except queue.Empty:
+            _note_deaths(processes, values, failures)
+        else:
+            (values if status == "ok" else failures)[rank] = data
+        if failures and failed_at is None:
+            failed_at = time.monotonic()
+    for rank in range(len(processes)):
+        if rank not in values and rank not in failures:
+            failures[rank] = f"rank {rank}: stopped after another rank failed"
+    return values, failures
+
+
+def _note_deaths(processes: list[Any], values: dict[int, bytes], failures: dict[int, str]) -> None:
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        if code is None or rank in values or rank in failures:
+            continue
+        if code < 0:
+            name = signal.Signals(-code).name
+            failures[rank] = f"rank {rank}: the process died (killed by {name})"
+        elif code != 0:
+            failures[rank] = f"rank {rank}: the process exited with code {code}"
+
+
+def _stop(processes: list[Any]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()

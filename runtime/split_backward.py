@@ -1,0 +1,256 @@
+"""Split backward: `I` computes input gradients only, `W` later the weight gradients.
+
+The method walks the autograd graph of one (chunk, microbatch), as torch's pipelining does;
+it needs nothing from the user's modules (no custom autograd functions, unlike DualPipe's
+weight-gradient store). The graph of a stage has three kinds of node:
+
+* the *input path*: nodes from which a stage input can be reached. `I` runs the autograd
+  engine from the outputs to the inputs only; the engine then computes, at each node, only
+  the gradients that lead to an input (an `addmm` computes `grad @ W` and skips `x.T @ grad`).
+* the *weight regions*: nodes that reach parameters but no input. They hang off the input
+  path at *anchors* (input-path nodes with an edge into a weight region), or directly off an
+  output (a stage whose inputs need no gradient, e.g. stage 0, is all weight region).
+* everything else (constants), ignored.
+
+`I` records, with a pre-hook on every anchor, the gradient flowing into the anchor, and keeps
+the graph (`retain_graph`). `W` restarts the engine at the anchors with those gradients and
+asks for the parameters only, so it runs the anchors' weight halves and the weight regions,
+and never the input path again. Anchors whose weight regions share a node (a weight used
+twice) are run together in one call; in such a group each anchor's incoming gradient is
+pinned to the recorded value, so the part of the input path between two anchors, which the
+engine may traverse again, adds nothing twice. Only that rare case repeats any work.
+
+Between `I` and `W` the retained graph keeps the input-path intermediates alive as well
+(memory, not time): the same trade-off as torch's implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+def full_backward(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> Grads:
+    """`B`: input and weight gradients in one engine call; returns the inputs' gradients."""
+    torch.autograd.backward(list(outputs), list(grads))
+    return tuple(x.grad if x.requires_grad else None for x in inputs)
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
+
+
+@dataclass
+class _Graph:
+    """The result of one walk over a (chunk, microbatch) graph."""
+
+    children: dict[Node, tuple[Node, ...]] = field(default_factory=dict)
+    to_input: dict[Node, bool] = field(default_factory=dict)
+    to_param: dict[Node, bool] = field(default_factory=dict)
+    params: dict[Node, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    """Anchors whose weight regions touch, and the parameters those regions reach."""
+
+    anchors: list[Node] = field(default_factory=list)
+    roots: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class WeightGrad:
+    """What `W` needs for one (chunk, microbatch): anchor gradients recorded by `I`."""
+
+    groups: list[_Group]
+    recorded: dict[Node, Grads]
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into the parameters' `.grad`."""
+        for group in self.groups:
+            edges: list[GradientEdge] = [edge for edge, _ in group.roots]
+            grads: list[torch.Tensor] = [grad for _, grad in group.roots]
+            for anchor in group.anchors:
+                for slot, grad in enumerate(self.recorded.get(anchor, ())):
+                    if grad is not None:
+                        edges.append(GradientEdge(anchor, slot))
+                        grads.append(grad)
+            if edges and group.params:
+                self._run_group(group, edges, grads)
+        self.groups = []
+        self.recorded = {}
+
+    def _run_group(
+        self, group: _Group, edges: list[GradientEdge], grads: list[torch.Tensor]
+    ) -> None:
+        handles = []
+        if len(group.anchors) > 1:  # pin each anchor's gradient (module docstring)
+            handles = [a.register_prehook(_pin(self.recorded[a])) for a in group.anchors]
+        try:
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.params)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _pin(grads: Grads) -> Callable[[Any], Grads]:
+    def hook(_: Any) -> Grads:
+        return grads
+
+    return hook
+
+
+def input_backward(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: set[int],
+) -> tuple[Grads, WeightGrad]:
+    """`I`: the inputs' gradients now, and what `W` needs to finish the weights later.
+
+    `params` holds the `id` of every parameter of the chunk.
+    """
+    wanted = [x for x in inputs if x.requires_grad]
+    graph = _walk(outputs, wanted, params)
+    groups, anchors = _group(graph, outputs, grads)
+    recorded: dict[Node, Grads] = {}
+    handles = [a.register_prehook(_recorder(recorded, a)) for a in anchors]
+    try:
+        found = _input_grads(outputs, grads, wanted, graph)
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = {id(x): g for x, g in zip(wanted, found, strict=True)}
+    return tuple(by_id.get(id(x)) for x in inputs), WeightGrad(groups, recorded)
+
+
+def _input_grads(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    wanted: list[torch.Tensor],
+    graph: _Graph,
+) -> Grads:
+    live = [(o, g) for o, g in zip(outputs, grads, strict=True) if _reaches_input(o, graph)]
+    if not wanted or not live:
+        return tuple(None for _ in wanted)
+    return torch.autograd.grad(
+        [o for o, _ in live],
+        wanted,
+        [g for _, g in live],
+        retain_graph=True,
+        allow_unused=True,
+    )
+
+
+def _recorder(recorded: dict[Node, Grads], anchor: Node) -> Callable[[Any], None]:
+    def hook(grad_outputs: Any) -> None:
+        recorded[anchor] = tuple(grad_outputs)
+
+    return hook
+
+
+def _root(tensor: torch.Tensor) -> Node | None:
+    if not tensor.requires_grad:
+        return None
+    return get_gradient_edge(tensor).node
+
+
+def _reaches_input(tensor: torch.Tensor, graph: _Graph) -> bool:
+    root = _root(tensor)
+    return root is not None and graph.to_input.get(root, False)
+
+
+def _walk(outputs: Sequence[torch.Tensor], inputs: list[torch.Tensor], params: set[int]) -> _Graph:
+    """Post-order walk from the outputs: which nodes reach an input, which a parameter."""
+    graph = _Graph()
+    input_ids = {id(x) for x in inputs}
+    stack: list[tuple[Node, bool]] = [(r, False) for o in outputs if (r := _root(o)) is not None]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            _classify(node, graph, input_ids, params)
+            continue
+        if node in graph.children:
+            continue
+        children = tuple(child for child, _ in node.next_functions if child is not None)
+        graph.children[node] = children
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if child not in graph.children)
+    return graph
+
+
+def _classify(node: Node, graph: _Graph, input_ids: set[int], params: set[int]) -> None:
+    children = graph.children[node]
+    to_input = any(graph.to_input[c] for c in children)
+    to_param = any(graph.to_param[c] for c in children)
+    if type(node) is _ACCUMULATE_GRAD:
+        variable = node.variable
+        to_input = to_input or id(variable) in input_ids
+        if id(variable) in params:
+            to_param = True
+            graph.params[node] = variable
+    graph.to_input[node] = to_input
+    graph.to_param[node] = to_param
+
+
+def _group(
+    graph: _Graph, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> tuple[list[_Group], list[Node]]:
+    """The anchor groups (union of anchors whose weight regions share a node), and anchors."""
+    owner: dict[Node, _Group] = {}
+    groups: list[_Group] = []
+    anchors: list[Node] = []
+    for node, to_input in graph.to_input.items():
+        entries = [c for c in graph.children[node] if _is_weight_entry(c, graph)]
+        if to_input and entries:
+            group = _Group(anchors=[node])
+            groups.append(group)
+            anchors.append(node)
+            for child in entries:
+                _claim(child, group, graph, owner)
+    for output, grad in zip(outputs, grads, strict=True):
+        root = _root(output)
+        if root is not None and _is_weight_entry(root, graph):
+            group = _Group(roots=[(get_gradient_edge(output), grad)])
+            groups.append(group)
+            _claim(root, group, graph, owner)
+    return [g for g in groups if g.anchors or g.roots], anchors
+
+
+def _is_weight_entry(node: Node, graph: _Graph) -> bool:
+    return not graph.to_input[node] and graph.to_param[node]
+
+
+def _claim(start: Node, group: _Group, graph: _Graph, owner: dict[Node, _Group]) -> None:
+    """Walk one weight region from `start`, merging with any group that already owns a node."""
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        other = owner.get(node)
+        if other is not None:
+            if other is not group:
+                _absorb(group, other, owner)
+            continue
+        owner[node] = group
+        if node in graph.params:
+            group.params.append(graph.params[node])
+        stack.extend(c for c in graph.children[node] if _is_weight_entry(c, graph))
+
+
+def _absorb(group: _Group, other: _Group, owner: dict[Node, _Group]) -> None:
+    """Move everything of `other` into `group` (a weight region shared by two anchors)."""
+    group.anchors.extend(other.anchors)
+    group.roots.extend(other.roots)
+    group.params.extend(other.params)
+    other.anchors, other.roots, other.params = [], [], []
+    for node, owned in list(owner.items()):
+        if owned is other:
+            owner[node] = group
