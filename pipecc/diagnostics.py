@@ -122,3 +122,158 @@ class ProgramError(PipeccError):
     """A compiled program that is wrong: found by the verifier, or by the runtime."""
 
     exit_code = 1
+
+
+# ---- verifier violations (docs/verify.md) ---------------------------------------------------
+
+
+class Violation(ProgramError):
+    """A defect `pipecc verify` found in a program. `code` names the check; `rank` and
+    `index` locate the instruction when there is one."""
+
+    code = "violation"
+
+    def __init__(
+        self,
+        message: str,
+        span: Span | None = None,
+        *,
+        notes: tuple[Note, ...] = (),
+        rank: int | None = None,
+        index: int | None = None,
+    ) -> None:
+        super().__init__(message, span, notes=notes)
+        self.rank = rank
+        self.index = index
+
+    @property  # type: ignore[override]
+    def kind(self) -> str:
+        return f"error[{self.code}]"
+
+
+class DeadlockError(Violation):
+    """Under the chosen comm model some rank waits forever (the message names the cycle)."""
+
+    code = "deadlock"
+
+
+class NeedsBufferingError(Violation):
+    """The program completes only if sends are buffered (eager): it hangs for large
+    messages or across nodes."""
+
+    code = "needs-buffering"
+
+
+class MismatchError(Violation):
+    """The k-th send of a rank pair and the k-th receive carry different messages."""
+
+    code = "mismatch"
+
+
+class OrphanError(Violation):
+    """A send or receive that nothing matches."""
+
+    code = "orphan"
+
+
+class RouteError(Violation):
+    """A send or receive whose peer is not the rank that holds the neighbouring stage."""
+
+    code = "route"
+
+
+class UnwaitedError(Violation):
+    """A posted send or receive that no wait completes."""
+
+    code = "unwaited"
+
+
+class DoubleWaitError(Violation):
+    """An op listed by two waits."""
+
+    code = "double-wait"
+
+
+class WaitTargetError(Violation):
+    """A wait that lists an index that is not a send or receive of its rank."""
+
+    code = "bad-wait"
+
+
+class BufferReuseError(Violation):
+    """A message posted again on a rank while its previous post is still outstanding."""
+
+    code = "buffer-reuse"
+
+
+class DataflowError(Violation):
+    """A computation or send placed before the data it needs exists."""
+
+    code = "dataflow"
+
+
+class ForwardBeforeInputError(DataflowError):
+    """A forward before the forward of the stage upstream on the same rank."""
+
+    code = "forward-before-input"
+
+
+class BackwardBeforeGradientError(DataflowError):
+    """A backward before the backward of the stage downstream on the same rank."""
+
+    code = "backward-before-gradient"
+
+
+class BackwardBeforeForwardError(DataflowError):
+    """A backward (B or I) before its own forward."""
+
+    code = "backward-before-forward"
+
+
+class WeightBeforeInputGradError(DataflowError):
+    """A W before the I it completes."""
+
+    code = "weight-before-input-grad"
+
+
+class SendBeforeComputeError(DataflowError):
+    """A send posted before the computation that produces its tensor."""
+
+    code = "send-before-compute"
+
+
+class RecvAfterUseError(DataflowError):
+    """A computation that consumes a received tensor before its receive is posted."""
+
+    code = "recv-after-use"
+
+
+class MissingRecvError(DataflowError):
+    """A computation that needs a tensor from another rank that its rank never receives."""
+
+    code = "missing-recv"
+
+
+class UnrunnableOrderError(DataflowError):
+    """A compute order that cannot run under any lowering: a cycle of program order and
+    data dependencies."""
+
+    code = "unrunnable-order"
+
+
+class CoverageError(Violation):
+    """A (pipe, stage, mb) without exactly one F and either one B or one I and one W."""
+
+    code = "coverage"
+
+
+class MisplacedOpError(Violation):
+    """A computation on a rank or chunk that does not hold its stage."""
+
+    code = "placement"
+
+
+class ActivationLimitError(Violation):
+    """Peak live activations on a rank above `--max-activations`."""
+
+    code = "memory"

@@ -1,0 +1,70 @@
+"""The one replay engine of DESIGN §5: untimed for `verify`, timed for `simulate` and `--align`.
+
+    run = replay(program)                                  # untimed, nccl
+    run = replay(program, model=CommModel.RENDEZVOUS, timing=my_costs)
+    run.finished, run.start_time(2, 17), run.cause(2, 17), run.stuck
+
+Timed semantics (exact; untimed replay is the same with every duration and latency 0):
+
+- Each rank runs its instruction list in order with its own clock, starting at 0.
+- Posting a Send or Recv takes no time and never blocks: its start and end are the clock.
+- A compute op (Compute or Fused) starts at max(clock, completion of every Recv on this rank
+  whose tensor it consumes) and ends at start + duration. It blocks on such a Recv even
+  without a Wait. The Recv it consumes is the one carrying its input message (what, pipe,
+  stage, mb) on its rank: the latest one posted before it, else the first one after it (which
+  it then waits for forever: a recv consumed before it is posted).
+- A Wait starts and ends at max(clock, completion of every op it lists). Listed indices that
+  are not Send/Recv ops of the rank are ignored here (the verifier reports them).
+- Matching: per ordered pair (src, dst) the k-th Send of src to dst matches the k-th Recv of
+  dst from src, in posting order, whatever messages they name (NCCL and gloo untagged ops).
+  An op without a partner (or whose peer is not another rank) never completes.
+- Comm completion, with `latency` = time from the moment a transfer can start to the data
+  being available at the receiver (not busy time):
+  - EAGER: a Send completes when posted; its Recv at max(recv post, send post + latency).
+  - RENDEZVOUS: a matched pair transfers from t0 = max(both posts); both complete at
+    t0 + latency.
+  - NCCL: each rank has one FIFO stream per peer holding its ops toward that peer (sends and
+    recvs) in posting order. A *unit* is one op, or a group (consecutive ops of one rank with
+    the same non-null group id), and sits on every stream it touches. A unit is active once
+    it is posted and at the head of all its streams (every earlier unit on those streams has
+    completed): its activation time is the max of its post and those completions. A Send and
+    its Recv transfer once both their units are active, from t0 = max of the two activation
+    times, and complete at t0 + latency. A unit completes when all its ops have.
+  - NCCL_SINGLE: the same with one stream per rank for all its peers.
+- Deadlock: instructions left unfinished, or posted ops left incomplete, when nothing more
+  can happen.
+
+Why a worklist suffices. Matching is fixed by posting order, so every time above is a
+max-plus expression of earlier times: no choice depends on which event happens first. The
+engine advances each rank until it blocks, and wakes a blocked rank when the op it waits on
+completes; any processing order computes the same times (and the same blocked state), so no
+global priority queue is needed and one replay decides deadlock for every timing.
+
+Modules: `model` (CommModel, Timing), `wiring` (the static part: numbering, matching,
+consumed recvs, units, streams; shared by replays of one program under several models and
+timings), `engine` (the rules above), `result` (the Replay: times, causes, blocked state).
+The rules live in `engine` only; `verify`, `simulate` and the alignment pass all call
+`replay`.
+"""
+
+from __future__ import annotations
+
+from pipecc.semantics.engine import replay
+from pipecc.semantics.model import ZERO_TIMING, CommModel, Timing, ZeroTiming
+from pipecc.semantics.result import Block, Cause, CauseKind, Replay, Stuck
+from pipecc.semantics.wiring import Wiring, wire
+
+__all__ = [
+    "ZERO_TIMING",
+    "Block",
+    "Cause",
+    "CauseKind",
+    "CommModel",
+    "Replay",
+    "Stuck",
+    "Timing",
+    "Wiring",
+    "ZeroTiming",
+    "replay",
+    "wire",
+]

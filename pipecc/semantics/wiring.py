@@ -1,0 +1,322 @@
+"""The static part of a replay: numbering, matching, consumed recvs, units and streams.
+
+None of this depends on the comm model's timing rules or on durations, so one `Wiring` serves
+every replay of a program (the four models of `verify --comm all`, the simulator's cost
+models, the alignment pass's trials).
+
+Instructions are numbered globally: instruction `index` of `rank` has id
+`offsets[rank] + index`, and every array is a flat tuple indexed by that id, so the replay's
+hot loop works on integers only.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.program import Program
+from pipecc.semantics.model import CommModel
+
+# instruction codes
+COMPUTE, SEND, RECV, WAIT = 0, 1, 2, 3
+_EMPTY: tuple[int, ...] = ()
+_GRAD = Msg.GRAD
+
+
+@dataclass(frozen=True, slots=True)
+class Streams:
+    """The FIFO streams of one model: `units[s]` lists the units on stream s in posting
+    order. Stream ids: rank * P + peer under nccl, rank under nccl-single."""
+
+    model: CommModel
+    units: tuple[Sequence[int], ...]
+    of_unit: Sequence[tuple[int, ...]]  # the streams each unit sits on
+
+    def preds(self, wiring: Wiring, u: int) -> tuple[int, ...]:
+        """The units just ahead of unit u on its streams."""
+        found = []
+        for s in self.of_unit[u]:
+            units = self.units[s]
+            at = units.index(u)
+            if at:
+                found.append(units[at - 1])
+        return tuple(sorted(set(found)))
+
+
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """What every replay of `program` shares (module docstring).
+
+    A *unit* is one Send/Recv, or a group (consecutive Send/Recv of one rank with the same
+    non-null group id); its ops are the contiguous ids `unit_first[u]..unit_last[u]`.
+    """
+
+    program: Program
+    offsets: tuple[int, ...]  # P + 1 entries; rank r's ids are offsets[r]..offsets[r+1]-1
+    code: Sequence[int]  # COMPUTE, SEND, RECV or WAIT
+    deps: Sequence[tuple[int, ...]]  # recvs a compute consumes; comm ops a Wait lists
+    message: Sequence[int]  # message key of a Send/Recv (`MessageKeys`), else -1
+    peer: Sequence[int]  # peer of a Send/Recv if it is another rank, else -1
+    partner: Sequence[int]  # the matched op of a Send/Recv, -1 if none
+    unit: Sequence[int]  # the unit of a Send/Recv, else -1
+    unit_first: Sequence[int]
+    unit_last: Sequence[int]
+    unit_offsets: tuple[int, ...]  # P + 1 entries: rank r's units are a contiguous range
+    sends: tuple[tuple[Sequence[int], ...], ...]  # sends[src][dst]: sends of src to dst
+    recvs: tuple[tuple[Sequence[int], ...], ...]  # recvs[dst][src]: recvs of dst from src
+    computes: tuple[Sequence[int], ...]  # per rank: ids of its Compute/Fused instructions
+    waits: tuple[Sequence[int], ...]  # per rank: ids of its Wait instructions
+    unreceived: tuple[int, ...]  # computes needing a remote tensor that no recv carries
+    peer_streams: tuple[Sequence[int], ...]  # units per (rank * P + peer), in posting order
+    unit_peer_streams: Sequence[tuple[int, ...]]  # the (rank * P + peer) streams of a unit
+    num_comm: int
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.offsets) - 1
+
+    def gid(self, rank: int, index: int) -> int:
+        return self.offsets[rank] + index
+
+    def locate(self, gid: int) -> tuple[int, int]:
+        """(rank, index) of a global instruction id."""
+        rank = bisect_right(self.offsets, gid) - 1
+        return rank, gid - self.offsets[rank]
+
+    def instr(self, gid: int) -> Instr:
+        rank, index = self.locate(gid)
+        return self.program.ranks[rank][index]
+
+    def streams(self, model: CommModel) -> Streams:
+        """The streams of nccl (one per rank and peer) or nccl-single (one per rank)."""
+        if model is CommModel.NCCL_SINGLE:
+            offsets = self.unit_offsets
+            ranks = range(self.num_ranks)
+            units = tuple(range(offsets[r], offsets[r + 1]) for r in ranks)
+            of_unit: list[tuple[int, ...]] = []
+            for r in ranks:
+                of_unit.extend([(r,)] * (offsets[r + 1] - offsets[r]))
+            return Streams(model, units, of_unit)
+        return Streams(CommModel.NCCL, self.peer_streams, self.unit_peer_streams)
+
+
+class MessageKeys:
+    """Dense integer keys for message names (what, pipe, stage, mb) of one placement.
+
+    Names outside the placement (a bad pipe or stage) get negative keys of their own, so a
+    malformed program still replays.
+    """
+
+    def __init__(self, program: Program) -> None:
+        placement = program.placement
+        self.pipes = placement.num_pipes
+        self.stages = tuple(placement.num_stages(p) for p in range(self.pipes))
+        self.stride = max(self.stages)
+        self.ranks_of = tuple(
+            tuple(placement.holder(p, s).rank for s in range(self.stages[p]))
+            for p in range(self.pipes)
+        )
+        self._odd: dict[tuple[Msg, int, int, int], int] = {}
+
+    def key(self, what: Msg, pipe: int, stage: int, mb: int) -> int:
+        if 0 <= pipe < self.pipes and 0 <= stage < self.stages[pipe] and mb >= 0:
+            return (((mb * self.pipes + pipe) * self.stride + stage) << 1) | (what is _GRAD)
+        name = (what, pipe, stage, mb)
+        return self._odd.setdefault(name, -2 - len(self._odd))
+
+    def input_key(self, op: Compute, rank: int) -> int:
+        """The key of the message `op` receives from another rank, or -1 (none, or local)."""
+        kind, _, pipe, stage, mb, _ = op
+        if not (0 <= pipe < self.pipes and 0 <= stage < self.stages[pipe]) or mb < 0:
+            return -1
+        ranks = self.ranks_of[pipe]
+        if kind is Kind.F:
+            if stage == 0 or ranks[stage - 1] == rank:
+                return -1
+            return ((mb * self.pipes + pipe) * self.stride + stage) << 1
+        if kind is Kind.W or stage == len(ranks) - 1 or ranks[stage + 1] == rank:
+            return -1
+        return (((mb * self.pipes + pipe) * self.stride + stage) << 1) | 1
+
+
+def wire(program: Program) -> Wiring:
+    """Number every instruction, match sends with recvs, bind consumed recvs, find units."""
+    builder = _Builder(program)
+    for rank, instrs in enumerate(program.ranks):
+        builder.scan(rank, instrs)
+    return Wiring(
+        program=program,
+        offsets=tuple(builder.offsets),
+        code=builder.code,
+        deps=builder.deps,
+        message=builder.message,
+        peer=builder.peer,
+        partner=builder.match(),
+        unit=builder.unit,
+        unit_first=builder.unit_first,
+        unit_last=builder.unit_last,
+        unit_offsets=tuple(builder.unit_offsets),
+        sends=tuple(tuple(row) for row in builder.sends),
+        recvs=tuple(tuple(row) for row in builder.recvs),
+        computes=tuple(builder.computes),
+        waits=tuple(builder.waits),
+        unreceived=tuple(builder.unreceived),
+        peer_streams=tuple(s for per_rank in builder.streams for s in per_rank),
+        unit_peer_streams=builder.unit_streams,
+        num_comm=builder.num_comm,
+    )
+
+
+class _Builder:
+    """Walks each rank once, filling the flat arrays of a Wiring."""
+
+    def __init__(self, program: Program) -> None:
+        n = program.num_instructions()
+        self.num_ranks = program.num_ranks
+        self.keys = MessageKeys(program)
+        self.offsets = [0]
+        self.unit_offsets = [0]
+        self.code = [COMPUTE] * n
+        self.deps = [_EMPTY] * n
+        self.message = [-1] * n
+        self.peer = [-1] * n
+        self.unit = [-1] * n
+        self.unit_first: list[int] = []
+        self.unit_last: list[int] = []
+        self.unit_streams: list[tuple[int, ...]] = []
+        self.num_comm = 0
+        # sends[src][dst]: ids of the sends of src to dst; recvs[dst][src]: the matching recvs
+        ranks = range(self.num_ranks)
+        self.sends: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        self.recvs: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        self.streams: list[list[list[int]]] = [[[] for _ in ranks] for _ in ranks]
+        self._recvs_by_key: dict[int, list[int]] | None = None
+        self.computes: list[list[int]] = []
+        self.waits: list[list[int]] = []
+        self.unreceived: list[int] = []
+
+    def scan(self, rank: int, instrs: Sequence[Instr]) -> None:
+        """One pass over one rank. This is the hot loop of `wire` (about 10⁶ instructions
+        at the benchmark size), so it is one function working on local names."""
+        base = self.offsets[-1]
+        code, message, peers, unit_of = self.code, self.message, self.peer, self.unit
+        first, last, unit_streams = self.unit_first, self.unit_last, self.unit_streams
+        keys = self.keys
+        pipes, stages, stride = keys.pipes, keys.stages, keys.stride
+        sends, recvs, streams = self.sends[rank], self.recvs[rank], self.streams[rank]
+        num_ranks = self.num_ranks
+        computes: list[int] = []
+        waits: list[int] = []
+        group = None  # the group id of the previous instruction, if a Send/Recv
+        u = len(first) - 1
+        for g, instr in enumerate(instrs, base):
+            t = type(instr)
+            if t is not Send and t is not Recv:
+                group = None
+                if t is Wait:
+                    code[g] = WAIT
+                    waits.append(g)
+                else:
+                    computes.append(g)
+                continue
+            what, peer, pipe, stage, mb, this_group, _ = instr  # type: ignore[misc]
+            if 0 <= pipe < pipes and 0 <= stage < stages[pipe] and mb >= 0:
+                key = (((mb * pipes + pipe) * stride + stage) << 1) | (what is _GRAD)
+            else:
+                key = keys.key(what, pipe, stage, mb)
+            message[g] = key
+            if this_group is None or this_group != group:
+                first.append(g)
+                last.append(g)
+                unit_streams.append(_EMPTY)
+                u += 1
+            else:
+                last[-1] = g
+            unit_of[g] = u
+            group = this_group
+            if t is Send:
+                code[g] = SEND
+                if 0 <= peer < num_ranks and peer != rank:
+                    peers[g] = peer
+                    sends[peer].append(g)
+            else:
+                code[g] = RECV
+                if 0 <= peer < num_ranks and peer != rank:
+                    peers[g] = peer
+                    recvs[peer].append(g)
+            if peers[g] >= 0:
+                stream = streams[peer]
+                if not stream or stream[-1] != u:
+                    stream.append(u)
+                    unit_streams[u] += (rank * num_ranks + peer,)
+        self.offsets.append(base + len(instrs))
+        self.unit_offsets.append(len(first))
+        self.num_comm += len(instrs) - len(computes) - len(waits)
+        self._bind_computes(rank, base, instrs, computes)
+        self._bind_waits(base, instrs, waits)
+        self.computes.append(computes)
+        self.waits.append(waits)
+
+    def _bind_computes(
+        self, rank: int, base: int, instrs: Sequence[Instr], computes: list[int]
+    ) -> None:
+        """The recv each compute consumes: the latest one with its message posted before
+        it, else the first one after it (which it then waits for forever)."""
+        code, message, deps = self.code, self.message, self.deps
+        input_key = self.keys.input_key
+        posted: dict[int, int] = {}  # message key -> latest Recv before the cursor
+        self._recvs_by_key = None
+        g = base
+        for c in computes:
+            while g < c:
+                if code[g] == RECV:
+                    posted[message[g]] = g
+                g += 1
+            instr = instrs[c - base]
+            if type(instr) is Compute:
+                key = input_key(instr, rank)
+                if key >= 0:
+                    found = posted[key] if key in posted else self._later(c, key)
+                    if found >= 0:
+                        deps[c] = (found,)
+                    else:
+                        self.unreceived.append(c)
+            else:
+                both = [posted[k] if k in posted else self._later(c, k)
+                        for op in (instr.forward, instr.backward)  # type: ignore[union-attr]
+                        if (k := input_key(op, rank)) >= 0]
+                deps[c] = tuple(d for d in both if d >= 0)
+                if len(deps[c]) < len(both):
+                    self.unreceived.append(c)
+
+    def _later(self, g: int, key: int) -> int:
+        """The first Recv of message `key` after g on its rank, or -1 if there is none."""
+        if self._recvs_by_key is None:
+            self._recvs_by_key = {}
+            for h in range(self.offsets[-2], self.offsets[-1]):
+                if self.code[h] == RECV:
+                    self._recvs_by_key.setdefault(self.message[h], []).append(h)
+        found = self._recvs_by_key.get(key, [])
+        at = bisect_right(found, g)
+        return found[at] if at < len(found) else -1
+
+    def _bind_waits(self, base: int, instrs: Sequence[Instr], waits: list[int]) -> None:
+        count = len(instrs)
+        code = self.code
+        for g in waits:
+            ops = instrs[g - base].ops  # type: ignore[union-attr]
+            self.deps[g] = tuple(
+                base + i for i in ops if 0 <= i < count and code[base + i] in (SEND, RECV)
+            )
+
+    def match(self) -> list[int]:
+        """The k-th send of src to dst matches the k-th recv of dst from src."""
+        partner = [-1] * len(self.code)
+        for src in range(self.num_ranks):
+            for dst in range(self.num_ranks):
+                for s, r in zip(self.sends[src][dst], self.recvs[dst][src], strict=False):
+                    partner[s] = r
+                    partner[r] = s
+        return partner

@@ -1,0 +1,125 @@
+"""`pipecc verify`: prove a program free of deadlocks and mismatched messages, with witnesses.
+
+    report = verify(program)                          # nccl, every check
+    report = verify(program, Options(models=ALL_MODELS, max_activations=8))
+    report.ok, report.violations, report.verdicts, report.peaks
+
+Checks (docs/verify.md), each with its own `Violation` subclass in pipecc.diagnostics:
+waits (bad-wait, double-wait, unwaited, buffer-reuse), matching (orphan, mismatch), routes
+and placement (route, placement), coverage, data dependencies (forward-before-input,
+backward-before-gradient, backward-before-forward, weight-before-input-grad,
+send-before-compute, recv-after-use, missing-recv), deadlock and needs-buffering under each
+comm model (replayed by pipecc.semantics), and memory (--max-activations).
+
+The verifier depends on pipecc.ir, pipecc.semantics and networkx only; lowering a
+compute-only input before verifying it is the driver's job (pipecc.verification).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipecc.diagnostics import Violation
+from pipecc.ir.program import Program
+from pipecc.perf import paused_gc
+from pipecc.semantics import CommModel, wire
+from pipecc.verify.context import DEFAULT_LIMIT, Context
+from pipecc.verify.coverage import check_coverage
+from pipecc.verify.dataflow import check_compute_order, check_dataflow
+from pipecc.verify.deadlock import Status, Verdict, check_deadlock
+from pipecc.verify.matching import check_matching
+from pipecc.verify.memory import Peak, check_memory, peaks
+from pipecc.verify.placement import check_placement, check_routes
+from pipecc.verify.waits import check_waits
+
+ALL_MODELS = (CommModel.NCCL, CommModel.NCCL_SINGLE, CommModel.RENDEZVOUS, CommModel.EAGER)
+
+__all__ = [
+    "ALL_MODELS",
+    "Options",
+    "Peak",
+    "Report",
+    "Status",
+    "Verdict",
+    "check",
+    "check_order",
+    "verify",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """What to check: the comm models to replay under, an optional activation limit, and
+    how many violations of one kind to keep."""
+
+    models: tuple[CommModel, ...] = (CommModel.NCCL,)
+    max_activations: int | None = None
+    limit: int = DEFAULT_LIMIT
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """The outcome of `verify`: violations (empty when the program is correct), the verdict
+    under each model, the activation peak of each rank, and how many violations of each
+    code were found beyond the limit."""
+
+    program: Program
+    options: Options
+    violations: tuple[Violation, ...]
+    verdicts: tuple[Verdict, ...]
+    peaks: tuple[Peak, ...]
+    dropped: tuple[tuple[str, int], ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def verify(program: Program, options: Options = Options()) -> Report:
+    """Run every check on `program` (module docstring)."""
+    with paused_gc():
+        return _verify(program, options)
+
+
+def _verify(program: Program, options: Options) -> Report:
+    ctx = Context(program, wire(program), limit=options.limit)
+    check_waits(ctx)
+    check_matching(ctx)
+    check_routes(ctx)
+    check_placement(ctx)
+    check_coverage(ctx)
+    check_dataflow(ctx)
+    verdicts = check_deadlock(ctx, options.models)
+    found = peaks(ctx)
+    if options.max_activations is not None:
+        check_memory(ctx, found, options.max_activations)
+    return Report(
+        program=program,
+        options=options,
+        violations=tuple(ctx.violations),
+        verdicts=verdicts,
+        peaks=found,
+        dropped=tuple(sorted(ctx.dropped.items())),
+    )
+
+
+def check_order(program: Program, options: Options = Options()) -> Report | None:
+    """For a compute-only program: None when its compute order can run (lower it, then
+    `verify`); otherwise a Report whose violations say why it cannot (coverage, placement,
+    or the dependency cycle)."""
+    ctx = Context(program, wire(program), limit=options.limit)
+    check_placement(ctx)
+    check_coverage(ctx)
+    if not ctx.violations:
+        check_compute_order(ctx)
+    if not ctx.violations:
+        return None
+    return Report(program, options, tuple(ctx.violations), (), peaks(ctx),
+                  tuple(sorted(ctx.dropped.items())))
+
+
+def check(program: Program, options: Options = Options()) -> None:
+    """Raise the first violation `verify` finds (for code that wants an exception)."""
+    report = verify(program, options)
+    if report.violations:
+        raise report.violations[0]
