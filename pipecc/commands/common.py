@@ -31,7 +31,7 @@ def define(text: str) -> tuple[str, int]:
         return name, int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"-D {name}: the value must be an integer, got {value!r}"
+            f"{name}: the value must be an integer, got {value!r}"
         ) from None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ StmtFn = Callable[[Env, list[StreamItem]], None]
 SLOT_P, SLOT_M, SLOT_RANK = 0, 1, 2
 BUILTIN_NAMES = {"P": SLOT_P, "M": SLOT_M, "rank": SLOT_RANK}
 FUNCTIONS = ("min", "max", "abs")
-RESERVED = {"F", "B", "I", "W"}
+_OP_NAME = re.compile(r"[FBIW][0-9]*")
 
 
 class Type(enum.Enum):
@@ -86,8 +87,8 @@ class Scope:
     def define(self, name: str, type_: Type, kind: str, span: Span | None) -> Binding:
         """Bind `name` in this scope. Redefining a name visible here is an error, except that
         a `let` in a loop body is re-evaluated, not redefined, at each iteration."""
-        if name in RESERVED:
-            raise ScheduleError(f"'{name}' is an op letter and cannot name a value", span)
+        if _OP_NAME.fullmatch(name):
+            raise ScheduleError(f"'{name}' is an op and cannot name a value", span)
         existing = self.lookup(name)
         if existing is not None:
             raise ScheduleError(f"'{name}' is already defined (as a {existing.kind})", span)

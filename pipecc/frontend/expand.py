@@ -79,7 +79,9 @@ def expand(
     _check_sizes(ranks, microbatches)
     decls = _compile_declarations(file, defines)
     states = [_run_rank(decls, rank, ranks, microbatches) for rank in range(ranks)]
+    _check_rank_independent(file, states)
     placement = _build_placement(decls, states, ranks)
+    _check_pipes(file, placement, states[0], microbatches)
     generated = states[0].generated if states[0].generated is not None else microbatches
     params = tuple(sorted(states[0].params.items()))
     return Streams(
@@ -94,6 +96,45 @@ def expand(
     )
 
 
+def _check_rank_independent(file: ast.ScheduleFile, states: list[_RankState]) -> None:
+    """Parameters, the placement's argument and `pad` are one value for the whole schedule."""
+    for decl in file.decls:
+        values: list[object] = []
+        match decl:
+            case ast.Param(name=name):
+                what, values = f"param {name}", [state.params[name] for state in states]
+            case ast.NamedPlacement(arg=arg) if arg is not None:
+                what, values = f"placement {decl.name}(...)", [s.placement_arg for s in states]
+            case ast.Pad():
+                what, values = "pad microbatches", [state.generated for state in states]
+        if any(value != values[0] for value in values):
+            differs = next(r for r, value in enumerate(values) if value != values[0])
+            raise ScheduleError(
+                f"{what} must be the same on every rank, but it is {values[0]} on rank 0 and "
+                f"{values[differs]} on rank {differs} (it must not depend on `rank`)",
+                decl.span,
+            )
+
+
+def _check_pipes(
+    file: ast.ScheduleFile, placement: Placement, state: _RankState, microbatches: int
+) -> None:
+    """Two pipes split M evenly, and cannot be padded (DESIGN §2)."""
+    if placement.num_pipes == 1:
+        return
+    spans = {type(decl): decl.span for decl in file.decls}
+    where = spans.get(ast.NamedPlacement) or spans.get(ast.TablePlacement)
+    if microbatches % placement.num_pipes:
+        raise ScheduleError(
+            f"placement {placement.name} splits the microbatches over {placement.num_pipes} "
+            f"pipes, so M must be a multiple of {placement.num_pipes}; got M={microbatches}",
+            where,
+        )
+    if state.generated is not None and state.generated != microbatches:
+        raise ScheduleError("'pad microbatches' needs a placement with one pipe",
+                            spans.get(ast.Pad))
+
+
 def _check_sizes(ranks: int, microbatches: int) -> None:
     if ranks < 1:
         raise ScheduleError(f"the number of ranks must be at least 1, got {ranks}")
@@ -106,6 +147,7 @@ def _compile_declarations(file: ast.ScheduleFile, defines: dict[str, int]) -> _D
     steps: list[Step] = []
     names: list[str] = []
     single: dict[type, ast.Decl] = {}
+    phases: dict[str, Span | None] = {}
     for decl in file.decls:
         _check_single(decl, single)
         match decl:
@@ -119,6 +161,10 @@ def _compile_declarations(file: ast.ScheduleFile, defines: dict[str, int]) -> _D
             case ast.Pad():
                 steps.append(_pad_step(decl, scope))
             case ast.Phase():
+                if decl.name in phases:
+                    raise ScheduleError(f"phase '{decl.name}' is defined twice", decl.span,
+                                        notes=((phases[decl.name], "first here"),))
+                phases[decl.name] = decl.span
                 steps.append(_phase_step(decl, scope))
             case ast.TablePlacement():
                 steps.append(_table_step(decl, scope))
@@ -200,14 +246,12 @@ def _require_step(cond: ast.Expr, decl: ast.Require, scope: Scope) -> Step:
     shown = _names_in(cond)
     slots = [(name, binding.slot) for name in shown if (binding := scope.lookup(name))]
     text = (cond.span.text() if cond.span else "") or "the requirement"
-    uses_rank = "rank" in shown
 
     def require(env: Env, state: _RankState) -> None:
         if not check(env):
             values = ", ".join(f"{name}={env[slot]}" for name, slot in slots)
-            at = f" on rank {env[SLOT_RANK]}" if uses_rank else ""
             got = f", got {values}" if values else ""
-            raise ScheduleError(f"requires {text}{got}{at}", cond.span or decl.span)
+            raise ScheduleError(f"requires {text}{got}", cond.span or decl.span)
 
     return require
 

@@ -36,7 +36,12 @@ def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
         tree = _parser().parse(text)
     except lark.UnexpectedInput as err:
         raise _parse_error(err, source) from err
-    decls = _Builder(source).transform(tree)
+    try:
+        decls = _Builder(source).transform(tree)
+    except lark.exceptions.VisitError as err:  # a ParseError raised while building the AST
+        if isinstance(err.orig_exc, ParseError):
+            raise err.orig_exc from None
+        raise
     return ast.ScheduleFile(path, tuple(decls))
 
 
@@ -59,6 +64,7 @@ _TOKEN_WORDS = {
     "MSGKIND": "'act' or 'grad'",
     "COMPOP": "a comparison",
     "__ANON_0": "'..'",
+    "$END": "end of file",
 }
 
 
@@ -112,8 +118,9 @@ def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
     token_text = None
     if isinstance(err, lark.UnexpectedToken) and err.token.type != "$END":
         token_text = str(err.token)
-    hint = _hint(message, expected, token_text)
-    if expected:
+    hint = _hint(message, expected, token_text) if not isinstance(
+        err, lark.UnexpectedCharacters) else ""
+    if expected and not hint.startswith("comparisons"):
         message += f"; expected {_describe_expected(set(expected))}"
     if hint:
         message += f" ({hint})"
@@ -123,6 +130,8 @@ def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
 
 def _hint(message: str, expected: Any, token: str | None) -> str:
     names = set(expected or ())
+    if token is not None and token in {"<", ">", "<=", ">=", "==", "!="}:
+        return "comparisons do not chain: write 0 < M and M < 5"
     if token == "&":
         return "a fused op is two ops joined by '&': F0&B1"
     if "RBRACE" in names and (token is None or token in _TOP_LEVEL):

@@ -32,14 +32,6 @@ _new = tuple.__new__
 def assign_microbatches(streams: Streams) -> Program:
     """Resolve microbatches and W targets; check that the program is complete."""
     placement = streams.placement
-    if streams.generated_microbatches != streams.num_microbatches and placement.num_pipes > 1:
-        raise ScheduleError("'pad microbatches' needs a placement with one pipe")
-    if streams.num_microbatches % placement.num_pipes:
-        raise ScheduleError(
-            f"placement {placement.name} splits the microbatches over {placement.num_pipes} "
-            f"pipes, so M must be a multiple of {placement.num_pipes}; got M="
-            f"{streams.num_microbatches}"
-        )
     ranks = tuple(
         _RankAssigner(streams, rank).run(stream) for rank, stream in enumerate(streams.ranks)
     )

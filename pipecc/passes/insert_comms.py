@@ -80,9 +80,12 @@ def insert_comms(prog: Program) -> Program:
     events = _message_events(ranks, manual_sends, manual_recvs, span)
     lowered = tuple(
         _emit_rank(rank, prog.ranks[rank], ranks[rank], events[rank],
-                   _Emitter(flow, ranks[rank].start, consumed), span)
+                   _Emitter(flow, ranks[rank].start, consumed,
+                            hand_waited=_hand_waited(prog.ranks[rank])), span)
         for rank in range(prog.num_ranks)
     )
+    if any(type(i) is Send or type(i) is Recv for instrs in prog.ranks for i in instrs):
+        _check_hand_placed_order(lowered)
     return Program(
         schedule=prog.schedule,
         source=prog.source,
@@ -93,6 +96,34 @@ def insert_comms(prog: Program) -> Program:
         placement=prog.placement,
         ranks=lowered,
     )
+
+
+def _check_hand_placed_order(ranks: tuple[tuple[Instr, ...], ...]) -> None:
+    """Hand-placed sends or recvs can post a pair's messages in different orders on the two
+    sides; matched in posting order, that would deliver the wrong tensor. Say so here."""
+    sends: dict[tuple[int, int], list[Send]] = {}
+    recvs: dict[tuple[int, int], list[Recv]] = {}
+    for rank, instrs in enumerate(ranks):
+        for instr in instrs:
+            if type(instr) is Send:
+                sends.setdefault((rank, instr.peer), []).append(instr)
+            elif type(instr) is Recv:
+                recvs.setdefault((instr.peer, rank), []).append(instr)
+    for (src, dst), posted in sorted(sends.items()):
+        for k, (send, recv) in enumerate(zip(posted, recvs.get((src, dst), []), strict=False)):
+            if send.what is not recv.what or send[2:5] != recv[2:5]:
+                raise ScheduleError(
+                    f"rank {src}'s send #{k} to rank {dst} carries {_name(send)} but rank "
+                    f"{dst}'s receive #{k} from rank {src} expects {_name(recv)}: messages "
+                    "between two ranks match in posting order, so this would deliver the "
+                    "wrong tensor (check the order of the hand-placed sends and recvs)",
+                    send.span or recv.span,
+                    notes=((recv.span, "the receive"),) if send.span and recv.span else (),
+                )
+
+
+def _name(op: Send | Recv) -> str:
+    return f"{op.what.value} stage {op.stage} mb {op.mb}"
 
 
 def _collect(instrs: Sequence[Instr], flow: Dataflow) -> _RankOps:
@@ -295,7 +326,7 @@ class _Emitter:
     out: list[Instr] = field(default_factory=list)
     due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
     recv_at: dict[int, int] = field(default_factory=dict)  # message key -> index of its Recv
-    waited: set[int] = field(default_factory=set)
+    hand_waited: set[int] = field(default_factory=set)  # input positions a hand wait lists
     groups: dict[int, int] = field(default_factory=dict)
     next_group: int = 0
     moved: dict[int, int] = field(default_factory=dict)  # input index -> output index
@@ -320,9 +351,7 @@ class _Emitter:
         index = len(self.out)
         self.moved[position] = index
         if type(instr) is Wait:
-            targets = tuple(self.moved[i] for i in instr.ops)
-            self.waited.update(targets)
-            self.out.append(Wait(targets, instr.span))
+            self.out.append(Wait(tuple(self.moved[i] for i in instr.ops), instr.span))
             return
         assert type(instr) is Send or type(instr) is Recv
         group = instr.group
@@ -332,6 +361,8 @@ class _Emitter:
                 self.next_group += 1
             group = self.groups[group]
         self.out.append(instr._replace(group=group))
+        if position in self.hand_waited:
+            return  # the schedule completes it with its own wait
         key = self.flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
         if type(instr) is Send:
             self._due(key, index)
@@ -347,28 +378,22 @@ class _Emitter:
 
     def wait_before(self, k: int, inputs: tuple[int, ...]) -> None:
         """The Wait before compute op k: the recvs it consumes and the sends due there."""
-        waited = self.waited
-        due = self.due.pop(k, [])
-        targets = [i for i in due if i not in waited] if waited else due
+        targets = self.due.pop(k, [])
         for key in inputs:
             index = self.recv_at.pop(key, None)
-            if index is not None and index not in waited:
+            if index is not None:
                 targets.append(index)
         if targets:
-            if self.moved:
-                waited.update(targets)
             targets.sort()
             self.out.append(_new(Wait, (tuple(targets), None)))
 
     def wait_all(self) -> None:
-        waited = self.waited
+        done = {i for instr in self.out if type(instr) is Wait for i in instr.ops}
         posted = [
             i
             for i, instr in enumerate(self.out)
-            if (type(instr) is Send or type(instr) is Recv) and i not in waited
+            if (type(instr) is Send or type(instr) is Recv) and i not in done
         ]
-        done = {i for instr in self.out if type(instr) is Wait for i in instr.ops}
-        posted = [i for i in posted if i not in done]
         if posted:
             self.out.append(_new(Wait, (tuple(posted), None)))
 
@@ -403,6 +428,10 @@ def _emit_rank(
     _copy_manual(emitter, instrs, position, len(instrs))
     emitter.wait_all()
     return tuple(emitter.out)
+
+
+def _hand_waited(instrs: Sequence[Instr]) -> set[int]:
+    return {i for instr in instrs if type(instr) is Wait for i in instr.ops}
 
 
 def _copy_manual(emitter: _Emitter, instrs: Sequence[Instr], start: int, stop: int) -> int:

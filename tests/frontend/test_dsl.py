@@ -141,5 +141,5 @@ def test_let_cannot_redefine() -> None:
 
 
 def test_op_letters_are_reserved() -> None:
-    with pytest.raises(ScheduleError, match="'W' is an op letter"):
+    with pytest.raises(ScheduleError, match="'W' is an op and cannot name a value"):
         compile_source("param W = 3\nphase p { F B }", "t.sched", ranks=1, microbatches=1)

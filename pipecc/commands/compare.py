@@ -1,0 +1,103 @@
+"""`pipecc compare`: several schedules, one cost model, one table sorted by makespan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from pipecc.api import compile_schedule, resolve_schedule, schedule_parameters
+from pipecc.commands.common import SubParsers, add_cost_args, add_size_args, load_costs
+from pipecc.costs import CostModel
+from pipecc.diagnostics import InputError, ScheduleError
+from pipecc.semantics import CommModel
+from pipecc.simulate import Timeline, simulate
+
+EPILOG = """\
+The costs are for one rank's share of the model (1/P of it): a schedule that cuts the model
+into S stages per pipe (interleaved, ZB-V, DualPipeV: 2P) runs each stage at P/S of them, so
+every row trains the same model. --per-stage uses the costs as given for every stage instead.
+-D values apply to the schedules that declare that parameter. A schedule whose `require`
+rejects the sizes is listed as skipped, with the reason.
+
+example:
+  pipecc compare schedules/{1f1b,zb_h1,zb_h2,zbv}.sched -P 8 -M 32 --cost F=1,B=2,I=1,W=1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    name: str
+    timeline: Timeline | None
+    skipped: str = ""
+
+
+def register(commands: SubParsers) -> None:
+    cmd = commands.add_parser("compare", help="simulate several schedules into one table",
+                              description="Simulate several schedules with the same sizes, "
+                              "costs and comm model; print one table sorted by makespan.",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmd.add_argument("files", metavar="FILE", nargs="+", help=".sched files or bundled names")
+    add_size_args(cmd)
+    add_cost_args(cmd)
+    cmd.add_argument("--per-stage", action="store_true",
+                     help="use the costs as given for every stage (no scaling by stage count)")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object")
+    cmd.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ranks is None or args.microbatches is None:
+        raise InputError("compare needs -P/--ranks and -M/--microbatches")
+    costs = load_costs(args)
+    rows = [_row(name, args, costs) for name in args.files]
+    rows.sort(key=lambda row: (row.timeline is None,
+                               row.timeline.makespan if row.timeline else 0.0, row.name))
+    if args.json:
+        print(json.dumps([_json(row) for row in rows]))
+    else:
+        print(format_table(rows, args, costs), end="")
+    return 0
+
+
+def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
+    path = resolve_schedule(name)
+    declared = schedule_parameters(path)
+    defines = {k: v for k, v in args.defines if k in declared}
+    try:
+        program = compile_schedule(path, ranks=args.ranks, microbatches=args.microbatches,
+                                   defines=defines)
+    except ScheduleError as err:
+        return Row(path.stem, None, err.message)
+    if not args.per_stage:
+        costs = costs.scaled(program.num_ranks / program.placement.num_stages(0))
+    return Row(program.schedule, simulate(program, costs, model=CommModel(args.comm)))
+
+
+def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) -> str:
+    best = min((row.timeline.makespan for row in rows if row.timeline), default=0.0)
+    share = "per stage" if args.per_stage else "per 1/P of the model"
+    lines = [f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
+             f"{costs.describe()}",
+             f"{'schedule':18s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
+             f"{'peak act':>9s} {'stall total':>12s}"]
+    for row in rows:
+        if row.timeline is None:
+            lines.append(f"{row.name:18s} skipped: {row.skipped}")
+            continue
+        t = row.timeline
+        peak = max(stats.peak_activations for stats in t.ranks)
+        stalls = sum(s.length for stats in t.ranks for s in stats.stalls)
+        ratio = t.makespan / best if best else 1.0
+        lines.append(f"{row.name:18s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
+                     f"{peak:>9} {stalls:>12g}")
+    return "\n".join(lines) + "\n"
+
+
+def _json(row: Row) -> dict[str, object]:
+    if row.timeline is None:
+        return {"schedule": row.name, "skipped": row.skipped}
+    t = row.timeline
+    return {"schedule": row.name, "makespan": t.makespan, "bubble_ratio": t.bubble_ratio,
+            "peak_activations": max(s.peak_activations for s in t.ranks),
+            "stall_total": sum(s.length for r in t.ranks for s in r.stalls)}

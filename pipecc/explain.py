@@ -1,0 +1,111 @@
+"""Why does an instruction start when it does? The critical path back to time 0.
+
+`critical_path(timeline, rank, index)` walks the causes the replay engine recorded: each
+instruction starts when the previous one on its rank ends, or when the receive it needs
+completes; a receive completes when its transfer ends, and a transfer starts when both sides
+are ready (posted, and under nccl at the head of their streams). Each link of the chain says
+which of these it was, with its time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
+from pipecc.ir.printer import describe
+from pipecc.semantics import CauseKind, Replay
+from pipecc.simulate import Timeline
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One step of a critical path: at `time`, on `rank`, instruction `index` — `reason`."""
+
+    rank: int
+    index: int
+    time: float
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"rank": self.rank, "index": self.index, "time": self.time, "reason": self.reason}
+
+
+def critical_path(timeline: Timeline, rank: int, index: int) -> list[Link]:
+    """The chain of program-order and message edges that sets the start of `index` on
+    `rank`, from that instruction back to time 0."""
+    run = timeline.replay
+    program = timeline.program
+    links: list[Link] = []
+    node: tuple[str, int, int] | None = ("start", rank, index)
+    while node is not None:
+        kind, r, i = node
+        if kind == "start":
+            node = _explain_start(run, program.ranks[r], r, i, links)
+        elif kind == "done":
+            node = _explain_done(run, program.ranks, r, i, links)
+        else:
+            node = _explain_ready(run, program.ranks, r, i, links)
+    return links
+
+
+def _explain_start(run: Replay, instrs: tuple[Instr, ...], r: int, i: int,
+                   links: list[Link]) -> tuple[str, int, int] | None:
+    at = run.start_time(r, i) or 0.0
+    cause = run.cause(r, i)
+    here = describe(instrs[i])
+    if cause.kind is CauseKind.START:
+        links.append(Link(r, i, at, f"{here}: the first instruction of rank {r}"))
+        return None
+    if cause.kind is CauseKind.PROGRAM:
+        prev = instrs[i - 1]
+        verb = "ends" if _is_compute(prev) else ("is released" if type(prev) is Wait
+                                                   else "is posted")
+        links.append(Link(r, i, at, f"{here}: starts when the previous instruction "
+                                    f"[{i - 1}] {describe(prev)} {verb} at {at:g}"))
+        return ("start", r, i - 1)
+    op = instrs[cause.index]
+    what = "waits for" if cause.kind is CauseKind.WAIT else "needs the data of"
+    links.append(Link(r, i, at, f"{here}: {what} [{cause.index}] {describe(op)}, which "
+                                f"completes at {at:g}"))
+    return ("done", r, cause.index)
+
+
+def _explain_done(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int,
+                  links: list[Link]) -> tuple[str, int, int] | None:
+    done = run.done_time(r, i) or 0.0
+    cause = run.completion_cause(r, i)
+    op = ranks[r][i]
+    if cause.kind is CauseKind.TRANSFER:
+        pr, pi = cause.rank, cause.index
+        partner = ranks[pr][pi]
+        ready = run.ready_time(pr, pi) or 0.0
+        flight = done - ready
+        side = "sent" if type(partner) is Send else "received"
+        links.append(Link(pr, pi, ready, f"the transfer starts when rank {pr}'s "
+                                          f"[{pi}] {describe(partner)} is ready at {ready:g} "
+                                          f"({side} there); in flight {flight:g}, done at "
+                                          f"{done:g}"))
+        return ("ready", pr, pi)
+    if cause.kind is CauseKind.POST:
+        if type(op) is Recv or type(op) is Send:
+            links.append(Link(r, i, done, f"[{i}] {describe(op)} completes at {done:g}, bound "
+                                          "by its own post"))
+        return ("start", r, i)
+    return ("ready", r, i)
+
+
+def _explain_ready(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int,
+                   links: list[Link]) -> tuple[str, int, int] | None:
+    cause = run.ready_cause(r, i)
+    ready = run.ready_time(r, i) or 0.0
+    if cause.kind is CauseKind.STREAM:
+        ahead = ranks[cause.rank][cause.index]
+        links.append(Link(r, i, ready, f"[{i}] {describe(ranks[r][i])} waits on its nccl stream "
+                                       f"behind [{cause.index}] {describe(ahead)}, which "
+                                       f"completes at {ready:g}"))
+        return ("done", cause.rank, cause.index)
+    return ("start", r, i)
+
+
+def _is_compute(instr: Instr) -> bool:
+    return type(instr) is Compute or type(instr) is Fused

@@ -1,0 +1,249 @@
+"""Timed replay of a compiled program with a cost model (DESIGN §6).
+
+The simulator is the replay engine of `pipecc.semantics` (the same code the verifier runs)
+with durations from a `CostModel`; this module turns the replay into the numbers users ask
+for: makespan, bubble ratio, per-rank busy and idle time, the idle time inside each rank's
+working interval, stalls (every wait on a recv or a rendezvous send) and peak memory.
+
+    timeline = simulate(program, parse_cost_flag("F=1,B=2"))
+    timeline.makespan, timeline.bubble_ratio, timeline.ranks[0].stalls
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipecc.costs import CostModel
+from pipecc.diagnostics import ProgramError
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait, computations
+from pipecc.ir.program import Program
+from pipecc.perf import paused_gc
+from pipecc.semantics import CommModel, Replay, replay
+
+
+class DeadlockedError(ProgramError):
+    """The program cannot run to completion under the chosen comm model."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostTiming:
+    """The engine's `Timing` protocol, answered from a cost model."""
+
+    costs: CostModel
+
+    def duration(self, rank: int, index: int, instr: Compute | Fused) -> float:
+        if type(instr) is Compute:
+            return self.costs.compute(instr)
+        return self.costs.fused(instr)  # type: ignore[arg-type]
+
+    def latency(self, rank: int, index: int, send: Send) -> float:
+        return self.costs.latency(send.stage)
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """A wait longer than the threshold: rank `rank` sat blocked at instruction `index` from
+    `since` for `length`, until `released_by` (an op of this rank) completed."""
+
+    rank: int
+    index: int
+    since: float
+    length: float
+    released_by: int | None
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "since": self.since, "length": self.length,
+                "released_by": self.released_by, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """What one rank did: times, memory, stalls."""
+
+    rank: int
+    busy: float
+    idle: float
+    internal_idle: float
+    first_start: float
+    last_end: float
+    peak_activations: int
+    peak_index: int
+    peak_time: float
+    peak_bytes: float | None
+    stalls: tuple[Stall, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "busy": self.busy, "idle": self.idle,
+            "internal_idle": self.internal_idle, "first_start": self.first_start,
+            "last_end": self.last_end, "peak_activations": self.peak_activations,
+            "peak_at": {"index": self.peak_index, "time": self.peak_time},
+            "peak_bytes": self.peak_bytes, "stalls": [s.to_json() for s in self.stalls],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """The simulated step: the replay itself, and the figures derived from it."""
+
+    program: Program
+    costs: CostModel
+    model: CommModel
+    replay: Replay
+    makespan: float
+    bubble_ratio: float
+    ranks: tuple[RankStats, ...]
+
+    def ops(self) -> list[tuple[int, int, Instr, float, float]]:
+        """(rank, index, instruction, start, end) of every instruction, rank by rank."""
+        found = []
+        for rank, instrs in enumerate(self.program.ranks):
+            for index, instr in enumerate(instrs):
+                start = self.replay.start_time(rank, index)
+                end = self.replay.end_time(rank, index)
+                found.append((rank, index, instr, start or 0.0, end or 0.0))
+        return found
+
+    def to_json(self) -> dict[str, Any]:
+        """The contract of DESIGN §6."""
+        return {
+            "schedule": self.program.schedule,
+            "ranks_count": self.program.num_ranks,
+            "microbatches": self.program.num_microbatches,
+            "comm_model": self.model.value,
+            "costs": self.costs.describe(),
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "ranks": [stats.to_json() for stats in self.ranks],
+            "ops": [
+                {"rank": rank, "index": index, "op": op_name(instr), "start": start, "end": end}
+                for rank, index, instr, start, end in self.ops()
+            ],
+        }
+
+
+def op_name(instr: Instr) -> str:
+    """The short name of an instruction in timelines: `F0.3`, `F0.4&B1.1`, `send`, ..."""
+    match instr:
+        case Compute() | Fused():
+            return instr.label()
+        case Send():
+            return "send"
+        case Recv():
+            return "recv"
+        case Wait():
+            return "wait"
+        case _:
+            raise AssertionError(f"unknown instruction {instr!r}")
+
+
+def simulate(
+    program: Program,
+    costs: CostModel,
+    *,
+    model: CommModel = CommModel.NCCL,
+    stall_threshold: float = 0.0,
+) -> Timeline:
+    """Replay `program` with `costs` under `model`.
+
+    Raises DeadlockedError when the program cannot finish (`pipecc verify` explains why).
+    """
+    with paused_gc():
+        run = replay(program, model=model, timing=CostTiming(costs))
+    if not run.finished:
+        raise DeadlockedError(
+            f"{program.schedule} (P={program.num_ranks}, M={program.num_microbatches}) does "
+            f"not run to completion under the {model.value} comm model; run "
+            f"'pipecc verify' for the deadlock and its cycle"
+        )
+    makespan = run.makespan()
+    ranks = tuple(
+        _rank_stats(rank, program, run, costs, makespan, stall_threshold)
+        for rank in range(program.num_ranks)
+    )
+    busy = sum(stats.busy for stats in ranks)
+    bubble = 1.0 - busy / (program.num_ranks * makespan) if makespan > 0 else 0.0
+    return Timeline(program, costs, model, run, makespan, bubble, ranks)
+
+
+def _rank_stats(
+    rank: int, program: Program, run: Replay, costs: CostModel, makespan: float,
+    threshold: float,
+) -> RankStats:
+    instrs = program.ranks[rank]
+    busy, first, last = 0.0, None, 0.0
+    for index, instr in enumerate(instrs):
+        if type(instr) is Compute or type(instr) is Fused:
+            start, end = run.start_time(rank, index), run.end_time(rank, index)
+            assert start is not None and end is not None
+            busy += end - start
+            first = start if first is None else first
+            last = end
+    first = first if first is not None else 0.0
+    peak, peak_index, peak_bytes = _peak_memory(instrs, costs)
+    peak_time = run.start_time(rank, peak_index) or 0.0 if instrs else 0.0
+    return RankStats(
+        rank=rank,
+        busy=busy,
+        idle=makespan - busy,
+        internal_idle=(last - first) - busy,
+        first_start=first,
+        last_end=last,
+        peak_activations=peak,
+        peak_index=peak_index,
+        peak_time=peak_time,
+        peak_bytes=peak_bytes,
+        stalls=tuple(_stalls(rank, instrs, run, threshold)),
+    )
+
+
+def _peak_memory(instrs: tuple[Instr, ...], costs: CostModel) -> tuple[int, int, float | None]:
+    """Peak live activations (DESIGN §2: F +1, B −1, I 0, W −1; a fused op allocates before
+    it frees) and where it first occurs; and the peak in bytes when `act_bytes` is given."""
+    live = peak = peak_index = 0
+    live_bytes, peak_bytes, have_bytes = 0.0, 0.0, True
+    for index, instr in enumerate(instrs):
+        for op in computations(instr):
+            size = costs.stage(op.stage).act_bytes
+            have_bytes = have_bytes and size is not None
+            step = 1 if op.kind is Kind.F else (0 if op.kind is Kind.I else -1)
+            live += step
+            live_bytes += step * (size or 0.0)
+            if live > peak:
+                peak, peak_index = live, index
+            peak_bytes = max(peak_bytes, live_bytes)
+    return peak, peak_index, peak_bytes if have_bytes else None
+
+
+def _stalls(rank: int, instrs: tuple[Instr, ...], run: Replay, threshold: float) -> list[Stall]:
+    """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv)."""
+    found = []
+    previous_end = 0.0
+    for index, instr in enumerate(instrs):
+        start = run.start_time(rank, index) or 0.0
+        blocked_from = previous_end
+        previous_end = run.end_time(rank, index) or start
+        if type(instr) is Wait:
+            length = previous_end - blocked_from
+        elif type(instr) is Compute or type(instr) is Fused:
+            length = start - blocked_from
+        else:
+            continue
+        if length <= threshold or length <= 0:
+            continue
+        cause = run.cause(rank, index)
+        released = cause.index if cause.rank == rank and cause.index >= 0 else None
+        message = _describe(instrs[released]) if released is not None else "previous op"
+        found.append(Stall(rank, index, blocked_from, length, released, message))
+    return found
+
+
+def _describe(instr: Instr) -> str:
+    if type(instr) is Send or type(instr) is Recv:
+        arrow = "to" if type(instr) is Send else "from"
+        verb = "send" if type(instr) is Send else "recv"
+        return (f"{verb} {instr.what.value} stage {instr.stage} mb {instr.mb} {arrow} rank "
+                f"{instr.peer}")
+    return op_name(instr)
