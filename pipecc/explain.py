@@ -56,6 +56,8 @@ def _explain_start(run: Replay, instrs: tuple[Instr, ...], r: int, i: int,
     if cause.kind is CauseKind.START:
         links.append(Link(r, i, at, f"{here}: the first instruction of rank {r}"))
         return None
+    if cause.kind is CauseKind.PROGRAM and _is_post(instrs[i]) and _is_post(instrs[i - 1]):
+        return ("start", r, i - 1)  # a run of posts at one moment: one link is enough
     if cause.kind is CauseKind.PROGRAM:
         prev = instrs[i - 1]
         verb = "ends" if _is_compute(prev) else ("is released" if type(prev) is Wait
@@ -105,6 +107,10 @@ def _explain_ready(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i:
                                        f"completes at {ready:g}"))
         return ("done", cause.rank, cause.index)
     return ("start", r, i)
+
+
+def _is_post(instr: Instr) -> bool:
+    return type(instr) is Send or type(instr) is Recv
 
 
 def _is_compute(instr: Instr) -> bool:

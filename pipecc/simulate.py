@@ -54,7 +54,7 @@ class Stall:
     message: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "since": self.since, "length": self.length,
+        return {"index": self.index, "since": clean(self.since), "length": clean(self.length),
                 "released_by": self.released_by, "message": self.message}
 
 
@@ -76,10 +76,10 @@ class RankStats:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "busy": self.busy, "idle": self.idle,
-            "internal_idle": self.internal_idle, "first_start": self.first_start,
-            "last_end": self.last_end, "peak_activations": self.peak_activations,
-            "peak_at": {"index": self.peak_index, "time": self.peak_time},
+            "rank": self.rank, "busy": clean(self.busy), "idle": clean(self.idle),
+            "internal_idle": clean(self.internal_idle), "first_start": clean(self.first_start),
+            "last_end": clean(self.last_end), "peak_activations": self.peak_activations,
+            "peak_at": {"index": self.peak_index, "time": clean(self.peak_time)},
             "peak_bytes": self.peak_bytes, "stalls": [s.to_json() for s in self.stalls],
         }
 
@@ -114,14 +114,21 @@ class Timeline:
             "microbatches": self.program.num_microbatches,
             "comm_model": self.model.value,
             "costs": self.costs.describe(),
-            "makespan": self.makespan,
-            "bubble_ratio": self.bubble_ratio,
+            "makespan": clean(self.makespan),
+            "bubble_ratio": clean(self.bubble_ratio),
             "ranks": [stats.to_json() for stats in self.ranks],
             "ops": [
-                {"rank": rank, "index": index, "op": op_name(instr), "start": start, "end": end}
+                {"rank": rank, "index": index, "op": op_name(instr), "start": clean(start),
+                 "end": clean(end)}
                 for rank, index, instr, start, end in self.ops()
             ],
         }
+
+
+def clean(value: float) -> float:
+    """A time rounded to 9 decimals: sums of durations such as 0.1 print as 29.4, not
+    29.399999999999995 (the replay itself keeps full precision)."""
+    return round(value, 9) + 0.0
 
 
 def op_name(instr: Instr) -> str:

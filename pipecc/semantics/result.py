@@ -149,7 +149,7 @@ class Replay:
         if self.model.has_streams:
             u = w.unit[g]
             act = self.unit_act[u]
-            for v in w.streams(self.model).preds[u]:
+            for v in w.streams(self.model).preds(w, u):
                 ops = range(w.unit_first[v], w.unit_last[v] + 1)
                 last = max(ops, key=lambda o: self.done[o] or 0.0)
                 if self.done[last] == act:
