@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from torch_baseline import torch_lowered
+
+from pipecc.api import compile_schedule
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from pipecc.api import compile_schedule  # noqa: E402
-
-CASES = (
-    ("dualpipev", {}, "ScheduleDualPipeV", 2, "v"),
-    ("interleaved_1f1b", {"V": 2}, "ScheduleInterleaved1F1B", 2, "loop"),
-)
+CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}))
 
 
 def _best_of(repeat: int, work: Callable[[], object]) -> tuple[float, object]:
@@ -50,32 +46,6 @@ def _pipecc(name: str, defines: dict[str, int], ranks: int, microbatches: int, r
     return seconds, program.num_instructions()  # type: ignore[attr-defined]
 
 
-def _torch(torch_name: str, chunks: int, style: str, ranks: int, microbatches: int
-           ) -> tuple[float, int]:
-    from torch.distributed.pipelining import schedules  # noqa: PLC0415  (optional, heavy)
-    from torch.distributed.pipelining._utils import (  # noqa: PLC0415
-        generate_stage_to_rank_mapping,
-    )
-    from torch_oracle import bare_schedule  # noqa: PLC0415
-
-    start = time.perf_counter()
-    obj = bare_schedule(torch_name, ranks, microbatches, chunks)
-    order = {}
-    for rank in range(ranks):
-        obj.rank = rank
-        order[rank] = obj._calculate_single_rank_operations(rank)
-    mapping = generate_stage_to_rank_mapping(ranks, ranks * chunks, style=style)
-    lowered = {
-        rank: schedules._add_reduce_grad(schedules._add_unshard_reshard(actions), microbatches)
-        for rank, actions in order.items()
-    }
-    lowered = schedules._add_send_recv(
-        lowered, stage_to_rank=lambda s: mapping[s], num_stages=ranks * chunks
-    )
-    seconds = time.perf_counter() - start
-    return seconds, sum(len(actions) for actions in lowered.values())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
@@ -86,8 +56,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     P, M = args.ranks, args.microbatches
+    compile_schedule(ROOT / "schedules" / "1f1b.sched", ranks=2, microbatches=2)  # warm-up
     print(f"compile at P={P}, M={M} (median of {args.repeat})")
-    for name, defines, torch_name, chunks, style in CASES:
+    for name, defines in CASES:
         seconds, count = _pipecc(name, defines, P, M, args.repeat)
         print(f"  {name:18s} pipecc {seconds:7.2f} s  {count:>9,} instructions  "
               f"{count / seconds / 1e6:5.2f} M instr/s")
@@ -96,7 +67,8 @@ def main() -> None:
         if args.skip_torch:
             continue
         tm = args.torch_microbatches or M
-        torch_seconds, torch_count = _torch(torch_name, chunks, style, P, tm)
+        torch_seconds, lowered, _, _ = torch_lowered(name, P, tm)
+        torch_count = sum(len(actions) for actions in lowered.values())
         ours = seconds if tm == M else _pipecc(name, defines, P, tm, args.repeat)[0]
         print(f"  {'':18s} torch  {torch_seconds:7.2f} s  {torch_count:>9,} actions at M={tm}"
               f"  → torch / pipecc = {torch_seconds / ours:.1f}×")

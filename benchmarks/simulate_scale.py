@@ -1,0 +1,81 @@
+"""Simulation time at scale: pipecc's timed replay vs torch's `_simulate_comms_compute`.
+
+    .venv/bin/python benchmarks/simulate_scale.py                       # P=64, M=1024, V=2
+    .venv/bin/python benchmarks/simulate_scale.py --torch-microbatches 256
+
+For DualPipeV, interleaved 1F1B and ZB-V it compiles the schedule (not timed), then times
+`pipecc.simulate.simulate` with costs F=1, B=2, I=1, W=1 under the nccl model: the replay,
+and the per-rank figures (busy, idle, stalls, peak memory). It prints the makespan and bubble
+ratio next to the time, and pipecc's scaling from M/4 to M. torch's simulator decides only
+eager semantics with unit steps and no durations; it runs on the schedule torch itself builds
+(its generator and lowering, not timed); it cannot replay DualPipeV's fused ops, so the
+comparison is on interleaved 1F1B and ZB-V. Ratios are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from torch_baseline import torch_lowered, torch_simulate
+
+from pipecc.api import compile_schedule
+from pipecc.costs import parse_cost_flag
+from pipecc.simulate import Timeline, simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}), ("zbv", {}))
+# torch's simulator rejects fused OVERLAP_F_B actions, so it cannot replay DualPipeV
+# (DESIGN §6): the torch comparison runs on interleaved 1F1B and ZB-V.
+TORCH_CANNOT = {"dualpipev": "torch's _simulate_comms_compute cannot replay OVERLAP_F_B"}
+COSTS = parse_cost_flag("F=1,B=2,I=1,W=1")
+
+
+def _time_simulate(name: str, defines: dict[str, int], ranks: int, microbatches: int,
+                   repeat: int) -> tuple[float, Timeline, int]:
+    program = compile_schedule(ROOT / "schedules" / f"{name}.sched", ranks=ranks,
+                               microbatches=microbatches, defines=defines)
+    times = []
+    timeline = None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        timeline = simulate(program, COSTS)
+        times.append(time.perf_counter() - start)
+    assert timeline is not None
+    return statistics.median(times), timeline, program.num_instructions()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=1024)
+    parser.add_argument("--torch-microbatches", type=int, default=None,
+                        help="run torch at this M instead (its lowering is quadratic in M)")
+    parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    P, M = args.ranks, args.microbatches
+    print(f"simulate at P={P}, M={M}, costs F=1,B=2,I=1,W=1, nccl (median of {args.repeat})")
+    for name, defines in CASES:
+        seconds, timeline, count = _time_simulate(name, defines, P, M, args.repeat)
+        print(f"  {name:18s} pipecc {seconds:6.2f} s  {count:>9,} instructions  makespan "
+              f"{timeline.makespan:g}  bubble {timeline.bubble_ratio:.4f}")
+        quarter, _, _ = _time_simulate(name, defines, P, M // 4, args.repeat)
+        print(f"  {'':18s} scaling M/4 → M: ×{seconds / quarter:.2f} time (linear: ×4)")
+        if args.skip_torch:
+            continue
+        if name in TORCH_CANNOT:
+            print(f"  {'':18s} torch  -- ({TORCH_CANNOT[name]})")
+            continue
+        tm = args.torch_microbatches or M
+        _, lowered, mapping, stages = torch_lowered(name, P, tm)
+        torch_seconds, steps = torch_simulate(lowered, mapping, stages)
+        ours = seconds if tm == M else _time_simulate(name, defines, P, tm, args.repeat)[0]
+        print(f"  {'':18s} torch  {torch_seconds:6.2f} s at M={tm} ({steps} unit steps)  "
+              f"→ torch / pipecc = {torch_seconds / ours:.1f}×")
+
+
+if __name__ == "__main__":
+    main()
