@@ -11,7 +11,7 @@ working interval, stalls (every wait on a recv or a rendezvous send) and peak me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipecc.costs import CostModel
@@ -20,6 +20,7 @@ from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait, computa
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, Replay, replay
+from pipecc.stalls import Gap, classify
 
 
 class DeadlockedError(ProgramError):
@@ -73,6 +74,17 @@ class RankStats:
     peak_time: float
     peak_bytes: float | None
     stalls: tuple[Stall, ...]
+    gaps: tuple[Gap, ...] = ()
+
+    @property
+    def dependency_bound(self) -> float:
+        """Idle time before compute ops that the compute order and costs make unavoidable."""
+        return sum(gap.dependency for gap in self.gaps)
+
+    @property
+    def placement_bound(self) -> float:
+        """Idle time that better-placed comm ops would remove (pipecc.stalls)."""
+        return sum(gap.placement for gap in self.gaps)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,6 +93,9 @@ class RankStats:
             "last_end": clean(self.last_end), "peak_activations": self.peak_activations,
             "peak_at": {"index": self.peak_index, "time": clean(self.peak_time)},
             "peak_bytes": self.peak_bytes, "stalls": [s.to_json() for s in self.stalls],
+            "dependency_bound": clean(self.dependency_bound),
+            "placement_bound": clean(self.placement_bound),
+            "gaps": [gap.to_json() for gap in self.gaps],
         }
 
 
@@ -166,8 +181,10 @@ def simulate(
             f"'pipecc verify' for the deadlock and its cycle"
         )
     makespan = run.makespan()
+    gaps = classify(program, run, costs)
     ranks = tuple(
-        _rank_stats(rank, program, run, costs, makespan, stall_threshold)
+        replace(_rank_stats(rank, program, run, costs, makespan, stall_threshold),
+                gaps=tuple(gaps[rank]))
         for rank in range(program.num_ranks)
     )
     busy = sum(stats.busy for stats in ranks)

@@ -87,12 +87,15 @@ def summary(timeline: Timeline) -> str:
         f"# {program.schedule}  P={program.num_ranks} M={program.num_microbatches}  "
         f"comm {timeline.model.value}  costs {timeline.costs.describe()}",
         f"makespan {timeline.makespan:g}   bubble ratio {timeline.bubble_ratio:.4f}",
-        "rank   busy     idle  in-bubble  peak act  stalls (count, total)",
+        "rank   busy     idle  in-bubble  peak act  stalls (count, total)  "
+        "dependency-bound  placement-bound",
     ]
     for stats in timeline.ranks:
         total = sum(stall.length for stall in stats.stalls)
+        stalls = f"{len(stats.stalls):>3}, {total:g}"
         lines.append(
             f"{stats.rank:>4} {stats.busy:>6g} {stats.idle:>8g} {stats.internal_idle:>10g} "
-            f"{stats.peak_activations:>9} {len(stats.stalls):>7}  {total:g}"
+            f"{stats.peak_activations:>9}  {stalls:<20s} {stats.dependency_bound:>16g} "
+            f"{stats.placement_bound:>16g}"
         )
     return "\n".join(lines) + "\n"

@@ -30,8 +30,9 @@ The policy, "default":
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Sequence
+import enum
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipecc.diagnostics import ScheduleError
@@ -39,17 +40,61 @@ from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait
 from pipecc.ir.program import Program
 
-POLICY = "default"
 UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
 _new = tuple.__new__
 
-# A message event is (order, payload, key, is_send): `payload` is the Send/Recv fields up to
-# the group, (what, peer, pipe, stage, mb). `order` is an integer that sorts compute starts
-# and messages into one global order (see _message_order and _compute_order): by time, then
-# messages before computes, then rank, then position in the rank's list, so ties break the
-# same way on every rank.
-Event = tuple[int, tuple[object, ...], int, bool]
+
+class RecvPosting(enum.Enum):
+    """Where a receive is posted on its rank (both keep every pair in one global order)."""
+
+    # before the first compute op that starts once the message exists (the default policy)
+    WHEN_MADE = "when-made"
+    # before the compute op during which the message comes to exist, so that a rendezvous
+    # transfer can start the moment the data is there (the alignment pass)
+    BEFORE_BUSY = "before-busy"
+
+
+class Grouping(enum.Enum):
+    """Which posts between two compute ops are posted together (one nccl unit)."""
+
+    PER_GAP = "per-gap"  # all of them (the default policy)
+    BY_TIME = "by-time"  # those whose messages come to exist at the same moment
+    NONE = "none"  # each alone
+
+
+def _unit_duration(instr: Compute | Fused) -> float:
+    if type(instr) is Compute:
+        return UNIT_COST[instr.kind]
+    return UNIT_COST[instr.forward.kind] + UNIT_COST[instr.backward.kind]  # type: ignore[union-attr]
+
+
+def _no_latency(stage: int) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CommPlacement:
+    """The knobs of the lowering: the durations and latencies of the replay that orders the
+    program, where receives go, and what is grouped. `DEFAULT` is the default policy; the
+    alignment pass (`align_comms`) uses the real costs."""
+
+    policy: str
+    duration: Callable[[Compute | Fused], float] = _unit_duration
+    latency: Callable[[int], float] = _no_latency  # by receiving stage
+    recv_posting: RecvPosting = RecvPosting.WHEN_MADE
+    grouping: Grouping = Grouping.PER_GAP
+
+
+DEFAULT = CommPlacement("default")
+POLICY = DEFAULT.policy
+
+# A message event is (gap, order, payload, key, is_send, time): it is posted before compute
+# op `gap` of its rank; `payload` is the Send/Recv fields up to the group, (what, peer, pipe,
+# stage, mb); `order` sorts every message into one global order (_message_order: by the time
+# the message comes to exist, then rank, then position in the rank's list, the same on every
+# rank); `time` is that moment, for grouping.
+Event = tuple[int, int, tuple[object, ...], int, bool, int]
 
 
 @dataclass
@@ -59,29 +104,37 @@ class _RankOps:
     computes: list[Compute | Fused] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index in the input list
     inputs: list[tuple[int, ...]] = field(default_factory=list)  # message keys needed
-    outputs: list[tuple[tuple[int, int, tuple[object, ...], tuple[object, ...]], ...]] = field(
-        default_factory=list
-    )  # (key, dst, send payload, recv payload)
-    durations: list[int] = field(default_factory=list)
-    start: list[int] = field(default_factory=list)
-    end: list[int] = field(default_factory=list)
-    # With hand-placed sends: the message keys that become available when compute k ends
-    # (a hand-placed send publishes its tensor where it is posted, not where it is made).
-    publish: list[list[int]] | None = None
+    outputs: list[tuple[tuple[int, int, tuple[object, ...], tuple[object, ...], float], ...]] = (
+        field(default_factory=list)
+    )  # (key, dst, send payload, recv payload, latency)
+    durations: list[float] = field(default_factory=list)
+    start: list[float] = field(default_factory=list)
+    end: list[float] = field(default_factory=list)
+    # With hand-placed sends: the (message key, latency) that become available when compute k
+    # ends (a hand-placed send publishes its tensor where it is posted, not where it is made).
+    publish: list[list[tuple[int, float]]] | None = None
 
 
 def insert_comms(prog: Program) -> Program:
     """Lower a compute-only program with the default policy (module docstring)."""
+    return lower(prog, DEFAULT)
+
+
+def lower(prog: Program, placement: CommPlacement) -> Program:
+    """Place the comm ops of `prog` as `placement` says (the module docstring describes the
+    default; `align_comms` passes the real costs)."""
     flow = Dataflow(prog.placement)
-    ranks = [_collect(instrs, flow) for instrs in prog.ranks]
-    consumed = _replay_unit_times(ranks, prog)
+    ranks = [_collect(instrs, flow, placement) for instrs in prog.ranks]
+    consumed = _replay(ranks, prog)
+    if placement.duration is not _unit_duration or placement.latency is not _no_latency:
+        _integer_times(ranks, consumed)
     span = 2 * max((len(instrs) for instrs in prog.ranks), default=1) + 2
     manual_sends, manual_recvs = _manual_messages(prog, ranks, flow, span)
-    events = _message_events(ranks, manual_sends, manual_recvs, span)
+    events = _message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
     lowered = tuple(
-        _emit_rank(rank, prog.ranks[rank], ranks[rank], events[rank],
-                   _Emitter(flow, ranks[rank].start, consumed,
-                            hand_waited=_hand_waited(prog.ranks[rank])), span)
+        _emit_rank(prog.ranks[rank], ranks[rank], events[rank],
+                   _Emitter(flow, ranks[rank].start, consumed, placement.grouping,
+                            hand_waited=_hand_waited(prog.ranks[rank])))
         for rank in range(prog.num_ranks)
     )
     if any(type(i) is Send or type(i) is Recv for instrs in prog.ranks for i in instrs):
@@ -92,7 +145,7 @@ def insert_comms(prog: Program) -> Program:
         num_ranks=prog.num_ranks,
         num_microbatches=prog.num_microbatches,
         params=prog.params,
-        comm=POLICY,
+        comm=placement.policy,
         placement=prog.placement,
         ranks=lowered,
     )
@@ -126,35 +179,43 @@ def _name(op: Send | Recv) -> str:
     return f"{op.what.value} stage {op.stage} mb {op.mb}"
 
 
-def _collect(instrs: Sequence[Instr], flow: Dataflow) -> _RankOps:
+def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) -> _RankOps:
     ops = _RankOps()
+    duration_of = placement.duration
+    stages = max(flow.placement.num_stages(p) for p in range(flow.placement.num_pipes))
+    latency_of = [placement.latency(stage) for stage in range(stages)]
+    durations: dict[tuple[object, ...], float] = {}  # by (kind, stage[, kind, stage])
     stride, inputs_of, outputs_of = flow.mb_stride, flow.inputs, flow.outputs
     add_compute, add_position = ops.computes.append, ops.positions.append
     add_inputs, add_outputs, add_duration = ops.inputs.append, ops.outputs.append, ops.durations.append
     for position, instr in enumerate(instrs):
         if type(instr) is Compute:
             parts: tuple[Compute, ...] = (instr,)
+            signature: tuple[object, ...] = (instr[0], instr[3])
         elif type(instr) is Fused:
             parts = (instr[0], instr[1])
+            signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
         else:
             continue
         inputs = []
         outputs = []
-        duration = 0
         for kind, _, pipe, stage, mb, _ in parts:
-            duration += UNIT_COST[kind]
             needed = inputs_of[kind][pipe][stage]
             if needed is not None:
                 inputs.append(mb * stride + needed[0])
             made = outputs_of[kind][pipe][stage]
             if made is not None:
                 base, src, dst, what, _, to = made
+                latency = latency_of[to] if src != dst else 0.0
                 outputs.append((mb * stride + base, dst, (what, dst, pipe, to, mb),
-                                (what, src, pipe, to, mb)))
+                                (what, src, pipe, to, mb), latency))
         add_compute(instr)
         add_position(position)
         add_inputs(tuple(inputs))
         add_outputs(tuple(outputs))
+        duration = durations.get(signature)
+        if duration is None:
+            duration = durations[signature] = duration_of(instr)
         add_duration(duration)
     if any(type(instr) is Send for instr in instrs):
         _anchor_manual_sends(ops, instrs, flow)
@@ -168,13 +229,16 @@ def _anchor_manual_sends(ops: _RankOps, instrs: Sequence[Instr], flow: Dataflow)
         for position, i in enumerate(instrs)
         if type(i) is Send
     }
-    ops.publish = [[key for key, *_ in outputs if key not in manual] for outputs in ops.outputs]
+    latency = {out[0]: out[4] for outputs in ops.outputs for out in outputs}
+    ops.publish = [[(out[0], out[4]) for out in outputs if out[0] not in manual]
+                   for outputs in ops.outputs]
     k = -1
-    for position, instr in enumerate(instrs):
+    for instr in instrs:
         if type(instr) is Compute or type(instr) is Fused:
             k += 1
         elif type(instr) is Send:
-            ops.publish[k].append(flow.key(instr.what, instr.pipe, instr.stage, instr.mb))
+            key = flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
+            ops.publish[k].append((key, latency.get(key, 0.0)))
 
 
 def _manual_messages(
@@ -204,16 +268,17 @@ def _manual_messages(
     return sends, recvs
 
 
-def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> dict[int, int]:
-    """Run every rank's computes as soon as their inputs exist (unit durations); return when
-    each message is consumed."""
-    available: dict[int, int] = {}
-    consumed: dict[int, int] = {}
+def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
+    """Run every rank's computes as soon as their inputs exist (the placement's durations and
+    latencies); return when each message is consumed."""
+    available: dict[int, float] = {}
+    consumed: dict[int, float] = {}
     cursor = [0] * len(ranks)
-    clock = [0] * len(ranks)
+    clock = [0.0] * len(ranks)
     remaining = sum(len(r.computes) for r in ranks)
     publishes = [
-        ops.publish or [[output[0] for output in outputs] for outputs in ops.outputs]
+        ops.publish or [[(output[0], output[4]) for output in outputs]
+                        for outputs in ops.outputs]
         for ops in ranks
     ]
     while remaining:
@@ -238,8 +303,8 @@ def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> dict[int, int]:
                     now = ready + durations[k]
                     start.append(ready)
                     end.append(now)
-                    for key in publish[k]:
-                        available[key] = now
+                    for key, latency in publish[k]:
+                        available[key] = now + latency
                     k += 1
                     continue
                 break
@@ -252,7 +317,7 @@ def _replay_unit_times(ranks: list[_RankOps], prog: Program) -> dict[int, int]:
 
 
 def _stuck(
-    ranks: list[_RankOps], cursor: list[int], available: dict[int, int], prog: Program
+    ranks: list[_RankOps], cursor: list[int], available: dict[int, float], prog: Program
 ) -> ScheduleError:
     flow = Dataflow(prog.placement)
     lines = []
@@ -275,27 +340,54 @@ def _stuck(
 # ---- global order ---------------------------------------------------------------------------
 
 
+def _integer_times(ranks: list[_RankOps], consumed: dict[int, float]) -> None:
+    """Replace the replay's times by their rank among all distinct times, so that event orders
+    are exact integers (unit costs give integers already: nothing to do)."""
+    values = {t for ops in ranks for t in (*ops.start, *ops.end)}
+    if all(float(t).is_integer() for t in values):
+        return
+    index = {t: i for i, t in enumerate(sorted(values))}
+    for ops in ranks:
+        ops.start = [index[t] for t in ops.start]
+        ops.end = [index[t] for t in ops.end]
+    for key, t in consumed.items():
+        consumed[key] = index[t]
+
+
 def _message_events(
-    ranks: list[_RankOps], manual_sends: dict[int, int], manual_recvs: set[int], span: int
+    ranks: list[_RankOps],
+    manual_sends: dict[int, int],
+    manual_recvs: set[int],
+    span: int,
+    posting: RecvPosting,
 ) -> list[list[Event]]:
-    """Every rank's message events (its sends and its recvs), sorted in the global order."""
+    """Every rank's message events (its sends and its recvs), in the order it posts them."""
     num_ranks = len(ranks)
     events: list[list[Event]] = [[] for _ in range(num_ranks)]
+    # a receive goes before the first compute op that starts at or after the moment its
+    # message exists (WHEN_MADE), or that is still running then (BEFORE_BUSY)
+    if posting is RecvPosting.WHEN_MADE:
+        find, times = bisect_left, [ops.start for ops in ranks]
+    else:
+        find, times = bisect_right, [ops.end for ops in ranks]
+    unit = 2 * num_ranks * span  # an order divided by this is its time
     for src, ops in enumerate(ranks):
         own = events[src]
         for k, outputs in enumerate(ops.outputs):
             if not outputs:
                 continue
-            base = _message_order(ops.end[k], src, ops.positions[k], 0, num_ranks, span)
-            for sub, (key, dst, send, recv) in enumerate(outputs):
+            made = int(ops.end[k])
+            base = _message_order(made, src, ops.positions[k], 0, num_ranks, span)
+            for sub, (key, dst, send, recv, _) in enumerate(outputs):
                 if dst == src:
                     continue
                 order = manual_sends.get(key)
                 if order is None:
                     order = base + sub
-                    own.append((order, send, key, True))
+                    own.append((k + 1, order, send, key, True, made))
                 if key not in manual_recvs:
-                    events[dst].append((order, recv, key, False))
+                    events[dst].append((find(times[dst], order // unit), order, recv, key, False,
+                                        made))
     for rank_events in events:
         rank_events.sort()
     return events
@@ -303,14 +395,9 @@ def _message_events(
 
 def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int,
                    span: int) -> int:
-    """Messages posted at `time` after input position `position` of `rank` (sub: which of
-    the op's outputs). Sorts before every compute that starts at `time`."""
+    """Messages that come to exist at `time`, after input position `position` of `rank`
+    (sub: which of the op's outputs): one integer, the same on every rank."""
     return ((2 * time * num_ranks + rank) * span + 2 * position) + sub
-
-
-def _compute_order(start: int, rank: int, position: int, num_ranks: int, span: int) -> int:
-    """The start of the compute op at input position `position` of `rank`."""
-    return ((2 * start + 1) * num_ranks + rank) * span + 2 * position
 
 
 # ---- emission -------------------------------------------------------------------------------
@@ -321,8 +408,9 @@ class _Emitter:
     """Builds one rank's lowered list: posts, waits and computes in order."""
 
     flow: Dataflow
-    starts: list[int]  # unit-time start of each compute op of the rank
-    consumed: dict[int, int]  # message key -> unit-time start of the op consuming it
+    starts: list[float]  # start of each compute op of the rank in the ordering replay
+    consumed: dict[int, float]  # message key -> start of the op consuming it, likewise
+    grouping: Grouping = Grouping.PER_GAP
     out: list[Instr] = field(default_factory=list)
     due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
     recv_at: dict[int, int] = field(default_factory=dict)  # message key -> index of its Recv
@@ -332,13 +420,27 @@ class _Emitter:
     moved: dict[int, int] = field(default_factory=dict)  # input index -> output index
 
     def post(self, batch: list[Event]) -> None:
+        """Post the events of one gap between two compute ops, grouped as the placement says."""
+        if self.grouping is Grouping.PER_GAP:
+            self._post_group(batch)
+        elif self.grouping is Grouping.NONE:
+            for event in batch:
+                self._post_group([event])
+        else:
+            start = 0
+            for i in range(1, len(batch) + 1):
+                if i == len(batch) or batch[i][5] != batch[start][5]:
+                    self._post_group(batch[start:i])
+                    start = i
+
+    def _post_group(self, batch: list[Event]) -> None:
         group = None
         if len(batch) > 1:
             group = self.next_group
             self.next_group += 1
         tail = (group, None)
         out = self.out
-        for _, payload, key, send in batch:
+        for _, _, payload, key, send, _ in batch:
             if send:
                 self._due(key, len(out))
                 out.append(_new(Send, payload + tail))
@@ -399,21 +501,14 @@ class _Emitter:
 
 
 def _emit_rank(
-    rank: int,
-    instrs: Sequence[Instr],
-    ops: _RankOps,
-    events: list[Event],
-    emitter: _Emitter,
-    span: int,
+    instrs: Sequence[Instr], ops: _RankOps, events: list[Event], emitter: _Emitter
 ) -> tuple[Instr, ...]:
-    num_ranks = emitter.flow.placement.num_ranks
     cursor = 0
     position = 0  # next input instruction to copy (hand-placed comm ops)
     count = len(events)
     for k, instr in enumerate(ops.computes):
-        order = _compute_order(ops.start[k], rank, ops.positions[k], num_ranks, span)
         stop = cursor
-        while stop < count and events[stop][0] < order:
+        while stop < count and events[stop][0] <= k:
             stop += 1
         if stop > cursor:
             emitter.post(events[cursor:stop])

@@ -1,0 +1,179 @@
+"""Which waits a schedule's comm placement causes, and which its compute order does.
+
+Every gap before a compute op, on its rank, is split in two (issue 6, DESIGN §6):
+
+- **dependency-bound**: the part before the op's inputs could exist at all, given the compute
+  order and the costs: each input's producer ended when it did in this replay, and its
+  message then needs its latency. These are the schedule's own bubbles.
+- **placement-bound**: the rest. The data could have been there, but was not: a receive
+  posted after the data was ready, a send posted late, a send or receive queued behind an
+  unmatched op on an nccl stream, a rendezvous send waiting for a receive not yet posted, a
+  rank blocked completing a send it did not need yet. These waits vanish when the comm ops
+  are posted at their best legal positions (`pipecc compile --align`).
+
+"Stall-free alignment" means zero placement-bound wait. A gap whose every input was already
+there is wholly placement-bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipecc.costs import CostModel
+from pipecc.ir.dataflow import Dataflow
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait, computations
+from pipecc.ir.printer import describe
+from pipecc.ir.program import Program
+from pipecc.semantics import CauseKind, Replay
+
+_EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Rank `rank` sat idle from `since` until compute op `index` started at `until`."""
+
+    rank: int
+    index: int
+    since: float
+    until: float
+    dependency: float  # the part before the op's inputs could exist
+    placement: float  # the rest
+    cause: str  # for a placement-bound part: what held the rank
+
+    @property
+    def length(self) -> float:
+        return self.until - self.since
+
+    def to_json(self) -> dict[str, object]:
+        return {"index": self.index, "since": _clean(self.since), "length": _clean(self.length),
+                "dependency_bound": _clean(self.dependency),
+                "placement_bound": _clean(self.placement), "cause": self.cause}
+
+
+def _clean(value: float) -> float:
+    return round(value, 9) + 0.0
+
+
+def classify(program: Program, run: Replay, costs: CostModel) -> list[list[Gap]]:
+    """The idle gaps before every compute op of every rank, each split into its
+    dependency-bound and placement-bound parts (module docstring)."""
+    ready = _data_ready(program, run, costs)
+    gaps: list[list[Gap]] = []
+    for rank, instrs in enumerate(program.ranks):
+        found: list[Gap] = []
+        previous_end = 0.0
+        for index, instr in enumerate(instrs):
+            if type(instr) is not Compute and type(instr) is not Fused:
+                continue
+            start = run.start_time(rank, index) or 0.0
+            if start > previous_end + _EPSILON:
+                found.append(_gap(program, run, rank, index, previous_end, start,
+                                  ready.get((rank, index), 0.0)))
+            previous_end = run.end_time(rank, index) or start
+        gaps.append(found)
+    return gaps
+
+
+def _gap(program: Program, run: Replay, rank: int, index: int, since: float, until: float,
+         data_ready: float) -> Gap:
+    dependency = min(max(data_ready - since, 0.0), until - since)
+    placement = until - since - dependency
+    if placement <= _EPSILON:
+        return Gap(rank, index, since, until, until - since, 0.0, "")
+    cause = _placement_cause(program, run, rank, index, max(since, data_ready))
+    return Gap(rank, index, since, until, dependency, placement, cause)
+
+
+def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[tuple[int, int], float]:
+    """For each compute op: when its last input could have been there (its producers' end
+    in this replay plus each message's latency; 0 with no input from another op)."""
+    flow = Dataflow(program.placement)
+    made_at: dict[int, float] = {}
+    for rank, instrs in enumerate(program.ranks):
+        for index, instr in enumerate(instrs):
+            for op in computations(instr):
+                out = flow.output_flow(op.kind, op.pipe, op.stage, op.mb)
+                if out is not None:
+                    made_at[out.key] = run.end_time(rank, index) or 0.0
+    ready: dict[tuple[int, int], float] = {}
+    for rank, instrs in enumerate(program.ranks):
+        for index, instr in enumerate(instrs):
+            latest = 0.0
+            for op in computations(instr):
+                needed = flow.input_flow(op.kind, op.pipe, op.stage, op.mb)
+                if needed is None or needed.key not in made_at:
+                    continue
+                latency = costs.latency(op.stage) if needed.src != needed.dst else 0.0
+                latest = max(latest, made_at[needed.key] + latency)
+            if latest:
+                ready[(rank, index)] = latest
+    return ready
+
+
+def _placement_cause(program: Program, run: Replay, rank: int, index: int,
+                     could_start: float) -> str:
+    """What held the rank after its data could have been there: the op whose completion
+    released it, and why that op completed late."""
+    instrs = program.ranks[rank]
+    released = _releasing_op(run, instrs, rank, index)
+    if released is None:
+        return f"waited for its own instructions past {could_start:g}"
+    op = instrs[released]
+    done = run.done_time(rank, released) or 0.0
+    head = f"[{released}] {describe(op)} completed at {done:g}"
+    return f"{head}: {_why_late(program, run, rank, released)}"
+
+
+def _releasing_op(run: Replay, instrs: tuple[Instr, ...], rank: int, index: int) -> int | None:
+    """The comm op whose completion let the rank reach compute op `index`: the cause of the
+    op itself, or of the last Wait before it that blocked."""
+    cause = run.cause(rank, index)
+    if cause.kind is CauseKind.RECV:
+        return cause.index
+    i = index - 1
+    while i >= 0 and type(instrs[i]) is not Compute and type(instrs[i]) is not Fused:
+        if type(instrs[i]) is Wait:
+            wait_cause = run.cause(rank, i)
+            if wait_cause.kind is CauseKind.WAIT:
+                return wait_cause.index
+        i -= 1
+    return None
+
+
+def _why_late(program: Program, run: Replay, rank: int, index: int) -> str:
+    completion = run.completion_cause(rank, index)
+    op = program.ranks[rank][index]
+    if completion.kind is CauseKind.TRANSFER:
+        peer, at = completion.rank, completion.index
+        partner = program.ranks[peer][at]
+        ready = run.ready_time(peer, at) or 0.0
+        ready_cause = run.ready_cause(peer, at)
+        if ready_cause.kind is CauseKind.STREAM:
+            ahead = program.ranks[ready_cause.rank][ready_cause.index]
+            return (f"rank {peer}'s [{at}] {describe(partner)} was queued on its nccl stream "
+                    f"behind [{ready_cause.index}] {describe(ahead)} until {ready:g}")
+        if type(op) is Send:
+            return f"a send held until rank {peer} posted its receive at {ready:g}"
+        return f"rank {peer} posted the matching send only at {ready:g}"
+    ready_cause = run.ready_cause(rank, index)
+    if ready_cause.kind is CauseKind.STREAM:
+        ahead = program.ranks[ready_cause.rank][ready_cause.index]
+        return (f"queued on this rank's nccl stream behind [{ready_cause.index}] "
+                f"{describe(ahead)}")
+    posted = run.start_time(rank, index) or 0.0
+    kind = "receive" if type(op) is Recv else "send"
+    return f"the {kind} was posted only at {posted:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitTotals:
+    """Per rank: total dependency-bound and placement-bound wait."""
+
+    dependency: float
+    placement: float
+
+
+def totals(gaps: list[list[Gap]]) -> list[WaitTotals]:
+    return [WaitTotals(sum(g.dependency for g in rank), sum(g.placement for g in rank))
+            for rank in gaps]
