@@ -304,12 +304,18 @@ class _Builder:
 
     def _bind_waits(self, base: int, instrs: Sequence[Instr], waits: list[int]) -> None:
         count = len(instrs)
-        code = self.code
+        code, deps = self.code, self.deps
+        is_comm = {SEND, RECV}.__contains__
         for g in waits:
-            ops = instrs[g - base].ops  # type: ignore[union-attr]
-            self.deps[g] = tuple(
-                base + i for i in ops if 0 <= i < count and code[base + i] in (SEND, RECV)
-            )
+            ops = instrs[g - base][0]  # Wait.ops
+            targets = [base + i for i in ops]
+            if ops and min(ops) >= 0 and max(ops) < count and all(
+                map(is_comm, map(code.__getitem__, targets))
+            ):
+                deps[g] = tuple(targets)
+            else:  # indices out of range or not comm ops: dropped here, reported by verify
+                deps[g] = tuple(t for t, i in zip(targets, ops, strict=True)
+                                if 0 <= i < count and code[t] in (SEND, RECV))
 
     def match(self) -> list[int]:
         """The k-th send of src to dst matches the k-th recv of dst from src."""

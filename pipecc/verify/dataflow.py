@@ -50,16 +50,23 @@ def _fact(keys: MessageKeys, pipe: int, stage: int, mb: int, what: int) -> int:
 def _made_at(ctx: Context, rank: int) -> dict[int, int]:
     """fact -> index of the first instruction of `rank` that makes it."""
     keys, w = ctx.keys, ctx.wiring
+    pipes, stages, stride = keys.pipes, keys.stages, keys.stride
     instrs, base = ctx.program.ranks[rank], w.offsets[rank]
     made: dict[int, int] = {}
+    setdefault = made.setdefault
     for g in w.computes[rank]:
-        for kind, _, pipe, stage, mb, _ in _parts(instrs[g - base]):
-            if kind is _KW:
+        instr = instrs[g - base]
+        parts = (instr,) if type(instr) is Compute else (instr.forward, instr.backward)  # type: ignore[union-attr]
+        for kind, _, pipe, stage, mb, _ in parts:
+            if kind is _KW or not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                 continue
-            cls = _F if kind is _KF else _BACKWARD
-            made.setdefault(_fact(keys, pipe, stage, mb, cls), g - base)
+            fact = ((mb * pipes + pipe) * stride + stage) << 2
+            if kind is _KF:
+                setdefault(fact, g - base)
+                continue
+            setdefault(fact | _BACKWARD, g - base)
             if kind is _KI:
-                made.setdefault(_fact(keys, pipe, stage, mb, _I), g - base)
+                setdefault(fact | _I, g - base)
     return made
 
 
@@ -73,33 +80,38 @@ def check_dataflow(ctx: Context) -> None:
 
 
 def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
+    """Each computation after what it needs on its own rank: facts are compared by the
+    index of the first instruction that makes them (stage ± 1 is fact ± 4)."""
     keys, w = ctx.keys, ctx.wiring
+    pipes, stages, stride, ranks_of = keys.pipes, keys.stages, keys.stride, keys.ranks_of
     instrs, base = ctx.program.ranks[rank], w.offsets[rank]
     never = len(instrs)
+    get = made.get
     for g in w.computes[rank]:
         index = g - base
-        for op in _parts(instrs[index]):
+        instr = instrs[index]
+        parts = (instr,) if type(instr) is Compute else (instr.forward, instr.backward)  # type: ignore[union-attr]
+        for op in parts:
             kind, _, pipe, stage, mb, _ = op
-            if not (0 <= pipe < keys.pipes and 0 <= stage < keys.stages[pipe]):
+            if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                 continue  # reported by the coverage check
-            holders = keys.ranks_of[pipe]
+            fact = ((mb * pipes + pipe) * stride + stage) << 2
+            holders = ranks_of[pipe]
             if kind is _KW:
-                at = made.get(_fact(keys, pipe, stage, mb, _I),
-                              made.get(_fact(keys, pipe, stage, mb, _BACKWARD), never))
-                if at >= index:
+                if get(fact | _I, get(fact | _BACKWARD, never)) >= index:
                     _report(ctx, WeightBeforeInputGradError, rank, index, op,
                             f"runs before I{op.chunk}.{mb}, the input-gradient backward it "
                             "completes")
-                continue
-            if kind is not _KF and holders[stage] == rank:
-                if made.get(_fact(keys, pipe, stage, mb, _F), never) >= index:
+            elif kind is _KF:
+                if stage and holders[stage - 1] == rank and get(fact - 4, never) >= index:
+                    _report_local(ctx, rank, index, op, stage - 1)
+            else:
+                if holders[stage] == rank and get(fact, never) >= index:
                     _report(ctx, BackwardBeforeForwardError, rank, index, op,
                             f"runs before its own forward F{op.chunk}.{mb}")
-            upstream = stage - 1 if kind is _KF else stage + 1
-            if 0 <= upstream < len(holders) and holders[upstream] == rank:
-                cls = _F if kind is _KF else _BACKWARD
-                if made.get(_fact(keys, pipe, upstream, mb, cls), never) >= index:
-                    _report_local(ctx, rank, index, op, upstream)
+                if (stage + 1 < len(holders) and holders[stage + 1] == rank
+                        and get((fact + 4) | _BACKWARD, never) >= index):
+                    _report_local(ctx, rank, index, op, stage + 1)
 
 
 def _report_local(ctx: Context, rank: int, index: int, op: Compute, upstream: int) -> None:

@@ -1,0 +1,210 @@
+"""`pipecc verify`: deadlocks, mismatched messages, data dependencies, coverage, placement
+and memory, with witnesses (docs/verify.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+from pipecc.commands.common import SubParsers, add_size_args, positive
+from pipecc.diagnostics import InputError
+from pipecc.semantics import CommModel
+from pipecc.verification import CompileFailure, Outcome, SweepResult, sweep_files, verify_file
+from pipecc.verify import ALL_MODELS, Options
+from pipecc.verify import render
+
+FORMATS = ("text", "json", "github")
+COMMS = (*(m.value for m in CommModel), "all")
+
+DESCRIPTION = """\
+Prove a schedule or program free of deadlocks and mismatched messages under a comm model,
+and check its data dependencies, coverage, placement and memory. FILE is a .sched file (with
+-P/-M, or --sweep), a bundled schedule's name, a compiled program (.json), or a
+torch.distributed.pipelining action CSV (.csv; compute-only CSVs are lowered with the default
+comm policy first). Every violation names the instruction and its source line.
+"""
+
+EPILOG = """\
+comm models (--comm):
+  nccl         (default) rendezvous, plus per-peer FIFO streams: ops toward one peer run in
+               posting order; a group is one unit on every stream it touches
+  nccl-single  one FIFO stream per rank for all peers
+  rendezvous   a send and its receive complete together once both are posted (gloo)
+  eager        sends complete when posted (unbounded buffering); passing only here is
+               reported as "needs buffering"
+  all          the verdict under each; exit 1 unless all pass
+
+examples:
+  pipecc verify schedules/dualpipe.sched -P 8 -M 20
+  pipecc verify schedules/*.sched --sweep ranks=2..8 microbatches=1..40
+  pipecc verify prog.json --comm all
+  pipecc verify actions.csv --format github
+
+exit codes: 0 verified, 1 a violation, 2 input pipecc cannot use.
+"""
+
+
+def register(commands: SubParsers) -> None:
+    cmd = commands.add_parser(
+        "verify", help="prove a schedule free of deadlocks and mismatched messages",
+        description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cmd.add_argument("files", metavar="FILE", nargs="+",
+                     help=".sched file, bundled schedule name, .json program or torch .csv")
+    add_size_args(cmd)
+    cmd.add_argument("--comm", choices=COMMS, default="nccl",
+                     help="comm model to verify under (default: nccl)")
+    cmd.add_argument("--max-activations", type=positive, metavar="N",
+                     help="fail if a rank holds more than N activation units at once")
+    cmd.add_argument("--sweep", nargs="+", metavar="DIM=RANGE",
+                     help="verify every size: ranks=2..8 microbatches=1..40 (ranges a..b, "
+                          "lists a,b,c)")
+    cmd.add_argument("--jobs", type=positive, metavar="N",
+                     help="processes for --sweep (default: one per CPU)")
+    cmd.add_argument("--format", choices=FORMATS, default="text",
+                     help="output format (default: text)")
+    cmd.add_argument("--limit", type=positive, default=5, metavar="N",
+                     help="violations shown per kind (default: 5)")
+    cmd.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    models = ALL_MODELS if args.comm == "all" else (CommModel(args.comm),)
+    options = Options(models=models, max_activations=args.max_activations, limit=args.limit)
+    defines = dict(args.defines)
+    if args.sweep:
+        ranks, microbatches = parse_sweep(args.sweep, args)
+        jobs = args.jobs or os.cpu_count() or 1
+        results = sweep_files(_sched_files(args.files), ranks=ranks, microbatches=microbatches,
+                              defines=defines, options=options, jobs=jobs)
+        print(_render_sweeps(results, args.format), end="")
+        return 0 if all(r.ok for r in results) else 1
+    outcomes = [verify_file(path, ranks=args.ranks, microbatches=args.microbatches,
+                            defines=defines, options=options) for path in args.files]
+    print(_render_outcomes(outcomes, args.format), end="")
+    return 0 if all(o.report.ok for o in outcomes) else 1
+
+
+def _sched_files(files: list[str]) -> list[str]:
+    for path in files:
+        if path.endswith((".json", ".csv")):
+            raise InputError(f"{path}: --sweep compiles .sched files at each size; a compiled "
+                             "program has one size")
+    return files
+
+
+_RANGE = re.compile(r"(\d+)\.\.(\d+)")
+
+
+def _values(dim: str, text: str) -> range:
+    match = _RANGE.fullmatch(text)
+    if match:
+        lo, hi = int(match.group(1)), int(match.group(2))
+        if lo < 1 or hi < lo:
+            raise InputError(f"--sweep {dim}={text}: expected 1 <= a <= b in a..b")
+        return range(lo, hi + 1)
+    if text.isdigit() and int(text) >= 1:
+        return range(int(text), int(text) + 1)
+    raise InputError(f"--sweep {dim}={text}: expected a range a..b or a positive number")
+
+
+def parse_sweep(specs: list[str], args: argparse.Namespace) -> tuple[range, range]:
+    """`ranks=2..8 microbatches=1..40` (P and M also accepted); a missing dimension takes
+    -P/-M."""
+    found: dict[str, range] = {}
+    names = {"ranks": "ranks", "p": "ranks", "microbatches": "microbatches",
+             "m": "microbatches"}
+    for spec in specs:
+        dim, sep, value = spec.partition("=")
+        key = names.get(dim.strip().lower())
+        if not sep or key is None:
+            raise InputError(f"--sweep {spec}: expected ranks=A..B or microbatches=A..B")
+        found[key] = _values(dim, value.strip())
+    for key, given in (("ranks", args.ranks), ("microbatches", args.microbatches)):
+        if key not in found:
+            if given is None:
+                raise InputError(f"--sweep needs {key}=A..B (or -P/-M for a fixed size)")
+            found[key] = range(given, given + 1)
+    return found["ranks"], found["microbatches"]
+
+
+def _render_outcomes(outcomes: list[Outcome], fmt: str) -> str:
+    if fmt == "json":
+        data = [render.as_json(o.report, o.label, o.notes) for o in outcomes]
+        return json.dumps(data[0] if len(data) == 1 else data, indent=2) + "\n"
+    render_one = render.github if fmt == "github" else render.text
+    return "".join(render_one(o.report, o.label, o.notes) for o in outcomes)
+
+
+def _skips(result: SweepResult) -> list[str]:
+    """Skipped sizes grouped by requirement, M ranges per P: `P=4: M=1..3`."""
+    lines = []
+    reasons = sorted({s.reason for s in result.skipped})
+    for reason in reasons:
+        per_rank: dict[int, list[int]] = {}
+        for s in result.skipped:
+            if s.reason == reason:
+                per_rank.setdefault(s.ranks, []).append(s.microbatches)
+        sizes = "; ".join(f"P={p}: M={_spans(ms)}" for p, ms in per_rank.items())
+        count = sum(len(ms) for ms in per_rank.values())
+        lines.append(f"  skipped {count} size(s), {reason}: {sizes}")
+    return lines
+
+
+def _spans(values: list[int]) -> str:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def _render_sweeps(results: list[SweepResult], fmt: str) -> str:
+    if fmt == "json":
+        data = [{"file": r.path, "ok": r.ok, "verified": r.verified,
+                 "skipped": [{"ranks": s.ranks, "microbatches": s.microbatches,
+                              "reason": s.reason} for s in r.skipped],
+                 "failed": _failure_json(r.failed)} for r in results]
+        return json.dumps(data, indent=2) + "\n"
+    out = []
+    for r in results:
+        if isinstance(r.failed, CompileFailure):
+            out.append(_compile_failure(r.failed, fmt))
+        elif r.failed is not None:
+            body = (render.github if fmt == "github" else render.text)(r.failed.report,
+                                                                      r.failed.label)
+            out.append(body)
+        status = "ok" if r.ok else f"FAILED at {r.failed.label}"  # type: ignore[union-attr]
+        lines = [f"{r.path}: {status}: {r.verified} size(s) verified, "
+                 f"{len(r.skipped)} skipped", *_skips(r)]
+        text = "\n".join(lines)
+        out.append(text + "\n" if fmt == "text" else
+                   "".join(f"::notice::{line.strip()}\n" for line in lines))
+    return "".join(out)
+
+
+def _compile_failure(failure: CompileFailure, fmt: str) -> str:
+    err = failure.error
+    text = f"{failure.label}: does not compile, although its requires allow this size"
+    if fmt != "github":
+        return f"{err}\n\n{text}\n"
+    where = ""
+    if err.span is not None:
+        where = f" file={err.span.file},line={err.span.line},col={err.span.col},"
+    message = f"{text}: {err.message}".replace("%", "%25").replace("\n", "%0A")
+    return f"::error{where or ' '}title=pipecc verify [compile]::{message}\n"
+
+
+def _failure_json(failed: Outcome | CompileFailure | None) -> object:
+    if failed is None:
+        return None
+    if isinstance(failed, CompileFailure):
+        span = failed.error.span
+        return {"input": failed.label, "compile_error": failed.error.message,
+                **({"file": span.file, "line": span.line, "col": span.col} if span else {})}
+    return render.as_json(failed.report, failed.label)

@@ -1,0 +1,109 @@
+"""pytest plugin: `pytest --pipecc schedules/` verifies every .sched file at every size.
+
+Each (file, P, M) is one test item, `dualpipe.sched::P4-M8`; a size a `require` rejects is
+skipped with the requirement as the reason; a failing size shows the verifier's full
+report. Sizes come from `--pipecc-sizes` (the syntax of `pipecc verify --sweep`, default
+`ranks=2..8 microbatches=1..16`), the model from `--pipecc-comm` (default nccl, or `all`).
+
+The plugin is registered through the `pytest11` entry point, so it loads wherever pipecc is
+installed; without `--pipecc` it collects nothing and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipecc.diagnostics import PipeccError
+from pipecc.semantics import CommModel
+from pipecc.verification import Schedule, Skip, check_size
+from pipecc.verify import ALL_MODELS, Options
+from pipecc.verify.render import text
+
+DEFAULT_SIZES = "ranks=2..8 microbatches=1..16"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pipecc", "pipeline schedule verification (pipecc)")
+    group.addoption("--pipecc", action="store_true", default=False,
+                    help="collect .sched files as tests: verify each at every size")
+    group.addoption("--pipecc-sizes", default=DEFAULT_SIZES, metavar="SPEC",
+                    help=f"sizes to verify (default: {DEFAULT_SIZES!r})")
+    group.addoption("--pipecc-comm", default="nccl",
+                    choices=[*(m.value for m in CommModel), "all"],
+                    help="comm model to verify under (default: nccl)")
+
+
+def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:
+    if file_path.suffix == ".sched" and parent.config.getoption("pipecc"):
+        return ScheduleFile.from_parent(parent, path=file_path)
+    return None
+
+
+def parse_sizes(spec: str) -> tuple[range, range]:
+    """`ranks=2..8 microbatches=1..16` -> (range(2, 9), range(1, 17))."""
+    found: dict[str, range] = {}
+    for part in spec.split():
+        name, _, value = part.partition("=")
+        lo, sep, hi = value.partition("..")
+        try:
+            bounds = (int(lo), int(hi) if sep else int(lo))
+        except ValueError:
+            raise pytest.UsageError(f"--pipecc-sizes: bad range {part!r}") from None
+        key = {"ranks": "ranks", "p": "ranks", "microbatches": "microbatches",
+               "m": "microbatches"}.get(name.lower())
+        if key is None or bounds[0] < 1 or bounds[1] < bounds[0]:
+            raise pytest.UsageError(f"--pipecc-sizes: bad entry {part!r}")
+        found[key] = range(bounds[0], bounds[1] + 1)
+    if set(found) != {"ranks", "microbatches"}:
+        raise pytest.UsageError("--pipecc-sizes needs ranks=A..B and microbatches=A..B")
+    return found["ranks"], found["microbatches"]
+
+
+class ScheduleFile(pytest.File):
+    """One .sched file: one item per size."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        ranks, microbatches = parse_sizes(self.config.getoption("pipecc_sizes"))
+        comm = self.config.getoption("pipecc_comm")
+        models = ALL_MODELS if comm == "all" else (CommModel(comm),)
+        for p in ranks:
+            for m in microbatches:
+                yield SizeItem.from_parent(self, name=f"P{p}-M{m}", ranks=p, microbatches=m,
+                                           models=models)
+
+
+class SizeItem(pytest.Item):
+    """Compile one .sched file at (P, M) and verify it."""
+
+    def __init__(self, *, ranks: int, microbatches: int, models: tuple[CommModel, ...],
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ranks = ranks
+        self.microbatches = microbatches
+        self.models = models
+
+    def runtest(self) -> None:
+        schedule = Schedule(str(self.path))
+        found = check_size(schedule, self.ranks, self.microbatches, {},
+                           Options(models=self.models))
+        if isinstance(found, Skip):
+            pytest.skip(found.reason)
+        if not found.report.ok:
+            raise VerificationFailed(text(found.report, found.label))
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: str | None = None) -> str:
+        if isinstance(excinfo.value, VerificationFailed | PipeccError):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"{self.path.name} P={self.ranks} M={self.microbatches}"
+
+
+class VerificationFailed(Exception):
+    """A size whose program the verifier rejects (the message is the full report)."""

@@ -1,0 +1,243 @@
+"""The driver of `pipecc verify` and the pytest plugin: any input, one size or a sweep.
+
+    outcome = verify_file("schedules/zb_h1.sched", ranks=4, microbatches=8)
+    outcome = verify_file("actions.csv")                  # torch CSV, lowered if compute-only
+    result = sweep_file("schedules/zbv.sched", ranks=range(2, 9), microbatches=range(1, 41))
+
+This module sits above the compiler (it compiles .sched files and lowers compute-only
+programs with the default comm policy) and the verifier; `pipecc.verify` itself never
+imports the compiler.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipecc.api import PASSES, compile_schedule, load_program, read_text, resolve_schedule
+from pipecc.diagnostics import InputError, ScheduleError
+from pipecc.frontend.ast import ScheduleFile
+from pipecc.frontend.expand import expand
+from pipecc.frontend.parser import parse
+from pipecc.interop import torch_csv
+from pipecc.ir.ops import Recv, Send, Wait
+from pipecc.ir.program import Program
+from pipecc.passes.assign_microbatches import assign_microbatches
+from pipecc.passes.insert_comms import insert_comms
+from pipecc.verify import Options, Report, check_order, verify
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One verified input: what it was, the report, and notes (ignored CSV cells, lowering)."""
+
+    label: str
+    report: Report
+    notes: tuple[str, ...] = ()
+
+
+def is_compute_only(program: Program) -> bool:
+    """No Send, Recv or Wait anywhere: the comm ops are still to be placed."""
+    return not any(type(x) in (Send, Recv, Wait) for instrs in program.ranks for x in instrs)
+
+
+def verify_program(
+    program: Program, options: Options = Options(), notes: tuple[str, ...] = ()
+) -> tuple[Report, tuple[str, ...]]:
+    """Verify a program; a compute-only one is first checked for a runnable compute order,
+    then lowered with the default comm policy (DESIGN §5)."""
+    if program.num_ranks > 1 and is_compute_only(program):
+        refused = check_order(program, options)
+        if refused is not None:
+            return refused, notes
+        program = insert_comms(program)
+        notes = (*notes, "compute-only input: sends, receives and waits placed by the "
+                 "default comm policy (docs/compile.md), then verified")
+    return verify(program, options), notes
+
+
+def load(
+    path: str, *, ranks: int | None = None, microbatches: int | None = None,
+    defines: Mapping[str, int] | None = None,
+) -> tuple[Program, tuple[str, ...]]:
+    """A program from .sched (needs the sizes), .json or torch .csv, chosen by extension."""
+    if path.endswith(".csv"):
+        loaded = torch_csv.loads(read_text(Path(path)), path)
+        return loaded.program, loaded.notes
+    if path.endswith(".json"):
+        return load_program(path), ()
+    if ranks is None or microbatches is None:
+        missing = " and ".join(flag for flag, v in (("-P/--ranks", ranks),
+                                                    ("-M/--microbatches", microbatches))
+                               if v is None)
+        raise InputError(f"{path}: a .sched file needs {missing} (or --sweep)")
+    program = compile_schedule(path, ranks=ranks, microbatches=microbatches, defines=defines)
+    return program, ()
+
+
+def verify_file(
+    path: str, *, ranks: int | None = None, microbatches: int | None = None,
+    defines: Mapping[str, int] | None = None, options: Options = Options(),
+) -> Outcome:
+    """Load and verify one input (module docstring)."""
+    program, notes = load(path, ranks=ranks, microbatches=microbatches, defines=defines)
+    report, notes = verify_program(program, options, notes)
+    label = path if ranks is None or path.endswith((".json", ".csv")) else (
+        f"{path} P={ranks} M={microbatches}")
+    return Outcome(label, report, notes)
+
+
+# ---- sweeps ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """A size the schedule's `require`s reject: (P, M) and the violated requirement."""
+
+    ranks: int
+    microbatches: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompileFailure:
+    """A size the schedule's requires allow but that does not compile (a schedule bug that
+    shows only at some sizes, as pytorch/torchtitan#775)."""
+
+    label: str
+    error: ScheduleError
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """A sweep of one file: sizes verified clean, sizes skipped, and the first failure (a
+    size that fails verification, or does not compile although its requires hold)."""
+
+    path: str
+    verified: int
+    skipped: tuple[Skip, ...]
+    failed: Outcome | CompileFailure | None
+
+    @property
+    def ok(self) -> bool:
+        return self.failed is None
+
+
+class Schedule:
+    """A .sched file parsed once, compiled at any size (a sweep compiles thousands)."""
+
+    def __init__(self, path: str) -> None:
+        resolved = resolve_schedule(path)
+        self.path = path
+        self.tree: ScheduleFile = parse(read_text(resolved), str(resolved))
+
+    def compile(self, ranks: int, microbatches: int, defines: Mapping[str, int]) -> Program:
+        streams = expand(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
+        program = assign_microbatches(streams)
+        for step in PASSES:
+            program = step(program)
+        return program
+
+
+def sizes(ranks: range, microbatches: range) -> Iterator[tuple[int, int]]:
+    for p in ranks:
+        for m in microbatches:
+            yield p, m
+
+
+def check_size(
+    schedule: Schedule, ranks: int, microbatches: int, defines: Mapping[str, int],
+    options: Options,
+) -> Skip | Outcome:
+    """Compile and verify one size: a Skip when a `require` rejects it, else the Outcome.
+    A size its requires allow but that does not compile raises the compiler's error."""
+    label = f"{schedule.path} P={ranks} M={microbatches}"
+    try:
+        program = schedule.compile(ranks, microbatches, defines)
+    except ScheduleError as err:
+        if err.message.startswith("requires "):
+            return Skip(ranks, microbatches, err.message.split(", got")[0])
+        raise
+    report = verify(program, options)
+    return Outcome(label, report)
+
+
+def sweep_file(
+    path: str, *, ranks: range, microbatches: range, defines: Mapping[str, int] | None = None,
+    options: Options = Options(),
+) -> SweepResult:
+    """Verify every size of `path` in the ranges, in order; stop at the first failing size."""
+    found = _sweep_part(path, tuple(sizes(ranks, microbatches)), dict(defines or {}), options)
+    return _merge(path, [found])
+
+
+def sweep_files(
+    paths: list[str], *, ranks: range, microbatches: range,
+    defines: Mapping[str, int] | None = None, options: Options = Options(), jobs: int = 1,
+) -> list[SweepResult]:
+    """`sweep_file` for several files, the sizes of each rank count being one task spread
+    over `jobs` processes (a sweep of every bundled schedule over P ≤ 16, M ≤ 64 compiles
+    and verifies ten thousand programs)."""
+    tasks = [(path, tuple(sizes(range(p, p + 1), microbatches)), dict(defines or {}), options)
+             for path in paths for p in ranks]
+    for path in paths:
+        Schedule(path)  # parse errors surface here, once, in this process
+    if jobs <= 1 or len(tasks) < 2:
+        parts = [_sweep_part(*task) for task in tasks]
+    else:
+        parts = _parallel(tasks, jobs)
+    return [_merge(path, [part for task, part in zip(tasks, parts, strict=True)
+                          if task[0] == path]) for path in paths]
+
+
+def _parallel(tasks: list[tuple[str, tuple[tuple[int, int], ...], dict[str, int], Options]],
+              jobs: int) -> list[_Part]:
+    context = multiprocessing.get_context("fork" if "fork" in
+                                          multiprocessing.get_all_start_methods() else None)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = [pool.submit(_sweep_part, *task) for task in tasks]
+        return [future.result() for future in futures]
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """What one task found: sizes verified, sizes skipped, the first failure."""
+
+    verified: int
+    skipped: tuple[Skip, ...]
+    failed: Outcome | CompileFailure | None
+
+
+def _sweep_part(
+    path: str, todo: tuple[tuple[int, int], ...], defines: dict[str, int], options: Options
+) -> _Part:
+    schedule = Schedule(path)
+    verified = 0
+    skipped: list[Skip] = []
+    for p, m in todo:
+        try:
+            found = check_size(schedule, p, m, defines, options)
+        except ScheduleError as err:
+            failure = CompileFailure(f"{path} P={p} M={m}", err)
+            return _Part(verified, tuple(skipped), failure)
+        if isinstance(found, Skip):
+            skipped.append(found)
+        elif not found.report.ok:
+            return _Part(verified, tuple(skipped), found)
+        else:
+            verified += 1
+    return _Part(verified, tuple(skipped), None)
+
+
+def _merge(path: str, parts: list[_Part]) -> SweepResult:
+    """Parts in size order: everything up to and including the first failure."""
+    verified, skipped = 0, []
+    for part in parts:
+        verified += part.verified
+        skipped += part.skipped
+        if part.failed is not None:
+            return SweepResult(path, verified, tuple(skipped), part.failed)
+    return SweepResult(path, verified, tuple(skipped), None)

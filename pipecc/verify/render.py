@@ -1,0 +1,105 @@
+"""A Report as text, JSON, or GitHub Actions annotations (`pipecc verify --format`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipecc.diagnostics import Span, Violation
+from pipecc.verify import Report, Status
+
+
+def summary(report: Report, label: str) -> str:
+    """One line: the verdict under each model, the violation count, the activation peaks."""
+    program = report.program
+    verdicts = ", ".join(f"{v.model.value} {v.status.value}" for v in report.verdicts)
+    if report.ok:
+        head = f"{label}: ok ({program.num_instructions()} instructions on {program.num_ranks} ranks"
+        head += f"; {verdicts})" if verdicts else ")"
+    else:
+        counts: dict[str, int] = {}
+        for v in report.violations:
+            counts[v.code] = counts.get(v.code, 0) + 1
+        for code, more in report.dropped:
+            counts[code] = counts.get(code, 0) + more
+        kinds = ", ".join(f"{code} {n}" for code, n in counts.items())
+        head = f"{label}: {sum(counts.values())} violation(s) ({kinds})"
+        if verdicts:
+            head += f"; {verdicts}"
+    peaks = " ".join(str(p.peak) for p in report.peaks)
+    return f"{head}\npeak activations per rank: {peaks}"
+
+
+def text(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
+    """Every violation in full (location, caret, notes), then the summary."""
+    parts = [str(v) for v in report.violations]
+    parts += [f"note: {code}: {more} more violation(s) of this kind not shown"
+              for code, more in report.dropped]
+    parts += [f"note: {note}" for note in notes]
+    parts.append(summary(report, label))
+    return "\n\n".join(parts) + "\n"
+
+
+def _span_json(span: Span | None) -> dict[str, Any]:
+    if span is None:
+        return {}
+    return {"file": span.file, "line": span.line, "col": span.col}
+
+
+def violation_json(v: Violation) -> dict[str, Any]:
+    return {
+        "code": v.code,
+        "message": v.message,
+        "rank": v.rank,
+        "index": v.index,
+        **_span_json(v.span),
+        "notes": [{"message": text, **_span_json(span)} for span, text in v.notes],
+    }
+
+
+def as_json(report: Report, label: str, notes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The report as a JSON-ready object (docs/verify.md lists the fields)."""
+    program = report.program
+    return {
+        "input": label,
+        "schedule": program.schedule,
+        "ranks": program.num_ranks,
+        "microbatches": program.num_microbatches,
+        "ok": report.ok,
+        "verdicts": {v.model.value: v.status.value for v in report.verdicts},
+        "violations": [violation_json(v) for v in report.violations],
+        "dropped": dict(report.dropped),
+        "peak_activations": [{"rank": p.rank, "peak": p.peak, "index": p.index}
+                             for p in report.peaks],
+        "notes": list(notes),
+    }
+
+
+def _escape(text: str, *, prop: bool = False) -> str:
+    text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    if prop:
+        text = text.replace(":", "%3A").replace(",", "%2C")
+    return text
+
+
+def annotation(v: Violation, label: str) -> str:
+    """`::error file=…,line=…,col=…,title=…::message` for one violation."""
+    props = []
+    if v.span is not None:
+        props += [f"file={_escape(v.span.file, prop=True)}", f"line={v.span.line}",
+                  f"col={v.span.col}"]
+    props.append(f"title={_escape(f'pipecc verify [{v.code}] {label}', prop=True)}")
+    return f"::error {','.join(props)}::{_escape(v.message)}"
+
+
+def github(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
+    """One annotation per violation, then the summary as a notice."""
+    lines = [annotation(v, label) for v in report.violations]
+    status = "ok" if report.ok else "failed"
+    lines.append(f"::notice title={_escape(f'pipecc verify {status}', prop=True)}::"
+                 f"{_escape(summary(report, label))}")
+    lines += [f"::notice::{_escape(note)}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def passes_everywhere(report: Report) -> bool:
+    return all(v.status is Status.PASSES for v in report.verdicts)
