@@ -124,6 +124,20 @@ class ProgramError(PipeccError):
     exit_code = 1
 
 
+class SetupError(ProgramError):
+    """The runtime's program, stage modules and boundary shapes do not fit together (a
+    program for another world size, a chunk without its module, a shape or dtype mismatch
+    between stages). Raised on the first step, on every rank of the pipeline."""
+
+
+class RankError(ProgramError):
+    """A rank failed while running a program; the message names the rank and instruction."""
+
+
+class RecvTimeoutError(RankError):
+    """A posted op did not complete within the runtime's timeout."""
+
+
 # ---- verifier violations (docs/verify.md) ---------------------------------------------------
 
 

@@ -506,7 +506,7 @@ class PipelineRuntime:
         self, index: int, instr: Wait, op_index: int, pending: Pending, err: Exception
     ) -> RankError:
         what = f"{describe(pending.instr)} (instruction {op_index})"
-        text = str(err).split("\n")[0]
+        text = _short(str(err))
         if "Timed out" in text or "timed out" in text:
             return RecvTimeoutError(
                 f"{self._where(index, instr)}: {what} did not complete "
@@ -547,6 +547,14 @@ def _forward_only(instrs: Sequence[Instr]) -> list[tuple[int, Instr]]:
                 if ops:
                     kept.append((index, Wait(ops, instr.span)))
     return kept
+
+
+def _short(text: str) -> str:
+    """A backend's error without its source location and advice (gloo's are long)."""
+    text = text.split("\n")[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically")[0]
 
 
 def _key(instr: Send | Recv) -> tuple[str, int, int, int]:

@@ -4,12 +4,14 @@ A `Recorder` collects, on one rank during real steps, the wall time of every com
 instruction and the post/complete times and sizes of every message. `write_cost_file` merges
 the records of all ranks into the simulator's TOML cost format (DESIGN §6):
 
-    [cost]            F, B, I, W, FB (ms), comm (ms per message), bytes (per message)
-    [cost.stage.N]    the same keys measured on stage N alone
+    [cost]            unit = "ms"; F, B, I, W, FB, FI (ms); comm (ms per message);
+                      bytes (per message)
+    [cost.stage.N]    the same durations measured on stage N alone
 
 Stage N is the `stage` of the program (pipe 0's numbering); with two pipes (DualPipe) stage N
 of both pipes is one model stage and their samples are merged. A fused op is recorded as FB
-under the stage of its forward. Every figure is the median of its samples.
+(F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up. Every figure
+is the median of its samples.
 
 `comm` is a latency: from the post of a send to the completion of the matching receive, taken
 only from messages whose receiver was already waiting when the send was posted (otherwise
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MessageKey = tuple[str, int, int, int]  # (what, pipe, receiving stage, mb)
-KEYS = ("F", "B", "I", "W", "FB")
+KEYS = ("F", "B", "I", "W", "FB", "FI")
 
 
 @dataclass
@@ -97,7 +99,7 @@ def render_cost_file(records: list[Recorder], header: str) -> str:
     top, per_stage = compute_costs(records)
     top.update(comm_costs(records))
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    lines += ["", "[cost]", *_table(top)]
+    lines += ["", "[cost]", 'unit = "ms"', *_table(top)]
     for stage, costs in per_stage.items():
         lines += ["", f"[cost.stage.{stage}]", *_table(costs)]
     return "\n".join(lines) + "\n"

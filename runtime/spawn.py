@@ -27,6 +27,7 @@ from pipecc.diagnostics import PipeccError, RankError
 
 Worker = Callable[[int, int, Any], Any]  # (rank, world size, payload) -> result
 GRACE = 1.0  # seconds the others get to report after the first failure
+STOPPED = "stopped after another rank failed"
 
 
 def free_port() -> int:
@@ -54,7 +55,7 @@ def _bootstrap(
         results.put(("ok", rank, buffer.getvalue()))
         dist.destroy_process_group()
     except PipeccError as err:
-        _report(results, rank, str(err))
+        _report(results, rank, err.message)
     except BaseException as err:  # a bug or a user's exception: keep the traceback
         _report(results, rank, f"rank {rank}: {type(err).__name__}: {err}\n"
                 + "".join(traceback.format_exception(err)))  # fmt: skip
@@ -89,8 +90,22 @@ def spawn(
     finally:
         _stop(processes)
     if failures:
-        raise RankError("\n".join(failures[r] for r in sorted(failures)))
+        raise _failure(failures)
     return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world)]
+
+
+CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", STOPPED)
+
+
+def _failure(failures: dict[int, str]) -> RankError:
+    """The first rank that failed on its own, with the others (mostly its victims) as notes."""
+    ordered = sorted(failures.items(), key=lambda item: (_is_consequence(item[1]), item[0]))
+    first, *rest = (text for _, text in ordered)
+    return RankError(first, notes=tuple((None, text) for text in rest))
+
+
+def _is_consequence(text: str) -> bool:
+    return any(marker in text for marker in CONSEQUENCES)
 
 
 def _collect(processes: list[Any], results: Any) -> tuple[dict[int, bytes], dict[int, str]]:
@@ -110,7 +125,7 @@ def _collect(processes: list[Any], results: Any) -> tuple[dict[int, bytes], dict
             failed_at = time.monotonic()
     for rank in range(len(processes)):
         if rank not in values and rank not in failures:
-            failures[rank] = f"rank {rank}: stopped after another rank failed"
+            failures[rank] = f"rank {rank}: {STOPPED}"
     return values, failures
 
 

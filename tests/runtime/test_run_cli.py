@@ -1,0 +1,140 @@
+"""`pipecc run`: the contract scripts depend on (DESIGN §7, §8).
+
+Each run starts real processes (seconds each), so the cases are few and each checks much:
+the JSON object and its fields, the cost file, exit code 2 for unusable input before any
+process starts, exit code 1 for a failed check or a failing rank (the message names the rank
+and the instruction), and a rank killed mid-step stopping the others, not hanging them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipecc.cli import main
+from pipecc.costs import load_cost_file
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPECC = str(Path(sys.executable).parent / "pipecc")
+FAULTY = str(Path(__file__).with_name("fault_model.py"))
+MLP = str(ROOT / "examples" / "mlp.py")
+FIELDS = {"schedule", "ranks", "microbatches", "loss", "max_abs_grad_diff", "max_rel_grad_diff",
+          "step_ms", "steps"}  # fmt: skip
+
+
+def pipecc(*args: str, fault: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PIPECC_TEST_FAULT=fault, PIPECC_MLP_HIDDEN="16")
+    return subprocess.run([PIPECC, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+def test_json_check_and_profile(tmp_path: Path) -> None:
+    costs = tmp_path / "costs.toml"
+    result = pipecc("run", "dualpipev", "--nproc", "2", "-M", "4", "--model", MLP, "--check",
+                    "--json", "--steps", "2", "--warmup", "1", "--profile", str(costs))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # exactly one JSON object, nothing else on stdout
+    assert FIELDS <= set(report)
+    assert report["schedule"] == "dualpipev"
+    assert (report["ranks"], report["microbatches"], report["steps"]) == (2, 4, 2)
+    assert report["batch_size"] == 32, "default batch size is 8·M"
+    assert report["max_rel_grad_diff"] <= 1e-6
+    assert abs(report["loss"] - report["reference_loss"]) <= 1e-6 * report["reference_loss"]
+    assert report["step_ms"] > 0
+    text = costs.read_text()
+    assert text.startswith("# pipecc run --profile: dualpipev")
+    model = load_cost_file(costs)  # the simulator's parser accepts it
+    assert model.unit == "ms"
+    for key in ("F", "B", "I", "W", "FB", "comm", "bytes"):
+        assert getattr(model.base, key) is not None, f"{key} measured"
+    assert model.base.bytes == 8 * 16 * 4, "one microbatch: 8 rows × 16 fp32"
+    assert [stage for stage, _ in model.stages] == [0, 1, 2, 3]
+
+
+def run_inline(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str, fault: str = ""
+) -> tuple[int, str, str]:
+    """`pipecc` in this process (its ranks are still spawned): exit code, stdout, stderr."""
+    monkeypatch.setenv("PIPECC_TEST_FAULT", fault)
+    monkeypatch.setenv("PIPECC_MLP_HIDDEN", "16")
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_without_check_diffs_are_null(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "2",
+                                "--model", MLP, "--json")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["max_abs_grad_diff"] is None and report["max_rel_grad_diff"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-size", "10"], "--batch-size 10 cannot be split into 4 equal microbatches"),
+        (["--model", "no/such/model.py"], "no/such/model.py: no such model file"),
+        (["--model", __file__], "must define build_stages()"),
+        (["--timeout", "0"], "--timeout must be positive"),
+    ],
+)
+def test_unusable_input_exits_2(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    message: str,
+) -> None:
+    base = ["run", "1f1b", "--nproc", "2", "-M", "4", "--model", MLP]
+    code, _, err = run_inline(capsys, monkeypatch, *base, *args)
+    assert code == 2, err
+    assert message in err
+
+
+def test_bad_flag_exits_2() -> None:
+    result = pipecc("run", "1f1b", "--nproc", "0", "-M", "4", "--model", MLP)
+    assert result.returncode == 2
+    assert "expected a positive integer" in result.stderr
+
+
+def test_failed_check_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = run_inline(capsys, monkeypatch, "run", "zb_h1", "--nproc", "2", "-M", "2",
+                                "--model", FAULTY, "--check", "--json", fault="random")  # fmt: skip
+    assert code == 1
+    assert json.loads(out)["max_rel_grad_diff"] > 1e-5
+    assert "check failed: max_rel_grad_diff" in err
+
+
+def test_rank_error_names_rank_and_instruction(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "4",
+                              "--model", FAULTY, fault="raise")  # fmt: skip
+    assert code == 1
+    first = err.splitlines()[0]
+    assert re.fullmatch(
+        r"error: rank 1: instruction \d+ \(F0\.\d\): ValueError: stage exploded on purpose", first
+    ), err
+    assert "Traceback" not in err
+
+
+def test_killed_rank_stops_the_others(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = time.monotonic()
+    code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "3", "-M", "6",
+                              "--model", FAULTY, "--timeout", "100", fault="kill")  # fmt: skip
+    assert code == 1
+    assert err.splitlines()[0] == "error: rank 1: the process died (killed by SIGKILL)", err
+    assert time.monotonic() - start < 60, "the others stopped long before their timeout"
