@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.diagnostics import CostModelError
-from pipecc.ir.ops import Compute, Fused, Kind
+from pipecc.ir.ops import Compute, Fused, Kind, Send
 
 DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes")
 GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", "unit")
@@ -166,6 +166,25 @@ def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
         comm += cost.bytes / bandwidth
     return ResolvedCost(F, B, I, W, cost.FB, cost.FI, comm, cost.bytes,  # type: ignore[arg-type]
                         cost.act_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CostTiming:
+    """A cost model as the replay engine's `Timing` (pipecc.semantics): how long each compute
+    instruction runs, and each message's latency."""
+
+    costs: CostModel
+
+    def duration(self, rank: int, index: int, instr: Compute | Fused) -> float:
+        return self.op_duration(instr)
+
+    def op_duration(self, instr: Compute | Fused) -> float:
+        if type(instr) is Compute:
+            return self.costs.compute(instr)
+        return self.costs.fused(instr)  # type: ignore[arg-type]
+
+    def latency(self, rank: int, index: int, send: Send) -> float:
+        return self.costs.latency(send.stage)
 
 
 # ---- parsing -------------------------------------------------------------------------------

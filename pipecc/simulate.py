@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipecc.costs import CostModel
+from pipecc.costs import CostModel, CostTiming
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
@@ -25,21 +25,6 @@ from pipecc.stalls import Gap, classify
 
 class DeadlockedError(ProgramError):
     """The program cannot run to completion under the chosen comm model."""
-
-
-@dataclass(frozen=True, slots=True)
-class CostTiming:
-    """The engine's `Timing` protocol, answered from a cost model."""
-
-    costs: CostModel
-
-    def duration(self, rank: int, index: int, instr: Compute | Fused) -> float:
-        if type(instr) is Compute:
-            return self.costs.compute(instr)
-        return self.costs.fused(instr)  # type: ignore[arg-type]
-
-    def latency(self, rank: int, index: int, send: Send) -> float:
-        return self.costs.latency(send.stage)
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,8 +162,11 @@ def _why_late(program: Program, run: Replay, rank: int, index: int) -> str:
         return (f"queued on this rank's nccl stream behind [{ready_cause.index}] "
                 f"{describe(ahead)}")
     posted = run.start_time(rank, index) or 0.0
-    kind = "receive" if type(op) is Recv else "send"
-    return f"the {kind} was posted only at {posted:g}"
+    if type(op) is Send:
+        done = run.done_time(rank, index) or 0.0
+        return (f"the rank waited for its own send to finish its transfer ({posted:g} to "
+                f"{done:g}) before it needed to; completed later, it would not block")
+    return f"the receive was posted only at {posted:g}"
 
 
 @dataclass(frozen=True, slots=True)

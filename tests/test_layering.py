@@ -25,6 +25,9 @@ ALLOWED = {
     "pipecc.ir": ("pipecc.diagnostics",),
     "pipecc.frontend": ("pipecc.diagnostics", "pipecc.ir"),
     "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir"),
+    # the alignment pass asks the replay engine how its candidates run (DESIGN §1)
+    "pipecc.passes.align_comms": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes",
+                                  "pipecc.costs", "pipecc.semantics", "pipecc.stalls"),
     "pipecc.interop": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes", "pipecc.perf"),
     "pipecc.costs": ("pipecc.diagnostics", "pipecc.ir"),
     "pipecc.semantics": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from pipecc.commands.common import SubParsers, add_size_args, load_input, write_output
+from pipecc.commands.common import (
+    SubParsers,
+    add_cost_args,
+    add_size_args,
+    load_costs,
+    load_input,
+    write_output,
+)
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
+from pipecc.passes.align_comms import align_comms
+from pipecc.semantics import CommModel
 
 FORMATS = ("json", "text", "listing", "torch-csv", "torch-csv-comms")
 
@@ -15,6 +24,10 @@ Compile a schedule for P ranks and M microbatches: expand its phases, give every
 microbatch, resolve every W to its I, and place sends, receives and waits with the default
 comm policy (docs/compile.md). FILE is a .sched file, the name of a bundled schedule (see
 'pipecc list'), or a compiled program (.json) to convert to another format.
+
+--align places every send, receive and wait for the given costs and comm model instead, so
+that no rank waits for a message it could have had (docs/align.md); the compute order is
+unchanged, and hand-placed comm ops are placed again.
 """
 
 EPILOG = """\
@@ -30,6 +43,7 @@ examples:
   pipecc compile schedules/dualpipe.sched -P 8 -M 20 -o dualpipe.json
   pipecc compile schedules/interleaved_1f1b.sched -P 4 -M 8 -D V=2 --format text
   pipecc compile zb_h1 -P 4 -M 8 --format torch-csv
+  pipecc compile zb_h1 -P 4 -M 8 --cost F=1,I=1,W=1,comm=0.2 --align -o zb_h1.json
 """
 
 
@@ -46,11 +60,16 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument("--format", choices=FORMATS, default="json",
                      help="output format (default: json)")
     cmd.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    cmd.add_argument("--align", action="store_true",
+                     help="place comm ops for --cost/--cost-file under --comm (docs/align.md)")
+    add_cost_args(cmd)
     cmd.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
+    if args.align:
+        program = align_comms(program, costs=load_costs(args), model=CommModel(args.comm))
     match args.format:
         case "json":
             text = json_program.dumps(program)
