@@ -91,7 +91,9 @@ class SizeItem(pytest.Item):
         found = check_size(schedule, self.ranks, self.microbatches, {},
                            Options(models=self.models))
         if isinstance(found, Skip):
-            pytest.skip(found.reason)
+            # reported at the .sched file rather than at this line of the plugin
+            raise pytest.skip.Exception(f"P={self.ranks} M={self.microbatches}: {found.reason}",
+                                        _use_item_location=True)
         if not found.report.ok:
             raise VerificationFailed(text(found.report, found.label))
 

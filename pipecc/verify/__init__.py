@@ -69,6 +69,7 @@ class Report:
     verdicts: tuple[Verdict, ...]
     peaks: tuple[Peak, ...]
     dropped: tuple[tuple[str, int], ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -83,12 +84,17 @@ def verify(program: Program, options: Options = Options()) -> Report:
 
 def _verify(program: Program, options: Options) -> Report:
     ctx = Context(program, wire(program), limit=options.limit)
+    notes: tuple[str, ...] = ()
     check_waits(ctx)
     check_matching(ctx)
-    check_routes(ctx)
-    check_placement(ctx)
+    misplaced = check_placement(ctx)
     check_coverage(ctx)
-    check_dataflow(ctx)
+    if misplaced:  # every route and data dependency follows the placement: all would fail
+        notes = ("route and data-dependency checks skipped: the ops do not fit the "
+                 "program's placement",)
+    else:
+        check_routes(ctx)
+        check_dataflow(ctx)
     verdicts = check_deadlock(ctx, options.models)
     found = peaks(ctx)
     if options.max_activations is not None:
@@ -100,6 +106,7 @@ def _verify(program: Program, options: Options) -> Report:
         verdicts=verdicts,
         peaks=found,
         dropped=tuple(sorted(ctx.dropped.items())),
+        notes=notes,
     )
 
 

@@ -276,12 +276,17 @@ def _report_cycle(
     lines = []
     for a, b in cycle:
         why = graph.edges[a, b]["why"]
-        reason = ("comes after it on the same rank" if why == "program order"
-                  else "makes the data it needs")
+        reason = (f"the op before it on rank {a[0]}" if why == "program order"
+                  else "which makes the data it needs")
         lines.append(f"  {ctx.describe(*a)}  waits for  {ctx.describe(*b)}  ({reason})")
     text = ("the compute order cannot run, under any placement of sends and receives: "
             "every op on this cycle waits for the next\n" + "\n".join(lines))
     rank, index = cycle[0][0]
-    notes = tuple(ctx.note(*b, f"rank {b[0]} waits here") for _, b in cycle[:-1] if b[0] != rank)
-    ctx.report(UnrunnableOrderError(text, ctx.span(rank, index), notes=notes, rank=rank,
+    noted = {rank}
+    notes = []
+    for _, (r, i) in cycle:
+        if r not in noted:
+            noted.add(r)
+            notes.append(ctx.note(r, i, f"rank {r} is on the cycle here"))
+    ctx.report(UnrunnableOrderError(text, ctx.span(rank, index), notes=tuple(notes), rank=rank,
                                     index=index))

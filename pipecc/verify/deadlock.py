@@ -39,16 +39,28 @@ class Verdict:
 
 
 class _Replays:
-    """Each model replayed at most once."""
+    """Each model replayed at most once, with its witness (a cycle, or a chain that ends
+    at an op nothing matches) when it gets stuck."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.done: dict[CommModel, Replay] = {}
+        self.witnesses: dict[CommModel, tuple[list[Node], bool]] = {}
 
     def __call__(self, model: CommModel) -> Replay:
         if model not in self.done:
             self.done[model] = replay(self.ctx.program, model=model, wiring=self.ctx.wiring)
         return self.done[model]
+
+    def witness(self, model: CommModel) -> tuple[list[Node], bool]:
+        if model not in self.witnesses:
+            run = self(model)
+            self.witnesses[model] = _witness(run, {(s.rank, s.index): s for s in run.stuck})
+        return self.witnesses[model]
+
+    def cycle(self, model: CommModel) -> bool:
+        """Stuck on a cycle (not only on ops that nothing matches)."""
+        return not self(model).finished and self.witness(model)[1]
 
 
 def check_deadlock(ctx: Context, models: tuple[CommModel, ...]) -> tuple[Verdict, ...]:
@@ -56,31 +68,38 @@ def check_deadlock(ctx: Context, models: tuple[CommModel, ...]) -> tuple[Verdict
     runs = _Replays(ctx)
     verdicts = []
     for model in models:
-        run = runs(model)
-        if model is CommModel.EAGER and run.finished:
-            run = runs(CommModel.RENDEZVOUS)  # passing only with buffering is not safe
-        if run.finished:
-            verdicts.append(Verdict(model, Status.PASSES))
-            continue
-        status = _status(run, runs)
+        status, witness = _judge(model, runs)
         verdicts.append(Verdict(model, status))
-        if status is not Status.ORPHANED:
-            ctx.report(_violation(ctx, run, status, runs))
+        if witness is not None:
+            ctx.report(_violation(ctx, witness, status, runs))
     return tuple(verdicts)
 
 
-def _status(run: Replay, runs: _Replays) -> Status:
-    if not any(run.blocked_at(r) is not None for r in range(run.program.num_ranks)):
-        if all(s.why is not Block.STREAM and s.why is not Block.PARTNER for s in run.stuck):
-            return Status.ORPHANED
-    if runs(CommModel.EAGER).finished and not runs(CommModel.RENDEZVOUS).finished:
-        return Status.NEEDS_BUFFERING  # it runs only if sends never wait for receives
-    return Status.DEADLOCK
+def _judge(model: CommModel, runs: _Replays) -> tuple[Status, CommModel | None]:
+    """The verdict under `model`, and the model whose blocked state is the witness.
+
+    Passing under eager is not safe when rendezvous hangs on a cycle: that is "needs
+    buffering". A hang whose root is an op nothing matches is a deadlock when a rank waits
+    on it, and otherwise left to the orphan check (the ranks end, the op never completes).
+    """
+    run = runs(model)
+    eager, rendezvous = CommModel.EAGER, CommModel.RENDEZVOUS
+    if run.finished:
+        if model is eager and runs.cycle(rendezvous):
+            return Status.NEEDS_BUFFERING, rendezvous
+        return Status.PASSES, None
+    if not runs.witness(model)[1]:
+        blocked = any(run.blocked_at(r) is not None for r in range(run.program.num_ranks))
+        return (Status.DEADLOCK, model) if blocked else (Status.ORPHANED, None)
+    if runs(eager).finished and runs.cycle(rendezvous):
+        return Status.NEEDS_BUFFERING, model  # it runs only if sends never wait for receives
+    return Status.DEADLOCK, model
 
 
-def _violation(ctx: Context, run: Replay, status: Status, runs: _Replays) -> Violation:
+def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -> Violation:
+    run = runs(model)
     edges = {(s.rank, s.index): s for s in run.stuck}
-    path, closed = _witness(run, edges)
+    path, closed = runs.witness(model)
     ranks = []
     for rank, _ in path:
         if rank not in ranks:
@@ -97,8 +116,9 @@ def _violation(ctx: Context, run: Replay, status: Status, runs: _Replays) -> Vio
     if status is Status.NEEDS_BUFFERING:
         head = ("needs buffering: the program completes only when sends are buffered "
                 f"(eager); it hangs for large messages or across nodes. {head}")
-    lines = [head, _stuck_line(ctx, run, ranks), "  " + ("cycle (each line waits for the next, the last for the first):"
-                          if closed else "chain (each line waits for the next):")]
+    kind = ("cycle (each line waits for the next, the last for the first):" if closed
+            else "chain (each line waits for the next):")
+    lines = [head, _stuck_line(ctx, run, ranks), f"  {kind}"]
     lines += [_hop(ctx, run, edges[node]) for node in path]
     lines += _extra(run, runs)
     lines += _grid(ctx, run, ranks)

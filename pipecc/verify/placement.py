@@ -20,11 +20,12 @@ from pipecc.semantics.wiring import RECV, SEND
 from pipecc.verify.context import Context
 
 
-def check_placement(ctx: Context) -> None:
-    """Report computations on a (rank, chunk) that does not hold their (pipe, stage)."""
+def check_placement(ctx: Context) -> int:
+    """Report computations on a (rank, chunk) that does not hold their (pipe, stage); return
+    how many there are."""
     table = _table(ctx.program.placement)
     w = ctx.wiring
-    wrong = 0
+    wrong: list[tuple[int, int, Compute]] = []
     for rank, instrs in enumerate(ctx.program.ranks):
         base = w.offsets[rank]
         slots = table[rank]
@@ -35,13 +36,13 @@ def check_placement(ctx: Context) -> None:
         for g in w.computes[rank]:
             for op in _parts(instrs[g - base]):
                 _, chunk, pipe, stage, _, _ = op
-                if 0 <= chunk < len(slots) and slots[chunk] == (pipe, stage):
-                    continue
-                wrong += 1
-                if wrong <= ctx.limit:
-                    _report_misplaced(ctx, rank, g - base, op)
+                if not (0 <= chunk < len(slots) and slots[chunk] == (pipe, stage)):
+                    wrong.append((rank, g - base, op))
     if wrong:
-        _hint_placement(ctx, wrong)
+        _hint_placement(ctx, len(wrong))
+        for rank, index, op in wrong:
+            _report_misplaced(ctx, rank, index, op)
+    return len(wrong)
 
 
 def _parts(instr: Instr) -> tuple[Compute, ...]:

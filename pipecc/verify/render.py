@@ -34,7 +34,7 @@ def text(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
     parts = [str(v) for v in report.violations]
     parts += [f"note: {code}: {more} more violation(s) of this kind not shown"
               for code, more in report.dropped]
-    parts += [f"note: {note}" for note in notes]
+    parts += [f"note: {note}" for note in (*report.notes, *notes)]
     parts.append(summary(report, label))
     return "\n\n".join(parts) + "\n"
 
@@ -70,7 +70,7 @@ def as_json(report: Report, label: str, notes: tuple[str, ...] = ()) -> dict[str
         "dropped": dict(report.dropped),
         "peak_activations": [{"rank": p.rank, "peak": p.peak, "index": p.index}
                              for p in report.peaks],
-        "notes": list(notes),
+        "notes": [*report.notes, *notes],
     }
 
 
@@ -97,7 +97,7 @@ def github(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
     status = "ok" if report.ok else "failed"
     lines.append(f"::notice title={_escape(f'pipecc verify {status}', prop=True)}::"
                  f"{_escape(summary(report, label))}")
-    lines += [f"::notice::{_escape(note)}" for note in notes]
+    lines += [f"::notice::{_escape(note)}" for note in (*report.notes, *notes)]
     return "\n".join(lines) + "\n"
 
 
