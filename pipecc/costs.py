@@ -89,8 +89,18 @@ class CostModel:
         return cached
 
     def compute(self, op: Compute) -> float:
-        cost = self.stage(op.stage)
-        return {Kind.F: cost.F, Kind.B: cost.B, Kind.I: cost.I, Kind.W: cost.W}[op.kind]
+        cost = self._resolved.get(op.stage) or self.stage(op.stage)
+        kind = op.kind
+        if kind is Kind.F:
+            return cost.F
+        if kind is Kind.B:
+            return cost.B
+        return cost.I if kind is Kind.I else cost.W
+
+    def has_bytes(self) -> bool:
+        """Whether activation sizes are given (for peak memory in bytes)."""
+        return self.base.act_bytes is not None or any(
+            cost.act_bytes is not None for _, cost in self.stages)
 
     def fused(self, op: Fused) -> float:
         """F&B (or F&I): the given FB/FI of the forward's stage, else the two durations added."""

@@ -214,11 +214,12 @@ def render_svg(timeline: Timeline, *, arrows: bool = False, px_per_unit: float |
                      f"rank {rank}</text>")
         parts.append(f'<rect x="{LEFT}" y="{y + 1}" width="{span * scale:.2f}" '
                      f'height="{ROW - 2}" fill="#f4f4f4"/>')
-    parts.extend(_svg_box(box, scale) for box in boxes(timeline))
+    drawn = boxes(timeline)
+    parts.extend(_svg_box(box, scale) for box in drawn)
     if arrows:
         parts.extend(_svg_arrow(m, scale) for m in messages(timeline))
     parts.append(_svg_axis(span, scale, TOP + ranks * ROW))
-    parts.append(_svg_legend(TOP + ranks * ROW + 34))
+    parts.append(_svg_legend(TOP + ranks * ROW + 34, drawn))
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
@@ -264,16 +265,20 @@ def _svg_axis(span: float, scale: float, y: float) -> str:
     return "\n".join(parts)
 
 
-def _svg_legend(y: float) -> str:
+def _svg_legend(y: float, drawn: list[Box]) -> str:
+    """One entry per (op kind, first or later chunk) the chart shows."""
     parts = []
     x = LEFT
-    entries = [(f"{kind.value} chunk {c}", COLOURS[kind][c]) for kind in Kind for c in (0, 1)]
+    present = {(box.kind, min(box.chunk, 1)) for box in drawn}
+    entries = [(f"{kind.value} chunk {c}" if c == 0 else f"{kind.value} chunk ≥1",
+                COLOURS[kind][c]) for kind in Kind for c in (0, 1) if (kind, c) in present]
     for label, colour in entries:
         parts.append(f'<rect x="{x}" y="{y - 9}" width="12" height="12" fill="{colour}"/>')
         parts.append(f'<text x="{x + 16}" y="{y + 1}">{escape(label)}</text>')
         x += 88
-    parts.append(f'<text x="{x}" y="{y + 1}" fill="#555">fused op: forward above, backward '
-                 "below</text>")
+    if any(box.band for box in drawn):
+        parts.append(f'<text x="{x}" y="{y + 1}" fill="#555">fused op: forward above, '
+                     "backward below</text>")
     return "\n".join(parts)
 
 

@@ -212,34 +212,45 @@ def _peak_memory(instrs: tuple[Instr, ...], costs: CostModel) -> tuple[int, int,
     """Peak live activations (DESIGN §2: F +1, B −1, I 0, W −1; a fused op allocates before
     it frees) and where it first occurs; and the peak in bytes when `act_bytes` is given."""
     live = peak = peak_index = 0
-    live_bytes, peak_bytes, have_bytes = 0.0, 0.0, True
+    step = {Kind.F: 1, Kind.B: -1, Kind.I: 0, Kind.W: -1}
     for index, instr in enumerate(instrs):
-        for op in computations(instr):
-            size = costs.stage(op.stage).act_bytes
-            have_bytes = have_bytes and size is not None
-            step = 1 if op.kind is Kind.F else (0 if op.kind is Kind.I else -1)
-            live += step
-            live_bytes += step * (size or 0.0)
+        if type(instr) is Compute:
+            live += step[instr[0]]
+        elif type(instr) is Fused:
+            live += 1  # the forward allocates before the backward frees
             if live > peak:
                 peak, peak_index = live, index
-            peak_bytes = max(peak_bytes, live_bytes)
-    return peak, peak_index, peak_bytes if have_bytes else None
+            live += step[instr[1][0]] - 1
+        else:
+            continue
+        if live > peak:
+            peak, peak_index = live, index
+    return peak, peak_index, _peak_bytes(instrs, costs) if costs.has_bytes() else None
+
+
+def _peak_bytes(instrs: tuple[Instr, ...], costs: CostModel) -> float:
+    live = peak = 0.0
+    for instr in instrs:
+        for op in computations(instr):
+            size = costs.stage(op.stage).act_bytes or 0.0
+            live += size if op.kind is Kind.F else (0.0 if op.kind is Kind.I else -size)
+            peak = max(peak, live)
+    return peak
 
 
 def _stalls(rank: int, instrs: tuple[Instr, ...], run: Replay, threshold: float) -> list[Stall]:
     """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv)."""
     found = []
+    starts, ends, base = run.start, run.end, run.wiring.offsets[rank]
     previous_end = 0.0
     for index, instr in enumerate(instrs):
-        start = run.start_time(rank, index) or 0.0
-        blocked_from = previous_end
-        previous_end = run.end_time(rank, index) or start
-        if type(instr) is Wait:
-            length = previous_end - blocked_from
-        elif type(instr) is Compute or type(instr) is Fused:
-            length = start - blocked_from
-        else:
+        kind = type(instr)
+        if kind is Send or kind is Recv:
             continue
+        start = starts[base + index] or 0.0
+        blocked_from = previous_end
+        previous_end = ends[base + index] or start
+        length = (previous_end if kind is Wait else start) - blocked_from
         if length <= threshold or length <= 0:
             continue
         cause = run.cause(rank, index)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pipecc.costs import CostModel
 from pipecc.ir.dataflow import Dataflow
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait, computations
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.semantics import CauseKind, Replay
@@ -59,18 +59,20 @@ def classify(program: Program, run: Replay, costs: CostModel) -> list[list[Gap]]
     """The idle gaps before every compute op of every rank, each split into its
     dependency-bound and placement-bound parts (module docstring)."""
     ready = _data_ready(program, run, costs)
+    starts, ends, offsets = run.start, run.end, run.wiring.offsets
     gaps: list[list[Gap]] = []
     for rank, instrs in enumerate(program.ranks):
         found: list[Gap] = []
         previous_end = 0.0
+        base = offsets[rank]
         for index, instr in enumerate(instrs):
             if type(instr) is not Compute and type(instr) is not Fused:
                 continue
-            start = run.start_time(rank, index) or 0.0
+            start = starts[base + index] or 0.0
             if start > previous_end + _EPSILON:
                 found.append(_gap(program, run, rank, index, previous_end, start,
-                                  ready.get((rank, index), 0.0)))
-            previous_end = run.end_time(rank, index) or start
+                                  ready.get(base + index, 0.0)))
+            previous_end = ends[base + index] or start
         gaps.append(found)
     return gaps
 
@@ -85,29 +87,42 @@ def _gap(program: Program, run: Replay, rank: int, index: int, since: float, unt
     return Gap(rank, index, since, until, dependency, placement, cause)
 
 
-def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[tuple[int, int], float]:
-    """For each compute op: when its last input could have been there (its producers' end
-    in this replay plus each message's latency; 0 with no input from another op)."""
+def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, float]:
+    """For each compute op (by global instruction id): when its last input could have been
+    there — its producers' end in this replay plus each message's latency."""
     flow = Dataflow(program.placement)
+    stride, outputs_of, inputs_of = flow.mb_stride, flow.outputs, flow.inputs
+    ends, offsets = run.end, run.wiring.offsets
     made_at: dict[int, float] = {}
-    for rank, instrs in enumerate(program.ranks):
-        for index, instr in enumerate(instrs):
-            for op in computations(instr):
-                out = flow.output_flow(op.kind, op.pipe, op.stage, op.mb)
+    computes = [
+        [(index, (instr,) if type(instr) is Compute else (instr[0], instr[1]))
+         for index, instr in enumerate(instrs) if type(instr) is Compute or type(instr) is Fused]
+        for instrs in program.ranks
+    ]
+    for rank, ops in enumerate(computes):
+        base = offsets[rank]
+        for index, parts in ops:
+            for op in parts:
+                out = outputs_of[op[0]][op[2]][op[3]]
                 if out is not None:
-                    made_at[out.key] = run.end_time(rank, index) or 0.0
-    ready: dict[tuple[int, int], float] = {}
-    for rank, instrs in enumerate(program.ranks):
-        for index, instr in enumerate(instrs):
+                    made_at[op[4] * stride + out[0]] = ends[base + index] or 0.0
+    ready: dict[int, float] = {}
+    for rank, ops in enumerate(computes):
+        base = offsets[rank]
+        for index, parts in ops:
             latest = 0.0
-            for op in computations(instr):
-                needed = flow.input_flow(op.kind, op.pipe, op.stage, op.mb)
-                if needed is None or needed.key not in made_at:
+            for op in parts:
+                needed = inputs_of[op[0]][op[2]][op[3]]
+                if needed is None:
                     continue
-                latency = costs.latency(op.stage) if needed.src != needed.dst else 0.0
-                latest = max(latest, made_at[needed.key] + latency)
+                at = made_at.get(op[4] * stride + needed[0])
+                if at is None:
+                    continue
+                if needed[1] != needed[2]:  # from another rank: add the message's latency
+                    at += costs.latency(op[3])
+                latest = max(latest, at)
             if latest:
-                ready[(rank, index)] = latest
+                ready[base + index] = latest
     return ready
 
 
