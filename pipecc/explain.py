@@ -63,7 +63,8 @@ def _explain_start(run: Replay, instrs: tuple[Instr, ...], r: int, i: int,
         verb = "ends" if _is_compute(prev) else ("is released" if type(prev) is Wait
                                                    else "is posted")
         links.append(Link(r, i, at, f"{here}: starts when the previous instruction "
-                                    f"[{i - 1}] {describe(prev)} {verb} at {at:g}"))
+                                    f"[{i - 1}] {describe(prev)} {verb} at {at:g}"
+                                    f"{_inputs_slack(run, instrs, r, i, at)}"))
         return ("start", r, i - 1)
     op = instrs[cause.index]
     what = "waits for" if cause.kind is CauseKind.WAIT else "needs the data of"
@@ -90,8 +91,9 @@ def _explain_done(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: 
         return ("ready", pr, pi)
     if cause.kind is CauseKind.POST:
         if type(op) is Recv or type(op) is Send:
-            links.append(Link(r, i, done, f"[{i}] {describe(op)} completes at {done:g}, bound "
-                                          "by its own post"))
+            posted = run.start_time(r, i) or 0.0
+            links.append(Link(r, i, done, f"{describe(op)} completes at {done:g}: posted at "
+                                          f"{posted:g}, its transfer was bound by its own post"))
         return ("start", r, i)
     return ("ready", r, i)
 
@@ -107,6 +109,20 @@ def _explain_ready(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i:
                                        f"completes at {ready:g}"))
         return ("done", cause.rank, cause.index)
     return ("start", r, i)
+
+
+def _inputs_slack(run: Replay, instrs: tuple[Instr, ...], r: int, i: int, at: float) -> str:
+    """For a compute op held by its own rank: when its received inputs had arrived."""
+    if not _is_compute(instrs[i]):
+        return ""
+    base = run.wiring.offsets[r]
+    notes = []
+    for g in run.wiring.deps[base + i]:
+        done = run.done[g]
+        if done is not None:
+            notes.append(f"[{g - base}] {describe(instrs[g - base])} had completed at "
+                         f"{done:g}, {at - done:g} earlier")
+    return f" (its input: {'; '.join(notes)})" if notes else ""
 
 
 def _is_post(instr: Instr) -> bool:

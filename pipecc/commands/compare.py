@@ -77,19 +77,20 @@ def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
 def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) -> str:
     best = min((row.timeline.makespan for row in rows if row.timeline), default=0.0)
     share = "per stage" if args.per_stage else "per 1/P of the model"
+    width = max(18, *(len(row.name) + 1 for row in rows))
     lines = [f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
              f"{costs.describe()}",
-             f"{'schedule':18s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
+             f"{'schedule':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
              f"{'peak act':>9s} {'stall total':>12s}"]
     for row in rows:
         if row.timeline is None:
-            lines.append(f"{row.name:18s} skipped: {row.skipped}")
+            lines.append(f"{row.name:{width}s} skipped: {row.skipped}")
             continue
         t = row.timeline
         peak = max(stats.peak_activations for stats in t.ranks)
         stalls = sum(s.length for stats in t.ranks for s in stats.stalls)
         ratio = t.makespan / best if best else 1.0
-        lines.append(f"{row.name:18s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
+        lines.append(f"{row.name:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
                      f"{peak:>9} {stalls:>12g}")
     return "\n".join(lines) + "\n"
 
