@@ -16,12 +16,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[runtime,dev]"
 	touch $(STAMP)
 
+# The main job on a bundled schedule: compile it, verify it under every comm model, simulate
+# it with a cost model (and draw it), then run it on 4 CPU processes (gloo) and check the
+# loss and every gradient against a single-process reference.
 demo: $(STAMP)
 	@mkdir -p $(OUT)
 	$(BIN)/pipecc list
 	$(BIN)/pipecc compile schedules/zb_h1.sched --ranks 4 --microbatches 8 --format text
-	$(BIN)/pipecc compile schedules/dualpipe.sched --ranks 8 --microbatches 20 -o $(OUT)/dualpipe.json
-	@echo "wrote $(OUT)/dualpipe.json"
+	$(BIN)/pipecc compile schedules/zb_h1.sched --ranks 4 --microbatches 8 -o $(OUT)/zb_h1.json
+	$(BIN)/pipecc verify $(OUT)/zb_h1.json --comm all
+	$(BIN)/pipecc simulate $(OUT)/zb_h1.json --cost F=1,I=1,W=1,comm=0.1 --svg $(OUT)/zb_h1.svg
+	$(BIN)/pipecc run $(OUT)/zb_h1.json --nproc 4 --model examples/mlp.py --check
+	@echo "wrote $(OUT)/zb_h1.json and $(OUT)/zb_h1.svg"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
