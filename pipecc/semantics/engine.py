@@ -174,6 +174,8 @@ class _StreamRun(_Run):
             wiring.unit, wiring.unit_last, self.unit_post, self.units_on, self.head,
             self.streams_of,
         )
+        self.hot_done = (self.units_on, self.head, self.unit_ready, self.streams_of,
+                         self.unit_post)
         self.hot_activate = (
             wiring.unit, self.unit_act, self.partner, self.lat, wiring.unit_first,
             wiring.unit_last, self.unit_post, self.unit_ready, self.done, self.waiter,
@@ -251,16 +253,20 @@ class _StreamRun(_Run):
         """Unit u completed: the next unit on each of its streams moves to the head; one
         that is posted and at the head of all its streams becomes active."""
         end = self.unit_end[u]
-        units_on, head, ready, streams_of = self.units_on, self.head, self.unit_ready, self.streams_of
+        units_on, head, ready, streams_of, unit_post = self.hot_done
         for s in streams_of[u]:
             position = head[s] = head[s] + 1
-            if position < len(units_on[s]):
-                v = units_on[s][position]
+            queue = units_on[s]
+            if position < len(queue):
+                v = queue[position]
                 if end > ready[v]:
                     ready[v] = end
-                if self.unit_post[v] is not None and all(
-                    units_on[x][head[x]] == v for x in streams_of[v]
-                ):
+                if unit_post[v] is None:
+                    continue
+                for x in streams_of[v]:
+                    if units_on[x][head[x]] != v:
+                        break
+                else:
                     active.append(v)
 
     def blocker(self, u: int) -> int:

@@ -140,6 +140,16 @@ class MessageKeys:
             return -1
         return (((mb * self.pipes + pipe) * self.stride + stage) << 1) | 1
 
+    def input_table(self, rank: int) -> list[list[list[int]]]:
+        """table[kind][pipe][stage]: key - mb·period of the message a Compute of that kind
+        (F, B, I, W in that order) receives on `rank`, or -1."""
+        return [[[self.input_key(Compute(kind, 0, pipe, stage, 0), rank)
+                  for stage in range(self.stages[pipe])] for pipe in range(self.pipes)]
+                for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
+
+
+_F, _B, _I = Kind.F, Kind.B, Kind.I
+
 
 def wire(program: Program) -> Wiring:
     """Number every instruction, match sends with recvs, bind consumed recvs, find units."""
@@ -209,6 +219,8 @@ class _Builder:
         num_ranks = self.num_ranks
         computes: list[int] = []
         waits: list[int] = []
+        received: dict[int, int] = {}  # message key -> its Recv on this rank
+        twice = False  # a message received twice on this rank
         group = None  # the group id of the previous instruction, if a Send/Recv
         u = len(first) - 1
         for g, instr in enumerate(instrs, base):
@@ -243,6 +255,8 @@ class _Builder:
                     sends[peer].append(g)
             else:
                 code[g] = RECV
+                twice = twice or key in received
+                received[key] = g
                 if 0 <= peer < num_ranks and peer != rank:
                     peers[g] = peer
                     recvs[peer].append(g)
@@ -254,7 +268,10 @@ class _Builder:
         self.offsets.append(base + len(instrs))
         self.unit_offsets.append(len(first))
         self.num_comm += len(instrs) - len(computes) - len(waits)
-        self._bind_computes(rank, base, instrs, computes)
+        if twice:
+            self._bind_computes(rank, base, instrs, computes)
+        else:
+            self._bind_unique(rank, base, instrs, computes, received)
         self._bind_waits(base, instrs, waits)
         self.computes.append(computes)
         self.waits.append(waits)
@@ -302,20 +319,51 @@ class _Builder:
         at = bisect_right(found, g)
         return found[at] if at < len(found) else -1
 
+    def _bind_unique(
+        self, rank: int, base: int, instrs: Sequence[Instr], computes: list[int],
+        received: dict[int, int],
+    ) -> None:
+        """`_bind_computes` when each message is received at most once on the rank: a
+        compute consumes that recv, wherever it is (after it, it waits for it forever)."""
+        keys = self.keys
+        table = keys.input_table(rank)
+        period, pipes, stages = keys.pipes * keys.stride * 2, keys.pipes, keys.stages
+        deps, unreceived = self.deps, self.unreceived
+        for g in computes:
+            x = instrs[g - base]
+            parts = (x,) if type(x) is Compute else (x.forward, x.backward)  # type: ignore[union-attr]
+            found: tuple[int, ...] = ()
+            for kind, _, pipe, stage, mb, _ in parts:
+                if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
+                    continue
+                offset = table[0 if kind is _F else 1 if kind is _B else 2 if kind is _I else 3][
+                    pipe][stage]
+                if offset >= 0:
+                    d = received.get(mb * period + offset)
+                    if d is None:
+                        if not unreceived or unreceived[-1] != g:
+                            unreceived.append(g)
+                    else:
+                        found += (d,)
+            if found:
+                deps[g] = found if len(found) == 1 else tuple(sorted(found))
+
     def _bind_waits(self, base: int, instrs: Sequence[Instr], waits: list[int]) -> None:
+        """A Wait depends on the Send/Recv ops it lists; other indices are dropped here
+        (the verifier reports them)."""
+        if not waits:
+            return
         count = len(instrs)
         code, deps = self.code, self.deps
-        is_comm = {SEND, RECV}.__contains__
-        for g in waits:
-            ops = instrs[g - base][0]  # Wait.ops
-            targets = [base + i for i in ops]
-            if ops and min(ops) >= 0 and max(ops) < count and all(
-                map(is_comm, map(code.__getitem__, targets))
-            ):
-                deps[g] = tuple(targets)
-            else:  # indices out of range or not comm ops: dropped here, reported by verify
-                deps[g] = tuple(t for t, i in zip(targets, ops, strict=True)
-                                if 0 <= i < count and code[t] in (SEND, RECV))
+        listed = [instrs[g - base][0] for g in waits]  # Wait.ops
+        flat = [base + i for ops in listed for i in ops]
+        if (flat and min(flat) >= base and max(flat) < base + count
+                and {code[i] for i in flat} <= {SEND, RECV}):
+            for g, ops in zip(waits, listed, strict=True):
+                deps[g] = tuple([base + i for i in ops])
+            return
+        for g, ops in zip(waits, listed, strict=True):
+            deps[g] = tuple(base + i for i in ops if 0 <= i < count and code[base + i] in (SEND, RECV))
 
     def match(self) -> list[int]:
         """The k-th send of src to dst matches the k-th recv of dst from src."""
