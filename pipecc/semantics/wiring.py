@@ -72,6 +72,7 @@ class Wiring:
     peer_streams: tuple[Sequence[int], ...]  # units per (rank * P + peer), in posting order
     unit_peer_streams: Sequence[tuple[int, ...]]  # the (rank * P + peer) streams of a unit
     num_comm: int
+    num_paired: int  # Send/Recv ops whose peer is another rank (those in `sends`/`recvs`)
 
     @property
     def num_ranks(self) -> int:
@@ -140,12 +141,26 @@ class MessageKeys:
             return -1
         return (((mb * self.pipes + pipe) * self.stride + stage) << 1) | 1
 
-    def input_table(self, rank: int) -> list[list[list[int]]]:
-        """table[kind][pipe][stage]: key - mb·period of the message a Compute of that kind
-        (F, B, I, W in that order) receives on `rank`, or -1."""
-        return [[[self.input_key(Compute(kind, 0, pipe, stage, 0), rank)
-                  for stage in range(self.stages[pipe])] for pipe in range(self.pipes)]
-                for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
+    def input_table(self) -> list[list[list[tuple[int, int]]]]:
+        """table[kind][pipe][stage] = (key - mb·period, sending rank) of the message a
+        Compute of that kind (F, B, I, W in that order) receives, or (-1, -1) for none;
+        the op receives it from another rank when the sending rank is not its own."""
+        table = []
+        for kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+            rows = []
+            for pipe in range(self.pipes):
+                ranks = self.ranks_of[pipe]
+                row = []
+                for stage in range(self.stages[pipe]):
+                    src = (-1 if kind is Kind.W else
+                           (ranks[stage - 1] if stage > 0 else -1) if kind is Kind.F else
+                           (ranks[stage + 1] if stage + 1 < len(ranks) else -1))
+                    # input_key with an impossible rank: the key whenever a message exists
+                    key = self.input_key(Compute(kind, 0, pipe, stage, 0), -1)
+                    row.append((key, src) if src >= 0 else (-1, -1))
+                rows.append(row)
+            table.append(rows)
+        return table
 
 
 _F, _B, _I = Kind.F, Kind.B, Kind.I
@@ -176,6 +191,8 @@ def wire(program: Program) -> Wiring:
         peer_streams=tuple(s for per_rank in builder.streams for s in per_rank),
         unit_peer_streams=builder.unit_streams,
         num_comm=builder.num_comm,
+        num_paired=sum(len(ops) for rows in builder.sends for ops in rows)
+        + sum(len(ops) for rows in builder.recvs for ops in rows),
     )
 
 
@@ -186,6 +203,7 @@ class _Builder:
         n = program.num_instructions()
         self.num_ranks = program.num_ranks
         self.keys = MessageKeys(program)
+        self.table = self.keys.input_table()
         self.offsets = [0]
         self.unit_offsets = [0]
         self.code = [COMPUTE] * n
@@ -326,7 +344,7 @@ class _Builder:
         """`_bind_computes` when each message is received at most once on the rank: a
         compute consumes that recv, wherever it is (after it, it waits for it forever)."""
         keys = self.keys
-        table = keys.input_table(rank)
+        table = self.table
         period, pipes, stages = keys.pipes * keys.stride * 2, keys.pipes, keys.stages
         deps, unreceived = self.deps, self.unreceived
         for g in computes:
@@ -336,9 +354,9 @@ class _Builder:
             for kind, _, pipe, stage, mb, _ in parts:
                 if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                     continue
-                offset = table[0 if kind is _F else 1 if kind is _B else 2 if kind is _I else 3][
-                    pipe][stage]
-                if offset >= 0:
+                offset, src = table[0 if kind is _F else 1 if kind is _B else 2 if kind is _I
+                                    else 3][pipe][stage]
+                if offset >= 0 and src != rank:
                     d = received.get(mb * period + offset)
                     if d is None:
                         if not unreceived or unreceived[-1] != g:

@@ -115,15 +115,14 @@ def check_routes(ctx: Context) -> None:
     num_ranks = w.num_ranks
     suspects: list[int] = []
     message = w.message
-    for src in range(num_ranks):
-        for dst in range(num_ranks):
-            want = src * num_ranks + dst
-            for ops in (w.sends[src][dst], w.recvs[dst][src]):
-                suspects += [g for g in ops
-                             if message[g] < 0 or route[message[g] % period] != want]
-    paired = sum(len(row) for rows in w.sends for row in rows)
-    paired += sum(len(row) for rows in w.recvs for row in rows)
-    if paired != w.num_comm:  # ops whose peer is not another rank are in no pair list
+    for lists, sending in ((w.sends, True), (w.recvs, False)):
+        for rank, row in enumerate(lists):
+            for peer, ops in enumerate(row):
+                if ops:
+                    want = rank * num_ranks + peer if sending else peer * num_ranks + rank
+                    suspects += [g for g in ops
+                                 if message[g] < 0 or route[message[g] % period] != want]
+    if w.num_paired != w.num_comm:  # ops whose peer is not another rank are in no pair list
         suspects += [g for g, c in enumerate(w.code) if (c == SEND or c == RECV) and w.peer[g] < 0]
     placement = ctx.program.placement
     for g in sorted(suspects):
