@@ -158,7 +158,12 @@ def simulate(
     Raises DeadlockedError when the program cannot finish (`pipecc verify` explains why).
     """
     with paused_gc():
-        run = replay(program, model=model, timing=CostTiming(costs))
+        return _simulate(program, costs, model, stall_threshold)
+
+
+def _simulate(program: Program, costs: CostModel, model: CommModel, stall_threshold: float
+              ) -> Timeline:
+    run = replay(program, model=model, timing=CostTiming(costs))
     if not run.finished:
         raise DeadlockedError(
             f"{program.schedule} (P={program.num_ranks}, M={program.num_microbatches}) does "

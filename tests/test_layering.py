@@ -27,7 +27,8 @@ ALLOWED = {
     "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir"),
     # the alignment pass asks the replay engine how its candidates run (DESIGN §1)
     "pipecc.passes.align_comms": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes",
-                                  "pipecc.costs", "pipecc.semantics", "pipecc.stalls"),
+                                  "pipecc.costs", "pipecc.semantics", "pipecc.stalls",
+                                  "pipecc.perf"),
     "pipecc.interop": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes", "pipecc.perf"),
     "pipecc.costs": ("pipecc.diagnostics", "pipecc.ir"),
     "pipecc.semantics": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),

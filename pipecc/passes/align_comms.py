@@ -30,6 +30,7 @@ from pipecc.costs import CostModel, CostTiming
 from pipecc.ir.ops import Compute, Fused
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import CommPlacement, Grouping, RecvPosting, lower
+from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, replay
 from pipecc.stalls import classify
 
@@ -40,6 +41,11 @@ CANDIDATES = (Grouping.BY_TIME, Grouping.NONE, Grouping.PER_GAP)
 def align_comms(prog: Program, *, costs: CostModel, model: CommModel = CommModel.NCCL
                 ) -> Program:
     """Re-place every comm op of `prog` for `costs` under `model` (module docstring)."""
+    with paused_gc():
+        return _align(prog, costs, model)
+
+
+def _align(prog: Program, costs: CostModel, model: CommModel) -> Program:
     compute_only = _strip_comms(prog)
     timing = CostTiming(costs)
     base = CommPlacement(POLICY, duration=timing.op_duration, latency=costs.latency,
