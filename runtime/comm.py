@@ -5,6 +5,15 @@ live inside a larger world (pipeline × data parallel). A group of posts goes ou
 `batch_isend_irecv`; on gloo it returns one work per op and every one of them is waited
 (pytorch#152938), on NCCL it may return one work for the whole group, shared by its ops.
 
+Posting never blocks the rank (DESIGN §5). On gloo it can: a send to a peer whose receive is
+already posted writes the data in the posting thread, and both sends and receives take the
+lock of the peer's connection, which gloo's own thread holds while it moves data; on a busy
+host each of these waits until the scheduler runs the other thread (milliseconds; measured,
+docs/performance.md). So on gloo every post goes through one poster thread, in program order
+(a FIFO of one worker keeps the order the program was verified with), and the compute thread
+goes on; a `wait` first waits for its post to have happened. On NCCL a post only enqueues
+work on a CUDA stream, so it happens in the calling thread.
+
 Completing a work: on gloo, `wait(timeout)` blocks the host and raises when the peer has not
 matched in time (or has died: gloo reports the closed connection). On NCCL, `wait()` only
 orders the current CUDA stream after the transfer and returns at once, so the host never
@@ -14,13 +23,42 @@ after the process group's timeout.
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 Work = dist.Work
+
+
+class Posted:
+    """One posted op: the works that complete it, once its post has happened."""
+
+    __slots__ = ("_future", "_index", "_works")
+
+    def __init__(
+        self,
+        works: list[Work] | None = None,
+        future: Future[list[list[Work]]] | None = None,
+        index: int = 0,
+    ) -> None:
+        self._works = works
+        self._future = future
+        self._index = index
+
+    def works(self, timeout: float) -> list[Work]:
+        if self._works is None:
+            assert self._future is not None
+            try:
+                self._works = self._future.result(timeout)[self._index]
+            except FutureTimeout:
+                raise RuntimeError("Timed out waiting for the op to be posted") from None
+        return self._works
 
 
 class Channel:
@@ -37,30 +75,31 @@ class Channel:
         self.rank_map = tuple(rank_map)
         self.timeout = timeout
         self.blocking = dist.get_backend(group) != "nccl"
+        self._poster: ThreadPoolExecutor | None = None
+        if self.blocking:
+            self._poster = ThreadPoolExecutor(1, thread_name_prefix="pipecc-post")
+            weakref.finalize(self, self._poster.shutdown, wait=False)
 
     def p2p(self, send: bool, tensor: torch.Tensor, peer: int) -> dist.P2POp:
         op = dist.isend if send else dist.irecv
         return dist.P2POp(op, tensor, self.rank_map[peer], self.group)
 
-    def post(self, ops: Sequence[dist.P2POp], *, batched: bool) -> list[list[Work]]:
-        """Post `ops`; for each op, the works that complete it."""
+    def post(self, ops: Sequence[dist.P2POp], *, batched: bool) -> list[Posted]:
+        """Post `ops` (a group together when `batched`), in order; one handle per op."""
         if not ops:
             return []
-        if not batched and len(ops) == 1:
-            op = ops[0]
-            work = op.op(op.tensor, op.peer, group=self.group)
-            return [[work]] if work is not None else [[]]
-        works = [w for w in dist.batch_isend_irecv(list(ops)) if w is not None]
-        if len(works) == len(ops):
-            return [[w] for w in works]
-        return [works for _ in ops]
+        if self._poster is None:
+            return [Posted(works) for works in _post_now(list(ops), batched, self.group)]
+        future = self._poster.submit(_post_now, list(ops), batched, self.group)  # in order
+        return [Posted(future=future, index=i) for i in range(len(ops))]
 
-    def wait(self, work: Work, deadline: float, now: float) -> None:
-        """Complete one work before `deadline` (a `time.monotonic()` value)."""
-        if self.blocking:
-            work.wait(timedelta(seconds=max(deadline - now, 0.001)))
-        else:
-            work.wait()
+    def complete(self, posted: Posted, deadline: float) -> None:
+        """Wait for one posted op until `deadline` (a `time.monotonic()` value)."""
+        for work in posted.works(max(deadline - time.monotonic(), 0.001)):
+            if self.blocking:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            else:
+                work.wait()
 
     def exchange(
         self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]
@@ -70,7 +109,23 @@ class Channel:
         for peer in sorted(outgoing):
             ops.append(self.p2p(True, outgoing[peer], peer))
             ops.append(self.p2p(False, incoming[peer], peer))
-        now = 0.0
-        for works in self.post(ops, batched=True):
-            for work in works:
-                self.wait(work, self.timeout, now)
+        deadline = time.monotonic() + self.timeout
+        for posted in self.post(ops, batched=True):
+            self.complete(posted, deadline)
+
+
+def _post_now(
+    ops: list[dist.P2POp], batched: bool, group: dist.ProcessGroup | None
+) -> list[list[Work]]:
+    """Post `ops` now; for each op, the works that complete it."""
+    if not batched:
+        return [_single(op, group) for op in ops]
+    works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+    if len(works) == len(ops):
+        return [[w] for w in works]
+    return [works for _ in ops]
+
+
+def _single(op: dist.P2POp, group: dist.ProcessGroup | None) -> list[Work]:
+    work = op.op(op.tensor, op.peer, group=group)
+    return [work] if work is not None else []

@@ -16,6 +16,7 @@ import torch
 from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Msg, Recv, Send
 
+from .comm import Posted
 from .profile import Recorder
 from .split_backward import WeightGrad
 
@@ -35,12 +36,11 @@ class Saved(NamedTuple):
 
 
 class Pending(NamedTuple):
-    """A posted send or receive, until its `wait`."""
+    """A posted send or receive, until its `wait`: one handle per tensor of its message."""
 
     instr: Send | Recv
-    works: tuple[object, ...]
+    posted: tuple[Posted, ...]
     tensors: Tensors
-    posted: float
 
 
 @dataclass

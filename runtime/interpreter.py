@@ -471,14 +471,11 @@ class PipelineRuntime:
             for tensor in tensors:
                 ops.append(self.channel.p2p(type(instr) is Send, tensor, instr.peer))
                 owners.append(index)
-        batched = ctx.queue[0][1].group is not None
-        works = self.channel.post(ops, batched=batched)
+        handles = self.channel.post(ops, batched=ctx.queue[0][1].group is not None)
         now = time.perf_counter()
-        by_owner: dict[int, list[object]] = {index: [] for index, _, _ in ctx.queue}
-        for owner, op_works in zip(owners, works, strict=True):
-            by_owner[owner].extend(w for w in op_works if w not in by_owner[owner])
         for index, instr, tensors in ctx.queue:
-            ctx.pending[index] = Pending(instr, tuple(by_owner[index]), tensors, now)
+            mine = tuple(h for h, owner in zip(handles, owners, strict=True) if owner == index)
+            ctx.pending[index] = Pending(instr, mine, tensors)
             if ctx.recorder is not None and type(instr) is Send:
                 ctx.recorder.send(_key(instr), now, sum(t.nbytes for t in tensors))
         ctx.queue.clear()
@@ -490,9 +487,9 @@ class PipelineRuntime:
             pending = ctx.pending.pop(op_index, None)
             if pending is None:
                 raise ProgramError(f"instruction {op_index} is not a posted, unwaited op")
-            for work in pending.works:
+            for posted in pending.posted:
                 try:
-                    self.channel.wait(work, deadline, time.monotonic())
+                    self.channel.complete(posted, deadline)
                 except Exception as err:
                     raise self._comm_failure(index, instr, op_index, pending, err) from err
             if type(pending.instr) is Recv:

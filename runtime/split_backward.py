@@ -32,28 +32,51 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.variable import Variable
 
 Grads = tuple[torch.Tensor | None, ...]
+
+
+def _engine(
+    roots: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    *,
+    keep_graph: bool,
+    accumulate: bool,
+) -> Grads:
+    """One call of the autograd engine.
+
+    The engine is called directly, as `torch.autograd.backward`/`grad` do after validating
+    their arguments: that validation costs about 25 µs a call, and a W makes one call per
+    anchor group (one per Linear layer), so it would be most of W's fixed cost. The runtime
+    builds the arguments itself and they are always well formed.
+    """
+    return _ENGINE.run_backward(
+        tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
+    )
 
 
 def full_backward(
     outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
 ) -> Grads:
     """`B`: input and weight gradients in one engine call; returns the inputs' gradients."""
-    torch.autograd.backward(list(outputs), list(grads))
+    _engine(outputs, grads, (), keep_graph=False, accumulate=True)
     return tuple(x.grad if x.requires_grad else None for x in inputs)
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
+_ENGINE = Variable._execution_engine
+TO_INPUT, TO_PARAM = 1, 2  # what a node reaches (bits)
 
 
 @dataclass
 class _Graph:
-    """The result of one walk over a (chunk, microbatch) graph."""
+    """The result of one walk over a (chunk, microbatch) graph: each node's children and
+    what it reaches (TO_INPUT | TO_PARAM bits), and the parameter of each parameter node."""
 
     children: dict[Node, tuple[Node, ...]] = field(default_factory=dict)
-    to_input: dict[Node, bool] = field(default_factory=dict)
-    to_param: dict[Node, bool] = field(default_factory=dict)
+    reach: dict[Node, int] = field(default_factory=dict)
     params: dict[Node, torch.Tensor] = field(default_factory=dict)
 
 
@@ -95,7 +118,7 @@ class WeightGrad:
         if len(group.anchors) > 1:  # pin each anchor's gradient (module docstring)
             handles = [a.register_prehook(_pin(self.recorded[a])) for a in group.anchors]
         try:
-            torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.params)
+            _engine(edges, grads, group.params, keep_graph=True, accumulate=True)
         finally:
             for handle in handles:
                 handle.remove()
@@ -141,13 +164,8 @@ def _input_grads(
     live = [(o, g) for o, g in zip(outputs, grads, strict=True) if _reaches_input(o, graph)]
     if not wanted or not live:
         return tuple(None for _ in wanted)
-    return torch.autograd.grad(
-        [o for o, _ in live],
-        wanted,
-        [g for _, g in live],
-        retain_graph=True,
-        allow_unused=True,
-    )
+    roots, seeds = [o for o, _ in live], [g for _, g in live]
+    return _engine(roots, seeds, wanted, keep_graph=True, accumulate=False)
 
 
 def _recorder(recorded: dict[Node, Grads], anchor: Node) -> Callable[[Any], None]:
@@ -158,47 +176,45 @@ def _recorder(recorded: dict[Node, Grads], anchor: Node) -> Callable[[Any], None
 
 
 def _root(tensor: torch.Tensor) -> Node | None:
-    if not tensor.requires_grad:
-        return None
-    return get_gradient_edge(tensor).node
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    return get_gradient_edge(tensor).node if tensor.requires_grad else None
 
 
 def _reaches_input(tensor: torch.Tensor, graph: _Graph) -> bool:
     root = _root(tensor)
-    return root is not None and graph.to_input.get(root, False)
+    return root is not None and bool(graph.reach.get(root, 0) & TO_INPUT)
 
 
 def _walk(outputs: Sequence[torch.Tensor], inputs: list[torch.Tensor], params: set[int]) -> _Graph:
-    """Post-order walk from the outputs: which nodes reach an input, which a parameter."""
+    """Post-order walk from the outputs: what each node reaches (an input, a parameter)."""
     graph = _Graph()
+    children_of, reach = graph.children, graph.reach
     input_ids = {id(x) for x in inputs}
     stack: list[tuple[Node, bool]] = [(r, False) for o in outputs if (r := _root(o)) is not None]
     while stack:
         node, done = stack.pop()
         if done:
-            _classify(node, graph, input_ids, params)
-            continue
-        if node in graph.children:
-            continue
-        children = tuple(child for child, _ in node.next_functions if child is not None)
-        graph.children[node] = children
-        stack.append((node, True))
-        stack.extend((child, False) for child in children if child not in graph.children)
+            bits = 0
+            for child in children_of[node]:
+                bits |= reach[child]
+            if type(node) is _ACCUMULATE_GRAD:
+                bits |= _leaf_bits(node, graph, input_ids, params)
+            reach[node] = bits
+        elif node not in children_of:
+            children = tuple(child for child, _ in node.next_functions if child is not None)
+            children_of[node] = children
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if child not in children_of)
     return graph
 
 
-def _classify(node: Node, graph: _Graph, input_ids: set[int], params: set[int]) -> None:
-    children = graph.children[node]
-    to_input = any(graph.to_input[c] for c in children)
-    to_param = any(graph.to_param[c] for c in children)
-    if type(node) is _ACCUMULATE_GRAD:
-        variable = node.variable
-        to_input = to_input or id(variable) in input_ids
-        if id(variable) in params:
-            to_param = True
-            graph.params[node] = variable
-    graph.to_input[node] = to_input
-    graph.to_param[node] = to_param
+def _leaf_bits(node: Node, graph: _Graph, input_ids: set[int], params: set[int]) -> int:
+    variable = node.variable
+    if id(variable) in params:
+        graph.params[node] = variable
+        return TO_PARAM
+    return TO_INPUT if id(variable) in input_ids else 0
 
 
 def _group(
@@ -208,9 +224,11 @@ def _group(
     owner: dict[Node, _Group] = {}
     groups: list[_Group] = []
     anchors: list[Node] = []
-    for node, to_input in graph.to_input.items():
-        entries = [c for c in graph.children[node] if _is_weight_entry(c, graph)]
-        if to_input and entries:
+    for node, bits in graph.reach.items():
+        if not bits & TO_INPUT:
+            continue
+        entries = [c for c in graph.children[node] if graph.reach[c] == TO_PARAM]
+        if entries:
             group = _Group(anchors=[node])
             groups.append(group)
             anchors.append(node)
@@ -218,15 +236,11 @@ def _group(
                 _claim(child, group, graph, owner)
     for output, grad in zip(outputs, grads, strict=True):
         root = _root(output)
-        if root is not None and _is_weight_entry(root, graph):
+        if root is not None and graph.reach.get(root) == TO_PARAM:
             group = _Group(roots=[(get_gradient_edge(output), grad)])
             groups.append(group)
             _claim(root, group, graph, owner)
     return [g for g in groups if g.anchors or g.roots], anchors
-
-
-def _is_weight_entry(node: Node, graph: _Graph) -> bool:
-    return not graph.to_input[node] and graph.to_param[node]
 
 
 def _claim(start: Node, group: _Group, graph: _Graph, owner: dict[Node, _Group]) -> None:
@@ -242,7 +256,7 @@ def _claim(start: Node, group: _Group, graph: _Graph, owner: dict[Node, _Group])
         owner[node] = group
         if node in graph.params:
             group.params.append(graph.params[node])
-        stack.extend(c for c in graph.children[node] if _is_weight_entry(c, graph))
+        stack.extend(c for c in graph.children[node] if graph.reach[c] == TO_PARAM)
 
 
 def _absorb(group: _Group, other: _Group, owner: dict[Node, _Group]) -> None:
