@@ -6,8 +6,8 @@
 For DualPipeV and interleaved 1F1B (V=2) it compiles the schedule (not timed), then times
 `pipecc.verify.verify` under the nccl model: every check (waits, matching, routes,
 placement, coverage, data dependencies, the replay that decides deadlock, memory peaks). It
-prints instructions, seconds, the growth of the process's peak memory during the runs, and
-pipecc's scaling from M/4 to M.
+prints instructions, seconds and pipecc's scaling from M/4 to M, and at the end the peak
+memory of the whole process.
 
 torch's simulator decides only eager semantics (unit steps, sends never block) and rejects
 fused OVERLAP_F_B actions, so it cannot check DualPipeV: the torch comparison runs on
@@ -55,31 +55,37 @@ def _time_verify(program: Program, repeat: int) -> tuple[float, Report]:
 
 
 def _compiled(name: str, defines: dict[str, int], ranks: int, microbatches: int) -> Program:
-    return compile_schedule(ROOT / "schedules" / f"{name}.sched", ranks=ranks,
-                            microbatches=microbatches, defines=defines)
+    return compile_schedule(
+        ROOT / "schedules" / f"{name}.sched",
+        ranks=ranks,
+        microbatches=microbatches,
+        defines=defines,
+    )
 
 
 def _torch_program(lowered: Any) -> Program:
     """torch's lowered schedule as pipecc reads it from action CSV."""
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(
-        [str(a) for a in lowered[r] if a is not None] for r in sorted(lowered))
+        [str(a) for a in lowered[r] if a is not None] for r in sorted(lowered)
+    )
     return torch_csv.loads(out.getvalue(), "torch.csv").program
 
 
-def _row(name: str, ranks: int, microbatches: int, defines: dict[str, int],
-         repeat: int) -> float:
+def _row(name: str, ranks: int, microbatches: int, defines: dict[str, int], repeat: int) -> float:
     program = _compiled(name, defines, ranks, microbatches)
-    before = _rss_mb()
     seconds, _ = _time_verify(program, repeat)
-    grown = _rss_mb() - before
     count = program.num_instructions()
-    print(f"  {name:18s} pipecc {seconds:6.2f} s  {count:>9,} instructions  "
-          f"({seconds / count * 1e6:.2f} µs each)  peak memory +{grown:.0f} MB")
+    print(
+        f"  {name:18s} pipecc {seconds:6.2f} s  {count:>9,} instructions  "
+        f"({seconds / count * 1e6:.2f} µs each)"
+    )
     quarter = _compiled(name, defines, ranks, microbatches // 4)
     small, _ = _time_verify(quarter, repeat)
-    print(f"  {'':18s} scaling M/4 → M: ×{seconds / small:.2f} time for "
-          f"×{count / quarter.num_instructions():.2f} instructions")
+    print(
+        f"  {'':18s} scaling M/4 → M: ×{seconds / small:.2f} time for "
+        f"×{count / quarter.num_instructions():.2f} instructions"
+    )
     return seconds
 
 
@@ -88,25 +94,34 @@ def _torch_row(name: str, ranks: int, microbatches: int, repeat: int) -> None:
     torch_seconds, steps = torch_simulate(lowered, mapping, stages)
     program = _torch_program(lowered)
     ours, _ = _time_verify(program, repeat)
-    print(f"  {'':18s} torch  {torch_seconds:6.2f} s  _simulate_comms_compute at M={microbatches} "
-          f"({steps} unit steps; building its schedule took {lowered_seconds:.0f} s, not timed)")
-    print(f"  {'':18s} pipecc {ours:6.2f} s  verifying that torch-built schedule "
-          f"({program.num_instructions():,} instructions) → torch / pipecc = "
-          f"{torch_seconds / ours:.1f}×")
+    print(
+        f"  {'':18s} torch  {torch_seconds:6.2f} s  _simulate_comms_compute at M={microbatches} "
+        f"({steps} unit steps; building its schedule took {lowered_seconds:.0f} s, not timed)"
+    )
+    print(
+        f"  {'':18s} pipecc {ours:6.2f} s  verifying that torch-built schedule "
+        f"({program.num_instructions():,} instructions) → torch / pipecc = "
+        f"{torch_seconds / ours:.1f}×"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=1024)
-    parser.add_argument("--torch-microbatches", type=int, default=None,
-                        help="run torch at this M instead (its lowering is quadratic in M)")
+    parser.add_argument(
+        "--torch-microbatches",
+        type=int,
+        default=None,
+        help="run torch at this M instead (its lowering is quadratic in M)",
+    )
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     ranks, microbatches = args.ranks, args.microbatches
-    print(f"verify at P={ranks}, M={microbatches}, V=2, nccl, every check "
-          f"(median of {args.repeat})")
+    print(
+        f"verify at P={ranks}, M={microbatches}, V=2, nccl, every check (median of {args.repeat})"
+    )
     for name, defines in CASES:
         seconds = _row(name, ranks, microbatches, defines, args.repeat)
         if args.skip_torch:
@@ -116,9 +131,12 @@ def main() -> None:
             continue
         tm = args.torch_microbatches or microbatches
         if tm != microbatches:
-            print(f"  {'':18s} (torch compared at M={tm}; pipecc at M={microbatches} took "
-                  f"{seconds:.2f} s)")
+            print(
+                f"  {'':18s} (torch compared at M={tm}; pipecc at M={microbatches} took "
+                f"{seconds:.2f} s)"
+            )
         _torch_row(name, ranks, tm, args.repeat)
+    print(f"peak memory of this process (compiler, programs, verifier, torch): {_rss_mb():.0f} MB")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import insert_comms
-from pipecc.verify import Options, Report, check_order, verify
+from pipecc.verify import DEFAULT, Options, Report, check_order, verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ def is_compute_only(program: Program) -> bool:
 
 
 def verify_program(
-    program: Program, options: Options = Options(), notes: tuple[str, ...] = ()
+    program: Program, options: Options = DEFAULT, notes: tuple[str, ...] = ()
 ) -> tuple[Report, tuple[str, ...]]:
     """Verify a program; a compute-only one is first checked for a runnable compute order,
     then lowered with the default comm policy (DESIGN §5)."""
@@ -80,7 +80,7 @@ def load(
 
 def verify_file(
     path: str, *, ranks: int | None = None, microbatches: int | None = None,
-    defines: Mapping[str, int] | None = None, options: Options = Options(),
+    defines: Mapping[str, int] | None = None, options: Options = DEFAULT,
 ) -> Outcome:
     """Load and verify one input (module docstring)."""
     program, notes = load(path, ranks=ranks, microbatches=microbatches, defines=defines)
@@ -167,7 +167,7 @@ def check_size(
 
 def sweep_file(
     path: str, *, ranks: range, microbatches: range, defines: Mapping[str, int] | None = None,
-    options: Options = Options(),
+    options: Options = DEFAULT,
 ) -> SweepResult:
     """Verify every size of `path` in the ranges, in order; stop at the first failing size."""
     found = _sweep_part(path, tuple(sizes(ranks, microbatches)), dict(defines or {}), options)
@@ -176,7 +176,7 @@ def sweep_file(
 
 def sweep_files(
     paths: list[str], *, ranks: range, microbatches: range,
-    defines: Mapping[str, int] | None = None, options: Options = Options(), jobs: int = 1,
+    defines: Mapping[str, int] | None = None, options: Options = DEFAULT, jobs: int = 1,
 ) -> list[SweepResult]:
     """`sweep_file` for several files, the sizes of each rank count being one task spread
     over `jobs` processes (a sweep of every bundled schedule over P ≤ 16, M ≤ 64 compiles

@@ -12,8 +12,7 @@ from pipecc.commands.common import SubParsers, add_size_args, positive
 from pipecc.diagnostics import InputError
 from pipecc.semantics import CommModel
 from pipecc.verification import CompileFailure, Outcome, SweepResult, sweep_files, verify_file
-from pipecc.verify import ALL_MODELS, Options
-from pipecc.verify import render
+from pipecc.verify import ALL_MODELS, Options, render
 
 FORMATS = ("text", "json", "github")
 COMMS = (*(m.value for m in CommModel), "all")

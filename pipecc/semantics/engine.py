@@ -8,7 +8,6 @@ times, and the same blocked state when the program deadlocks.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 
 from pipecc.ir.program import Program
@@ -83,7 +82,8 @@ class _Run:
     def _advance(self, rank: int) -> None:
         """Run `rank` from its cursor until it blocks or ends (the hot loop)."""
         w = self.w
-        code, deps, start, end, done, dur = w.code, w.deps, self.start, self.end, self.done, self.dur
+        code, deps, done, dur = w.code, w.deps, self.done, self.dur
+        start, end = self.start, self.end
         post = self._post
         g, t = self.cursor[rank], self.clock[rank]
         stop = w.offsets[rank + 1]

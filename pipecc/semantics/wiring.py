@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Instr, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.semantics.model import CommModel
 
@@ -225,9 +225,10 @@ class _Builder:
         self.waits: list[list[int]] = []
         self.unreceived: list[int] = []
 
-    def scan(self, rank: int, instrs: Sequence[Instr]) -> None:
+    def scan(self, rank: int, instrs: Sequence[Instr]) -> None:  # noqa: C901
         """One pass over one rank. This is the hot loop of `wire` (about 10⁶ instructions
-        at the benchmark size), so it is one function working on local names."""
+        at the benchmark size), so it is one function working on local names (its branches are
+        the instruction kinds; splitting it costs a call per instruction)."""
         base = self.offsets[-1]
         code, message, peers, unit_of = self.code, self.message, self.peer, self.unit
         first, last, unit_streams = self.unit_first, self.unit_last, self.unit_streams
@@ -381,7 +382,8 @@ class _Builder:
                 deps[g] = tuple([base + i for i in ops])
             return
         for g, ops in zip(waits, listed, strict=True):
-            deps[g] = tuple(base + i for i in ops if 0 <= i < count and code[base + i] in (SEND, RECV))
+            deps[g] = tuple(base + i for i in ops
+                            if 0 <= i < count and code[base + i] in (SEND, RECV))
 
     def match(self) -> list[int]:
         """The k-th send of src to dst matches the k-th recv of dst from src."""

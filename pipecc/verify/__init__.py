@@ -36,6 +36,7 @@ ALL_MODELS = (CommModel.NCCL, CommModel.NCCL_SINGLE, CommModel.RENDEZVOUS, CommM
 
 __all__ = [
     "ALL_MODELS",
+    "DEFAULT",
     "Options",
     "Peak",
     "Report",
@@ -76,7 +77,10 @@ class Report:
         return not self.violations
 
 
-def verify(program: Program, options: Options = Options()) -> Report:
+DEFAULT = Options()
+
+
+def verify(program: Program, options: Options = DEFAULT) -> Report:
     """Run every check on `program` (module docstring)."""
     with paused_gc():
         return _verify(program, options)
@@ -110,7 +114,7 @@ def _verify(program: Program, options: Options) -> Report:
     )
 
 
-def check_order(program: Program, options: Options = Options()) -> Report | None:
+def check_order(program: Program, options: Options = DEFAULT) -> Report | None:
     """For a compute-only program: None when its compute order can run (lower it, then
     `verify`); otherwise a Report whose violations say why it cannot (coverage, placement,
     or the dependency cycle)."""
@@ -125,7 +129,7 @@ def check_order(program: Program, options: Options = Options()) -> Report | None
                   tuple(sorted(ctx.dropped.items())))
 
 
-def check(program: Program, options: Options = Options()) -> None:
+def check(program: Program, options: Options = DEFAULT) -> None:
     """Raise the first violation `verify` finds (for code that wants an exception)."""
     report = verify(program, options)
     if report.violations:

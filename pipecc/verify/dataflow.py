@@ -26,7 +26,7 @@ from pipecc.diagnostics import (
     WeightBeforeInputGradError,
 )
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg
-from pipecc.semantics.wiring import SEND, MessageKeys
+from pipecc.semantics.wiring import MessageKeys
 from pipecc.verify.context import Context
 
 # A fact is "F / a backward / an I of (pipe, stage, mb) has run": (position << 2) | one of

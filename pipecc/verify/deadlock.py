@@ -172,7 +172,8 @@ def _hop(ctx: Context, run: Replay, stuck: Stuck) -> str:
     instr = ctx.instr(rank, index)
     where = ctx.line(rank, index)
     src = f"  [{where}]" if where else ""
-    return f"    {f'rank {rank} @{index}':<13} {ctx.what(instr):<44} {_reason(ctx, run, stuck)}{src}"
+    where_text = f"rank {rank} @{index}"
+    return f"    {where_text:<13} {ctx.what(instr):<44} {_reason(ctx, run, stuck)}{src}"
 
 
 def _reason(ctx: Context, run: Replay, stuck: Stuck) -> str:
@@ -240,8 +241,8 @@ def _grid(ctx: Context, run: Replay, ranks: list[int]) -> list[str]:
         cells = [f"@{i} {instrs[i].label()}" for i in range(max(0, end - GRID_OPS), end)]
         if end > GRID_OPS:
             cells.insert(0, "…")
-        tail = f" ▶ @{stop} {instrs[stop].label()}" if stop is not None else " (ran to the end)"
-        lines.append(f"    rank {rank} | {'  '.join(cells)}{tail}")
+        tail = f"▶ @{stop} {instrs[stop].label()}" if stop is not None else "(ran to the end)"
+        lines.append(f"    rank {rank} | {'  '.join([*cells, tail])}")
     hidden = len(ranks) + len(others) - len(shown)
     if hidden > 0:
         lines.append(f"    … and {hidden} more stuck rank(s)")

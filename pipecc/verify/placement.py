@@ -162,7 +162,8 @@ def _route_problem(placement: Placement, rank: int, op: Send | Recv) -> str:
     if not 0 <= peer < placement.num_ranks:
         return f"peer {peer} is not a rank (0..{placement.num_ranks - 1})"
     if src == dst:
-        return f"stages {min(stage, other)} and {max(stage, other)} are both on rank {src}: they pass the tensor locally, with no message"
+        return (f"stages {min(stage, other)} and {max(stage, other)} are both on rank {src}: "
+                "they pass the tensor locally, with no message")
     if rank != mine or peer != theirs:
         return (f"this message goes from rank {src} (stage {other}) to rank {dst} (stage "
                 f"{stage}) in placement '{placement.name}'")

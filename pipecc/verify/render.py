@@ -13,7 +13,8 @@ def summary(report: Report, label: str) -> str:
     program = report.program
     verdicts = ", ".join(f"{v.model.value} {v.status.value}" for v in report.verdicts)
     if report.ok:
-        head = f"{label}: ok ({program.num_instructions()} instructions on {program.num_ranks} ranks"
+        size = f"{program.num_instructions()} instructions on {program.num_ranks} ranks"
+        head = f"{label}: ok ({size}"
         head += f"; {verdicts})" if verdicts else ")"
     else:
         counts: dict[str, int] = {}

@@ -15,7 +15,7 @@ from pipecc.diagnostics import (
     WaitTargetError,
 )
 from pipecc.ir.ops import Wait
-from pipecc.semantics.wiring import RECV, SEND, WAIT
+from pipecc.semantics.wiring import RECV, SEND
 from pipecc.verify.context import Context
 
 
@@ -110,9 +110,11 @@ def _check_reuse(ctx: Context, rank: int, waited_by: list[int]) -> None:
         key = (c, message[base + index])
         earlier = outstanding.get(key)
         if earlier is not None and not 0 <= waited_by[earlier] < index:
+            whose = ("wait comes later" if waited_by[earlier] >= 0
+                     else "post is never waited")
             text = (f"{ctx.describe(rank, index)} reuses the buffer of @{earlier} (the same "
-                    f"message), whose {'wait comes later' if waited_by[earlier] >= 0 else 'post is never waited'}: "
-                    "the two transfers write (or read) one tensor at the same time")
+                    f"message), whose {whose}: the two transfers write (or read) one tensor "
+                    "at the same time")
             notes = (ctx.note(rank, earlier, "the first post is here"),)
             ctx.report(BufferReuseError(text, ctx.span(rank, index), notes=notes, rank=rank,
                                         index=index))

@@ -41,48 +41,70 @@ def _indices(instrs: tuple[Instr, ...], kinds: tuple[type, ...]) -> list[int]:
     return [i for i, x in enumerate(instrs) if type(x) in kinds]
 
 
-def _mutate_rank(instrs: tuple[Instr, ...], cls: str, rng: random.Random) -> tuple[Instr, ...] | None:
-    order: list[Entry] = [(i, False) for i in range(len(instrs))]
-    if cls == "swap-adjacent":
-        if len(instrs) < 2:
-            return None
-        i = rng.randrange(len(instrs) - 1)
-        order[i], order[i + 1] = order[i + 1], order[i]
-    elif cls == "swap-sends":
-        sends = _indices(instrs, (Send,))
-        if len(sends) < 2:
-            return None
-        a, b = rng.sample(sends, 2)
-        order[a], order[b] = order[b], order[a]
-    elif cls == "drop-recv":
-        recvs = _indices(instrs, (Recv,))
-        if not recvs:
-            return None
+def _swap_adjacent(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random) -> bool:
+    if len(instrs) < 2:
+        return False
+    i = rng.randrange(len(instrs) - 1)
+    order[i], order[i + 1] = order[i + 1], order[i]
+    return True
+
+
+def _swap_sends(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random) -> bool:
+    sends = _indices(instrs, (Send,))
+    if len(sends) < 2:
+        return False
+    a, b = rng.sample(sends, 2)
+    order[a], order[b] = order[b], order[a]
+    return True
+
+
+def _drop_recv(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random) -> bool:
+    recvs = _indices(instrs, (Recv,))
+    if recvs:
         order.pop(rng.choice(recvs))
-    elif cls == "move-wait-later":
-        waits = _indices(instrs, (Wait,))
-        if not waits:
-            return None
+    return bool(recvs)
+
+
+def _move_wait_later(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random) -> bool:
+    waits = _indices(instrs, (Wait,))
+    if waits:
         i = rng.choice(waits)
-        j = rng.randrange(i, len(instrs))
-        entry = order.pop(i)
-        order.insert(j, entry)
-    elif cls == "move-comm":
-        comms = _indices(instrs, (Send, Recv))
-        if not comms:
-            return None
+        order.insert(rng.randrange(i, len(instrs)), order.pop(i))
+    return bool(waits)
+
+
+def _move_comm(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random) -> bool:
+    comms = _indices(instrs, (Send, Recv))
+    if comms:
         entry = order.pop(rng.choice(comms))
         order.insert(rng.randrange(len(order) + 1), entry)
-    elif cls == "ungroup":
-        return ungroup(instrs)
-    elif cls == "duplicate-compute":
-        computes = _indices(instrs, (Compute, Fused))
-        if not computes:
-            return None
+    return bool(comms)
+
+
+def _duplicate_compute(instrs: tuple[Instr, ...], order: list[Entry],
+                       rng: random.Random) -> bool:
+    computes = _indices(instrs, (Compute, Fused))
+    if computes:
         i = rng.choice(computes)
         order.insert(rng.randrange(i + 1, len(instrs) + 1), (i, True))
-    else:
-        raise ValueError(cls)
+    return bool(computes)
+
+
+_EDITS = {
+    "swap-adjacent": _swap_adjacent, "swap-sends": _swap_sends, "drop-recv": _drop_recv,
+    "move-wait-later": _move_wait_later, "move-comm": _move_comm,
+    "duplicate-compute": _duplicate_compute,
+}
+
+
+def _mutate_rank(
+    instrs: tuple[Instr, ...], cls: str, rng: random.Random
+) -> tuple[Instr, ...] | None:
+    if cls == "ungroup":
+        return ungroup(instrs)
+    order: list[Entry] = [(i, False) for i in range(len(instrs))]
+    if not _EDITS[cls](instrs, order, rng):
+        return None
     return _rebuild(instrs, order)
 
 

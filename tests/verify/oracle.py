@@ -263,7 +263,8 @@ class _Timed(_Machine):
                 self.after_post(t, tuple((rank, j) for j in range(start, self.cursor[rank])))
                 continue
             if type(instr) is Wait:
-                needed = [(rank, j) for j in instr.ops if 0 <= j < len(instrs) and _is_comm(instrs[j])]
+                needed = [(rank, j) for j in instr.ops
+                          if 0 <= j < len(instrs) and _is_comm(instrs[j])]
             else:
                 needed = [(rank, j) for j in self.consumes[(rank, i)]]
             missing = [op for op in needed if op not in self.completed]

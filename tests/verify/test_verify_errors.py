@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 from programs import (
-    DATA, codes, compiled, drop, duplicate, first, move, put, rendered, report,
+    DATA,
+    codes,
+    compiled,
+    drop,
+    duplicate,
+    first,
+    move,
+    put,
+    rendered,
+    report,
 )
 
 from pipecc.diagnostics import ProgramError, Violation

@@ -48,7 +48,9 @@ def _placement(rng: random.Random, ranks: int) -> Placement:
                                                                              rng.randint(1, 2))
 
 
-def _random_order(rng: random.Random, placement: Placement, microbatches: int) -> list[list[Compute]]:
+def _random_order(
+    rng: random.Random, placement: Placement, microbatches: int
+) -> list[list[Compute]]:
     """Each rank's ops, in a random topological order of the whole step."""
     stages = placement.num_stages(0)
     split = {(s, m): rng.random() < 0.5 for s in range(stages) for m in range(microbatches)}

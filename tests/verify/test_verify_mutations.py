@@ -43,7 +43,8 @@ def _programs() -> list[Program]:
 def _engine_state(run_: Replay) -> Outcome:
     w = run_.wiring
     cursors = [run_.cursors[r] - w.offsets[r] for r in range(w.num_ranks)]
-    posted = {w.locate(g) for g, c in enumerate(w.code) if c in (1, 2) and run_.start[g] is not None}
+    posted = {w.locate(g) for g, c in enumerate(w.code)
+              if c in (1, 2) and run_.start[g] is not None}
     completed = {w.locate(g) for g, t in enumerate(run_.done) if t is not None}
     matched = {w.locate(g): w.locate(p) for g, p in enumerate(w.partner)
                if p >= 0 and w.locate(g) in posted and w.locate(p) in posted}
