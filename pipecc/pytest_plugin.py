@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from pipecc.diagnostics import PipeccError
+from pipecc.diagnostics import InputError, PipeccError
 from pipecc.semantics import CommModel
-from pipecc.verification import Schedule, Skip, check_size
+from pipecc.verification import Schedule, Skip, check_size, parse_sizes
 from pipecc.verify import ALL_MODELS, Options
 from pipecc.verify.render import text
 
@@ -43,21 +43,12 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Col
     return None
 
 
-def parse_sizes(spec: str) -> tuple[range, range]:
-    """`ranks=2..8 microbatches=1..16` -> (range(2, 9), range(1, 17))."""
-    found: dict[str, range] = {}
-    for part in spec.split():
-        name, _, value = part.partition("=")
-        lo, sep, hi = value.partition("..")
-        try:
-            bounds = (int(lo), int(hi) if sep else int(lo))
-        except ValueError:
-            raise pytest.UsageError(f"--pipecc-sizes: bad range {part!r}") from None
-        key = {"ranks": "ranks", "p": "ranks", "microbatches": "microbatches",
-               "m": "microbatches"}.get(name.lower())
-        if key is None or bounds[0] < 1 or bounds[1] < bounds[0]:
-            raise pytest.UsageError(f"--pipecc-sizes: bad entry {part!r}")
-        found[key] = range(bounds[0], bounds[1] + 1)
+def _sizes(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`ranks=2..8 microbatches=1..16` -> the ranks and microbatch counts to verify."""
+    try:
+        found = parse_sizes(spec.split())
+    except InputError as err:
+        raise pytest.UsageError(f"--pipecc-sizes: {err.message}") from None
     if set(found) != {"ranks", "microbatches"}:
         raise pytest.UsageError("--pipecc-sizes needs ranks=A..B and microbatches=A..B")
     return found["ranks"], found["microbatches"]
@@ -67,7 +58,7 @@ class ScheduleFile(pytest.File):
     """One .sched file: one item per size."""
 
     def collect(self) -> Iterator[pytest.Item]:
-        ranks, microbatches = parse_sizes(self.config.getoption("pipecc_sizes"))
+        ranks, microbatches = _sizes(self.config.getoption("pipecc_sizes"))
         comm = self.config.getoption("pipecc_comm")
         models = ALL_MODELS if comm == "all" else (CommModel(comm),)
         for p in ranks:

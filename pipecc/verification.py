@@ -12,7 +12,8 @@ imports the compiler.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,10 +143,45 @@ class Schedule:
         return program
 
 
-def sizes(ranks: range, microbatches: range) -> Iterator[tuple[int, int]]:
+def sizes(ranks: Sequence[int], microbatches: Sequence[int]) -> Iterator[tuple[int, int]]:
     for p in ranks:
         for m in microbatches:
             yield p, m
+
+
+_RANGE = re.compile(r"(\d+)\.\.(\d+)|(\d+)")
+SIZE_NAMES = {"ranks": "ranks", "p": "ranks", "microbatches": "microbatches",
+              "m": "microbatches"}
+
+
+def parse_values(text: str) -> tuple[int, ...]:
+    """`2..8`, `4`, `2,4,8` or `1..4,8,16` -> the sizes, each ≥ 1, in order."""
+    found: list[int] = []
+    for part in text.split(","):
+        match = _RANGE.fullmatch(part.strip())
+        if match is None:
+            raise InputError(f"{text!r}: expected sizes like 2..8, 4 or 2,4,8")
+        lo, hi, one = match.groups()
+        values = range(int(lo), int(hi) + 1) if one is None else (int(one),)
+        if not values or min(values) < 1:
+            raise InputError(f"{text!r}: sizes are integers ≥ 1 in ranges a..b with a ≤ b")
+        found.extend(v for v in values if v not in found)
+    return tuple(found)
+
+
+def parse_sizes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """`ranks=2..8 microbatches=1..40` (P= and M= also accepted) -> {dimension: sizes}."""
+    found: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        key = SIZE_NAMES.get(name.strip().lower())
+        if not sep or key is None:
+            raise InputError(f"{spec!r}: expected ranks=A..B or microbatches=A..B")
+        try:
+            found[key] = parse_values(value)
+        except InputError as err:
+            raise InputError(f"{name}={err.message}") from None
+    return found
 
 
 def check_size(
@@ -166,7 +202,8 @@ def check_size(
 
 
 def sweep_file(
-    path: str, *, ranks: range, microbatches: range, defines: Mapping[str, int] | None = None,
+    path: str, *, ranks: Sequence[int], microbatches: Sequence[int],
+    defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT,
 ) -> SweepResult:
     """Verify every size of `path` in the ranges, in order; stop at the first failing size."""
@@ -175,13 +212,13 @@ def sweep_file(
 
 
 def sweep_files(
-    paths: list[str], *, ranks: range, microbatches: range,
+    paths: list[str], *, ranks: Sequence[int], microbatches: Sequence[int],
     defines: Mapping[str, int] | None = None, options: Options = DEFAULT, jobs: int = 1,
 ) -> list[SweepResult]:
     """`sweep_file` for several files, the sizes of each rank count being one task spread
     over `jobs` processes (a sweep of every bundled schedule over P ≤ 16, M ≤ 64 compiles
     and verifies ten thousand programs)."""
-    tasks = [(path, tuple(sizes(range(p, p + 1), microbatches)), dict(defines or {}), options)
+    tasks = [(path, tuple(sizes((p,), microbatches)), dict(defines or {}), options)
              for path in paths for p in ranks]
     for path in paths:
         Schedule(path)  # parse errors surface here, once, in this process

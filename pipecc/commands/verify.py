@@ -6,12 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 
 from pipecc.commands.common import SubParsers, add_size_args, positive
 from pipecc.diagnostics import InputError
 from pipecc.semantics import CommModel
-from pipecc.verification import CompileFailure, Outcome, SweepResult, sweep_files, verify_file
+from pipecc.verification import (
+    CompileFailure,
+    Outcome,
+    SweepResult,
+    parse_sizes,
+    sweep_files,
+    verify_file,
+)
 from pipecc.verify import ALL_MODELS, Options, render
 
 FORMATS = ("text", "json", "github")
@@ -60,7 +66,7 @@ def register(commands: SubParsers) -> None:
                      help="fail if a rank holds more than N activation units at once")
     cmd.add_argument("--sweep", nargs="+", metavar="DIM=RANGE",
                      help="verify every size: ranks=2..8 microbatches=1..40 (ranges a..b, "
-                          "lists a,b,c)")
+                          "lists a,b,c, or both: 1..4,8)")
     cmd.add_argument("--jobs", type=positive, metavar="N",
                      help="processes for --sweep (default: one per CPU)")
     cmd.add_argument("--format", choices=FORMATS, default="text",
@@ -95,38 +101,18 @@ def _sched_files(files: list[str]) -> list[str]:
     return files
 
 
-_RANGE = re.compile(r"(\d+)\.\.(\d+)")
-
-
-def _values(dim: str, text: str) -> range:
-    match = _RANGE.fullmatch(text)
-    if match:
-        lo, hi = int(match.group(1)), int(match.group(2))
-        if lo < 1 or hi < lo:
-            raise InputError(f"--sweep {dim}={text}: expected 1 <= a <= b in a..b")
-        return range(lo, hi + 1)
-    if text.isdigit() and int(text) >= 1:
-        return range(int(text), int(text) + 1)
-    raise InputError(f"--sweep {dim}={text}: expected a range a..b or a positive number")
-
-
-def parse_sweep(specs: list[str], args: argparse.Namespace) -> tuple[range, range]:
-    """`ranks=2..8 microbatches=1..40` (P and M also accepted); a missing dimension takes
-    -P/-M."""
-    found: dict[str, range] = {}
-    names = {"ranks": "ranks", "p": "ranks", "microbatches": "microbatches",
-             "m": "microbatches"}
-    for spec in specs:
-        dim, sep, value = spec.partition("=")
-        key = names.get(dim.strip().lower())
-        if not sep or key is None:
-            raise InputError(f"--sweep {spec}: expected ranks=A..B or microbatches=A..B")
-        found[key] = _values(dim, value.strip())
+def parse_sweep(specs: list[str], args: argparse.Namespace) -> tuple[tuple[int, ...], ...]:
+    """`ranks=2..8 microbatches=1..40` (P= and M= also accepted; lists a,b,c); a missing
+    dimension takes -P/-M."""
+    try:
+        found = parse_sizes(specs)
+    except InputError as err:
+        raise InputError(f"--sweep {err.message}") from None
     for key, given in (("ranks", args.ranks), ("microbatches", args.microbatches)):
         if key not in found:
             if given is None:
                 raise InputError(f"--sweep needs {key}=A..B (or -P/-M for a fixed size)")
-            found[key] = range(given, given + 1)
+            found[key] = (given,)
     return found["ranks"], found["microbatches"]
 
 

@@ -106,7 +106,8 @@ def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
     (["schedules/1f1b.sched"], "a .sched file needs -P/--ranks and -M/--microbatches"),
     (["missing.json"], "missing.json: no such file"),
     (["zb_h2", "-P", "4", "-M", "3"], "requires M >= 2 * P - 1, got M=3, P=4"),
-    (["zb_h1", "--sweep", "ranks=2..x"], "--sweep ranks=2..x: expected a range"),
+    (["zb_h1", "--sweep", "ranks=2..x"], "--sweep ranks='2..x': expected sizes like 2..8"),
+    (["zb_h1", "--sweep", "ranks=4..2"], "sizes are integers ≥ 1 in ranges a..b with a ≤ b"),
     (["zb_h1", "--sweep", "stages=1..3"], "expected ranks=A..B or microbatches=A..B"),
     (["prog.json", "--sweep", "ranks=2..3", "microbatches=1..2"], "--sweep compiles .sched"),
 ])
@@ -146,6 +147,12 @@ def test_sweep_lists_skips_and_stops_at_the_first_failure(
             "tests/verify/data/megatron_5100.sched P=2 M=2: 0 size(s) verified, 1 skipped"
             in lines)
     assert "error[needs-buffering]" in out
+
+
+def test_sweep_lists_of_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "verify", "zb_h1", "--sweep", "P=2,4", "M=1..2,8", "--jobs", "1")
+    assert code == 0
+    assert out.splitlines()[0] == "zb_h1: ok: 3 size(s) verified, 3 skipped"
 
 
 def test_sweep_in_parallel_matches_serial(capsys: pytest.CaptureFixture[str]) -> None:
