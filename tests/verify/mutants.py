@@ -15,7 +15,7 @@ from pipecc.ir.program import Program
 
 CLASSES = (
     "swap-adjacent", "swap-sends", "drop-recv", "move-wait-later", "duplicate-compute",
-    "move-comm", "ungroup",
+    "move-comm", "duplicate-comm", "ungroup",
 )
 
 Entry = tuple[int, bool]  # (old index, is a copy)
@@ -90,10 +90,19 @@ def _duplicate_compute(instrs: tuple[Instr, ...], order: list[Entry],
     return bool(computes)
 
 
+def _duplicate_comm(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random) -> bool:
+    """Post a send or recv a second time, somewhere after the first (unwaited)."""
+    comms = _indices(instrs, (Send, Recv))
+    if comms:
+        i = rng.choice(comms)
+        order.insert(rng.randrange(i + 1, len(instrs) + 1), (i, True))
+    return bool(comms)
+
+
 _EDITS = {
     "swap-adjacent": _swap_adjacent, "swap-sends": _swap_sends, "drop-recv": _drop_recv,
     "move-wait-later": _move_wait_later, "move-comm": _move_comm,
-    "duplicate-compute": _duplicate_compute,
+    "duplicate-compute": _duplicate_compute, "duplicate-comm": _duplicate_comm,
 }
 
 
