@@ -80,6 +80,12 @@ class TupleBlock(nn.Module):
         return h, mask, skip * 0.9 + h
 
 
+def mlp_like(count: int) -> nn.Module:
+    """`count` Blocks in one module (a stage of several layers)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(count)))
+
+
 def build(kind: str, count: int) -> list[nn.Module]:
     torch.manual_seed(0)
     cls = {"mlp": Block, "hooked": HookedBlock, "tuple": TupleBlock}[kind]
@@ -125,6 +131,7 @@ class Case:
     pipelines: tuple[tuple[int, ...], ...] | None = None
     timeout: float = 60.0
     keep_grads: bool = False  # return this rank's gradients
+    device: str = "cpu"  # "cuda": this rank's stages and data on its GPU
 
 
 def compile_case(name: str, ranks: int, microbatches: int, **defines: int) -> Program:
@@ -200,10 +207,10 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
     loss = run.runtime.step(run.inputs, run.targets)
     if case.mode == "timeout":
         return _timeout_case(run)
-    reference = build(case.model, len(run.stages))
+    reference = build(case.model, len(run.stages))  # on the CPU
     microbatches = case.program.num_microbatches
-    want_loss, want = reference_step(reference, (run.inputs, run.targets), microbatches,
-                                     run.loss_fn)  # fmt: skip
+    data = (_to(run.inputs, torch.device("cpu")), run.targets.cpu())
+    want_loss, want = reference_step(reference, data, microbatches, run.loss_fn)
     return _compare(run, loss, want, want_loss)
 
 
@@ -211,19 +218,34 @@ def _setup(rank: int, case: Case) -> _Run:
     group, rank_map = _group_for(case)
     program = case.program
     me = rank_map.index(dist.get_rank()) if rank_map is not None else rank
-    stages = build(case.model, program.placement.num_stages(0))
+    device = _device(case)
+    stages = [s.to(device) for s in build(case.model, program.placement.num_stages(0))]
     held = program.placement.chunks(me) if me < program.num_ranks else ()
     modules = {s.chunk: stages[s.stage] for s in held}
     if case.drop_chunk is not None and case.drop_chunk[0] == me:
         modules.pop(case.drop_chunk[1])
     seed = case.seed + (rank_map[0] if rank_map is not None else 0)
     inputs, targets = batch(case.model, program.num_microbatches, seed)
+    if device.type != "cpu":
+        inputs, targets = _to(inputs, device), targets.to(device)
     loss_fn = tuple_loss if case.model == "tuple" else nn.functional.mse_loss
     boundaries = case.boundaries or infer_boundaries(stages, _first(inputs))
     config = RuntimeConfig(group=group, rank_map=rank_map, sync_duplicated=case.mode != "nosync",
-                           timeout=case.timeout)  # fmt: skip
+                           timeout=case.timeout, device=device)  # fmt: skip
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=loss_fn, config=config)
     return _Run(case, me, stages, modules, runtime, inputs, targets, loss_fn)
+
+
+def _device(case: Case) -> torch.device:
+    if case.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return tuple(t.to(device) for t in value)
 
 
 def _timeout_case(run: _Run) -> dict[str, Any]:
@@ -251,7 +273,7 @@ def _compare(
     want_loss: float,
 ) -> dict[str, Any]:
     """Per-parameter relative gradient error of this rank's stages, losses, hook calls."""
-    got = gradients(run.stages)
+    got = {key: grad.cpu() for key, grad in gradients(run.stages).items()}
     held = {slot.stage for slot in run.case.program.placement.chunks(run.me)}
     worst = 0.0
     for (stage, name), ref in want.items():

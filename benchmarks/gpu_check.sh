@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The runtime's GPU checks, for one GPU host (about 5 minutes; every step has a time limit,
+# 8 minutes in all at most). Not run by `make test`: CI and this repository's machines have
+# no GPU. Run from anywhere:  bash benchmarks/gpu_check.sh
+#
+#   1. the CUDA tests (pytest -m gpu): one rank on the GPU over NCCL, V-shape hand-offs and
+#      fused F&B on two CUDA streams, the overlap hook, tuple boundaries, split backward on
+#      the GPU; NCCL between two ranks when there are two GPUs;
+#   2. split backward on the GPU: I + W against B (benchmarks/split_backward.py);
+#   3. `pipecc run --check --profile` on the GPU: every gradient against the single-process
+#      reference, and measured per-op costs (P=1 on one GPU, P=2 on two).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+PIPECC="${PIPECC:-.venv/bin/pipecc}"
+OUT="${OUT:-out/gpu_check}"
+mkdir -p "$OUT"
+
+nvidia-smi -L || true
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+if [ "$GPUS" -lt 1 ]; then
+    echo "no CUDA device: nothing to check" >&2
+    exit 1
+fi
+
+echo "== 1. CUDA tests"
+timeout 240 "$PY" -m pytest -q -m gpu tests/runtime -p no:cacheprovider
+
+echo "== 2. split backward on the GPU (target: I+W <= 1.15 x B)"
+timeout 90 "$PY" benchmarks/split_backward.py --device cuda --rounds 10
+
+echo "== 3. pipecc run on the GPU"
+if [ "$GPUS" -ge 2 ]; then SCHEDULE=zbv; RANKS=2; else SCHEDULE=dualpipev; RANKS=1; fi
+PIPECC_MLP_HIDDEN=1024 timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 \
+    --model examples/mlp.py --check --steps 10 --warmup 2 --json --profile "$OUT/costs.toml" \
+    | tee "$OUT/run.json"
+cat "$OUT/costs.toml"
+echo "gpu check: ok"
