@@ -29,10 +29,14 @@ def main() -> None:
     parser.add_argument("--comm", default="nccl", choices=[m.value for m in CommModel])
     args = parser.parse_args()
     model = CommModel(args.comm)
-    print(f"comm model {model.value}; costs F=1,B=2,I=1,W=1; M = 2P; placement-bound wait "
-          "summed over ranks")
-    print(f"{'schedule':17s} {'P':>2s} {'comm':>4s}  {'default: wait':>14s} {'makespan':>9s}"
-          f"  {'aligned: wait':>14s} {'makespan':>9s}  {'align time':>10s}")
+    print(
+        f"comm model {model.value}; costs F=1,B=2,I=1,W=1; M = 2P; placement-bound wait "
+        "summed over ranks"
+    )
+    print(
+        f"{'schedule':17s} {'P':>2s} {'comm':>4s}  {'default: wait':>14s} {'makespan':>9s}"
+        f"  {'aligned: wait':>14s} {'makespan':>9s}  {'align time':>10s}"
+    )
     for name in bundled_schedules():
         for ranks in args.ranks:
             program = compile_schedule(name, ranks=ranks, microbatches=2 * ranks)
@@ -43,11 +47,13 @@ def main() -> None:
                 aligned = align_comms(program, costs=costs, model=model)
                 took = time.perf_counter() - start
                 after = simulate(aligned, costs, model=model)
-                print(f"{name:17s} {ranks:>2d} {comm:>4g}  "
-                      f"{sum(r.placement_bound for r in before.ranks):>14.2f} "
-                      f"{before.makespan:>9.2f}  "
-                      f"{sum(r.placement_bound for r in after.ranks):>14.2f} "
-                      f"{after.makespan:>9.2f}  {took:>9.3f}s")
+                print(
+                    f"{name:17s} {ranks:>2d} {comm:>4g}  "
+                    f"{sum(r.placement_bound for r in before.ranks):>14.2f} "
+                    f"{before.makespan:>9.2f}  "
+                    f"{sum(r.placement_bound for r in after.ranks):>14.2f} "
+                    f"{after.makespan:>9.2f}  {took:>9.3f}s"
+                )
 
 
 if __name__ == "__main__":

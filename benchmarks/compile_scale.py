@@ -36,8 +36,9 @@ def _best_of(repeat: int, work: Callable[[], object]) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def _pipecc(name: str, defines: dict[str, int], ranks: int, microbatches: int, repeat: int
-            ) -> tuple[float, int]:
+def _pipecc(
+    name: str, defines: dict[str, int], ranks: int, microbatches: int, repeat: int
+) -> tuple[float, int]:
     path = ROOT / "schedules" / f"{name}.sched"
     seconds, program = _best_of(
         repeat,
@@ -50,8 +51,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=1024)
-    parser.add_argument("--torch-microbatches", type=int, default=None,
-                        help="run torch at this M instead (it is quadratic in M)")
+    parser.add_argument(
+        "--torch-microbatches",
+        type=int,
+        default=None,
+        help="run torch at this M instead (it is quadratic in M)",
+    )
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
@@ -60,8 +65,10 @@ def main() -> None:
     print(f"compile at P={P}, M={M} (median of {args.repeat})")
     for name, defines in CASES:
         seconds, count = _pipecc(name, defines, P, M, args.repeat)
-        print(f"  {name:18s} pipecc {seconds:7.2f} s  {count:>9,} instructions  "
-              f"{count / seconds / 1e6:5.2f} M instr/s")
+        print(
+            f"  {name:18s} pipecc {seconds:7.2f} s  {count:>9,} instructions  "
+            f"{count / seconds / 1e6:5.2f} M instr/s"
+        )
         quarter, _ = _pipecc(name, defines, P, M // 4, args.repeat)
         print(f"  {'':18s} scaling M/4 → M: ×{seconds / quarter:.2f} time (linear: ×4)")
         if args.skip_torch:
@@ -70,8 +77,10 @@ def main() -> None:
         torch_seconds, lowered, _, _ = torch_lowered(name, P, tm)
         torch_count = sum(len(actions) for actions in lowered.values())
         ours = seconds if tm == M else _pipecc(name, defines, P, tm, args.repeat)[0]
-        print(f"  {'':18s} torch  {torch_seconds:7.2f} s  {torch_count:>9,} actions at M={tm}"
-              f"  → torch / pipecc = {torch_seconds / ours:.1f}×")
+        print(
+            f"  {'':18s} torch  {torch_seconds:7.2f} s  {torch_count:>9,} actions at M={tm}"
+            f"  → torch / pipecc = {torch_seconds / ours:.1f}×"
+        )
 
 
 if __name__ == "__main__":

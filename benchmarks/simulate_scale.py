@@ -33,10 +33,15 @@ TORCH_CANNOT = {"dualpipev": "torch's _simulate_comms_compute cannot replay OVER
 COSTS = parse_cost_flag("F=1,B=2,I=1,W=1")
 
 
-def _time_simulate(name: str, defines: dict[str, int], ranks: int, microbatches: int,
-                   repeat: int) -> tuple[float, Timeline, int]:
-    program = compile_schedule(ROOT / "schedules" / f"{name}.sched", ranks=ranks,
-                               microbatches=microbatches, defines=defines)
+def _time_simulate(
+    name: str, defines: dict[str, int], ranks: int, microbatches: int, repeat: int
+) -> tuple[float, Timeline, int]:
+    program = compile_schedule(
+        ROOT / "schedules" / f"{name}.sched",
+        ranks=ranks,
+        microbatches=microbatches,
+        defines=defines,
+    )
     times = []
     timeline = None
     for _ in range(repeat):
@@ -51,8 +56,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=1024)
-    parser.add_argument("--torch-microbatches", type=int, default=None,
-                        help="run torch at this M instead (its lowering is quadratic in M)")
+    parser.add_argument(
+        "--torch-microbatches",
+        type=int,
+        default=None,
+        help="run torch at this M instead (its lowering is quadratic in M)",
+    )
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
@@ -60,8 +69,10 @@ def main() -> None:
     print(f"simulate at P={P}, M={M}, costs F=1,B=2,I=1,W=1, nccl (median of {args.repeat})")
     for name, defines in CASES:
         seconds, timeline, count = _time_simulate(name, defines, P, M, args.repeat)
-        print(f"  {name:18s} pipecc {seconds:6.2f} s  {count:>9,} instructions  makespan "
-              f"{timeline.makespan:g}  bubble {timeline.bubble_ratio:.4f}")
+        print(
+            f"  {name:18s} pipecc {seconds:6.2f} s  {count:>9,} instructions  makespan "
+            f"{timeline.makespan:g}  bubble {timeline.bubble_ratio:.4f}"
+        )
         quarter, _, _ = _time_simulate(name, defines, P, M // 4, args.repeat)
         print(f"  {'':18s} scaling M/4 → M: ×{seconds / quarter:.2f} time (linear: ×4)")
         if args.skip_torch:
@@ -73,8 +84,10 @@ def main() -> None:
         _, lowered, mapping, stages = torch_lowered(name, P, tm)
         torch_seconds, steps = torch_simulate(lowered, mapping, stages)
         ours = seconds if tm == M else _time_simulate(name, defines, P, tm, args.repeat)[0]
-        print(f"  {'':18s} torch  {torch_seconds:6.2f} s at M={tm} ({steps} unit steps)  "
-              f"→ torch / pipecc = {torch_seconds / ours:.1f}×")
+        print(
+            f"  {'':18s} torch  {torch_seconds:6.2f} s at M={tm} ({steps} unit steps)  "
+            f"→ torch / pipecc = {torch_seconds / ours:.1f}×"
+        )
 
 
 if __name__ == "__main__":
