@@ -50,7 +50,7 @@ class StepContext:
     inputs: list[Tensors] | None
     targets: list[object] | None
     scale: float  # 1/M: each microbatch's share of the step's mean loss
-    training: bool = True  # False: forward only, nothing kept for a backward
+    training: bool  # False: forward only, nothing kept for a backward
     mail: dict[MessageKey, Tensors] = field(default_factory=dict)
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)

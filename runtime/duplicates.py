@@ -39,7 +39,11 @@ def _flat(module: torch.nn.Module) -> torch.Tensor:
         (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
         for p in module.parameters()
     ]
-    return torch.cat(grads) if grads else torch.zeros(0)
+    return torch.cat(grads) if grads else torch.zeros(0, device=_device(module))
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    return next((b.device for b in module.buffers()), torch.device("cpu"))
 
 
 def _assign(module: torch.nn.Module, flat: torch.Tensor) -> None:

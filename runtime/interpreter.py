@@ -140,9 +140,8 @@ class PipelineRuntime:
         self._run(self.plan, ctx)
         self._finish(ctx)
         if self.config.sync_duplicated and self.shared:
-            sum_copies(
-                self.channel, self.rank, self.shared, {c: k.module for c, k in self.chunks.items()}
-            )
+            modules = {chunk: c.module for chunk, c in self.chunks.items()}
+            sum_copies(self.channel, self.rank, self.shared, modules)
         return self._loss_of(ctx)
 
     def forward(self, inputs: object = None, targets: object = None) -> dict[int, Tensors]:
@@ -161,39 +160,32 @@ class PipelineRuntime:
     def _context(
         self, inputs: object, targets: object, *, training: bool, recorder: Recorder | None
     ) -> StepContext:
+        """Split the batch; on the first step, check everything on every rank together."""
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
-        split_inputs = self._split(
-            inputs, "inputs", any(c.first for c in self.chunks.values()), found
-        )
-        need_targets = training and any(c.last for c in self.chunks.values())
-        split_targets = self._split(targets, "targets", need_targets, found)
+        needs_inputs = any(c.first for c in self.chunks.values())
+        needs_targets = training and any(c.last for c in self.chunks.values())
+        split_inputs = self._split(inputs, "inputs", needs_inputs, found)
+        split_targets = self._split(targets, "targets", needs_targets, found)
         if not self._ready:
-            if not found:
-                found = setup.problems(
-                    self.program,
-                    self.rank,
-                    self.modules,
-                    self.boundaries,
-                    check_shapes=self.config.check_shapes,
-                )
-            setup.agree(
-                [f"rank {self.rank}: {text}" for text in found],
-                self.group,
-                self.program.num_ranks,
-                self.device,
-            )
-            self._ready = True
+            self._first_step_checks(found)
         elif found:
             raise InputError(f"rank {self.rank}: " + "; ".join(found))
-        return StepContext(
-            split_inputs,
-            split_targets,
-            1.0 / self.program.num_microbatches,
-            training=training,
-            recorder=recorder,
-        )
+        scale = 1.0 / self.program.num_microbatches
+        return StepContext(split_inputs, split_targets, scale, training, recorder=recorder)
+
+    def _first_step_checks(self, found: list[str]) -> None:
+        """Modules, boundaries and shapes (runtime/setup.py), agreed by every rank."""
+        if not found:
+            config = self.config
+            found = setup.problems(
+                self.program, self.rank, self.modules, self.boundaries,
+                check_shapes=config.check_shapes,
+            )  # fmt: skip
+        named = [f"rank {self.rank}: {text}" for text in found]
+        setup.agree(named, self.group, self.program.num_ranks, self.device)
+        self._ready = True
 
     def _split(self, value: object, what: str, needed: bool, found: list[str]) -> list | None:
         if value is None:
