@@ -291,3 +291,10 @@ class ActivationLimitError(Violation):
     """Peak live activations on a rank above `--max-activations`."""
 
     code = "memory"
+
+
+class StallError(Violation):
+    """A wait longer than `--stall-budget` that better-placed comm ops would remove (a
+    placement-bound wait, docs/align.md)."""
+
+    code = "stall"

@@ -3,7 +3,8 @@
 Each (file, P, M) is one test item, `dualpipe.sched::P4-M8`; a size a `require` rejects is
 skipped with the requirement as the reason; a failing size shows the verifier's full
 report. Sizes come from `--pipecc-sizes` (the syntax of `pipecc verify --sweep`, default
-`ranks=2..8 microbatches=1..16`), the model from `--pipecc-comm` (default nccl, or `all`).
+`ranks=2..8 microbatches=1..16`), the model from `--pipecc-comm` (default nccl, or `all`);
+`--pipecc-stall-budget 0 --pipecc-cost F=1,B=2,comm=0.1` also fails placement-bound waits.
 
 The plugin is registered through the `pytest11` entry point, so it loads wherever pipecc is
 installed; without `--pipecc` it collects nothing and changes nothing.
@@ -20,7 +21,8 @@ import pytest
 from pipecc.diagnostics import InputError, PipeccError
 from pipecc.semantics import CommModel
 from pipecc.verification import Schedule, Skip, check_size, parse_sizes
-from pipecc.verify import ALL_MODELS, Options
+from pipecc.costs import parse_cost_flag
+from pipecc.verify import ALL_MODELS, Options, StallBudget
 from pipecc.verify.render import text
 
 DEFAULT_SIZES = "ranks=2..8 microbatches=1..16"
@@ -35,6 +37,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pipecc-comm", default="nccl",
                     choices=[*(m.value for m in CommModel), "all"],
                     help="comm model to verify under (default: nccl)")
+    group.addoption("--pipecc-stall-budget", default=None, metavar="T|P%",
+                    help="also fail on placement-bound waits longer than this "
+                         "(needs --pipecc-cost; docs/align.md)")
+    group.addoption("--pipecc-cost", default=None, metavar="K=V,...",
+                    help="costs for --pipecc-stall-budget, as pipecc's --cost")
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:
@@ -54,6 +61,18 @@ def _sizes(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return found["ranks"], found["microbatches"]
 
 
+def _stall_options(config: pytest.Config) -> dict[str, Any]:
+    budget, cost = config.getoption("pipecc_stall_budget"), config.getoption("pipecc_cost")
+    if budget is None:
+        return {}
+    if cost is None:
+        raise pytest.UsageError("--pipecc-stall-budget needs --pipecc-cost K=V,...")
+    try:
+        return {"costs": parse_cost_flag(cost), "stall_budget": StallBudget.parse(budget)}
+    except PipeccError as err:
+        raise pytest.UsageError(err.message) from None
+
+
 class ScheduleFile(pytest.File):
     """One .sched file: one item per size."""
 
@@ -61,26 +80,26 @@ class ScheduleFile(pytest.File):
         ranks, microbatches = _sizes(self.config.getoption("pipecc_sizes"))
         comm = self.config.getoption("pipecc_comm")
         models = ALL_MODELS if comm == "all" else (CommModel(comm),)
+        options = Options(models=models, **_stall_options(self.config))
         for p in ranks:
             for m in microbatches:
                 yield SizeItem.from_parent(self, name=f"P{p}-M{m}", ranks=p, microbatches=m,
-                                           models=models)
+                                           options=options)
 
 
 class SizeItem(pytest.Item):
     """Compile one .sched file at (P, M) and verify it."""
 
-    def __init__(self, *, ranks: int, microbatches: int, models: tuple[CommModel, ...],
+    def __init__(self, *, ranks: int, microbatches: int, options: Options,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ranks = ranks
         self.microbatches = microbatches
-        self.models = models
+        self.options = options
 
     def runtest(self) -> None:
         schedule = Schedule(str(self.path))
-        found = check_size(schedule, self.ranks, self.microbatches, {},
-                           Options(models=self.models))
+        found = check_size(schedule, self.ranks, self.microbatches, {}, self.options)
         if isinstance(found, Skip):
             # reported at the .sched file rather than at this line of the plugin
             raise pytest.skip.Exception(f"P={self.ranks} M={self.microbatches}: {found.reason}",

@@ -33,7 +33,7 @@ ALLOWED = {
     "pipecc.costs": ("pipecc.diagnostics", "pipecc.ir"),
     "pipecc.semantics": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),
     "pipecc.verify": ("pipecc.diagnostics", "pipecc.ir", "pipecc.semantics", "pipecc.perf",
-                      "pipecc.costs"),
+                      "pipecc.costs", "pipecc.stalls"),
     "pipecc.stalls": ("pipecc.diagnostics", "pipecc.ir", "pipecc.semantics", "pipecc.costs"),
     "pipecc.simulate": ("pipecc.diagnostics", "pipecc.ir", "pipecc.semantics", "pipecc.costs",
                         "pipecc.perf", "pipecc.stalls"),

@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from pipecc.commands.common import SubParsers, add_size_args, positive
+from pipecc.commands.common import SubParsers, add_size_args, load_costs, positive
 from pipecc.diagnostics import InputError
 from pipecc.semantics import CommModel
 from pipecc.verification import (
@@ -18,7 +18,7 @@ from pipecc.verification import (
     sweep_files,
     verify_file,
 )
-from pipecc.verify import ALL_MODELS, Options, render
+from pipecc.verify import ALL_MODELS, Options, StallBudget, render
 
 FORMATS = ("text", "json", "github")
 COMMS = (*(m.value for m in CommModel), "all")
@@ -46,6 +46,7 @@ examples:
   pipecc verify schedules/*.sched --sweep ranks=2..8 microbatches=1..40
   pipecc verify prog.json --comm all
   pipecc verify actions.csv --format github
+  pipecc verify dualpipe -P 8 -M 20 --cost F=1,B=2,I=1,W=1,comm=0.1 --stall-budget 0
 
 exit codes: 0 verified, 1 a violation, 2 input pipecc cannot use.
 """
@@ -64,6 +65,13 @@ def register(commands: SubParsers) -> None:
                      help="comm model to verify under (default: nccl)")
     cmd.add_argument("--max-activations", type=positive, metavar="N",
                      help="fail if a rank holds more than N activation units at once")
+    cmd.add_argument("--stall-budget", metavar="T|P%",
+                     help="with --cost/--cost-file: fail if a rank waits longer than T time "
+                          "units (or P%% of the makespan) for a message it could have had "
+                          "(a placement-bound wait, docs/align.md)")
+    cmd.add_argument("--cost", metavar="K=V,...",
+                     help="durations and latency for --stall-budget (docs/simulate.md)")
+    cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --stall-budget")
     cmd.add_argument("--sweep", nargs="+", metavar="DIM=RANGE",
                      help="verify every size: ranks=2..8 microbatches=1..40 (ranges a..b, "
                           "lists a,b,c, or both: 1..4,8)")
@@ -78,7 +86,8 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     models = ALL_MODELS if args.comm == "all" else (CommModel(args.comm),)
-    options = Options(models=models, max_activations=args.max_activations, limit=args.limit)
+    options = Options(models=models, max_activations=args.max_activations, limit=args.limit,
+                      **_stall_options(args))
     defines = dict(args.defines)
     if args.sweep:
         ranks, microbatches = parse_sweep(args.sweep, args)
@@ -91,6 +100,18 @@ def run(args: argparse.Namespace) -> int:
                             defines=defines, options=options) for path in args.files]
     print(_render_outcomes(outcomes, args.format), end="")
     return 0 if all(o.report.ok for o in outcomes) else 1
+
+
+def _stall_options(args: argparse.Namespace) -> dict[str, object]:
+    """--stall-budget with its cost model; a cost model alone only reports the wait totals."""
+    if args.stall_budget is None:
+        if args.cost or args.cost_file:
+            raise InputError("--cost/--cost-file are for --stall-budget (to see the waits "
+                             "without a budget, use 'pipecc simulate')")
+        return {}
+    if not (args.cost or args.cost_file):
+        raise InputError("--stall-budget needs a cost model: --cost K=V,... or --cost-file")
+    return {"costs": load_costs(args), "stall_budget": StallBudget.parse(args.stall_budget)}
 
 
 def _sched_files(files: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipecc.costs import CostModel
 from pipecc.diagnostics import Violation
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
@@ -30,6 +31,7 @@ from pipecc.verify.deadlock import Status, Verdict, check_deadlock
 from pipecc.verify.matching import check_matching
 from pipecc.verify.memory import Peak, check_memory, peaks
 from pipecc.verify.placement import check_placement, check_routes
+from pipecc.verify.stall_budget import StallBudget, WaitTotals, check_stalls
 from pipecc.verify.waits import check_waits
 
 ALL_MODELS = (CommModel.NCCL, CommModel.NCCL_SINGLE, CommModel.RENDEZVOUS, CommModel.EAGER)
@@ -40,7 +42,9 @@ __all__ = [
     "Options",
     "Peak",
     "Report",
+    "StallBudget",
     "Status",
+    "WaitTotals",
     "Verdict",
     "check",
     "check_order",
@@ -56,6 +60,8 @@ class Options:
     models: tuple[CommModel, ...] = (CommModel.NCCL,)
     max_activations: int | None = None
     limit: int = DEFAULT_LIMIT
+    costs: CostModel | None = None  # with stall_budget: the durations to replay with
+    stall_budget: StallBudget | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +77,7 @@ class Report:
     peaks: tuple[Peak, ...]
     dropped: tuple[tuple[str, int], ...]
     notes: tuple[str, ...] = ()
+    waits: tuple[WaitTotals, ...] = ()  # with a stall budget: the wait totals per model
 
     @property
     def ok(self) -> bool:
@@ -103,6 +110,7 @@ def _verify(program: Program, options: Options) -> Report:
     found = peaks(ctx)
     if options.max_activations is not None:
         check_memory(ctx, found, options.max_activations)
+    waits = _check_waits(ctx, options, verdicts)
     return Report(
         program=program,
         options=options,
@@ -111,7 +119,22 @@ def _verify(program: Program, options: Options) -> Report:
         peaks=found,
         dropped=tuple(sorted(ctx.dropped.items())),
         notes=notes,
+        waits=waits,
     )
+
+
+def _check_waits(ctx: Context, options: Options, verdicts: tuple[Verdict, ...]
+                 ) -> tuple[WaitTotals, ...]:
+    """--stall-budget: under each model the program passes, its placement-bound waits."""
+    if options.stall_budget is None or options.costs is None or ctx.violations:
+        return ()
+    found = []
+    for verdict in verdicts:
+        if verdict.status is Status.PASSES:
+            totals = check_stalls(ctx, options.costs, verdict.model, options.stall_budget)
+            if totals is not None:
+                found.append(totals)
+    return tuple(found)
 
 
 def check_order(program: Program, options: Options = DEFAULT) -> Report | None:

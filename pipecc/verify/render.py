@@ -27,7 +27,14 @@ def summary(report: Report, label: str) -> str:
         if verdicts:
             head += f"; {verdicts}"
     peaks = " ".join(str(p.peak) for p in report.peaks)
-    return f"{head}\npeak activations per rank: {peaks}"
+    lines = [head, f"peak activations per rank: {peaks}"]
+    for totals in report.waits:
+        pairs = " ".join(f"{d:g}/{p:g}" for d, p in zip(totals.dependency, totals.placement,
+                                                         strict=True))
+        lines.append(f"wait per rank under {totals.model.value} (dependency-bound/placement-"
+                     f"bound; makespan {totals.makespan:g}; budget "
+                     f"{report.options.stall_budget}): {pairs}")
+    return "\n".join(lines)
 
 
 def text(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
@@ -71,6 +78,9 @@ def as_json(report: Report, label: str, notes: tuple[str, ...] = ()) -> dict[str
         "dropped": dict(report.dropped),
         "peak_activations": [{"rank": p.rank, "peak": p.peak, "index": p.index}
                              for p in report.peaks],
+        "waits": [{"model": t.model.value, "makespan": t.makespan,
+                   "dependency_bound": list(t.dependency), "placement_bound": list(t.placement)}
+                  for t in report.waits],
         "notes": [*report.notes, *notes],
     }
 
