@@ -28,6 +28,7 @@ from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import insert_comms
+from pipecc.perf import paused_gc
 from pipecc.verify import DEFAULT, Options, Report, check_order, verify
 
 
@@ -136,11 +137,12 @@ class Schedule:
         self.tree: ScheduleFile = parse(read_text(resolved), str(resolved))
 
     def compile(self, ranks: int, microbatches: int, defines: Mapping[str, int]) -> Program:
-        streams = expand(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
-        program = assign_microbatches(streams)
-        for step in PASSES:
-            program = step(program)
-        return program
+        with paused_gc():
+            streams = expand(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
+            program = assign_microbatches(streams)
+            for step in PASSES:
+                program = step(program)
+            return program
 
 
 def sizes(ranks: Sequence[int], microbatches: Sequence[int]) -> Iterator[tuple[int, int]]:
