@@ -12,7 +12,8 @@ simulator install without torch. docs/runtime.md describes the API.
 
 from __future__ import annotations
 
-from .interpreter import PipelineRuntime, RuntimeConfig, mse_loss
+from .config import RuntimeConfig, mse_loss
+from .interpreter import PipelineRuntime
 from .profile import Recorder
 from .specs import TensorSpec, infer_boundaries
 

@@ -17,8 +17,7 @@ only what the program and the modules fix.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,41 +37,15 @@ from pipecc.ir.program import Program
 
 from . import setup
 from .comm import Channel
+from .config import LossFn, RuntimeConfig, mse_loss
 from .context import Pending, Saved, StepContext, Tensors, split_microbatches
 from .context import unwrap as _unwrap
 from .duplicates import copies, sum_copies
 from .fused import Hook, ScaledCriterion, find_hook
+from .plan import Plan, build_plan, forward_only
 from .profile import Recorder
 from .specs import Boundaries, TensorSpec, describe_specs, normalise_boundaries
 from .split_backward import full_backward, input_backward
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-Plan = tuple[tuple[int, Instr, bool], ...]  # (index in the rank's list, instruction, commit)
-
-
-def mse_loss(output: Any, target: Any) -> torch.Tensor:
-    """The default loss: mean squared error."""
-    return torch.nn.functional.mse_loss(output, target)
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """How the runtime fits into the job.
-
-    `group`: the pipeline's process group (default: the whole world). `rank_map[r]`: the
-    global rank of pipeline rank r (default: the group's ranks in order). `sync_duplicated`:
-    sum the gradients of a stage held by two ranks at the end of `step` (DualPipe); turn it
-    off to do it in the optimizer. `timeout`: seconds a `wait` may block (gloo; NCCL relies
-    on the process group's own timeout). `check_shapes`: check each stage's output shapes on
-    the meta device on the first step.
-    """
-
-    group: dist.ProcessGroup | None = None
-    rank_map: Sequence[int] | None = None
-    sync_duplicated: bool = True
-    timeout: float = 300.0
-    device: torch.device | None = None
-    check_shapes: bool = True
 
 
 class PipelineRuntime:
@@ -89,9 +62,10 @@ class PipelineRuntime:
         boundaries: Boundaries,
         *,
         loss_fn: LossFn = mse_loss,
-        config: RuntimeConfig = RuntimeConfig(),
+        config: RuntimeConfig | None = None,
     ) -> None:
         self.program = program
+        config = config or RuntimeConfig()
         self.config = config
         self.modules = dict(modules.items() if isinstance(modules, Mapping) else enumerate(modules))
         self.boundaries = normalise_boundaries(boundaries)
@@ -114,8 +88,8 @@ class PipelineRuntime:
         rank = self.rank
         self.chunks = setup.bind_chunks(self.program, rank, self.modules)
         self.specs = setup.recv_specs(self.program, rank, self.boundaries)
-        self.plan = _plan(list(enumerate(self.program.ranks[rank])))
-        self.forward_plan = _plan(_forward_only(self.program.ranks[rank]))
+        self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
+        self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
         self.shared = copies(self.program.placement, rank)
         self.hooks = {
             (f, b): hook
@@ -502,40 +476,6 @@ class PipelineRuntime:
                 f"within {self.config.timeout:g} s"
             )
         return RankError(f"{self._where(index, instr)}: {what} failed: {text}")
-
-
-def _plan(indexed: Sequence[tuple[int, Instr]]) -> Plan:
-    """Pair each (index, instruction) with whether its group of posts ends after it."""
-    plan = []
-    for position, (index, instr) in enumerate(indexed):
-        commit = False
-        if type(instr) is Send or type(instr) is Recv:
-            after = indexed[position + 1][1] if position + 1 < len(indexed) else None
-            same_group = (type(after) is Send or type(after) is Recv) and after.group == instr.group
-            commit = instr.group is None or not same_group
-        plan.append((index, instr, commit))
-    return tuple(plan)
-
-
-def _forward_only(instrs: Sequence[Instr]) -> list[tuple[int, Instr]]:
-    """The forward part of a program: F (the forward half of a fused op), activation
-    messages, and waits on what remains."""
-    kept: list[tuple[int, Instr]] = []
-    posted: set[int] = set()
-    for index, instr in enumerate(instrs):
-        match instr:
-            case Compute(kind=Kind.F):
-                kept.append((index, instr))
-            case Fused():
-                kept.append((index, instr.forward))
-            case Send() | Recv() if instr.what is Msg.ACT:
-                kept.append((index, instr))
-                posted.add(index)
-            case Wait():
-                ops = tuple(i for i in instr.ops if i in posted)
-                if ops:
-                    kept.append((index, Wait(ops, instr.span)))
-    return kept
 
 
 def _short(text: str) -> str:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from pipecc.runtime import TensorSpec, infer_boundaries
-from pipecc.runtime.interpreter import _forward_only, _plan
+from pipecc.runtime.plan import build_plan as _plan
+from pipecc.runtime.plan import forward_only as _forward_only
 from pipecc.runtime.profile import Recorder, render_cost_file
 from pipecc.runtime.specs import meta_forward, normalise_boundaries
 from torch import nn

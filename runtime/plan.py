@@ -1,0 +1,49 @@
+"""What the interpreter walks: a rank's instructions with their indices and group ends.
+
+A plan pairs each instruction with its index in the rank's list (errors and waits name
+instructions by it) and, for a send or receive, whether its group of posts ends after it
+(the point at which the group is posted together). The forward-only plan is the program's
+forward part, for evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+
+Plan = tuple[tuple[int, Instr, bool], ...]  # (index in the rank's list, instruction, commit)
+
+
+def build_plan(indexed: Sequence[tuple[int, Instr]]) -> Plan:
+    """Pair each (index, instruction) with whether its group of posts ends after it."""
+    plan = []
+    for position, (index, instr) in enumerate(indexed):
+        commit = False
+        if type(instr) is Send or type(instr) is Recv:
+            after = indexed[position + 1][1] if position + 1 < len(indexed) else None
+            same_group = (type(after) is Send or type(after) is Recv) and after.group == instr.group
+            commit = instr.group is None or not same_group
+        plan.append((index, instr, commit))
+    return tuple(plan)
+
+
+def forward_only(instrs: Sequence[Instr]) -> list[tuple[int, Instr]]:
+    """The forward part of a program: F (the forward half of a fused op), activation
+    messages, and waits on what remains."""
+    kept: list[tuple[int, Instr]] = []
+    posted: set[int] = set()
+    for index, instr in enumerate(instrs):
+        match instr:
+            case Compute(kind=Kind.F):
+                kept.append((index, instr))
+            case Fused():
+                kept.append((index, instr.forward))
+            case Send() | Recv() if instr.what is Msg.ACT:
+                kept.append((index, instr))
+                posted.add(index)
+            case Wait():
+                ops = tuple(i for i in instr.ops if i in posted)
+                if ops:
+                    kept.append((index, Wait(ops, instr.span)))
+    return kept
