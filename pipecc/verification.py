@@ -75,7 +75,7 @@ def load(
         missing = " and ".join(flag for flag, v in (("-P/--ranks", ranks),
                                                     ("-M/--microbatches", microbatches))
                                if v is None)
-        raise InputError(f"{path}: a .sched file needs {missing} (or --sweep)")
+        raise InputError(f"{path}: a .sched file needs {missing}")
     program = compile_schedule(path, ranks=ranks, microbatches=microbatches, defines=defines)
     return program, ()
 

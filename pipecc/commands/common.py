@@ -6,10 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipecc.api import compile_schedule, load_program
 from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
+from pipecc.passes.insert_comms import insert_comms
+from pipecc.verification import is_compute_only, load
 
 
 class Parser(argparse.ArgumentParser):
@@ -57,20 +58,14 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_input(path: str, args: argparse.Namespace) -> Program:
-    """A Program from `path`: compiled from .sched (needs -P and -M), or loaded from .json."""
-    if path.endswith(".json"):
-        return load_program(path)
-    if args.ranks is None or args.microbatches is None:
-        missing = " and ".join(
-            flag
-            for flag, value in (("-P/--ranks", args.ranks),
-                                ("-M/--microbatches", args.microbatches))
-            if value is None
-        )
-        raise InputError(f"{path}: a .sched file needs {missing}")
-    return compile_schedule(
-        path, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
-    )
+    """A Program from `path`, by extension: a .sched file compiled for -P/-M/-D, a compiled
+    program (.json), or a torch.distributed.pipelining action CSV (.csv); a compute-only CSV
+    gets its comm ops from the default policy (DESIGN §1, §5)."""
+    program, _ = load(path, ranks=args.ranks, microbatches=args.microbatches,
+                      defines=dict(args.defines))
+    if program.num_ranks > 1 and is_compute_only(program):
+        program = insert_comms(program)
+    return program
 
 
 def write_output(text: str, output: str | None) -> None:
