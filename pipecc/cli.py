@@ -22,10 +22,14 @@ COMMANDS = (compile_command, verify, simulate, compare, explain, run_command, li
 
 EPILOG = """\
 examples:
-  pipecc compile schedules/dualpipe.sched --ranks 8 --microbatches 20 -o dualpipe.json
-  pipecc compile schedules/interleaved_1f1b.sched -P 4 -M 8 -D V=2 --format text
-  pipecc compile zb_h1 -P 4 -M 8 --format torch-csv      # a bundled schedule, by name
   pipecc list
+  pipecc compile schedules/dualpipe.sched --ranks 8 --microbatches 20 -o dualpipe.json
+  pipecc compile zb_h1 -P 4 -M 8 --format text          # a bundled schedule, by name
+  pipecc verify dualpipe.json --comm all
+  pipecc verify schedules/*.sched --sweep ranks=2..8 microbatches=1..40
+  pipecc simulate dualpipe -P 8 -M 20 --cost F=1,B=2,I=1,W=1,comm=0.1 --svg dualpipe.svg
+  pipecc compile zb_h1 -P 4 -M 8 --cost F=1,I=1,W=1,comm=0.2 --align -o zb_h1.json
+  pipecc run zb_h1.json --nproc 4 --model examples/mlp.py --check
 
 'pipecc COMMAND --help' explains each command.
 exit codes: 0 success, 1 the schedule or program is wrong, 2 input pipecc cannot use.
