@@ -215,12 +215,15 @@ def _check(
 def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
     records = [record for result in results for record in result["records"]]
     program = job.program
-    header = (
-        f"pipecc run --profile: {program.schedule}, P={program.num_ranks}, "
-        f"M={program.num_microbatches}, batch {job.batch_size} rows, model {job.model}\n"
-        f"measured: median wall time of each compute op over {job.steps} timed step(s) on "
-        f"{backend_for(program.num_ranks)}; FB = a fused F&B (under its forward's stage);\n"
-        "comm = median latency from a send's post to its receive's completion; bytes = "
-        "median message size. Durations in ms; stage N = the program's stage index."
+    header = "\n".join(
+        (
+            f"pipecc run --profile: {program.schedule}, P={program.num_ranks}, "
+            f"M={program.num_microbatches}, batch {job.batch_size} rows, model {job.model}",
+            f"measured on {backend_for(program.num_ranks)} over {job.steps} timed step(s): "
+            "the median wall time of each compute op,",
+            "ms; FB/FI = a fused F&B/F&I, under its forward's stage; [cost.stage.N]: N is the",
+            "program's stage index (both pipes' stage N together); comm = median latency from",
+            "a send's post to its receive's completion; bytes = median message size",
+        )
     )
     return render_cost_file(records, header)
