@@ -61,7 +61,8 @@ def full_backward(
     outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
 ) -> Grads:
     """`B`: input and weight gradients in one engine call; returns the inputs' gradients."""
-    _engine(outputs, grads, (), keep_graph=False, accumulate=True)
+    if outputs:  # none when no output needs a gradient: nothing to do
+        _engine(outputs, grads, (), keep_graph=False, accumulate=True)
     return tuple(x.grad if x.requires_grad else None for x in inputs)
 
 
@@ -97,7 +98,13 @@ class WeightGrad:
     recorded: dict[Node, Grads]
 
     def run(self) -> None:
-        """Accumulate the weight gradients into the parameters' `.grad`."""
+        """Accumulate the weight gradients into the parameters' `.grad`.
+
+        Without pinned groups no call reaches a node another call runs, so each call frees
+        the saved tensors of what it ran (the anchors' inputs) as it goes; with a pinned
+        group the input path between its anchors may be run again, so the graph is kept.
+        """
+        keep = any(len(group.anchors) > 1 for group in self.groups)
         for group in self.groups:
             edges: list[GradientEdge] = [edge for edge, _ in group.roots]
             grads: list[torch.Tensor] = [grad for _, grad in group.roots]
@@ -107,18 +114,23 @@ class WeightGrad:
                         edges.append(GradientEdge(anchor, slot))
                         grads.append(grad)
             if edges and group.params:
-                self._run_group(group, edges, grads)
+                self._run_group(group, edges, grads, keep_graph=keep)
         self.groups = []
         self.recorded = {}
 
     def _run_group(
-        self, group: _Group, edges: list[GradientEdge], grads: list[torch.Tensor]
+        self,
+        group: _Group,
+        edges: list[GradientEdge],
+        grads: list[torch.Tensor],
+        *,
+        keep_graph: bool,
     ) -> None:
         handles = []
         if len(group.anchors) > 1:  # pin each anchor's gradient (module docstring)
             handles = [a.register_prehook(_pin(self.recorded[a])) for a in group.anchors]
         try:
-            _engine(edges, grads, group.params, keep_graph=True, accumulate=True)
+            _engine(edges, grads, group.params, keep_graph=keep_graph, accumulate=True)
         finally:
             for handle in handles:
                 handle.remove()
