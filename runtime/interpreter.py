@@ -138,10 +138,10 @@ class PipelineRuntime:
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
-        needs_inputs = any(c.first for c in self.chunks.values())
-        needs_targets = training and any(c.last for c in self.chunks.values())
-        split_inputs = self._split(inputs, "inputs", needs_inputs, found)
-        split_targets = self._split(targets, "targets", needs_targets, found)
+        holds_first = any(c.first for c in self.chunks.values())
+        holds_last = any(c.last for c in self.chunks.values())
+        split_inputs = self._split(inputs, "inputs", holds_first, found, required=True)
+        split_targets = self._split(targets, "targets", holds_last, found, required=training)
         if not self._ready:
             self._first_step_checks(found)
         elif found:
@@ -161,13 +161,16 @@ class PipelineRuntime:
         setup.agree(named, self.group, self.program.num_ranks, self.device)
         self._ready = True
 
-    def _split(self, value: object, what: str, needed: bool, found: list[str]) -> list | None:
+    def _split(
+        self, value: object, what: str, used: bool, found: list[str], *, required: bool
+    ) -> list | None:
+        """This rank's microbatches of `value`, if it uses them (others are not copied)."""
+        if not used:
+            return None
         if value is None:
-            if needed:
-                found.append(
-                    f"this rank holds a {'first' if what == 'inputs' else 'last'} "
-                    f"stage and needs {what}, got None"
-                )
+            if required:
+                kind = "first" if what == "inputs" else "last"
+                found.append(f"this rank holds a {kind} stage and needs {what}, got None")
             return None
         try:
             return split_microbatches(value, self.program.num_microbatches, what, self.device)
