@@ -48,7 +48,7 @@ class StepContext:
     """The state of one step on one rank."""
 
     inputs: list[Tensors] | None
-    targets: list[object] | None
+    targets: list[Tensors] | None
     scale: float  # 1/M: each microbatch's share of the step's mean loss
     training: bool  # False: forward only, nothing kept for a backward
     mail: dict[MessageKey, Tensors] = field(default_factory=dict)

@@ -97,7 +97,8 @@ class PipelineRuntime:
             for b, bc in self.chunks.items()
             if (hook := find_hook(fc.module, bc.module)) is not None
         }
-        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.side = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class PipelineRuntime:
 
     def _split(
         self, value: object, what: str, used: bool, found: list[str], *, required: bool
-    ) -> list | None:
+    ) -> list[Tensors] | None:
         """This rank's microbatches of `value`, if it uses them (others are not copied)."""
         if not used:
             return None
@@ -221,7 +222,7 @@ class PipelineRuntime:
         if self.side is not None:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        if type(instr) is Fused:
+        if isinstance(instr, Fused):
             kind = "FB" if instr.backward.kind is Kind.B else "FI"
             ctx.recorder.compute(kind, instr.forward.stage, seconds)
         else:

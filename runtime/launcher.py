@@ -28,7 +28,8 @@ import torch.distributed as dist
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
-from .interpreter import PipelineRuntime, RuntimeConfig, mse_loss
+from .config import RuntimeConfig, mse_loss
+from .interpreter import PipelineRuntime
 from .profile import Recorder, render_cost_file
 from .reference import ParamKey, compare, reference_step
 from .spawn import spawn

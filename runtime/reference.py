@@ -37,7 +37,7 @@ def reference_step(
             out = stage(*values)
             values = out if isinstance(out, tuple) else (out,)
         loss = loss_fn(unwrap(values), unwrap(targets[mb]))
-        (loss * (1.0 / microbatches)).backward()  # as the runtime scales it
+        (loss * (1.0 / microbatches)).backward()  # type: ignore[no-untyped-call]  # as the runtime scales
         total += float(loss.detach())
     return total / microbatches, gradients(stages)
 

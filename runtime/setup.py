@@ -54,7 +54,9 @@ def bind_chunks(
     return chunks
 
 
-def recv_specs(program: Program, rank: int, boundaries: Mapping[int, Specs]) -> dict:
+def recv_specs(
+    program: Program, rank: int, boundaries: Mapping[int, Specs]
+) -> dict[tuple[Msg, int, int], Specs]:
     """The buffer specs of every message this rank receives, keyed by (what, pipe, stage)."""
     specs: dict[tuple[Msg, int, int], Specs] = {}
     for instr in program.ranks[rank]:

@@ -27,6 +27,7 @@ Between `I` and `W` the retained graph keeps the input-path intermediates alive 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +67,7 @@ def full_backward(
     return tuple(x.grad if x.requires_grad else None for x in inputs)
 
 
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]  # a leaf's node
 _ENGINE = Variable._execution_engine
 TO_INPUT, TO_PARAM = 1, 2  # what a node reaches (bits)
 
@@ -147,7 +148,7 @@ def input_backward(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
-    params: set[int],
+    params: AbstractSet[int],
 ) -> tuple[Grads, WeightGrad]:
     """`I`: the inputs' gradients now, and what `W` needs to finish the weights later.
 
@@ -198,7 +199,9 @@ def _reaches_input(tensor: torch.Tensor, graph: _Graph) -> bool:
     return root is not None and bool(graph.reach.get(root, 0) & TO_INPUT)
 
 
-def _walk(outputs: Sequence[torch.Tensor], inputs: list[torch.Tensor], params: set[int]) -> _Graph:
+def _walk(
+    outputs: Sequence[torch.Tensor], inputs: list[torch.Tensor], params: AbstractSet[int]
+) -> _Graph:
     """Post-order walk from the outputs: what each node reaches (an input, a parameter)."""
     graph = _Graph()
     children_of, reach = graph.children, graph.reach
@@ -221,8 +224,8 @@ def _walk(outputs: Sequence[torch.Tensor], inputs: list[torch.Tensor], params: s
     return graph
 
 
-def _leaf_bits(node: Node, graph: _Graph, input_ids: set[int], params: set[int]) -> int:
-    variable = node.variable
+def _leaf_bits(node: Node, graph: _Graph, input_ids: set[int], params: AbstractSet[int]) -> int:
+    variable = node.variable  # type: ignore[attr-defined]  # AccumulateGrad's leaf
     if id(variable) in params:
         graph.params[node] = variable
         return TO_PARAM

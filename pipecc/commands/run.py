@@ -36,7 +36,7 @@ instruction); 2 input pipecc cannot use.
 """
 
 
-def register(commands: SubParsers) -> None:
+def register(commands: SubParsers) -> None:  # type: ignore[type-arg]
     cmd = commands.add_parser(
         "run",
         help="run a schedule on local processes with a model file (needs torch)",
