@@ -47,8 +47,9 @@ def resolve_schedule(name_or_path: str) -> Path:
     if name_or_path in bundled:
         return bundled[name_or_path]
     known = ", ".join(bundled)
-    raise InputError(f"{name_or_path}: no such file, and no bundled schedule of that name "
-                     f"(bundled: {known})")
+    raise InputError(
+        f"{name_or_path}: no such file, and no bundled schedule of that name (bundled: {known})"
+    )
 
 
 def read_text(path: Path) -> str:
@@ -66,9 +67,7 @@ def read_text(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise InputError(
-            f"{path}: not UTF-8 text (byte {err.start} cannot be decoded)"
-        ) from None
+        raise InputError(f"{path}: not UTF-8 text (byte {err.start} cannot be decoded)") from None
 
 
 def compile_source(

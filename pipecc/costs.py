@@ -100,7 +100,8 @@ class CostModel:
     def has_bytes(self) -> bool:
         """Whether activation sizes are given (for peak memory in bytes)."""
         return self.base.act_bytes is not None or any(
-            cost.act_bytes is not None for _, cost in self.stages)
+            cost.act_bytes is not None for _, cost in self.stages
+        )
 
     def fused(self, op: Fused) -> float:
         """F&B (or F&I): the given FB/FI of the forward's stage, else the two durations added."""
@@ -128,8 +129,9 @@ class CostModel:
         base = self.base
         if all(getattr(base, key) is None for key in ("F", "B", "I", "W")):
             base = replace(base, F=1.0, B=2.0)  # scale the defaults too
-        return CostModel(scale(base), tuple((n, scale(c)) for n, c in self.stages),
-                         self.bandwidth, self.unit)
+        return CostModel(
+            scale(base), tuple((n, scale(c)) for n, c in self.stages), self.bandwidth, self.unit
+        )
 
     def overridden_by(self, other: CostModel) -> CostModel:
         """This model with `other`'s global values where `other` gives them."""
@@ -142,14 +144,19 @@ class CostModel:
 
     def describe(self) -> str:
         """One line: the global costs as given (for report headers)."""
-        given = [f"{k}={_fmt(getattr(self.base, k))}" for k in DURATION_KEYS
-                 if getattr(self.base, k) is not None]
+        given = [
+            f"{k}={_fmt(getattr(self.base, k))}"
+            for k in DURATION_KEYS
+            if getattr(self.base, k) is not None
+        ]
         if self.bandwidth is not None:
             given.append(f"bandwidth={_fmt(self.bandwidth)}")
         resolved = self.stage(0)
         shown = ", ".join(given) if given else "defaults"
-        return (f"{shown} (F={_fmt(resolved.F)}, B={_fmt(resolved.B)}, I={_fmt(resolved.I)}, "
-                f"W={_fmt(resolved.W)}, comm={_fmt(resolved.comm)})")
+        return (
+            f"{shown} (F={_fmt(resolved.F)}, B={_fmt(resolved.B)}, I={_fmt(resolved.I)}, "
+            f"W={_fmt(resolved.W)}, comm={_fmt(resolved.comm)})"
+        )
 
 
 def _fmt(value: float) -> str:
@@ -174,8 +181,17 @@ def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
     comm = cost.comm or 0.0
     if cost.bytes is not None and bandwidth:
         comm += cost.bytes / bandwidth
-    return ResolvedCost(F, B, I, W, cost.FB, cost.FI, comm, cost.bytes,  # type: ignore[arg-type]
-                        cost.act_bytes)
+    return ResolvedCost(
+        F,
+        B,
+        I,
+        W,
+        cost.FB,
+        cost.FI,
+        comm,
+        cost.bytes,  # type: ignore[arg-type]
+        cost.act_bytes,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +231,7 @@ def _check_key(key: str, known: tuple[str, ...], where: str) -> None:
     if key not in known:
         close = difflib.get_close_matches(key, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise CostModelError(f"{where}: unknown cost key '{key}' (known: {', '.join(known)})"
-                             f"{hint}")
+        raise CostModelError(f"{where}: unknown cost key '{key}' (known: {', '.join(known)}){hint}")
 
 
 def _stage_cost(values: dict[str, Any], where: str) -> StageCost:

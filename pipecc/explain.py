@@ -48,8 +48,9 @@ def critical_path(timeline: Timeline, rank: int, index: int) -> list[Link]:
     return links
 
 
-def _explain_start(run: Replay, instrs: tuple[Instr, ...], r: int, i: int,
-                   links: list[Link]) -> tuple[str, int, int] | None:
+def _explain_start(
+    run: Replay, instrs: tuple[Instr, ...], r: int, i: int, links: list[Link]
+) -> tuple[str, int, int] | None:
     at = run.start_time(r, i) or 0.0
     cause = run.cause(r, i)
     here = describe(instrs[i])
@@ -60,21 +61,31 @@ def _explain_start(run: Replay, instrs: tuple[Instr, ...], r: int, i: int,
         return ("start", r, i - 1)  # a run of posts at one moment: one link is enough
     if cause.kind is CauseKind.PROGRAM:
         prev = instrs[i - 1]
-        verb = "ends" if _is_compute(prev) else ("is released" if type(prev) is Wait
-                                                   else "is posted")
-        links.append(Link(r, i, at, f"{here}: starts when the previous instruction "
-                                    f"[{i - 1}] {describe(prev)} {verb} at {at:g}"
-                                    f"{_inputs_slack(run, instrs, r, i, at)}"))
+        verb = (
+            "ends" if _is_compute(prev) else ("is released" if type(prev) is Wait else "is posted")
+        )
+        links.append(
+            Link(
+                r,
+                i,
+                at,
+                f"{here}: starts when the previous instruction "
+                f"[{i - 1}] {describe(prev)} {verb} at {at:g}"
+                f"{_inputs_slack(run, instrs, r, i, at)}",
+            )
+        )
         return ("start", r, i - 1)
     op = instrs[cause.index]
     what = "waits for" if cause.kind is CauseKind.WAIT else "needs the data of"
-    links.append(Link(r, i, at, f"{here}: {what} [{cause.index}] {describe(op)}, which "
-                                f"completes at {at:g}"))
+    links.append(
+        Link(r, i, at, f"{here}: {what} [{cause.index}] {describe(op)}, which completes at {at:g}")
+    )
     return ("done", r, cause.index)
 
 
-def _explain_done(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int,
-                  links: list[Link]) -> tuple[str, int, int] | None:
+def _explain_done(
+    run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int, links: list[Link]
+) -> tuple[str, int, int] | None:
     done = run.done_time(r, i) or 0.0
     cause = run.completion_cause(r, i)
     op = ranks[r][i]
@@ -84,29 +95,51 @@ def _explain_done(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: 
         ready = run.ready_time(pr, pi) or 0.0
         flight = done - ready
         side = "sent" if type(partner) is Send else "received"
-        links.append(Link(pr, pi, ready, f"the transfer starts when rank {pr}'s "
-                                          f"[{pi}] {describe(partner)} is ready at {ready:g} "
-                                          f"({side} there); in flight {flight:g}, done at "
-                                          f"{done:g}"))
+        links.append(
+            Link(
+                pr,
+                pi,
+                ready,
+                f"the transfer starts when rank {pr}'s "
+                f"[{pi}] {describe(partner)} is ready at {ready:g} "
+                f"({side} there); in flight {flight:g}, done at "
+                f"{done:g}",
+            )
+        )
         return ("ready", pr, pi)
     if cause.kind is CauseKind.POST:
         if type(op) is Recv or type(op) is Send:
             posted = run.start_time(r, i) or 0.0
-            links.append(Link(r, i, done, f"{describe(op)} completes at {done:g}: posted at "
-                                          f"{posted:g}, its transfer was bound by its own post"))
+            links.append(
+                Link(
+                    r,
+                    i,
+                    done,
+                    f"{describe(op)} completes at {done:g}: posted at "
+                    f"{posted:g}, its transfer was bound by its own post",
+                )
+            )
         return ("start", r, i)
     return ("ready", r, i)
 
 
-def _explain_ready(run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int,
-                   links: list[Link]) -> tuple[str, int, int] | None:
+def _explain_ready(
+    run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int, links: list[Link]
+) -> tuple[str, int, int] | None:
     cause = run.ready_cause(r, i)
     ready = run.ready_time(r, i) or 0.0
     if cause.kind is CauseKind.STREAM:
         ahead = ranks[cause.rank][cause.index]
-        links.append(Link(r, i, ready, f"[{i}] {describe(ranks[r][i])} waits on its nccl stream "
-                                       f"behind [{cause.index}] {describe(ahead)}, which "
-                                       f"completes at {ready:g}"))
+        links.append(
+            Link(
+                r,
+                i,
+                ready,
+                f"[{i}] {describe(ranks[r][i])} waits on its nccl stream "
+                f"behind [{cause.index}] {describe(ahead)}, which "
+                f"completes at {ready:g}",
+            )
+        )
         return ("done", cause.rank, cause.index)
     return ("start", r, i)
 
@@ -120,8 +153,10 @@ def _inputs_slack(run: Replay, instrs: tuple[Instr, ...], r: int, i: int, at: fl
     for g in run.wiring.deps[base + i]:
         done = run.done[g]
         if done is not None:
-            notes.append(f"[{g - base}] {describe(instrs[g - base])} had completed at "
-                         f"{done:g}, {at - done:g} earlier")
+            notes.append(
+                f"[{g - base}] {describe(instrs[g - base])} had completed at "
+                f"{done:g}, {at - done:g} earlier"
+            )
     return f" (its input: {'; '.join(notes)})" if notes else ""
 
 

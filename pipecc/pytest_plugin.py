@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from pipecc.costs import parse_cost_flag
 from pipecc.diagnostics import InputError, PipeccError
 from pipecc.semantics import CommModel
 from pipecc.verification import Schedule, Skip, check_size, parse_sizes
-from pipecc.costs import parse_cost_flag
 from pipecc.verify import ALL_MODELS, Options, StallBudget
 from pipecc.verify.render import text
 
@@ -30,18 +30,37 @@ DEFAULT_SIZES = "ranks=2..8 microbatches=1..16"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pipecc", "pipeline schedule verification (pipecc)")
-    group.addoption("--pipecc", action="store_true", default=False,
-                    help="collect .sched files as tests: verify each at every size")
-    group.addoption("--pipecc-sizes", default=DEFAULT_SIZES, metavar="SPEC",
-                    help=f"sizes to verify (default: {DEFAULT_SIZES!r})")
-    group.addoption("--pipecc-comm", default="nccl",
-                    choices=[*(m.value for m in CommModel), "all"],
-                    help="comm model to verify under (default: nccl)")
-    group.addoption("--pipecc-stall-budget", default=None, metavar="T|P%",
-                    help="also fail on placement-bound waits longer than this "
-                         "(needs --pipecc-cost; docs/align.md)")
-    group.addoption("--pipecc-cost", default=None, metavar="K=V,...",
-                    help="costs for --pipecc-stall-budget, as pipecc's --cost")
+    group.addoption(
+        "--pipecc",
+        action="store_true",
+        default=False,
+        help="collect .sched files as tests: verify each at every size",
+    )
+    group.addoption(
+        "--pipecc-sizes",
+        default=DEFAULT_SIZES,
+        metavar="SPEC",
+        help=f"sizes to verify (default: {DEFAULT_SIZES!r})",
+    )
+    group.addoption(
+        "--pipecc-comm",
+        default="nccl",
+        choices=[*(m.value for m in CommModel), "all"],
+        help="comm model to verify under (default: nccl)",
+    )
+    group.addoption(
+        "--pipecc-stall-budget",
+        default=None,
+        metavar="T|P%",
+        help="also fail on placement-bound waits longer than this "
+        "(needs --pipecc-cost; docs/align.md)",
+    )
+    group.addoption(
+        "--pipecc-cost",
+        default=None,
+        metavar="K=V,...",
+        help="costs for --pipecc-stall-budget, as pipecc's --cost",
+    )
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:
@@ -83,15 +102,15 @@ class ScheduleFile(pytest.File):
         options = Options(models=models, **_stall_options(self.config))
         for p in ranks:
             for m in microbatches:
-                yield SizeItem.from_parent(self, name=f"P{p}-M{m}", ranks=p, microbatches=m,
-                                           options=options)
+                yield SizeItem.from_parent(
+                    self, name=f"P{p}-M{m}", ranks=p, microbatches=m, options=options
+                )
 
 
 class SizeItem(pytest.Item):
     """Compile one .sched file at (P, M) and verify it."""
 
-    def __init__(self, *, ranks: int, microbatches: int, options: Options,
-                 **kwargs: Any) -> None:
+    def __init__(self, *, ranks: int, microbatches: int, options: Options, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ranks = ranks
         self.microbatches = microbatches
@@ -102,13 +121,15 @@ class SizeItem(pytest.Item):
         found = check_size(schedule, self.ranks, self.microbatches, {}, self.options)
         if isinstance(found, Skip):
             # reported at the .sched file rather than at this line of the plugin
-            raise pytest.skip.Exception(f"P={self.ranks} M={self.microbatches}: {found.reason}",
-                                        _use_item_location=True)
+            raise pytest.skip.Exception(
+                f"P={self.ranks} M={self.microbatches}: {found.reason}", _use_item_location=True
+            )
         if not found.report.ok:
             raise VerificationFailed(text(found.report, found.label))
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
-                     style: str | None = None) -> str:
+    def repr_failure(
+        self, excinfo: pytest.ExceptionInfo[BaseException], style: str | None = None
+    ) -> str:
         if isinstance(excinfo.value, VerificationFailed | PipeccError):
             return str(excinfo.value)
         return str(super().repr_failure(excinfo))

@@ -110,8 +110,11 @@ def _scale(timeline: Timeline, span: float, width: int) -> float:
     """Characters per time unit: the largest whole number that fits (at least 4 characters
     for the shortest op when possible), else a fraction."""
     shortest = min(
-        (end - start for _, _, i, start, end in timeline.ops()
-         if (type(i) is Compute or type(i) is Fused) and end > start),
+        (
+            end - start
+            for _, _, i, start, end in timeline.ops()
+            if (type(i) is Compute or type(i) is Fused) and end > start
+        ),
         default=1.0,
     )
     fit = width / span
@@ -168,8 +171,7 @@ def _axis(span: float, scale: float, columns: int) -> str:
     while tick <= span + 1e-9:
         label = f"{tick:g}"
         column = round(tick * scale)
-        if all(axis[column + i] == " " for i in range(len(label) + 1)
-               if column + i < len(axis)):
+        if all(axis[column + i] == " " for i in range(len(label) + 1) if column + i < len(axis)):
             for i, ch in enumerate(label):
                 if column + i < len(axis):
                     axis[column + i] = ch
@@ -191,17 +193,20 @@ def _tick_step(span: float, columns: int) -> float:
 ROW, TOP, LEFT, RIGHT, BOTTOM = 26, 36, 64, 16, 60
 
 
-def render_svg(timeline: Timeline, *, arrows: bool = False, px_per_unit: float | None = None
-               ) -> str:
+def render_svg(
+    timeline: Timeline, *, arrows: bool = False, px_per_unit: float | None = None
+) -> str:
     """An SVG Gantt chart: rank rows, op boxes with microbatch numbers, time axis, legend."""
     span = timeline.makespan or 1.0
     scale = px_per_unit or max(4.0, min(40.0, 1400.0 / span))
     ranks = timeline.program.num_ranks
     width = LEFT + span * scale + RIGHT
     height = TOP + ranks * ROW + BOTTOM
-    title = (f"{timeline.program.schedule}  P={ranks} M={timeline.program.num_microbatches}  "
-             f"makespan {timeline.makespan:g}  bubble {timeline.bubble_ratio:.1%}  "
-             f"({timeline.model.value}; {timeline.costs.describe()})")
+    title = (
+        f"{timeline.program.schedule}  P={ranks} M={timeline.program.num_microbatches}  "
+        f"makespan {timeline.makespan:g}  bubble {timeline.bubble_ratio:.1%}  "
+        f"({timeline.model.value}; {timeline.costs.describe()})"
+    )
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'font-family="Helvetica, Arial, sans-serif" font-size="11">',
@@ -210,10 +215,13 @@ def render_svg(timeline: Timeline, *, arrows: bool = False, px_per_unit: float |
     ]
     for rank in range(ranks):
         y = TOP + rank * ROW
-        parts.append(f'<text x="{LEFT - 8}" y="{y + ROW / 2 + 4}" text-anchor="end">'
-                     f"rank {rank}</text>")
-        parts.append(f'<rect x="{LEFT}" y="{y + 1}" width="{span * scale:.2f}" '
-                     f'height="{ROW - 2}" fill="#f4f4f4"/>')
+        parts.append(
+            f'<text x="{LEFT - 8}" y="{y + ROW / 2 + 4}" text-anchor="end">rank {rank}</text>'
+        )
+        parts.append(
+            f'<rect x="{LEFT}" y="{y + 1}" width="{span * scale:.2f}" '
+            f'height="{ROW - 2}" fill="#f4f4f4"/>'
+        )
     drawn = boxes(timeline)
     parts.extend(_svg_box(box, scale) for box in drawn)
     if arrows:
@@ -236,26 +244,34 @@ def _svg_box(box: Box, scale: float) -> str:
     if w >= 9:
         size = min(11.0, h * 0.8)
         ink = "white" if box.chunk == 0 else "#1a1a1a"
-        text = (f'<text x="{x + w / 2:.2f}" y="{y + h / 2 + size * 0.35:.2f}" '
-                f'text-anchor="middle" font-size="{size:.1f}" fill="{ink}">{box.mb}</text>')
+        text = (
+            f'<text x="{x + w / 2:.2f}" y="{y + h / 2 + size * 0.35:.2f}" '
+            f'text-anchor="middle" font-size="{size:.1f}" fill="{ink}">{box.mb}</text>'
+        )
     tip = f"{box.kind.value}{box.chunk}.{box.mb}  {box.start:g}–{box.end:g}"
-    return (f'<g><title>{tip}</title><rect x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" '
-            f'height="{h:.2f}" fill="{_colour(box)}" stroke="white" stroke-width="0.5"/>{text}'
-            "</g>")
+    return (
+        f'<g><title>{tip}</title><rect x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" '
+        f'height="{h:.2f}" fill="{_colour(box)}" stroke="white" stroke-width="0.5"/>{text}'
+        "</g>"
+    )
 
 
 def _svg_arrow(message: tuple[int, float, int, float, str], scale: float) -> str:
     src, sent, dst, arrived, label = message
     x1, y1 = LEFT + sent * scale, TOP + src * ROW + ROW / 2
     x2, y2 = LEFT + arrived * scale, TOP + dst * ROW + ROW / 2
-    return (f'<line x1="{x1:.2f}" y1="{y1:.2f}" x2="{x2:.2f}" y2="{y2:.2f}" stroke="#333" '
-            f'stroke-width="0.6" stroke-opacity="0.5"><title>{escape(label)}</title></line>')
+    return (
+        f'<line x1="{x1:.2f}" y1="{y1:.2f}" x2="{x2:.2f}" y2="{y2:.2f}" stroke="#333" '
+        f'stroke-width="0.6" stroke-opacity="0.5"><title>{escape(label)}</title></line>'
+    )
 
 
 def _svg_axis(span: float, scale: float, y: float) -> str:
     step = _tick_step(span, int(span * scale / 60) * 10 or 10)
-    parts = [f'<line x1="{LEFT}" y1="{y + 2}" x2="{LEFT + span * scale:.2f}" y2="{y + 2}" '
-             'stroke="#333"/>']
+    parts = [
+        f'<line x1="{LEFT}" y1="{y + 2}" x2="{LEFT + span * scale:.2f}" y2="{y + 2}" '
+        'stroke="#333"/>'
+    ]
     tick = 0.0
     while tick <= span + 1e-9:
         x = LEFT + tick * scale
@@ -270,15 +286,20 @@ def _svg_legend(y: float, drawn: list[Box]) -> str:
     parts = []
     x = LEFT
     present = {(box.kind, min(box.chunk, 1)) for box in drawn}
-    entries = [(f"{kind.value} chunk {c}" if c == 0 else f"{kind.value} chunk ≥1",
-                COLOURS[kind][c]) for kind in Kind for c in (0, 1) if (kind, c) in present]
+    entries = [
+        (f"{kind.value} chunk {c}" if c == 0 else f"{kind.value} chunk ≥1", COLOURS[kind][c])
+        for kind in Kind
+        for c in (0, 1)
+        if (kind, c) in present
+    ]
     for label, colour in entries:
         parts.append(f'<rect x="{x}" y="{y - 9}" width="12" height="12" fill="{colour}"/>')
         parts.append(f'<text x="{x + 16}" y="{y + 1}">{escape(label)}</text>')
         x += 88
     if any(box.band for box in drawn):
-        parts.append(f'<text x="{x}" y="{y + 1}" fill="#555">fused op: forward above, '
-                     "backward below</text>")
+        parts.append(
+            f'<text x="{x}" y="{y + 1}" fill="#555">fused op: forward above, backward below</text>'
+        )
     return "\n".join(parts)
 
 
@@ -304,26 +325,44 @@ def render_png(timeline: Timeline, path: str, *, arrows: bool = False) -> None:
     ranks = timeline.program.num_ranks
     figure, axes = pyplot.subplots(figsize=(min(24, 4 + timeline.makespan / 4), 1 + ranks * 0.45))
     for box in boxes(timeline):
-        height, bottom = (0.8, box.rank - 0.4) if not box.band else (0.4, box.rank - 0.4
-                                                                   + (box.band - 1) * 0.4)
-        axes.broken_barh([(box.start, box.end - box.start)], (bottom, height),
-                         facecolors=_colour(box), edgecolor="white", linewidth=0.5)
+        height, bottom = (
+            (0.8, box.rank - 0.4) if not box.band else (0.4, box.rank - 0.4 + (box.band - 1) * 0.4)
+        )
+        axes.broken_barh(
+            [(box.start, box.end - box.start)],
+            (bottom, height),
+            facecolors=_colour(box),
+            edgecolor="white",
+            linewidth=0.5,
+        )
         if box.end - box.start >= timeline.makespan / 80:
-            axes.text((box.start + box.end) / 2, bottom + height / 2, str(box.mb),
-                      ha="center", va="center", fontsize=7,
-                      color="white" if box.chunk == 0 else "#1a1a1a")
+            axes.text(
+                (box.start + box.end) / 2,
+                bottom + height / 2,
+                str(box.mb),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if box.chunk == 0 else "#1a1a1a",
+            )
     if arrows:
         for src, sent, dst, arrived, _ in messages(timeline):
-            axes.annotate("", xy=(arrived, dst), xytext=(sent, src),
-                          arrowprops={"arrowstyle": "->", "lw": 0.4, "alpha": 0.5})
+            axes.annotate(
+                "",
+                xy=(arrived, dst),
+                xytext=(sent, src),
+                arrowprops={"arrowstyle": "->", "lw": 0.4, "alpha": 0.5},
+            )
     axes.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     axes.invert_yaxis()
     axes.set_xlabel(f"time ({timeline.costs.unit or 'units'})")
-    axes.set_title(f"{timeline.program.schedule}  makespan {timeline.makespan:g}  "
-                   f"bubble {timeline.bubble_ratio:.1%}", fontsize=10)
+    axes.set_title(
+        f"{timeline.program.schedule}  makespan {timeline.makespan:g}  "
+        f"bubble {timeline.bubble_ratio:.1%}",
+        fontsize=10,
+    )
     legend = [Patch(color=COLOURS[k][c], label=f"{k.value}{c}") for k in Kind for c in (0, 1)]
-    axes.legend(handles=legend, ncol=8, fontsize=7, loc="upper center",
-                bbox_to_anchor=(0.5, -0.25))
+    axes.legend(handles=legend, ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     figure.tight_layout()
     figure.savefig(path, dpi=150)
     pyplot.close(figure)
@@ -338,23 +377,53 @@ def render_trace(timeline: Timeline) -> str:
     One time unit of the cost model is written as one millisecond."""
     events: list[dict[str, Any]] = []
     for rank in range(timeline.program.num_ranks):
-        events.append({"ph": "M", "pid": rank, "name": "process_name",
-                       "args": {"name": f"rank {rank}"}})
-        events.append({"ph": "M", "pid": rank, "tid": 0, "name": "thread_name",
-                       "args": {"name": "compute"}})
-        events.append({"ph": "M", "pid": rank, "tid": 1, "name": "thread_name",
-                       "args": {"name": "comm"}})
+        events.append(
+            {"ph": "M", "pid": rank, "name": "process_name", "args": {"name": f"rank {rank}"}}
+        )
+        events.append(
+            {"ph": "M", "pid": rank, "tid": 0, "name": "thread_name", "args": {"name": "compute"}}
+        )
+        events.append(
+            {"ph": "M", "pid": rank, "tid": 1, "name": "thread_name", "args": {"name": "comm"}}
+        )
     for rank, index, instr, start, end in timeline.ops():
         compute = type(instr) is Compute or type(instr) is Fused
         name = _cell(instr) if compute else _trace_name(instr)
-        events.append({"ph": "X", "pid": rank, "tid": 0 if compute else 1, "name": name,
-                       "ts": start * 1000, "dur": max(0.0, end - start) * 1000,
-                       "args": {"index": index}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": rank,
+                "tid": 0 if compute else 1,
+                "name": name,
+                "ts": start * 1000,
+                "dur": max(0.0, end - start) * 1000,
+                "args": {"index": index},
+            }
+        )
     for flow_id, (src, sent, dst, arrived, label) in enumerate(messages(timeline)):
-        events.append({"ph": "s", "id": flow_id, "pid": src, "tid": 1, "ts": sent * 1000,
-                       "name": label, "cat": "message"})
-        events.append({"ph": "f", "id": flow_id, "pid": dst, "tid": 1, "ts": arrived * 1000,
-                       "name": label, "cat": "message", "bp": "e"})
+        events.append(
+            {
+                "ph": "s",
+                "id": flow_id,
+                "pid": src,
+                "tid": 1,
+                "ts": sent * 1000,
+                "name": label,
+                "cat": "message",
+            }
+        )
+        events.append(
+            {
+                "ph": "f",
+                "id": flow_id,
+                "pid": dst,
+                "tid": 1,
+                "ts": arrived * 1000,
+                "name": label,
+                "cat": "message",
+                "bp": "e",
+            }
+        )
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=0) + "\n"
 
 

@@ -40,8 +40,13 @@ class Stall:
     message: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "since": clean(self.since), "length": clean(self.length),
-                "released_by": self.released_by, "message": self.message}
+        return {
+            "index": self.index,
+            "since": clean(self.since),
+            "length": clean(self.length),
+            "released_by": self.released_by,
+            "message": self.message,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +78,16 @@ class RankStats:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "busy": clean(self.busy), "idle": clean(self.idle),
-            "internal_idle": clean(self.internal_idle), "first_start": clean(self.first_start),
-            "last_end": clean(self.last_end), "peak_activations": self.peak_activations,
+            "rank": self.rank,
+            "busy": clean(self.busy),
+            "idle": clean(self.idle),
+            "internal_idle": clean(self.internal_idle),
+            "first_start": clean(self.first_start),
+            "last_end": clean(self.last_end),
+            "peak_activations": self.peak_activations,
             "peak_at": {"index": self.peak_index, "time": clean(self.peak_time)},
-            "peak_bytes": self.peak_bytes, "stalls": [s.to_json() for s in self.stalls],
+            "peak_bytes": self.peak_bytes,
+            "stalls": [s.to_json() for s in self.stalls],
             "dependency_bound": clean(self.dependency_bound),
             "placement_bound": clean(self.placement_bound),
             "gaps": [gap.to_json() for gap in self.gaps],
@@ -118,8 +128,13 @@ class Timeline:
             "bubble_ratio": clean(self.bubble_ratio),
             "ranks": [stats.to_json() for stats in self.ranks],
             "ops": [
-                {"rank": rank, "index": index, "op": op_name(instr), "start": clean(start),
-                 "end": clean(end)}
+                {
+                    "rank": rank,
+                    "index": index,
+                    "op": op_name(instr),
+                    "start": clean(start),
+                    "end": clean(end),
+                }
                 for rank, index, instr, start, end in self.ops()
             ],
         }
@@ -161,8 +176,9 @@ def simulate(
         return _simulate(program, costs, model, stall_threshold)
 
 
-def _simulate(program: Program, costs: CostModel, model: CommModel, stall_threshold: float
-              ) -> Timeline:
+def _simulate(
+    program: Program, costs: CostModel, model: CommModel, stall_threshold: float
+) -> Timeline:
     run = replay(program, model=model, timing=CostTiming(costs))
     if not run.finished:
         raise DeadlockedError(
@@ -173,8 +189,10 @@ def _simulate(program: Program, costs: CostModel, model: CommModel, stall_thresh
     makespan = run.makespan()
     gaps = classify(program, run, costs)
     ranks = tuple(
-        replace(_rank_stats(rank, program, run, costs, makespan, stall_threshold),
-                gaps=tuple(gaps[rank]))
+        replace(
+            _rank_stats(rank, program, run, costs, makespan, stall_threshold),
+            gaps=tuple(gaps[rank]),
+        )
         for rank in range(program.num_ranks)
     )
     busy = sum(stats.busy for stats in ranks)
@@ -183,7 +201,11 @@ def _simulate(program: Program, costs: CostModel, model: CommModel, stall_thresh
 
 
 def _rank_stats(
-    rank: int, program: Program, run: Replay, costs: CostModel, makespan: float,
+    rank: int,
+    program: Program,
+    run: Replay,
+    costs: CostModel,
+    makespan: float,
     threshold: float,
 ) -> RankStats:
     instrs = program.ranks[rank]
@@ -269,6 +291,7 @@ def _describe(instr: Instr) -> str:
     if type(instr) is Send or type(instr) is Recv:
         arrow = "to" if type(instr) is Send else "from"
         verb = "send" if type(instr) is Send else "recv"
-        return (f"{verb} {instr.what.value} stage {instr.stage} mb {instr.mb} {arrow} rank "
-                f"{instr.peer}")
+        return (
+            f"{verb} {instr.what.value} stage {instr.stage} mb {instr.mb} {arrow} rank {instr.peer}"
+        )
     return op_name(instr)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pipecc.costs import CostModel
 from pipecc.ir.dataflow import Dataflow
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.semantics import CauseKind, Replay
@@ -46,9 +46,14 @@ class Gap:
         return self.until - self.since
 
     def to_json(self) -> dict[str, object]:
-        return {"index": self.index, "since": _clean(self.since), "length": _clean(self.length),
-                "dependency_bound": _clean(self.dependency),
-                "placement_bound": _clean(self.placement), "cause": self.cause}
+        return {
+            "index": self.index,
+            "since": _clean(self.since),
+            "length": _clean(self.length),
+            "dependency_bound": _clean(self.dependency),
+            "placement_bound": _clean(self.placement),
+            "cause": self.cause,
+        }
 
 
 def _clean(value: float) -> float:
@@ -70,15 +75,25 @@ def classify(program: Program, run: Replay, costs: CostModel) -> list[list[Gap]]
                 continue
             start = starts[base + index] or 0.0
             if start > previous_end + _EPSILON:
-                found.append(_gap(program, run, rank, index, previous_end, start,
-                                  ready.get(base + index, 0.0)))
+                found.append(
+                    _gap(
+                        program, run, rank, index, previous_end, start, ready.get(base + index, 0.0)
+                    )
+                )
             previous_end = ends[base + index] or start
         gaps.append(found)
     return gaps
 
 
-def _gap(program: Program, run: Replay, rank: int, index: int, since: float, until: float,
-         data_ready: float) -> Gap:
+def _gap(
+    program: Program,
+    run: Replay,
+    rank: int,
+    index: int,
+    since: float,
+    until: float,
+    data_ready: float,
+) -> Gap:
     dependency = min(max(data_ready - since, 0.0), until - since)
     placement = until - since - dependency
     if placement <= _EPSILON:
@@ -91,21 +106,16 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
     """For each compute op (by global instruction id): when its last input could have been
     there — its producers' end in this replay plus each message's latency."""
     flow = Dataflow(program.placement)
-    stride, outputs_of, inputs_of = flow.mb_stride, flow.outputs, flow.inputs
-    ends, offsets = run.end, run.wiring.offsets
-    made_at: dict[int, float] = {}
     computes = [
-        [(index, (instr,) if type(instr) is Compute else (instr[0], instr[1]))
-         for index, instr in enumerate(instrs) if type(instr) is Compute or type(instr) is Fused]
+        [
+            (index, (instr,) if type(instr) is Compute else (instr[0], instr[1]))
+            for index, instr in enumerate(instrs)
+            if type(instr) is Compute or type(instr) is Fused
+        ]
         for instrs in program.ranks
     ]
-    for rank, ops in enumerate(computes):
-        base = offsets[rank]
-        for index, parts in ops:
-            for op in parts:
-                out = outputs_of[op[0]][op[2]][op[3]]
-                if out is not None:
-                    made_at[op[4] * stride + out[0]] = ends[base + index] or 0.0
+    made_at = _made_at(computes, flow, run)
+    stride, inputs_of, offsets = flow.mb_stride, flow.inputs, run.wiring.offsets
     ready: dict[int, float] = {}
     for rank, ops in enumerate(computes):
         base = offsets[rank]
@@ -113,9 +123,7 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
             latest = 0.0
             for op in parts:
                 needed = inputs_of[op[0]][op[2]][op[3]]
-                if needed is None:
-                    continue
-                at = made_at.get(op[4] * stride + needed[0])
+                at = made_at.get(op[4] * stride + needed[0]) if needed is not None else None
                 if at is None:
                     continue
                 if needed[1] != needed[2]:  # from another rank: add the message's latency
@@ -126,8 +134,25 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
     return ready
 
 
-def _placement_cause(program: Program, run: Replay, rank: int, index: int,
-                     could_start: float) -> str:
+def _made_at(
+    computes: list[list[tuple[int, tuple[Compute, ...]]]], flow: Dataflow, run: Replay
+) -> dict[int, float]:
+    """When each message's producer ended in this replay (by message key)."""
+    stride, outputs_of, ends, offsets = flow.mb_stride, flow.outputs, run.end, run.wiring.offsets
+    made_at: dict[int, float] = {}
+    for rank, ops in enumerate(computes):
+        base = offsets[rank]
+        for index, parts in ops:
+            for op in parts:
+                out = outputs_of[op[0]][op[2]][op[3]]
+                if out is not None:
+                    made_at[op[4] * stride + out[0]] = ends[base + index] or 0.0
+    return made_at
+
+
+def _placement_cause(
+    program: Program, run: Replay, rank: int, index: int, could_start: float
+) -> str:
     """What held the rank after its data could have been there: the op whose completion
     released it, and why that op completed late."""
     instrs = program.ranks[rank]
@@ -166,21 +191,24 @@ def _why_late(program: Program, run: Replay, rank: int, index: int) -> str:
         ready_cause = run.ready_cause(peer, at)
         if ready_cause.kind is CauseKind.STREAM:
             ahead = program.ranks[ready_cause.rank][ready_cause.index]
-            return (f"rank {peer}'s [{at}] {describe(partner)} was queued on its nccl stream "
-                    f"behind [{ready_cause.index}] {describe(ahead)} until {ready:g}")
+            return (
+                f"rank {peer}'s [{at}] {describe(partner)} was queued on its nccl stream "
+                f"behind [{ready_cause.index}] {describe(ahead)} until {ready:g}"
+            )
         if type(op) is Send:
             return f"a send held until rank {peer} posted its receive at {ready:g}"
         return f"rank {peer} posted the matching send only at {ready:g}"
     ready_cause = run.ready_cause(rank, index)
     if ready_cause.kind is CauseKind.STREAM:
         ahead = program.ranks[ready_cause.rank][ready_cause.index]
-        return (f"queued on this rank's nccl stream behind [{ready_cause.index}] "
-                f"{describe(ahead)}")
+        return f"queued on this rank's nccl stream behind [{ready_cause.index}] {describe(ahead)}"
     posted = run.start_time(rank, index) or 0.0
     if type(op) is Send:
         done = run.done_time(rank, index) or 0.0
-        return (f"the rank waited for its own send to finish its transfer ({posted:g} to "
-                f"{done:g}) before it needed to; completed later, it would not block")
+        return (
+            f"the rank waited for its own send to finish its transfer ({posted:g} to "
+            f"{done:g}) before it needed to; completed later, it would not block"
+        )
     return f"the receive was posted only at {posted:g}"
 
 
@@ -193,5 +221,6 @@ class WaitTotals:
 
 
 def totals(gaps: list[list[Gap]]) -> list[WaitTotals]:
-    return [WaitTotals(sum(g.dependency for g in rank), sum(g.placement for g in rank))
-            for rank in gaps]
+    return [
+        WaitTotals(sum(g.dependency for g in rank), sum(g.placement for g in rank)) for rank in gaps
+    ]

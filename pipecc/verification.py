@@ -56,13 +56,19 @@ def verify_program(
         if refused is not None:
             return refused, notes
         program = insert_comms(program)
-        notes = (*notes, "compute-only input: sends, receives and waits placed by the "
-                 "default comm policy (docs/compile.md), then verified")
+        notes = (
+            *notes,
+            "compute-only input: sends, receives and waits placed by the "
+            "default comm policy (docs/compile.md), then verified",
+        )
     return verify(program, options), notes
 
 
 def load(
-    path: str, *, ranks: int | None = None, microbatches: int | None = None,
+    path: str,
+    *,
+    ranks: int | None = None,
+    microbatches: int | None = None,
     defines: Mapping[str, int] | None = None,
 ) -> tuple[Program, tuple[str, ...]]:
     """A program from .sched (needs the sizes), .json or torch .csv, chosen by extension."""
@@ -72,23 +78,32 @@ def load(
     if path.endswith(".json"):
         return load_program(path), ()
     if ranks is None or microbatches is None:
-        missing = " and ".join(flag for flag, v in (("-P/--ranks", ranks),
-                                                    ("-M/--microbatches", microbatches))
-                               if v is None)
+        missing = " and ".join(
+            flag
+            for flag, v in (("-P/--ranks", ranks), ("-M/--microbatches", microbatches))
+            if v is None
+        )
         raise InputError(f"{path}: a .sched file needs {missing}")
     program = compile_schedule(path, ranks=ranks, microbatches=microbatches, defines=defines)
     return program, ()
 
 
 def verify_file(
-    path: str, *, ranks: int | None = None, microbatches: int | None = None,
-    defines: Mapping[str, int] | None = None, options: Options = DEFAULT,
+    path: str,
+    *,
+    ranks: int | None = None,
+    microbatches: int | None = None,
+    defines: Mapping[str, int] | None = None,
+    options: Options = DEFAULT,
 ) -> Outcome:
     """Load and verify one input (module docstring)."""
     program, notes = load(path, ranks=ranks, microbatches=microbatches, defines=defines)
     report, notes = verify_program(program, options, notes)
-    label = path if ranks is None or path.endswith((".json", ".csv")) else (
-        f"{path} P={ranks} M={microbatches}")
+    label = (
+        path
+        if ranks is None or path.endswith((".json", ".csv"))
+        else (f"{path} P={ranks} M={microbatches}")
+    )
     return Outcome(label, report, notes)
 
 
@@ -152,8 +167,7 @@ def sizes(ranks: Sequence[int], microbatches: Sequence[int]) -> Iterator[tuple[i
 
 
 _RANGE = re.compile(r"(\d+)\.\.(\d+)|(\d+)")
-SIZE_NAMES = {"ranks": "ranks", "p": "ranks", "microbatches": "microbatches",
-              "m": "microbatches"}
+SIZE_NAMES = {"ranks": "ranks", "p": "ranks", "microbatches": "microbatches", "m": "microbatches"}
 
 
 def parse_values(text: str) -> tuple[int, ...]:
@@ -187,7 +201,10 @@ def parse_sizes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
 
 
 def check_size(
-    schedule: Schedule, ranks: int, microbatches: int, defines: Mapping[str, int],
+    schedule: Schedule,
+    ranks: int,
+    microbatches: int,
+    defines: Mapping[str, int],
     options: Options,
 ) -> Skip | Outcome:
     """Compile and verify one size: a Skip when a `require` rejects it, else the Outcome.
@@ -204,7 +221,10 @@ def check_size(
 
 
 def sweep_file(
-    path: str, *, ranks: Sequence[int], microbatches: Sequence[int],
+    path: str,
+    *,
+    ranks: Sequence[int],
+    microbatches: Sequence[int],
     defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT,
 ) -> SweepResult:
@@ -214,28 +234,40 @@ def sweep_file(
 
 
 def sweep_files(
-    paths: list[str], *, ranks: Sequence[int], microbatches: Sequence[int],
-    defines: Mapping[str, int] | None = None, options: Options = DEFAULT, jobs: int = 1,
+    paths: list[str],
+    *,
+    ranks: Sequence[int],
+    microbatches: Sequence[int],
+    defines: Mapping[str, int] | None = None,
+    options: Options = DEFAULT,
+    jobs: int = 1,
 ) -> list[SweepResult]:
     """`sweep_file` for several files, the sizes of each rank count being one task spread
     over `jobs` processes (a sweep of every bundled schedule over P ≤ 16, M ≤ 64 compiles
     and verifies ten thousand programs)."""
-    tasks = [(path, tuple(sizes((p,), microbatches)), dict(defines or {}), options)
-             for path in paths for p in ranks]
+    tasks = [
+        (path, tuple(sizes((p,), microbatches)), dict(defines or {}), options)
+        for path in paths
+        for p in ranks
+    ]
     for path in paths:
         Schedule(path)  # parse errors surface here, once, in this process
     if jobs <= 1 or len(tasks) < 2:
         parts = [_sweep_part(*task) for task in tasks]
     else:
         parts = _parallel(tasks, jobs)
-    return [_merge(path, [part for task, part in zip(tasks, parts, strict=True)
-                          if task[0] == path]) for path in paths]
+    return [
+        _merge(path, [part for task, part in zip(tasks, parts, strict=True) if task[0] == path])
+        for path in paths
+    ]
 
 
-def _parallel(tasks: list[tuple[str, tuple[tuple[int, int], ...], dict[str, int], Options]],
-              jobs: int) -> list[_Part]:
-    context = multiprocessing.get_context("fork" if "fork" in
-                                          multiprocessing.get_all_start_methods() else None)
+def _parallel(
+    tasks: list[tuple[str, tuple[tuple[int, int], ...], dict[str, int], Options]], jobs: int
+) -> list[_Part]:
+    context = multiprocessing.get_context(
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    )
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         futures = [pool.submit(_sweep_part, *task) for task in tasks]
         return [future.result() for future in futures]

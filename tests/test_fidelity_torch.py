@@ -42,8 +42,11 @@ def test_matches_torch_generator(schedule: str, torch_name: str, chunks: int) ->
     for ranks, microbatches in _grid():
         if not torch_accepts(torch_name, ranks, microbatches, chunks):
             continue
-        defines = {"V": chunks} if schedule in ("looped_bfs", "interleaved_1f1b",
-                                                "interleaved_zb") else {}
+        defines = (
+            {"V": chunks}
+            if schedule in ("looped_bfs", "interleaved_1f1b", "interleaved_zb")
+            else {}
+        )
         try:
             program = compile_bundled(schedule, ranks, microbatches, **defines)
         except ScheduleError as err:

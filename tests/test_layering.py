@@ -26,22 +26,50 @@ ALLOWED = {
     "pipecc.frontend": ("pipecc.diagnostics", "pipecc.ir"),
     "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir"),
     # the alignment pass asks the replay engine how its candidates run (DESIGN §1)
-    "pipecc.passes.align_comms": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes",
-                                  "pipecc.costs", "pipecc.semantics", "pipecc.stalls",
-                                  "pipecc.perf"),
+    "pipecc.passes.align_comms": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "pipecc.passes",
+        "pipecc.costs",
+        "pipecc.semantics",
+        "pipecc.stalls",
+        "pipecc.perf",
+    ),
     "pipecc.interop": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes", "pipecc.perf"),
     "pipecc.costs": ("pipecc.diagnostics", "pipecc.ir"),
     "pipecc.semantics": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),
-    "pipecc.verify": ("pipecc.diagnostics", "pipecc.ir", "pipecc.semantics", "pipecc.perf",
-                      "pipecc.costs", "pipecc.stalls"),
+    "pipecc.verify": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "pipecc.semantics",
+        "pipecc.perf",
+        "pipecc.costs",
+        "pipecc.stalls",
+    ),
     "pipecc.stalls": ("pipecc.diagnostics", "pipecc.ir", "pipecc.semantics", "pipecc.costs"),
-    "pipecc.simulate": ("pipecc.diagnostics", "pipecc.ir", "pipecc.semantics", "pipecc.costs",
-                        "pipecc.perf", "pipecc.stalls"),
-    "pipecc.render": ("pipecc.diagnostics", "pipecc.ir", "pipecc.simulate", "pipecc.costs",
-                      "pipecc.semantics"),
+    "pipecc.simulate": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "pipecc.semantics",
+        "pipecc.costs",
+        "pipecc.perf",
+        "pipecc.stalls",
+    ),
+    "pipecc.render": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "pipecc.simulate",
+        "pipecc.costs",
+        "pipecc.semantics",
+    ),
     "pipecc.runtime": ("pipecc.diagnostics", "pipecc.ir", "pipecc.costs"),
-    "pipecc.runtime.launcher": ("pipecc.diagnostics", "pipecc.ir", "pipecc.api", "pipecc.costs",
-                                "pipecc.runtime"),
+    "pipecc.runtime.launcher": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "pipecc.api",
+        "pipecc.costs",
+        "pipecc.runtime",
+    ),
 }
 THIRD_PARTY = {
     "pipecc.frontend": {"lark"},
@@ -92,8 +120,12 @@ def _allowed(module: str, imported: str) -> bool:
         return True
     rule = _rule(module)
     if top != "pipecc":
-        extra = {lib for prefix, libs in THIRD_PARTY.items()
-                 if module == prefix or module.startswith(prefix + ".") for lib in libs}
+        extra = {
+            lib
+            for prefix, libs in THIRD_PARTY.items()
+            if module == prefix or module.startswith(prefix + ".")
+            for lib in libs
+        }
         return top in extra
     if rule is None:  # the top layer (cli, commands, api, pytest plugin) may import pipecc
         return True
@@ -119,6 +151,7 @@ def test_compiler_verifier_simulator_run_without_torch() -> None:
         "compile_schedule('dualpipe', ranks=4, microbatches=8)\n"
         "raise SystemExit(pipecc.cli.main(['list']) or 0)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=ROOT, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     assert result.returncode == 0, result.stderr

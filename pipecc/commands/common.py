@@ -48,21 +48,33 @@ def positive(text: str) -> int:
 
 def add_size_args(parser: argparse.ArgumentParser) -> None:
     """-P/--ranks, -M/--microbatches and -D NAME=VALUE, the same in every command."""
-    parser.add_argument("-P", "--ranks", type=positive,
-                        help="number of pipeline ranks (required for a .sched file)")
-    parser.add_argument("-M", "--microbatches", type=positive,
-                        help="microbatches per step (required for a .sched file)")
-    parser.add_argument("-D", dest="defines", metavar="NAME=VALUE", type=define,
-                        action="append", default=[],
-                        help="set a schedule parameter (repeatable), e.g. -D V=2")
+    parser.add_argument(
+        "-P", "--ranks", type=positive, help="number of pipeline ranks (required for a .sched file)"
+    )
+    parser.add_argument(
+        "-M",
+        "--microbatches",
+        type=positive,
+        help="microbatches per step (required for a .sched file)",
+    )
+    parser.add_argument(
+        "-D",
+        dest="defines",
+        metavar="NAME=VALUE",
+        type=define,
+        action="append",
+        default=[],
+        help="set a schedule parameter (repeatable), e.g. -D V=2",
+    )
 
 
 def load_input(path: str, args: argparse.Namespace) -> Program:
     """A Program from `path`, by extension: a .sched file compiled for -P/-M/-D, a compiled
     program (.json), or a torch.distributed.pipelining action CSV (.csv); a compute-only CSV
     gets its comm ops from the default policy (DESIGN §1, §5)."""
-    program, _ = load(path, ranks=args.ranks, microbatches=args.microbatches,
-                      defines=dict(args.defines))
+    program, _ = load(
+        path, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
+    )
     if program.num_ranks > 1 and is_compute_only(program):
         program = insert_comms(program)
     return program
@@ -84,14 +96,24 @@ COMM_MODELS = ("nccl", "nccl-single", "rendezvous", "eager")
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
     """--cost, --cost-file and --comm: the simulator's inputs (DESIGN §6)."""
-    parser.add_argument("--cost", metavar="K=V,...",
-                        help="durations and comm latency, e.g. F=1,B=2,I=1,W=1,FB=2.5,comm=0.1 "
-                             "(docs/simulate.md; default F=1,B=2,I=1,W=1)")
-    parser.add_argument("--cost-file", metavar="TOML",
-                        help="a cost file ([cost] and [cost.stage.N]; `pipecc run --profile` "
-                             "writes one); --cost overrides its global values")
-    parser.add_argument("--comm", choices=COMM_MODELS, default="nccl",
-                        help="how sends and receives complete (DESIGN §5; default nccl)")
+    parser.add_argument(
+        "--cost",
+        metavar="K=V,...",
+        help="durations and comm latency, e.g. F=1,B=2,I=1,W=1,FB=2.5,comm=0.1 "
+        "(docs/simulate.md; default F=1,B=2,I=1,W=1)",
+    )
+    parser.add_argument(
+        "--cost-file",
+        metavar="TOML",
+        help="a cost file ([cost] and [cost.stage.N]; `pipecc run --profile` "
+        "writes one); --cost overrides its global values",
+    )
+    parser.add_argument(
+        "--comm",
+        choices=COMM_MODELS,
+        default="nccl",
+        help="how sends and receives complete (DESIGN §5; default nccl)",
+    )
 
 
 def load_costs(args: argparse.Namespace) -> CostModel:

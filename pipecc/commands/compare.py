@@ -33,15 +33,22 @@ class Row:
 
 
 def register(commands: SubParsers) -> None:
-    cmd = commands.add_parser("compare", help="simulate several schedules into one table",
-                              description="Simulate several schedules with the same sizes, "
-                              "costs and comm model; print one table sorted by makespan.",
-                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmd = commands.add_parser(
+        "compare",
+        help="simulate several schedules into one table",
+        description="Simulate several schedules with the same sizes, "
+        "costs and comm model; print one table sorted by makespan.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cmd.add_argument("files", metavar="FILE", nargs="+", help=".sched files or bundled names")
     add_size_args(cmd)
     add_cost_args(cmd)
-    cmd.add_argument("--per-stage", action="store_true",
-                     help="use the costs as given for every stage (no scaling by stage count)")
+    cmd.add_argument(
+        "--per-stage",
+        action="store_true",
+        help="use the costs as given for every stage (no scaling by stage count)",
+    )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(run=run)
 
@@ -51,8 +58,13 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("compare needs -P/--ranks and -M/--microbatches")
     costs = load_costs(args)
     rows = [_row(name, args, costs) for name in args.files]
-    rows.sort(key=lambda row: (row.timeline is None,
-                               row.timeline.makespan if row.timeline else 0.0, row.name))
+    rows.sort(
+        key=lambda row: (
+            row.timeline is None,
+            row.timeline.makespan if row.timeline else 0.0,
+            row.name,
+        )
+    )
     if args.json:
         print(json.dumps([_json(row) for row in rows]))
     else:
@@ -65,8 +77,9 @@ def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
     declared = schedule_parameters(path)
     defines = {k: v for k, v in args.defines if k in declared}
     try:
-        program = compile_schedule(path, ranks=args.ranks, microbatches=args.microbatches,
-                                   defines=defines)
+        program = compile_schedule(
+            path, ranks=args.ranks, microbatches=args.microbatches, defines=defines
+        )
     except ScheduleError as err:
         return Row(path.stem, None, err.message)
     if not args.per_stage:
@@ -78,10 +91,12 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
     best = min((row.timeline.makespan for row in rows if row.timeline), default=0.0)
     share = "per stage" if args.per_stage else "per 1/P of the model"
     width = max(18, *(len(row.name) + 1 for row in rows))
-    lines = [f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
-             f"{costs.describe()}",
-             f"{'schedule':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
-             f"{'peak act':>9s} {'stall total':>12s}"]
+    lines = [
+        f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
+        f"{costs.describe()}",
+        f"{'schedule':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
+        f"{'peak act':>9s} {'stall total':>12s}",
+    ]
     for row in rows:
         if row.timeline is None:
             lines.append(f"{row.name:{width}s} skipped: {row.skipped}")
@@ -90,8 +105,10 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         peak = max(stats.peak_activations for stats in t.ranks)
         stalls = sum(s.length for stats in t.ranks for s in stats.stalls)
         ratio = t.makespan / best if best else 1.0
-        lines.append(f"{row.name:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
-                     f"{peak:>9} {stalls:>12g}")
+        lines.append(
+            f"{row.name:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
+            f"{peak:>9} {stalls:>12g}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -99,6 +116,10 @@ def _json(row: Row) -> dict[str, object]:
     if row.timeline is None:
         return {"schedule": row.name, "skipped": row.skipped}
     t = row.timeline
-    return {"schedule": row.name, "makespan": t.makespan, "bubble_ratio": t.bubble_ratio,
-            "peak_activations": max(s.peak_activations for s in t.ranks),
-            "stall_total": sum(s.length for r in t.ranks for s in r.stalls)}
+    return {
+        "schedule": row.name,
+        "makespan": t.makespan,
+        "bubble_ratio": t.bubble_ratio,
+        "peak_activations": max(s.peak_activations for s in t.ranks),
+        "stall_total": sum(s.length for r in t.ranks for s in r.stalls),
+    }

@@ -57,11 +57,15 @@ def register(commands: SubParsers) -> None:
     )
     cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
     add_size_args(cmd)
-    cmd.add_argument("--format", choices=FORMATS, default="json",
-                     help="output format (default: json)")
+    cmd.add_argument(
+        "--format", choices=FORMATS, default="json", help="output format (default: json)"
+    )
     cmd.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
-    cmd.add_argument("--align", action="store_true",
-                     help="place comm ops for --cost/--cost-file under --comm (docs/align.md)")
+    cmd.add_argument(
+        "--align",
+        action="store_true",
+        help="place comm ops for --cost/--cost-file under --comm (docs/align.md)",
+    )
     add_cost_args(cmd)
     cmd.set_defaults(run=run)
 

@@ -28,16 +28,21 @@ def _op(text: str) -> tuple[int, int]:
 
 
 def register(commands: SubParsers) -> None:
-    cmd = commands.add_parser("explain", help="the critical path behind one instruction's start",
-                              description="Simulate, then walk back from one instruction to time "
-                              "0 along the program-order and message edges that decided when it "
-                              "starts, each with its time and reason.",
-                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmd = commands.add_parser(
+        "explain",
+        help="the critical path behind one instruction's start",
+        description="Simulate, then walk back from one instruction to time "
+        "0 along the program-order and message edges that decided when it "
+        "starts, each with its time and reason.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
     add_size_args(cmd)
     add_cost_args(cmd)
-    cmd.add_argument("--op", type=_op, required=True, metavar="RANK:INDEX",
-                     help="the instruction to explain")
+    cmd.add_argument(
+        "--op", type=_op, required=True, metavar="RANK:INDEX", help="the instruction to explain"
+    )
     cmd.add_argument("--json", action="store_true", help="print the chain as JSON")
     cmd.set_defaults(run=run)
 
@@ -46,17 +51,24 @@ def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
     rank, index = args.op
     if rank >= program.num_ranks or index >= len(program.ranks[rank]):
-        raise InputError(f"--op {rank}:{index}: the program has ranks 0..{program.num_ranks - 1}"
-                         + (f" and rank {rank} has instructions 0..{len(program.ranks[rank]) - 1}"
-                            if rank < program.num_ranks else ""))
+        raise InputError(
+            f"--op {rank}:{index}: the program has ranks 0..{program.num_ranks - 1}"
+            + (
+                f" and rank {rank} has instructions 0..{len(program.ranks[rank]) - 1}"
+                if rank < program.num_ranks
+                else ""
+            )
+        )
     timeline = simulate(program, load_costs(args), model=CommModel(args.comm))
     links = critical_path(timeline, rank, index)
     if args.json:
         print(json.dumps([link.to_json() for link in links]))
         return 0
     start = timeline.replay.start_time(rank, index)
-    print(f"rank {rank} [{index}] {describe(program.ranks[rank][index])} starts at {start:g} "
-          f"(comm {args.comm}; {timeline.costs.describe()})")
+    print(
+        f"rank {rank} [{index}] {describe(program.ranks[rank][index])} starts at {start:g} "
+        f"(comm {args.comm}; {timeline.costs.describe()})"
+    )
     for link in links:
         print(f"  t={link.time:<8g} rank {link.rank} [{link.index}] {link.reason}")
     return 0

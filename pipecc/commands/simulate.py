@@ -42,14 +42,23 @@ examples:
 
 
 def register(commands: SubParsers) -> None:
-    cmd = commands.add_parser("simulate", help="timed replay: makespan, bubbles, stalls, memory",
-                              description=DESCRIPTION, epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmd = commands.add_parser(
+        "simulate",
+        help="timed replay: makespan, bubbles, stalls, memory",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
     add_size_args(cmd)
     add_cost_args(cmd)
-    cmd.add_argument("--stall-threshold", type=float, default=0.0, metavar="T",
-                     help="report waits longer than T (default 0: every wait)")
+    cmd.add_argument(
+        "--stall-threshold",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="report waits longer than T (default 0: every wait)",
+    )
     cmd.add_argument("--json", action="store_true", help="print one JSON object (DESIGN §6)")
     cmd.add_argument("--width", type=int, default=120, help="width of the text timeline")
     cmd.add_argument("--svg", metavar="OUT", help="write an SVG Gantt chart")
@@ -61,8 +70,9 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
-    timeline = simulate(program, load_costs(args), model=CommModel(args.comm),
-                        stall_threshold=args.stall_threshold)
+    timeline = simulate(
+        program, load_costs(args), model=CommModel(args.comm), stall_threshold=args.stall_threshold
+    )
     if args.svg:
         write_output(render_svg(timeline, arrows=args.arrows), args.svg)
     if args.trace:

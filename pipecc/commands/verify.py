@@ -54,50 +54,92 @@ exit codes: 0 verified, 1 a violation, 2 input pipecc cannot use.
 
 def register(commands: SubParsers) -> None:
     cmd = commands.add_parser(
-        "verify", help="prove a schedule free of deadlocks and mismatched messages",
-        description=DESCRIPTION, epilog=EPILOG,
+        "verify",
+        help="prove a schedule free of deadlocks and mismatched messages",
+        description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("files", metavar="FILE", nargs="+",
-                     help=".sched file, bundled schedule name, .json program or torch .csv")
+    cmd.add_argument(
+        "files",
+        metavar="FILE",
+        nargs="+",
+        help=".sched file, bundled schedule name, .json program or torch .csv",
+    )
     add_size_args(cmd)
-    cmd.add_argument("--comm", choices=COMMS, default="nccl",
-                     help="comm model to verify under (default: nccl)")
-    cmd.add_argument("--max-activations", type=positive, metavar="N",
-                     help="fail if a rank holds more than N activation units at once")
-    cmd.add_argument("--stall-budget", metavar="T|P%",
-                     help="with --cost/--cost-file: fail if a rank waits longer than T time "
-                          "units (or P%% of the makespan) for a message it could have had "
-                          "(a placement-bound wait, docs/align.md)")
-    cmd.add_argument("--cost", metavar="K=V,...",
-                     help="durations and latency for --stall-budget (docs/simulate.md)")
+    cmd.add_argument(
+        "--comm", choices=COMMS, default="nccl", help="comm model to verify under (default: nccl)"
+    )
+    cmd.add_argument(
+        "--max-activations",
+        type=positive,
+        metavar="N",
+        help="fail if a rank holds more than N activation units at once",
+    )
+    cmd.add_argument(
+        "--stall-budget",
+        metavar="T|P%",
+        help="with --cost/--cost-file: fail if a rank waits longer than T time "
+        "units (or P%% of the makespan) for a message it could have had "
+        "(a placement-bound wait, docs/align.md)",
+    )
+    cmd.add_argument(
+        "--cost",
+        metavar="K=V,...",
+        help="durations and latency for --stall-budget (docs/simulate.md)",
+    )
     cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --stall-budget")
-    cmd.add_argument("--sweep", nargs="+", metavar="DIM=RANGE",
-                     help="verify every size: ranks=2..8 microbatches=1..40 (ranges a..b, "
-                          "lists a,b,c, or both: 1..4,8)")
-    cmd.add_argument("--jobs", type=positive, metavar="N",
-                     help="processes for --sweep (default: one per CPU)")
-    cmd.add_argument("--format", choices=FORMATS, default="text",
-                     help="output format (default: text)")
-    cmd.add_argument("--limit", type=positive, default=5, metavar="N",
-                     help="violations shown per kind (default: 5)")
+    cmd.add_argument(
+        "--sweep",
+        nargs="+",
+        metavar="DIM=RANGE",
+        help="verify every size: ranks=2..8 microbatches=1..40 (ranges a..b, "
+        "lists a,b,c, or both: 1..4,8)",
+    )
+    cmd.add_argument(
+        "--jobs", type=positive, metavar="N", help="processes for --sweep (default: one per CPU)"
+    )
+    cmd.add_argument(
+        "--format", choices=FORMATS, default="text", help="output format (default: text)"
+    )
+    cmd.add_argument(
+        "--limit",
+        type=positive,
+        default=5,
+        metavar="N",
+        help="violations shown per kind (default: 5)",
+    )
     cmd.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     models = ALL_MODELS if args.comm == "all" else (CommModel(args.comm),)
-    options = Options(models=models, max_activations=args.max_activations, limit=args.limit,
-                      **_stall_options(args))
+    options = Options(
+        models=models,
+        max_activations=args.max_activations,
+        limit=args.limit,
+        **_stall_options(args),
+    )
     defines = dict(args.defines)
     if args.sweep:
         ranks, microbatches = parse_sweep(args.sweep, args)
         jobs = args.jobs or os.cpu_count() or 1
-        results = sweep_files(_sched_files(args.files), ranks=ranks, microbatches=microbatches,
-                              defines=defines, options=options, jobs=jobs)
+        results = sweep_files(
+            _sched_files(args.files),
+            ranks=ranks,
+            microbatches=microbatches,
+            defines=defines,
+            options=options,
+            jobs=jobs,
+        )
         print(_render_sweeps(results, args.format), end="")
         return 0 if all(r.ok for r in results) else 1
-    outcomes = [verify_file(path, ranks=args.ranks, microbatches=args.microbatches,
-                            defines=defines, options=options) for path in args.files]
+    outcomes = [
+        verify_file(
+            path, ranks=args.ranks, microbatches=args.microbatches, defines=defines, options=options
+        )
+        for path in args.files
+    ]
     print(_render_outcomes(outcomes, args.format), end="")
     return 0 if all(o.report.ok for o in outcomes) else 1
 
@@ -106,8 +148,10 @@ def _stall_options(args: argparse.Namespace) -> dict[str, object]:
     """--stall-budget with its cost model; a cost model alone only reports the wait totals."""
     if args.stall_budget is None:
         if args.cost or args.cost_file:
-            raise InputError("--cost/--cost-file are for --stall-budget (to see the waits "
-                             "without a budget, use 'pipecc simulate')")
+            raise InputError(
+                "--cost/--cost-file are for --stall-budget (to see the waits "
+                "without a budget, use 'pipecc simulate')"
+            )
         return {}
     if not (args.cost or args.cost_file):
         raise InputError("--stall-budget needs a cost model: --cost K=V,... or --cost-file")
@@ -117,8 +161,10 @@ def _stall_options(args: argparse.Namespace) -> dict[str, object]:
 def _sched_files(files: list[str]) -> list[str]:
     for path in files:
         if path.endswith((".json", ".csv")):
-            raise InputError(f"{path}: --sweep compiles .sched files at each size; a compiled "
-                             "program has one size")
+            raise InputError(
+                f"{path}: --sweep compiles .sched files at each size; a compiled "
+                "program has one size"
+            )
     return files
 
 
@@ -172,25 +218,40 @@ def _spans(values: list[int]) -> str:
 
 def _render_sweeps(results: list[SweepResult], fmt: str) -> str:
     if fmt == "json":
-        data = [{"file": r.path, "ok": r.ok, "verified": r.verified,
-                 "skipped": [{"ranks": s.ranks, "microbatches": s.microbatches,
-                              "reason": s.reason} for s in r.skipped],
-                 "failed": _failure_json(r.failed)} for r in results]
+        data = [
+            {
+                "file": r.path,
+                "ok": r.ok,
+                "verified": r.verified,
+                "skipped": [
+                    {"ranks": s.ranks, "microbatches": s.microbatches, "reason": s.reason}
+                    for s in r.skipped
+                ],
+                "failed": _failure_json(r.failed),
+            }
+            for r in results
+        ]
         return json.dumps(data, indent=2) + "\n"
     out = []
     for r in results:
         if isinstance(r.failed, CompileFailure):
             out.append(_compile_failure(r.failed, fmt))
         elif r.failed is not None:
-            body = (render.github if fmt == "github" else render.text)(r.failed.report,
-                                                                      r.failed.label)
+            body = (render.github if fmt == "github" else render.text)(
+                r.failed.report, r.failed.label
+            )
             out.append(body)
         status = "ok" if r.ok else f"FAILED at {r.failed.label}"  # type: ignore[union-attr]
-        lines = [f"{r.path}: {status}: {r.verified} size(s) verified, "
-                 f"{len(r.skipped)} skipped", *_skips(r)]
+        lines = [
+            f"{r.path}: {status}: {r.verified} size(s) verified, {len(r.skipped)} skipped",
+            *_skips(r),
+        ]
         text = "\n".join(lines)
-        out.append(text + "\n" if fmt == "text" else
-                   "".join(f"::notice::{line.strip()}\n" for line in lines))
+        out.append(
+            text + "\n"
+            if fmt == "text"
+            else "".join(f"::notice::{line.strip()}\n" for line in lines)
+        )
     return "".join(out)
 
 
@@ -211,6 +272,9 @@ def _failure_json(failed: Outcome | CompileFailure | None) -> object:
         return None
     if isinstance(failed, CompileFailure):
         span = failed.error.span
-        return {"input": failed.label, "compile_error": failed.error.message,
-                **({"file": span.file, "line": span.line, "col": span.col} if span else {})}
+        return {
+            "input": failed.label,
+            "compile_error": failed.error.message,
+            **({"file": span.file, "line": span.line, "col": span.col} if span else {}),
+        }
     return render.as_json(failed.report, failed.label)

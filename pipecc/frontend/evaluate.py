@@ -171,9 +171,7 @@ def _compile_name(node: ast.Name, scope: Scope) -> Typed:
     return Typed(lambda env: env[slot], binding.type)
 
 
-def _compile_conditional(
-    test: ast.Expr, then: ast.Expr, orelse: ast.Expr, scope: Scope
-) -> Typed:
+def _compile_conditional(test: ast.Expr, then: ast.Expr, orelse: ast.Expr, scope: Scope) -> Typed:
     cond = expect(test, scope, Type.BOOL).fn
     yes = compile_expr(then, scope)
     no = expect(orelse, scope, yes.type)
@@ -374,9 +372,7 @@ def _compile_op(stmt: ast.OpStmt, scope: Scope) -> StmtFn:
         return lambda env, out: out.append(make(env))
     forward, backward = stmt.ops
     if forward.kind is not Kind.F or not backward.kind.is_backward:
-        raise ScheduleError(
-            "a fused op is a forward then a backward: F0&B1 or F0&I1", stmt.span
-        )
+        raise ScheduleError("a fused op is a forward then a backward: F0&B1 or F0&I1", stmt.span)
     make_f, make_b = makers
     span = stmt.span
     return lambda env, out: out.append(FusedSpec(make_f(env), make_b(env), span))

@@ -35,7 +35,7 @@ from pipecc.ir.placement import (
     loop_placement,
     vshape_placement,
 )
-from pipecc.ir.streams import Streams, StreamItem
+from pipecc.ir.streams import StreamItem, Streams
 
 PLACEMENTS = ("loop", "vshape", "bidirectional")
 Step = Callable[[Env, "_RankState"], None]
@@ -131,8 +131,9 @@ def _check_pipes(
             where,
         )
     if state.generated is not None and state.generated != microbatches:
-        raise ScheduleError("'pad microbatches' needs a placement with one pipe",
-                            spans.get(ast.Pad))
+        raise ScheduleError(
+            "'pad microbatches' needs a placement with one pipe", spans.get(ast.Pad)
+        )
 
 
 def _check_sizes(ranks: int, microbatches: int) -> None:
@@ -145,43 +146,53 @@ def _check_sizes(ranks: int, microbatches: int) -> None:
 def _compile_declarations(file: ast.ScheduleFile, defines: dict[str, int]) -> _Declarations:
     scope = root_scope()
     steps: list[Step] = []
-    names: list[str] = []
     single: dict[type, ast.Decl] = {}
     phases: dict[str, Span | None] = {}
     for decl in file.decls:
         _check_single(decl, single)
-        match decl:
-            case ast.Param():
-                steps.append(_param_step(decl, scope, defines))
-                names.append(decl.name)
-            case ast.Let():
-                steps.append(_let_step(decl, scope))
-            case ast.Require():
-                steps.extend(_require_step(cond, decl, scope) for cond in decl.conditions)
-            case ast.Pad():
-                steps.append(_pad_step(decl, scope))
-            case ast.Phase():
-                if decl.name in phases:
-                    raise ScheduleError(f"phase '{decl.name}' is defined twice", decl.span,
-                                        notes=((phases[decl.name], "first here"),))
-                phases[decl.name] = decl.span
-                steps.append(_phase_step(decl, scope))
-            case ast.TablePlacement():
-                steps.append(_table_step(decl, scope))
-            case ast.NamedPlacement(arg=arg) if arg is not None:
-                steps.append(_placement_arg_step(arg, scope))
-            case ast.NamedPlacement():
-                pass
-            case ast.ScheduleName():
-                pass
-            case _:
-                raise AssertionError(f"unknown declaration {decl!r}")
+        if isinstance(decl, ast.Phase):
+            _check_phase_name(decl, phases)
+        steps.extend(_steps_of(decl, scope, defines))
+    names = [decl.name for decl in file.decls if isinstance(decl, ast.Param)]
     _check_defines(defines, names)
     schedule = single.get(ast.ScheduleName)
     name = schedule.name if isinstance(schedule, ast.ScheduleName) else PurePath(file.path).stem
     placement = single.get(ast.NamedPlacement) or single.get(ast.TablePlacement)
     assert placement is None or isinstance(placement, ast.NamedPlacement | ast.TablePlacement)
     return _Declarations(name, steps, names, scope.slots.count, placement)
+
+
+def _steps_of(decl: ast.Decl, scope: Scope, defines: dict[str, int]) -> list[Step]:
+    """What a declaration does for each rank, in source order."""
+    match decl:
+        case ast.Param():
+            return [_param_step(decl, scope, defines)]
+        case ast.Let():
+            return [_let_step(decl, scope)]
+        case ast.Require():
+            return [_require_step(cond, decl, scope) for cond in decl.conditions]
+        case ast.Pad():
+            return [_pad_step(decl, scope)]
+        case ast.Phase():
+            return [_phase_step(decl, scope)]
+        case ast.TablePlacement():
+            return [_table_step(decl, scope)]
+        case ast.NamedPlacement(arg=arg):
+            return [_placement_arg_step(arg, scope)] if arg is not None else []
+        case ast.ScheduleName():
+            return []
+        case _:
+            raise AssertionError(f"unknown declaration {decl!r}")
+
+
+def _check_phase_name(decl: ast.Phase, phases: dict[str, Span | None]) -> None:
+    if decl.name in phases:
+        raise ScheduleError(
+            f"phase '{decl.name}' is defined twice",
+            decl.span,
+            notes=((phases[decl.name], "first here"),),
+        )
+    phases[decl.name] = decl.span
 
 
 def _check_single(decl: ast.Decl, seen: dict[type, ast.Decl]) -> None:
@@ -213,8 +224,7 @@ def _check_defines(defines: dict[str, int], names: list[str]) -> None:
             close = difflib.get_close_matches(name.lower(), list(lowered), n=1)
             hint = f"; did you mean '{lowered[close[0]]}'?" if close else ""
             raise ScheduleError(
-                f"-D {name}: the schedule has no parameter '{name}' (its parameters: {known})"
-                f"{hint}"
+                f"-D {name}: the schedule has no parameter '{name}' (its parameters: {known}){hint}"
             )
 
 
@@ -379,5 +389,7 @@ def _build_placement(decls: _Declarations, states: list[_RankState], ranks: int)
 def _loop_chunks(decl: ast.NamedPlacement, state: _RankState) -> int:
     chunks = state.placement_arg if state.placement_arg is not None else 1
     if chunks < 1:
-        raise ScheduleError(f"placement loop({chunks}): the number of chunks must be ≥ 1", decl.span)
+        raise ScheduleError(
+            f"placement loop({chunks}): the number of chunks must be ≥ 1", decl.span
+        )
     return chunks

@@ -118,8 +118,11 @@ def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
     token_text = None
     if isinstance(err, lark.UnexpectedToken) and err.token.type != "$END":
         token_text = str(err.token)
-    hint = _hint(message, expected, token_text) if not isinstance(
-        err, lark.UnexpectedCharacters) else ""
+    hint = (
+        _hint(message, expected, token_text)
+        if not isinstance(err, lark.UnexpectedCharacters)
+        else ""
+    )
     if expected and not hint.startswith("comparisons"):
         message += f"; expected {_describe_expected(set(expected))}"
     if hint:
@@ -173,8 +176,9 @@ class _Builder(Transformer[Token, list[ast.Decl]]):
         return Span(self._source, meta.line, meta.column, meta.end_line, meta.end_column)
 
     def _token_span(self, token: Token) -> Span:
-        return Span(self._source, token.line or 1, token.column or 1, token.end_line,
-                    token.end_column)
+        return Span(
+            self._source, token.line or 1, token.column or 1, token.end_line, token.end_column
+        )
 
     def start(self, meta: Meta, *decls: ast.Decl) -> list[ast.Decl]:
         return list(decls)
@@ -195,9 +199,7 @@ class _Builder(Transformer[Token, list[ast.Decl]]):
     def phase_decl(self, meta: Meta, name: Token, body: tuple[ast.Stmt, ...]) -> ast.Phase:
         return ast.Phase(str(name), body, self._span(meta))
 
-    def named_placement(
-        self, meta: Meta, name: Token, arg: ast.Expr | None
-    ) -> ast.NamedPlacement:
+    def named_placement(self, meta: Meta, name: Token, arg: ast.Expr | None) -> ast.NamedPlacement:
         return ast.NamedPlacement(str(name), arg, self._span(meta))
 
     def table_placement(self, meta: Meta, *entries: ast.ChunkEntry) -> ast.TablePlacement:
@@ -215,9 +217,7 @@ class _Builder(Transformer[Token, list[ast.Decl]]):
     def let_stmt(self, meta: Meta, name: Token, value: ast.Expr) -> ast.Let:
         return ast.Let(str(name), value, self._span(meta))
 
-    def repeat_stmt(
-        self, meta: Meta, count: ast.Expr, body: tuple[ast.Stmt, ...]
-    ) -> ast.Repeat:
+    def repeat_stmt(self, meta: Meta, count: ast.Expr, body: tuple[ast.Stmt, ...]) -> ast.Repeat:
         return ast.Repeat(count, body, self._span(meta))
 
     def for_stmt(

@@ -57,8 +57,7 @@ def dumps(program: Program) -> str:
 
 
 def _compute_dict(op: Compute) -> dict[str, Any]:
-    return {"op": op.kind.value, "chunk": op.chunk, "pipe": op.pipe, "stage": op.stage,
-            "mb": op.mb}
+    return {"op": op.kind.value, "chunk": op.chunk, "pipe": op.pipe, "stage": op.stage, "mb": op.mb}
 
 
 def _with_span(entry: dict[str, Any], span: Span | None) -> dict[str, Any]:
@@ -75,12 +74,19 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
             return _with_span(_compute_dict(instr), instr.span)
         case Fused(forward=f, backward=b):
             name = f"F&{b.kind.value}"
-            return _with_span({"op": name, "f": _compute_dict(f), "b": _compute_dict(b)},
-                              instr.span)
+            return _with_span(
+                {"op": name, "f": _compute_dict(f), "b": _compute_dict(b)}, instr.span
+            )
         case Send() | Recv():
-            entry = {"op": "send" if type(instr) is Send else "recv", "what": instr.what.value,
-                     "peer": instr.peer, "pipe": instr.pipe, "stage": instr.stage,
-                     "mb": instr.mb, "group": instr.group}
+            entry = {
+                "op": "send" if type(instr) is Send else "recv",
+                "what": instr.what.value,
+                "peer": instr.peer,
+                "pipe": instr.pipe,
+                "stage": instr.stage,
+                "mb": instr.mb,
+                "group": instr.group,
+            }
             return _with_span(entry, instr.span)
         case Wait():
             return _with_span({"op": "wait", "ops": list(instr.ops)}, instr.span)
@@ -101,8 +107,9 @@ class _Reader:
     def fail(self, where: str, message: str) -> InputError:
         return InputError(f"{self.path}: {where}: {message}")
 
-    def field(self, obj: Any, key: str, where: str, check: Callable[[Any], bool],
-              expected: str) -> Any:
+    def field(
+        self, obj: Any, key: str, where: str, check: Callable[[Any], bool], expected: str
+    ) -> Any:
         if not isinstance(obj, dict):
             raise self.fail(where, "expected a JSON object")
         if key not in obj:
@@ -113,8 +120,11 @@ class _Reader:
         return value
 
     def integer(self, obj: Any, key: str, where: str, minimum: int = 0) -> int:
-        return int(self.field(obj, key, where, lambda v: _is_int(v) and v >= minimum,
-                              f"an integer ≥ {minimum}"))
+        return int(
+            self.field(
+                obj, key, where, lambda v: _is_int(v) and v >= minimum, f"an integer ≥ {minimum}"
+            )
+        )
 
     def span(self, obj: dict[str, Any]) -> Span | None:
         line, col = obj.get("line"), obj.get("col")
@@ -145,17 +155,30 @@ def loads(text: str, path: str = "<program>") -> Program:
     reader.source = _source_file(source, path)
     placement = _read_placement(data, reader)
     if placement.num_ranks != num_ranks:
-        raise reader.fail("placement", f"places {placement.num_ranks} ranks, header says "
-                          f"{num_ranks}")
-    programs = reader.field(data, "programs", "header", lambda v: isinstance(v, list),
-                            "a list with one instruction list per rank")
+        raise reader.fail(
+            "placement", f"places {placement.num_ranks} ranks, header says {num_ranks}"
+        )
+    programs = reader.field(
+        data,
+        "programs",
+        "header",
+        lambda v: isinstance(v, list),
+        "a list with one instruction list per rank",
+    )
     if len(programs) != num_ranks:
         raise reader.fail("programs", f"has {len(programs)} rank lists, header says {num_ranks}")
-    params = reader.field(data, "params", "header", lambda v: isinstance(v, dict)
-                          and all(_is_int(x) for x in v.values()), "an object of integers")
+    params = reader.field(
+        data,
+        "params",
+        "header",
+        lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
+        "an object of integers",
+    )
     ranks = tuple(
-        tuple(_read_instr(item, f"programs[{rank}][{index}]", reader)
-              for index, item in enumerate(_rank_list(programs[rank], rank, reader)))
+        tuple(
+            _read_instr(item, f"programs[{rank}][{index}]", reader)
+            for index, item in enumerate(_rank_list(programs[rank], rank, reader))
+        )
         for rank in range(num_ranks)
     )
     return Program(
@@ -190,13 +213,17 @@ def _rank_list(value: Any, rank: int, reader: _Reader) -> list[Any]:
 
 
 def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
-    entries = reader.field(data, "placement", "header", lambda v: isinstance(v, list) and v,
-                           "a non-empty list")
+    entries = reader.field(
+        data, "placement", "header", lambda v: isinstance(v, list) and v, "a non-empty list"
+    )
     slots = []
     for i, entry in enumerate(entries):
         where = f"placement[{i}]"
-        slots.append(StageSlot(*(reader.integer(entry, key, where)
-                                 for key in ("rank", "chunk", "pipe", "stage"))))
+        slots.append(
+            StageSlot(
+                *(reader.integer(entry, key, where) for key in ("rank", "chunk", "pipe", "stage"))
+            )
+        )
     try:
         return Placement(str(data.get("placement_name", "table")), tuple(slots))
     except PlacementError as err:
@@ -211,8 +238,9 @@ def _read_compute(obj: Any, where: str, reader: _Reader, kind: Kind | None = Non
     if kind is None:
         name = reader.field(obj, "op", where, lambda v: v in _KINDS, "one of F, B, I, W")
         kind = _KINDS[name]
-    chunk, pipe, stage, mb = (reader.integer(obj, key, where)
-                              for key in ("chunk", "pipe", "stage", "mb"))
+    chunk, pipe, stage, mb = (
+        reader.integer(obj, key, where) for key in ("chunk", "pipe", "stage", "mb")
+    )
     return Compute(kind, chunk, pipe, stage, mb, reader.span(obj))
 
 
@@ -228,18 +256,25 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
         return Fused(forward, backward, reader.span(obj))
     if op in ("send", "recv"):
         what = _MSGS[reader.field(obj, "what", where, lambda v: v in _MSGS, '"act" or "grad"')]
-        peer, pipe, stage, mb = (reader.integer(obj, key, where)
-                                 for key in ("peer", "pipe", "stage", "mb"))
+        peer, pipe, stage, mb = (
+            reader.integer(obj, key, where) for key in ("peer", "pipe", "stage", "mb")
+        )
         group = obj.get("group")
         if group is not None and not (_is_int(group) and group >= 0):
-            raise reader.fail(where, f"field 'group' must be null or an integer ≥ 0, got "
-                              f"{json.dumps(group)}")
+            raise reader.fail(
+                where, f"field 'group' must be null or an integer ≥ 0, got {json.dumps(group)}"
+            )
         cls = Send if op == "send" else Recv
         return cls(what, peer, pipe, stage, mb, group, reader.span(obj))
     if op == "wait":
-        ops = reader.field(obj, "ops", where, lambda v: isinstance(v, list) and v
-                           and all(_is_int(i) and i >= 0 for i in v),
-                           "a non-empty list of instruction indices")
+        ops = reader.field(
+            obj,
+            "ops",
+            where,
+            lambda v: isinstance(v, list) and v and all(_is_int(i) and i >= 0 for i in v),
+            "a non-empty list of instruction indices",
+        )
         return Wait(tuple(ops), reader.span(obj))
-    raise reader.fail(where, f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, "
-                      "send, recv or wait)")
+    raise reader.fail(
+        where, f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, send, recv or wait)"
+    )

@@ -67,9 +67,7 @@ def dumps(program: Program, *, with_comms: bool = False) -> str:
 
 # ---- reading (DESIGN §5, "Torch CSV input") ---------------------------------------------------
 
-_ACTION = re.compile(
-    r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)"
-)
+_ACTION = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
 _COMPUTE = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
 _IGNORED = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
@@ -102,15 +100,16 @@ def loads(text: str, path: str = "<csv>") -> Loaded:
     are ignored (noted). Raises InputError, pointing at the cell, for anything malformed.
     """
     source = SourceFile(path, text)
-    rows = [_parse_row(source, line_no, line)
-            for line_no, line in enumerate(text.splitlines(), 1)]
+    rows = [_parse_row(source, line_no, line) for line_no, line in enumerate(text.splitlines(), 1)]
     if not rows:
         raise InputError(f"{path}: empty CSV: expected one row of actions per rank")
     ignored = sum(1 for row in rows for cell in row if cell.action in _IGNORED)
     rows = [[cell for cell in row if cell.action not in _IGNORED] for row in rows]
     placement = _placement(rows, path)
-    microbatches = 1 + max((c.mb for row in rows for cell in row
-                            for c in (cell.parts or (cell,)) if c.mb is not None), default=-1)
+    microbatches = 1 + max(
+        (c.mb for row in rows for cell in row for c in (cell.parts or (cell,)) if c.mb is not None),
+        default=-1,
+    )
     if microbatches < 1:
         raise InputError(f"{path}: no compute actions: nothing to verify")
     with_comms = any(cell.action.startswith(("SEND", "RECV")) for row in rows for cell in row)
@@ -118,12 +117,18 @@ def loads(text: str, path: str = "<csv>") -> Loaded:
     ranks = tuple(builder.build(rank, row) for rank, row in enumerate(rows))
     notes = ()
     if ignored:
-        notes = (f"ignored {ignored} UNSHARD/RESHARD/REDUCE_GRAD cell(s): they move no "
-                 "pipeline data",)
+        notes = (
+            f"ignored {ignored} UNSHARD/RESHARD/REDUCE_GRAD cell(s): they move no pipeline data",
+        )
     program = Program(
-        schedule=Path(path).stem, source=path, num_ranks=len(rows),
-        num_microbatches=microbatches, params=(), comm="torch-csv" if with_comms else "none",
-        placement=placement, ranks=ranks,
+        schedule=Path(path).stem,
+        source=path,
+        num_ranks=len(rows),
+        num_microbatches=microbatches,
+        params=(),
+        comm="torch-csv" if with_comms else "none",
+        placement=placement,
+        ranks=ranks,
     )
     return Loaded(program, notes)
 
@@ -158,15 +163,17 @@ def _parse_cell(text: str, span: Span) -> Cell:
         parts = tuple(_parse_cell(s, span) for s in subs)
         kinds = sorted(p.action for p in parts)
         if len(parts) != 2 or kinds[1] != "F" or kinds[0] not in ("B", "I"):
-            raise InputError(f"an OVERLAP_F_B cell holds one F and one B or I, got {text!r}",
-                             span)
+            raise InputError(f"an OVERLAP_F_B cell holds one F and one B or I, got {text!r}", span)
         forward = parts[0] if parts[0].action == "F" else parts[1]
         backward = parts[1] if forward is parts[0] else parts[0]
         return Cell(-1, "OVERLAP_F_B", None, span, (forward, backward))
     match = _ACTION.fullmatch(text)
     if not match:
-        raise InputError(f"not a torch action: {text!r} (expected e.g. 0F1, 2I0, 1SEND_F3, "
-                         "(0F7;7B3)OVERLAP_F_B)", span)
+        raise InputError(
+            f"not a torch action: {text!r} (expected e.g. 0F1, 2I0, 1SEND_F3, "
+            "(0F7;7B3)OVERLAP_F_B)",
+            span,
+        )
     stage, action, mb = match.groups()
     if action not in _IGNORED and not mb:
         raise InputError(f"{text!r} needs a microbatch number", span)
@@ -182,13 +189,18 @@ def _placement(rows: list[list[Cell]], path: str) -> Placement:
                 stage = _own_stage(c)
                 seen = holder.setdefault(stage, (rank, c))
                 if seen[0] != rank:
-                    raise InputError(f"stage {stage} appears on rank {seen[0]} and rank {rank}: "
-                                     "each stage lives on one rank", c.span)
+                    raise InputError(
+                        f"stage {stage} appears on rank {seen[0]} and rank {rank}: "
+                        "each stage lives on one rank",
+                        c.span,
+                    )
     stages = sorted(holder)
     if stages != list(range(len(stages))):
         missing = sorted(set(range(max(stages, default=-1) + 1)) - set(stages))
-        raise InputError(f"{path}: stages must be 0..S-1 with every stage on some rank; "
-                         f"no row holds stage(s) {missing}")
+        raise InputError(
+            f"{path}: stages must be 0..S-1 with every stage on some rank; "
+            f"no row holds stage(s) {missing}"
+        )
     slots = []
     for rank in range(len(rows)):
         mine = [s for s in stages if holder[s][0] == rank]
@@ -252,8 +264,7 @@ class _RowBuilder:
             forward, backward = (self._compute(rank, c) for c in cell.parts)
             return Fused(forward, backward, cell.span)  # type: ignore[arg-type]
         holder = self.placement.holder(0, cell.stage)
-        return Compute(_COMPUTE[cell.action], holder.chunk, 0, cell.stage, cell.mb or 0,
-                       cell.span)
+        return Compute(_COMPUTE[cell.action], holder.chunk, 0, cell.stage, cell.mb or 0, cell.span)
 
     def _inputs(self, instr: Compute | Fused) -> list[tuple[Msg, int, int]]:
         parts = (instr,) if type(instr) is Compute else (instr.forward, instr.backward)  # type: ignore[union-attr]
@@ -280,5 +291,8 @@ class _RowBuilder:
 
     def _check_stage(self, stage: int, cell: Cell) -> None:
         if not 0 <= stage <= self.last:
-            raise InputError(f"{cell.action} of stage {cell.stage}: there is no stage {stage} "
-                             f"(stages are 0..{self.last})", cell.span)
+            raise InputError(
+                f"{cell.action} of stage {cell.stage}: there is no stage {stage} "
+                f"(stages are 0..{self.last})",
+                cell.span,
+            )

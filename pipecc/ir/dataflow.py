@@ -71,10 +71,12 @@ class Dataflow:
         self.outputs: Table = {kind: [] for kind in Kind}
         for pipe, ranks in enumerate(rank_of):
             for kind in Kind:
-                self.inputs[kind].append([self._input(kind, pipe, s, ranks) for s in
-                                          range(len(ranks))])
-                self.outputs[kind].append([self._output(kind, pipe, s, ranks) for s in
-                                           range(len(ranks))])
+                self.inputs[kind].append(
+                    [self._input(kind, pipe, s, ranks) for s in range(len(ranks))]
+                )
+                self.outputs[kind].append(
+                    [self._output(kind, pipe, s, ranks) for s in range(len(ranks))]
+                )
 
     def _template(self, what: Msg, pipe: int, stage: int, src: int, dst: int) -> FlowTemplate:
         base = ((pipe * self._stride + stage) << 1) | (what is Msg.GRAD)

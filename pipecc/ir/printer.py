@@ -61,5 +61,7 @@ def format_listing(program: Program) -> str:
     for rank, instrs in enumerate(program.ranks):
         lines.append(f"rank {rank}:")
         digits = len(str(max(len(instrs) - 1, 0)))
-        lines.extend(f"  {index:>{digits}}  {describe(instr)}" for index, instr in enumerate(instrs))
+        lines.extend(
+            f"  {index:>{digits}}  {describe(instr)}" for index, instr in enumerate(instrs)
+        )
     return "\n".join(lines) + "\n"

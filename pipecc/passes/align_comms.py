@@ -38,8 +38,7 @@ POLICY = "aligned"
 CANDIDATES = (Grouping.BY_TIME, Grouping.NONE, Grouping.PER_GAP)
 
 
-def align_comms(prog: Program, *, costs: CostModel, model: CommModel = CommModel.NCCL
-                ) -> Program:
+def align_comms(prog: Program, *, costs: CostModel, model: CommModel = CommModel.NCCL) -> Program:
     """Re-place every comm op of `prog` for `costs` under `model` (module docstring)."""
     with paused_gc():
         return _align(prog, costs, model)
@@ -48,8 +47,12 @@ def align_comms(prog: Program, *, costs: CostModel, model: CommModel = CommModel
 def _align(prog: Program, costs: CostModel, model: CommModel) -> Program:
     compute_only = _strip_comms(prog)
     timing = CostTiming(costs)
-    base = CommPlacement(POLICY, duration=timing.op_duration, latency=costs.latency,
-                         recv_posting=RecvPosting.BEFORE_BUSY)
+    base = CommPlacement(
+        POLICY,
+        duration=timing.op_duration,
+        latency=costs.latency,
+        recv_posting=RecvPosting.BEFORE_BUSY,
+    )
     best: tuple[float, float, int] | None = None
     chosen = None
     for order, grouping in enumerate(CANDIDATES):

@@ -21,12 +21,10 @@ from dataclasses import dataclass, field
 from pipecc.diagnostics import ScheduleError, Span
 from pipecc.ir.dataflow import Dataflow, Message
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait, computations
-from pipecc.ir.placement import Placement
 from pipecc.ir.program import Program
 from pipecc.ir.streams import CommSpec, FusedSpec, OpSpec, StreamItem, Streams, WaitSpec
 
 _new = tuple.__new__
-
 
 
 def assign_microbatches(streams: Streams) -> Program:
@@ -255,9 +253,7 @@ class _RankAssigner:
                 if full and split:
                     raise ScheduleError(f"{where} has both a B and an I for microbatch {mb}")
                 if not full and not split:
-                    raise ScheduleError(
-                        f"{where} has no backward (B or I) for microbatch {mb}"
-                    )
+                    raise ScheduleError(f"{where} has no backward (B or I) for microbatch {mb}")
 
     def _finish(self) -> None:
         self._check_complete()
@@ -291,8 +287,9 @@ class _RankAssigner:
                 )
             message, peer = queue.pop()  # the most recent one not yet sent by hand
             self.posted.append(len(self.out))
-            self.out.append(Send(item.what, peer, message.pipe, message.stage, message.mb,
-                                 group, item.span))
+            self.out.append(
+                Send(item.what, peer, message.pipe, message.stage, message.mb, group, item.span)
+            )
         else:
             self.posted.append(len(self.out))
             self.manual_recvs.append((len(self.out), item))
@@ -317,7 +314,10 @@ class _RankAssigner:
         consumes such a tensor from another rank and has no hand-placed recv yet."""
         if not self.manual_recvs:
             return
-        consumers: dict[Msg, deque[tuple[int, Message, int]]] = {Msg.ACT: deque(), Msg.GRAD: deque()}
+        consumers: dict[Msg, deque[tuple[int, Message, int]]] = {
+            Msg.ACT: deque(),
+            Msg.GRAD: deque(),
+        }
         for index, instr in enumerate(self.out):
             for op in computations(instr):
                 flow = self.flow.input_flow(op.kind, op.pipe, op.stage, op.mb)
@@ -335,8 +335,15 @@ class _RankAssigner:
                     item.span,
                 )
             _, message, peer = queue.popleft()
-            self.out[index] = Recv(item.what, peer, message.pipe, message.stage, message.mb,
-                                   self.out[index].group, item.span)  # type: ignore[union-attr]
+            self.out[index] = Recv(
+                item.what,
+                peer,
+                message.pipe,
+                message.stage,
+                message.mb,
+                self.out[index].group,
+                item.span,
+            )  # type: ignore[union-attr]
 
 
 def _noun(what: Msg) -> str:

@@ -132,9 +132,18 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     manual_sends, manual_recvs = _manual_messages(prog, ranks, flow, span)
     events = _message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
     lowered = tuple(
-        _emit_rank(prog.ranks[rank], ranks[rank], events[rank],
-                   _Emitter(flow, ranks[rank].start, consumed, placement.grouping,
-                            hand_waited=_hand_waited(prog.ranks[rank])))
+        _emit_rank(
+            prog.ranks[rank],
+            ranks[rank],
+            events[rank],
+            _Emitter(
+                flow,
+                ranks[rank].start,
+                consumed,
+                placement.grouping,
+                hand_waited=_hand_waited(prog.ranks[rank]),
+            ),
+        )
         for rank in range(prog.num_ranks)
     )
     if any(type(i) is Send or type(i) is Recv for instrs in prog.ranks for i in instrs):
@@ -187,7 +196,11 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
     durations: dict[tuple[object, ...], float] = {}  # by (kind, stage[, kind, stage])
     stride, inputs_of, outputs_of = flow.mb_stride, flow.inputs, flow.outputs
     add_compute, add_position = ops.computes.append, ops.positions.append
-    add_inputs, add_outputs, add_duration = ops.inputs.append, ops.outputs.append, ops.durations.append
+    add_inputs, add_outputs, add_duration = (
+        ops.inputs.append,
+        ops.outputs.append,
+        ops.durations.append,
+    )
     for position, instr in enumerate(instrs):
         if type(instr) is Compute:
             parts: tuple[Compute, ...] = (instr,)
@@ -207,8 +220,15 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
             if made is not None:
                 base, src, dst, what, _, to = made
                 latency = latency_of[to] if src != dst else 0.0
-                outputs.append((mb * stride + base, dst, (what, dst, pipe, to, mb),
-                                (what, src, pipe, to, mb), latency))
+                outputs.append(
+                    (
+                        mb * stride + base,
+                        dst,
+                        (what, dst, pipe, to, mb),
+                        (what, src, pipe, to, mb),
+                        latency,
+                    )
+                )
         add_compute(instr)
         add_position(position)
         add_inputs(tuple(inputs))
@@ -230,8 +250,9 @@ def _anchor_manual_sends(ops: _RankOps, instrs: Sequence[Instr], flow: Dataflow)
         if type(i) is Send
     }
     latency = {out[0]: out[4] for outputs in ops.outputs for out in outputs}
-    ops.publish = [[(out[0], out[4]) for out in outputs if out[0] not in manual]
-                   for outputs in ops.outputs]
+    ops.publish = [
+        [(out[0], out[4]) for out in outputs if out[0] not in manual] for outputs in ops.outputs
+    ]
     k = -1
     for instr in instrs:
         if type(instr) is Compute or type(instr) is Fused:
@@ -277,8 +298,7 @@ def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
     clock = [0.0] * len(ranks)
     remaining = sum(len(r.computes) for r in ranks)
     publishes = [
-        ops.publish or [[(output[0], output[4]) for output in outputs]
-                        for outputs in ops.outputs]
+        ops.publish or [[(output[0], output[4]) for output in outputs] for outputs in ops.outputs]
         for ops in ranks
     ]
     while remaining:
@@ -386,15 +406,15 @@ def _message_events(
                     order = base + sub
                     own.append((k + 1, order, send, key, True, made))
                 if key not in manual_recvs:
-                    events[dst].append((find(times[dst], order // unit), order, recv, key, False,
-                                        made))
+                    events[dst].append(
+                        (find(times[dst], order // unit), order, recv, key, False, made)
+                    )
     for rank_events in events:
         rank_events.sort()
     return events
 
 
-def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int,
-                   span: int) -> int:
+def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int, span: int) -> int:
     """Messages that come to exist at `time`, after input position `position` of `rank`
     (sub: which of the op's outputs): one integer, the same on every rank."""
     return ((2 * time * num_ranks + rank) * span + 2 * position) + sub

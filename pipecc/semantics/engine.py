@@ -165,28 +165,59 @@ class _StreamRun(_Run):
         self.unit_act = [None] * count
         self.unit_post: list[float | None] = [None] * count
         self.unit_ready = [0.0] * count  # the latest completion of a unit ahead of it
-        self.unit_left = [b - a + 1 for a, b in zip(wiring.unit_first, wiring.unit_last,
-                                                     strict=True)]
+        self.unit_left = [
+            b - a + 1 for a, b in zip(wiring.unit_first, wiring.unit_last, strict=True)
+        ]
         self.unit_end = [0.0] * count
         # the arrays the hot loops use, unpacked in one step at each call
         self.hot = (
-            wiring.code, wiring.deps, self.start, self.end, self.done, self.dur,
-            wiring.unit, wiring.unit_last, self.unit_post, self.units_on, self.head,
+            wiring.code,
+            wiring.deps,
+            self.start,
+            self.end,
+            self.done,
+            self.dur,
+            wiring.unit,
+            wiring.unit_last,
+            self.unit_post,
+            self.units_on,
+            self.head,
             self.streams_of,
         )
-        self.hot_done = (self.units_on, self.head, self.unit_ready, self.streams_of,
-                         self.unit_post)
+        self.hot_done = (self.units_on, self.head, self.unit_ready, self.streams_of, self.unit_post)
         self.hot_activate = (
-            wiring.unit, self.unit_act, self.partner, self.lat, wiring.unit_first,
-            wiring.unit_last, self.unit_post, self.unit_ready, self.done, self.waiter,
-            self.ready, self.unit_end, self.unit_left,
+            wiring.unit,
+            self.unit_act,
+            self.partner,
+            self.lat,
+            wiring.unit_first,
+            wiring.unit_last,
+            self.unit_post,
+            self.unit_ready,
+            self.done,
+            self.waiter,
+            self.ready,
+            self.unit_end,
+            self.unit_left,
         )
 
     def _advance(self, rank: int) -> None:
         """The base class's hot loop with the post of a unit inlined (the benchmark posts
         about 5·10⁵ ops; a method call per post costs a tenth of the replay)."""
-        (code, deps, start, end, done, dur, unit_of, unit_last, unit_post, units_on, head,
-         streams_of) = self.hot
+        (
+            code,
+            deps,
+            start,
+            end,
+            done,
+            dur,
+            unit_of,
+            unit_last,
+            unit_post,
+            units_on,
+            head,
+            streams_of,
+        ) = self.hot
         g, t = self.cursor[rank], self.clock[rank]
         stop = self.w.offsets[rank + 1]
         while g < stop:
@@ -222,8 +253,21 @@ class _StreamRun(_Run):
         """Activate unit `first`, then every unit that becomes active in consequence: a
         send and its recv transfer once both their units are active."""
         active = [first]
-        (unit_of, unit_act, partner, lat, unit_first, unit_last, unit_post, unit_ready, done,
-         waiter, ready, unit_end, unit_left) = self.hot_activate
+        (
+            unit_of,
+            unit_act,
+            partner,
+            lat,
+            unit_first,
+            unit_last,
+            unit_post,
+            unit_ready,
+            done,
+            waiter,
+            ready,
+            unit_end,
+            unit_left,
+        ) = self.hot_activate
         while active:
             u = active.pop()
             post, ahead = unit_post[u], unit_ready[u]
@@ -312,8 +356,11 @@ def _stuck(run: _Run) -> tuple[Stuck, ...]:
     ):
         return ()
     todo = [g for g, e in zip(run.cursor, ends, strict=True) if g < e]
-    todo += [g for g, c in enumerate(w.code)
-             if (c == SEND or c == RECV) and run.start[g] is not None and run.done[g] is None]
+    todo += [
+        g
+        for g, c in enumerate(w.code)
+        if (c == SEND or c == RECV) and run.start[g] is not None and run.done[g] is None
+    ]
     edges: dict[int, Stuck] = {}
     while todo:
         g = todo.pop()

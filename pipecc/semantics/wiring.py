@@ -152,9 +152,13 @@ class MessageKeys:
                 ranks = self.ranks_of[pipe]
                 row = []
                 for stage in range(self.stages[pipe]):
-                    src = (-1 if kind is Kind.W else
-                           (ranks[stage - 1] if stage > 0 else -1) if kind is Kind.F else
-                           (ranks[stage + 1] if stage + 1 < len(ranks) else -1))
+                    src = (
+                        -1
+                        if kind is Kind.W
+                        else (ranks[stage - 1] if stage > 0 else -1)
+                        if kind is Kind.F
+                        else (ranks[stage + 1] if stage + 1 < len(ranks) else -1)
+                    )
                     # input_key with an impossible rank: the key whenever a message exists
                     key = self.input_key(Compute(kind, 0, pipe, stage, 0), -1)
                     row.append((key, src) if src >= 0 else (-1, -1))
@@ -320,9 +324,11 @@ class _Builder:
                     else:
                         self.unreceived.append(c)
             else:
-                both = [posted[k] if k in posted else self._later(c, k)
-                        for op in (instr.forward, instr.backward)  # type: ignore[union-attr]
-                        if (k := input_key(op, rank)) >= 0]
+                both = [
+                    posted[k] if k in posted else self._later(c, k)
+                    for op in (instr.forward, instr.backward)  # type: ignore[union-attr]
+                    if (k := input_key(op, rank)) >= 0
+                ]
                 deps[c] = tuple(d for d in both if d >= 0)
                 if len(deps[c]) < len(both):
                     self.unreceived.append(c)
@@ -339,7 +345,11 @@ class _Builder:
         return found[at] if at < len(found) else -1
 
     def _bind_unique(
-        self, rank: int, base: int, instrs: Sequence[Instr], computes: list[int],
+        self,
+        rank: int,
+        base: int,
+        instrs: Sequence[Instr],
+        computes: list[int],
         received: dict[int, int],
     ) -> None:
         """`_bind_computes` when each message is received at most once on the rank: a
@@ -355,8 +365,9 @@ class _Builder:
             for kind, _, pipe, stage, mb, _ in parts:
                 if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                     continue
-                offset, src = table[0 if kind is _F else 1 if kind is _B else 2 if kind is _I
-                                    else 3][pipe][stage]
+                offset, src = table[
+                    0 if kind is _F else 1 if kind is _B else 2 if kind is _I else 3
+                ][pipe][stage]
                 if offset >= 0 and src != rank:
                     d = received.get(mb * period + offset)
                     if d is None:
@@ -376,14 +387,19 @@ class _Builder:
         code, deps = self.code, self.deps
         listed = [instrs[g - base][0] for g in waits]  # Wait.ops
         flat = [base + i for ops in listed for i in ops]
-        if (flat and min(flat) >= base and max(flat) < base + count
-                and {code[i] for i in flat} <= {SEND, RECV}):
+        if (
+            flat
+            and min(flat) >= base
+            and max(flat) < base + count
+            and {code[i] for i in flat} <= {SEND, RECV}
+        ):
             for g, ops in zip(waits, listed, strict=True):
                 deps[g] = tuple([base + i for i in ops])
             return
         for g, ops in zip(waits, listed, strict=True):
-            deps[g] = tuple(base + i for i in ops
-                            if 0 <= i < count and code[base + i] in (SEND, RECV))
+            deps[g] = tuple(
+                base + i for i in ops if 0 <= i < count and code[base + i] in (SEND, RECV)
+            )
 
     def match(self) -> list[int]:
         """The k-th send of src to dst matches the k-th recv of dst from src."""

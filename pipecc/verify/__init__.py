@@ -101,8 +101,9 @@ def _verify(program: Program, options: Options) -> Report:
     misplaced = check_placement(ctx)
     check_coverage(ctx)
     if misplaced:  # every route and data dependency follows the placement: all would fail
-        notes = ("route and data-dependency checks skipped: the ops do not fit the "
-                 "program's placement",)
+        notes = (
+            "route and data-dependency checks skipped: the ops do not fit the program's placement",
+        )
     else:
         check_routes(ctx)
         check_dataflow(ctx)
@@ -123,8 +124,9 @@ def _verify(program: Program, options: Options) -> Report:
     )
 
 
-def _check_waits(ctx: Context, options: Options, verdicts: tuple[Verdict, ...]
-                 ) -> tuple[WaitTotals, ...]:
+def _check_waits(
+    ctx: Context, options: Options, verdicts: tuple[Verdict, ...]
+) -> tuple[WaitTotals, ...]:
     """--stall-budget: under each model the program passes, its placement-bound waits."""
     if options.stall_budget is None or options.costs is None or ctx.violations:
         return ()
@@ -148,8 +150,9 @@ def check_order(program: Program, options: Options = DEFAULT) -> Report | None:
         check_compute_order(ctx)
     if not ctx.violations:
         return None
-    return Report(program, options, tuple(ctx.violations), (), peaks(ctx),
-                  tuple(sorted(ctx.dropped.items())))
+    return Report(
+        program, options, tuple(ctx.violations), (), peaks(ctx), tuple(sorted(ctx.dropped.items()))
+    )
 
 
 def check(program: Program, options: Options = DEFAULT) -> None:

@@ -79,8 +79,9 @@ class Context:
             case Send() | Recv():
                 verb, arrow = ("send", "to") if type(instr) is Send else ("recv", "from")
                 group = f" [group {instr.group}]" if instr.group is not None else ""
-                return (f"{verb} {message_words(instr, self._pipes)} {arrow} rank "
-                        f"{instr.peer}{group}")
+                return (
+                    f"{verb} {message_words(instr, self._pipes)} {arrow} rank {instr.peer}{group}"
+                )
             case Wait(ops=ops):
                 return "wait " + " ".join(str(i) for i in ops)
             case _:

@@ -23,18 +23,23 @@ def check_coverage(ctx: Context) -> None:
     if valid is None:
         bad = [i for i, t in enumerate(tuples) if t != _OK_B and t != _OK_IW]
     else:
-        bad = [i for i, t in enumerate(tuples)
-               if ((t != _OK_B and t != _OK_IW) if valid[i] else t != _NONE)]
+        bad = [
+            i
+            for i, t in enumerate(tuples)
+            if ((t != _OK_B and t != _OK_IW) if valid[i] else t != _NONE)
+        ]
     if bad:
         first = _first_ops(ctx)
         for i in bad:
             _report(ctx, _decode(ctx, i), _problem(tuples[i]), first)
     for rank, index, op in outside:
         program = ctx.program
-        text = (f"{ctx.describe(rank, index)} names pipe {op.pipe} stage {op.stage} mb "
-                f"{op.mb}, which this program (P={program.num_ranks}, "
-                f"M={program.num_microbatches}, placement '{program.placement.name}') does "
-                "not have")
+        text = (
+            f"{ctx.describe(rank, index)} names pipe {op.pipe} stage {op.stage} mb "
+            f"{op.mb}, which this program (P={program.num_ranks}, "
+            f"M={program.num_microbatches}, placement '{program.placement.name}') does "
+            "not have"
+        )
         ctx.report(CoverageError(text, ctx.span(rank, index), rank=rank, index=index))
 
 
@@ -60,7 +65,7 @@ def _count(ctx: Context) -> tuple[list[int], list[tuple[int, int, Compute]]]:
                     outside.append((rank, g - base, op))
                     continue
                 k = 0 if kind is _F else 1 if kind is _B else 2 if kind is _I else 3
-                counts[((((mb * pipes + pipe) * stride + stage)) << 2) | k] += 1
+                counts[(((mb * pipes + pipe) * stride + stage) << 2) | k] += 1
     return counts, outside
 
 
@@ -74,7 +79,7 @@ def _valid_positions(ctx: Context) -> list[bool] | None:
     for pipe in range(keys.pipes):
         for mb in placement.microbatches(pipe, microbatches):
             start = (mb * keys.pipes + pipe) * keys.stride
-            valid[start:start + keys.stages[pipe]] = [True] * keys.stages[pipe]
+            valid[start : start + keys.stages[pipe]] = [True] * keys.stages[pipe]
     return valid
 
 
@@ -109,21 +114,27 @@ def _problem(got: tuple[int, ...]) -> str:
     elif b > 1:
         parts.append(f"{b} B")
     elif b == 0 and (i, w) != (1, 1):
-        parts.append("no backward (B, or I and W)" if i == w == 0
-                     else f"{i} I and {w} W (expected one each)")
+        parts.append(
+            "no backward (B, or I and W)" if i == w == 0 else f"{i} I and {w} W (expected one each)"
+        )
     return ", ".join(parts)
 
 
 def _report(
-    ctx: Context, key: tuple[int, int, int], problem: str,
+    ctx: Context,
+    key: tuple[int, int, int],
+    problem: str,
     first: dict[tuple[int, int, int], tuple[int, int]],
 ) -> None:
     pipe, stage, mb = key
     pipe_text = f"pipe {pipe} " if ctx.program.placement.num_pipes > 1 else ""
     valid = mb in ctx.program.placement.microbatches(pipe, ctx.program.num_microbatches)
-    text = (f"{pipe_text}stage {stage} mb {mb} has {problem}" if valid else
-            f"{pipe_text}stage {stage} mb {mb}: microbatch {mb} does not flow through pipe "
-            f"{pipe}, yet it has ops there")
+    text = (
+        f"{pipe_text}stage {stage} mb {mb} has {problem}"
+        if valid
+        else f"{pipe_text}stage {stage} mb {mb}: microbatch {mb} does not flow through pipe "
+        f"{pipe}, yet it has ops there"
+    )
     where = first.get(key)
     if where is None:
         ctx.report(CoverageError(text))

@@ -99,31 +99,56 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
             holders = ranks_of[pipe]
             if kind is _KW:
                 if get(fact | _I, get(fact | _BACKWARD, never)) >= index:
-                    _report(ctx, WeightBeforeInputGradError, rank, index, op,
-                            f"runs before I{op.chunk}.{mb}, the input-gradient backward it "
-                            "completes")
+                    _report(
+                        ctx,
+                        WeightBeforeInputGradError,
+                        rank,
+                        index,
+                        op,
+                        f"runs before I{op.chunk}.{mb}, the input-gradient backward it completes",
+                    )
             elif kind is _KF:
                 if stage and holders[stage - 1] == rank and get(fact - 4, never) >= index:
                     _report_local(ctx, rank, index, op, stage - 1)
             else:
                 if holders[stage] == rank and get(fact, never) >= index:
-                    _report(ctx, BackwardBeforeForwardError, rank, index, op,
-                            f"runs before its own forward F{op.chunk}.{mb}")
-                if (stage + 1 < len(holders) and holders[stage + 1] == rank
-                        and get((fact + 4) | _BACKWARD, never) >= index):
+                    _report(
+                        ctx,
+                        BackwardBeforeForwardError,
+                        rank,
+                        index,
+                        op,
+                        f"runs before its own forward F{op.chunk}.{mb}",
+                    )
+                if (
+                    stage + 1 < len(holders)
+                    and holders[stage + 1] == rank
+                    and get((fact + 4) | _BACKWARD, never) >= index
+                ):
                     _report_local(ctx, rank, index, op, stage + 1)
 
 
 def _report_local(ctx: Context, rank: int, index: int, op: Compute, upstream: int) -> None:
     chunk = ctx.program.placement.holder(op.pipe, upstream).chunk
     if op.kind is _KF:
-        _report(ctx, ForwardBeforeInputError, rank, index, op,
-                f"runs before F of stage {upstream} (chunk {chunk}, same rank), which makes "
-                "its input")
+        _report(
+            ctx,
+            ForwardBeforeInputError,
+            rank,
+            index,
+            op,
+            f"runs before F of stage {upstream} (chunk {chunk}, same rank), which makes its input",
+        )
     else:
-        _report(ctx, BackwardBeforeGradientError, rank, index, op,
-                f"runs before the backward of stage {upstream} (chunk {chunk}, same rank), "
-                "which makes its gradient")
+        _report(
+            ctx,
+            BackwardBeforeGradientError,
+            rank,
+            index,
+            op,
+            f"runs before the backward of stage {upstream} (chunk {chunk}, same rank), "
+            "which makes its gradient",
+        )
 
 
 def _check_sends(ctx: Context, rank: int, made: dict[int, int]) -> None:
@@ -155,8 +180,10 @@ def _report_send(ctx: Context, rank: int, index: int) -> None:
     act = send.what is Msg.ACT  # type: ignore[union-attr]
     producer = send.stage - 1 if act else send.stage + 1  # type: ignore[union-attr]
     made = f"F of stage {producer}" if act else f"the backward of stage {producer}"
-    text = (f"{ctx.describe(rank, index)} is posted before {made} mb {send.mb}, which "  # type: ignore[union-attr]
-            "makes the tensor it sends")
+    text = (
+        f"{ctx.describe(rank, index)} is posted before {made} mb {send.mb}, which "  # type: ignore[union-attr]
+        "makes the tensor it sends"
+    )
     ctx.report(SendBeforeComputeError(text, ctx.span(rank, index), rank=rank, index=index))
 
 
@@ -166,17 +193,28 @@ def _check_received(ctx: Context) -> None:
     for g in w.unreceived:
         rank, index = w.locate(g)
         op = _parts(ctx.instr(rank, index))[0]
-        _report(ctx, MissingRecvError, rank, index, op,
-                f"needs a tensor from another rank that rank {rank} never receives")
+        _report(
+            ctx,
+            MissingRecvError,
+            rank,
+            index,
+            op,
+            f"needs a tensor from another rank that rank {rank} never receives",
+        )
     for rank, computes in enumerate(w.computes):
         late = [g for g in computes if w.deps[g] and w.deps[g][-1] > g]
         for g in late:
             index = g - w.offsets[rank]
             recv = w.deps[g][-1] - w.offsets[rank]
             op = _parts(ctx.instr(rank, index))[0]
-            _report(ctx, RecvAfterUseError, rank, index, op,
-                    f"consumes {ctx.what(ctx.instr(rank, recv))}, posted only later, at "
-                    f"@{recv}")
+            _report(
+                ctx,
+                RecvAfterUseError,
+                rank,
+                index,
+                op,
+                f"consumes {ctx.what(ctx.instr(rank, recv))}, posted only later, at @{recv}",
+            )
 
 
 def _report(
@@ -202,8 +240,9 @@ class _Needs:
                 if type(instr) is Compute or type(instr) is Fused:
                     parts = _parts(instr)
                     made = tuple(f for op in parts for f in self._makes(op) if f >= 0)
-                    needs = tuple(f for op in parts for f in self._needs(op) if f >= 0
-                                  and f not in made)
+                    needs = tuple(
+                        f for op in parts for f in self._needs(op) if f >= 0 and f not in made
+                    )
                     row.append((index, needs, made))
                     for fact in made:
                         self.maker.setdefault(fact, (rank, index))
@@ -251,8 +290,11 @@ def check_compute_order(ctx: Context) -> bool:
                 made.add(fact)
                 ready.extend(waiting.pop(fact, ()))
             cursor[rank] += 1
-    stuck = [(rank, row[cursor[rank]][0]) for rank, row in enumerate(needs.ops)
-             if cursor[rank] < len(row)]
+    stuck = [
+        (rank, row[cursor[rank]][0])
+        for rank, row in enumerate(needs.ops)
+        if cursor[rank] < len(row)
+    ]
     if not stuck:
         return True
     _report_cycle(ctx, needs, cursor, made, stuck)
@@ -260,7 +302,10 @@ def check_compute_order(ctx: Context) -> bool:
 
 
 def _report_cycle(
-    ctx: Context, needs: _Needs, cursor: list[int], made: set[int],
+    ctx: Context,
+    needs: _Needs,
+    cursor: list[int],
+    made: set[int],
     stuck: list[tuple[int, int]],
 ) -> None:
     graph: nx.DiGraph = nx.DiGraph()
@@ -276,11 +321,16 @@ def _report_cycle(
     lines = []
     for a, b in cycle:
         why = graph.edges[a, b]["why"]
-        reason = (f"the op before it on rank {a[0]}" if why == "program order"
-                  else "which makes the data it needs")
+        reason = (
+            f"the op before it on rank {a[0]}"
+            if why == "program order"
+            else "which makes the data it needs"
+        )
         lines.append(f"  {ctx.describe(*a)}  waits for  {ctx.describe(*b)}  ({reason})")
-    text = ("the compute order cannot run, under any placement of sends and receives: "
-            "every op on this cycle waits for the next\n" + "\n".join(lines))
+    text = (
+        "the compute order cannot run, under any placement of sends and receives: "
+        "every op on this cycle waits for the next\n" + "\n".join(lines)
+    )
     rank, index = cycle[0][0]
     noted = {rank}
     notes = []
@@ -288,5 +338,8 @@ def _report_cycle(
         if r not in noted:
             noted.add(r)
             notes.append(ctx.note(r, i, f"rank {r} is on the cycle here"))
-    ctx.report(UnrunnableOrderError(text, ctx.span(rank, index), notes=tuple(notes), rank=rank,
-                                    index=index))
+    ctx.report(
+        UnrunnableOrderError(
+            text, ctx.span(rank, index), notes=tuple(notes), rank=rank, index=index
+        )
+    )

@@ -107,17 +107,27 @@ def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -
     model = run.model.value
     if closed:
         who = " → ".join(str(r) for r in [*ranks, ranks[0]])
-        head = (f"deadlock under {model}: rank {ranks[0]} waits for itself" if len(ranks) == 1
-                else f"deadlock under {model}: ranks {who} wait for each other in a cycle")
+        head = (
+            f"deadlock under {model}: rank {ranks[0]} waits for itself"
+            if len(ranks) == 1
+            else f"deadlock under {model}: ranks {who} wait for each other in a cycle"
+        )
     else:
         last = path[-1]
-        head = (f"deadlock under {model}: rank {path[0][0]} waits forever for "
-                f"{ctx.describe(*last)}, which nothing matches")
+        head = (
+            f"deadlock under {model}: rank {path[0][0]} waits forever for "
+            f"{ctx.describe(*last)}, which nothing matches"
+        )
     if status is Status.NEEDS_BUFFERING:
-        head = ("needs buffering: the program completes only when sends are buffered "
-                f"(eager); it hangs for large messages or across nodes. {head}")
-    kind = ("cycle (each line waits for the next, the last for the first):" if closed
-            else "chain (each line waits for the next):")
+        head = (
+            "needs buffering: the program completes only when sends are buffered "
+            f"(eager); it hangs for large messages or across nodes. {head}"
+        )
+    kind = (
+        "cycle (each line waits for the next, the last for the first):"
+        if closed
+        else "chain (each line waits for the next):"
+    )
     lines = [head, _stuck_line(ctx, run, ranks), f"  {kind}"]
     lines += [_hop(ctx, run, edges[node]) for node in path]
     lines += _extra(run, runs)
@@ -130,16 +140,20 @@ def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -
             seen.add(rank)
             notes.append(ctx.note(rank, index, f"rank {rank} is stuck here"))
     cls = NeedsBufferingError if status is Status.NEEDS_BUFFERING else DeadlockError
-    return cls("\n".join(lines), ctx.span(*first), notes=tuple(notes), rank=first[0],
-               index=first[1])
+    return cls(
+        "\n".join(lines), ctx.span(*first), notes=tuple(notes), rank=first[0], index=first[1]
+    )
 
 
 def _stuck_line(ctx: Context, run: Replay, ranks: list[int]) -> str:
     parts = []
     for rank in ranks:
         at = run.blocked_at(rank)
-        parts.append(f"rank {rank} at @{at} {ctx.what(ctx.instr(rank, at))}" if at is not None
-                     else f"rank {rank} ran to its end with ops incomplete")
+        parts.append(
+            f"rank {rank} at @{at} {ctx.what(ctx.instr(rank, at))}"
+            if at is not None
+            else f"rank {rank} ran to its end with ops incomplete"
+        )
     return "  stuck: " + "; ".join(parts)
 
 
@@ -194,7 +208,7 @@ def _reason(ctx: Context, run: Replay, stuck: Stuck) -> str:
             return f"completes with its partner, rank {on[0]} @{on[1]} ({_rule(run.model)})"
         case Block.STREAM:
             assert on is not None
-            return (f"queued behind @{on[1]}, not complete ({_stream_rule(ctx, run.model, stuck)})")
+            return f"queued behind @{on[1]}, not complete ({_stream_rule(ctx, run.model, stuck)})"
         case _:
             raise AssertionError(why)
 
@@ -203,11 +217,11 @@ def _rule(model: CommModel) -> str:
     return {
         CommModel.EAGER: "eager: a receive completes once its send is posted",
         CommModel.RENDEZVOUS: "rendezvous: a send and its receive complete together, once "
-                              "both are posted",
+        "both are posted",
         CommModel.NCCL: "nccl: a pair transfers once both ops are posted and at the head of "
-                        "their streams",
+        "their streams",
         CommModel.NCCL_SINGLE: "nccl-single: a pair transfers once both ops are posted and "
-                               "at the head of their streams",
+        "at the head of their streams",
     }[model]
 
 
@@ -223,15 +237,18 @@ def _extra(run: Replay, runs: _Replays) -> list[str]:
     """Which weaker models the program passes, to say what the cycle depends on."""
     if not run.model.has_streams or not runs(CommModel.RENDEZVOUS).finished:
         return []
-    return ["  it runs under rendezvous: this cycle closes only through NCCL's stream order "
-            "(an op waits behind an earlier op on its stream, pytorch/pytorch#165664); post "
-            "the ops of every rank pair in one global order, or group the pair"]
+    return [
+        "  it runs under rendezvous: this cycle closes only through NCCL's stream order "
+        "(an op waits behind an earlier op on its stream, pytorch/pytorch#165664); post "
+        "the ops of every rank pair in one global order, or group the pair"
+    ]
 
 
 def _grid(ctx: Context, run: Replay, ranks: list[int]) -> list[str]:
     """Each rank's last completed instructions, and ▶ the one it is stuck at."""
-    others = [r for r in range(run.program.num_ranks)
-              if r not in ranks and run.blocked_at(r) is not None]
+    others = [
+        r for r in range(run.program.num_ranks) if r not in ranks and run.blocked_at(r) is not None
+    ]
     shown = (ranks + others)[:GRID_RANKS]
     lines = ["  last completed instructions (▶ where the rank is stuck):"]
     for rank in shown:

@@ -27,8 +27,9 @@ def _check_pair(ctx: Context, src: int, dst: int, sends: object, recvs: object) 
     w = ctx.wiring
     message = w.message
     sends_, recvs_ = list(sends), list(recvs)  # type: ignore[call-overload]
-    bad = [k for k, (s, r) in enumerate(zip(sends_, recvs_, strict=False))
-           if message[s] != message[r]]
+    bad = [
+        k for k, (s, r) in enumerate(zip(sends_, recvs_, strict=False)) if message[s] != message[r]
+    ]
     if bad:
         _report_mismatch(ctx, src, dst, sends_, recvs_, bad)
     if len(sends_) != len(recvs_):
@@ -47,34 +48,52 @@ def _report_mismatch(
     w = ctx.wiring
     k = bad[0]
     message = w.message
-    swapped = (k + 1 < min(len(sends), len(recvs)) and message[sends[k]] == message[recvs[k + 1]]
-               and message[sends[k + 1]] == message[recvs[k]])
+    swapped = (
+        k + 1 < min(len(sends), len(recvs))
+        and message[sends[k]] == message[recvs[k + 1]]
+        and message[sends[k + 1]] == message[recvs[k]]
+    )
     send_at = [w.locate(s)[1] for s in sends]
     recv_at = [w.locate(r)[1] for r in recvs]
     if swapped:
         text = _swap_text(ctx, src, dst, k, send_at, recv_at)
     else:
-        text = (f"rank {src} → rank {dst}: the {_ordinal(k)} message is sent as "
-                f"{_sent(ctx, src, send_at[k])} but received as "
-                f"{_received(ctx, dst, recv_at[k])}")
-    text += ("; NCCL and gloo match untagged sends and receives in posting order, so rank "
-             f"{dst} gets the wrong tensor (no error, no hang)")
+        text = (
+            f"rank {src} → rank {dst}: the {_ordinal(k)} message is sent as "
+            f"{_sent(ctx, src, send_at[k])} but received as "
+            f"{_received(ctx, dst, recv_at[k])}"
+        )
+    text += (
+        "; NCCL and gloo match untagged sends and receives in posting order, so rank "
+        f"{dst} gets the wrong tensor (no error, no hang)"
+    )
     rest = len(bad) - (2 if swapped else 1)
     if rest > 0:
         text += f"; {rest} more message(s) of this pair are mismatched after it"
-    notes = [ctx.note(dst, recv_at[k], f"rank {dst} posts its {_ordinal(k)} receive from "
-                      f"rank {src} here: {ctx.what(ctx.instr(dst, recv_at[k]))}")]
-    ctx.report(MismatchError(text, ctx.span(src, send_at[k]), notes=tuple(notes),
-                             rank=src, index=send_at[k]))
+    notes = [
+        ctx.note(
+            dst,
+            recv_at[k],
+            f"rank {dst} posts its {_ordinal(k)} receive from "
+            f"rank {src} here: {ctx.what(ctx.instr(dst, recv_at[k]))}",
+        )
+    ]
+    ctx.report(
+        MismatchError(
+            text, ctx.span(src, send_at[k]), notes=tuple(notes), rank=src, index=send_at[k]
+        )
+    )
 
 
 def _swap_text(
     ctx: Context, src: int, dst: int, k: int, send_at: list[int], recv_at: list[int]
 ) -> str:
-    return (f"rank {src} → rank {dst}: messages {k + 1} and {k + 2} are swapped: rank {src} "
-            f"sends {_sent(ctx, src, send_at[k])} then {_sent(ctx, src, send_at[k + 1])}, "
-            f"rank {dst} receives {_received(ctx, dst, recv_at[k])} then "
-            f"{_received(ctx, dst, recv_at[k + 1])}")
+    return (
+        f"rank {src} → rank {dst}: messages {k + 1} and {k + 2} are swapped: rank {src} "
+        f"sends {_sent(ctx, src, send_at[k])} then {_sent(ctx, src, send_at[k + 1])}, "
+        f"rank {dst} receives {_received(ctx, dst, recv_at[k])} then "
+        f"{_received(ctx, dst, recv_at[k + 1])}"
+    )
 
 
 def _sent(ctx: Context, rank: int, index: int) -> str:
@@ -113,27 +132,33 @@ def _producer(ctx: Context, rank: int, send: Send) -> str:
     else:
         kinds, stage = (Kind.B, Kind.I), send.stage + 1
     for instr in ctx.program.ranks[rank]:
-        parts = (instr,) if type(instr) is Compute else (
-            (instr.forward, instr.backward) if type(instr) is Fused else ())
+        parts = (
+            (instr,)
+            if type(instr) is Compute
+            else ((instr.forward, instr.backward) if type(instr) is Fused else ())
+        )
         for op in parts:
-            if (op.kind in kinds and op.pipe == send.pipe and op.stage == stage  # type: ignore[union-attr]
-                    and op.mb == send.mb):  # type: ignore[union-attr]
+            if (
+                op.kind in kinds
+                and op.pipe == send.pipe
+                and op.stage == stage  # type: ignore[union-attr]
+                and op.mb == send.mb
+            ):  # type: ignore[union-attr]
                 return torch_name(op)  # type: ignore[arg-type]
     return ""
 
 
-def _report_orphans(
-    ctx: Context, src: int, dst: int, sends: list[int], recvs: list[int]
-) -> None:
+def _report_orphans(ctx: Context, src: int, dst: int, sends: list[int], recvs: list[int]) -> None:
     w = ctx.wiring
-    extra, rank, verb = ((sends, src, "send") if len(sends) > len(recvs)
-                         else (recvs, dst, "recv"))
+    extra, rank, verb = (sends, src, "send") if len(sends) > len(recvs) else (recvs, dst, "recv")
     k = min(len(sends), len(recvs))
     index = w.locate(extra[k])[1]
     more = len(extra) - k - 1
-    text = (f"rank {src} posts {len(sends)} send(s) to rank {dst} and rank {dst} posts "
-            f"{len(recvs)} receive(s) from rank {src}: the {_ordinal(k)} {verb}, "
-            f"{ctx.what(ctx.instr(rank, index))} (@{index}), has no partner and never completes")
+    text = (
+        f"rank {src} posts {len(sends)} send(s) to rank {dst} and rank {dst} posts "
+        f"{len(recvs)} receive(s) from rank {src}: the {_ordinal(k)} {verb}, "
+        f"{ctx.what(ctx.instr(rank, index))} (@{index}), has no partner and never completes"
+    )
     if more:
         text += f" ({more} more after it)"
     ctx.report(OrphanError(text, ctx.span(rank, index), rank=rank, index=index))

@@ -57,7 +57,8 @@ def check_memory(ctx: Context, found: tuple[Peak, ...], limit: int) -> None:
     """Report every rank whose peak exceeds `limit` units."""
     for rank, peak, index in found:
         if peak > limit:
-            text = (f"rank {rank} holds {peak} activation units at its peak (@{index}, "
-                    f"{ctx.what(ctx.instr(rank, index))}), above --max-activations {limit}")
-            ctx.report(ActivationLimitError(text, ctx.span(rank, index), rank=rank,
-                                            index=index))
+            text = (
+                f"rank {rank} holds {peak} activation units at its peak (@{index}, "
+                f"{ctx.what(ctx.instr(rank, index))}), above --max-activations {limit}"
+            )
+            ctx.report(ActivationLimitError(text, ctx.span(rank, index), rank=rank, index=index))

@@ -30,8 +30,9 @@ def check_placement(ctx: Context) -> int:
         base = w.offsets[rank]
         slots = table[rank]
         used = {op[1:4] for g in w.computes[rank] for op in _parts(instrs[g - base])}
-        if all(0 <= chunk < len(slots) and slots[chunk] == (pipe, stage)
-               for chunk, pipe, stage in used):
+        if all(
+            0 <= chunk < len(slots) and slots[chunk] == (pipe, stage) for chunk, pipe, stage in used
+        ):
             continue
         for g in w.computes[rank]:
             for op in _parts(instrs[g - base]):
@@ -52,8 +53,10 @@ def _parts(instr: Instr) -> tuple[Compute, ...]:
 
 
 def _table(placement: Placement) -> list[list[tuple[int, int]]]:
-    return [[(slot.pipe, slot.stage) for slot in placement.chunks(rank)]
-            for rank in range(placement.num_ranks)]
+    return [
+        [(slot.pipe, slot.stage) for slot in placement.chunks(rank)]
+        for rank in range(placement.num_ranks)
+    ]
 
 
 def _report_misplaced(ctx: Context, rank: int, index: int, op: Compute) -> None:
@@ -65,9 +68,11 @@ def _report_misplaced(ctx: Context, rank: int, index: int, op: Compute) -> None:
             held += f" of pipe {slot.pipe}"
     else:
         held = f"rank {rank} has no chunk {op.chunk}"
-    text = (f"{op.label()} on rank {rank} (@{index}) computes stage {op.stage}"
-            f"{f' of pipe {op.pipe}' if placement.num_pipes > 1 else ''}, but in placement "
-            f"'{placement.name}' {held}")
+    text = (
+        f"{op.label()} on rank {rank} (@{index}) computes stage {op.stage}"
+        f"{f' of pipe {op.pipe}' if placement.num_pipes > 1 else ''}, but in placement "
+        f"'{placement.name}' {held}"
+    )
     ctx.report(MisplacedOpError(text, ctx.span(rank, index), rank=rank, index=index))
 
 
@@ -78,10 +83,12 @@ def _hint_placement(ctx: Context, wrong: int) -> None:
     if not fits:
         return
     hint = fits[0]
-    text = (f"{wrong} op(s) do not fit placement '{program.placement.name}', but every op "
-            f"fits placement '{hint.name}': the schedule was written for '{hint.name}' and "
-            "is run with another stage-to-rank map (as in pytorch/torchtitan#774, a V "
-            "schedule on a loop placement)")
+    text = (
+        f"{wrong} op(s) do not fit placement '{program.placement.name}', but every op "
+        f"fits placement '{hint.name}': the schedule was written for '{hint.name}' and "
+        "is run with another stage-to-rank map (as in pytorch/torchtitan#774, a V "
+        "schedule on a loop placement)"
+    )
     ctx.report(MisplacedOpError(text))
 
 
@@ -97,12 +104,18 @@ def _fits(ctx: Context, placement: Placement) -> bool:
     table = _table(placement)
     for rank, instrs in enumerate(ctx.program.ranks):
         for instr in instrs:
-            parts = ((instr,) if type(instr) is Compute else
-                     (instr.forward, instr.backward) if type(instr) is Fused else ())
+            parts = (
+                (instr,)
+                if type(instr) is Compute
+                else (instr.forward, instr.backward)
+                if type(instr) is Fused
+                else ()
+            )
             for op in parts:
                 chunk = op.chunk  # type: ignore[union-attr]
-                if not (0 <= chunk < len(table[rank])
-                        and table[rank][chunk] == (op.pipe, op.stage)):  # type: ignore[union-attr]
+                if not (
+                    0 <= chunk < len(table[rank]) and table[rank][chunk] == (op.pipe, op.stage)
+                ):  # type: ignore[union-attr]
                     return False
     return True
 
@@ -120,8 +133,9 @@ def check_routes(ctx: Context) -> None:
             for peer, ops in enumerate(row):
                 if ops:
                     want = rank * num_ranks + peer if sending else peer * num_ranks + rank
-                    suspects += [g for g in ops
-                                 if message[g] < 0 or route[message[g] % period] != want]
+                    suspects += [
+                        g for g in ops if message[g] < 0 or route[message[g] % period] != want
+                    ]
     if w.num_paired != w.num_comm:  # ops whose peer is not another rank are in no pair list
         suspects += [g for g, c in enumerate(w.code) if (c == SEND or c == RECV) and w.peer[g] < 0]
     placement = ctx.program.placement
@@ -162,9 +176,13 @@ def _route_problem(placement: Placement, rank: int, op: Send | Recv) -> str:
     if not 0 <= peer < placement.num_ranks:
         return f"peer {peer} is not a rank (0..{placement.num_ranks - 1})"
     if src == dst:
-        return (f"stages {min(stage, other)} and {max(stage, other)} are both on rank {src}: "
-                "they pass the tensor locally, with no message")
+        return (
+            f"stages {min(stage, other)} and {max(stage, other)} are both on rank {src}: "
+            "they pass the tensor locally, with no message"
+        )
     if rank != mine or peer != theirs:
-        return (f"this message goes from rank {src} (stage {other}) to rank {dst} (stage "
-                f"{stage}) in placement '{placement.name}'")
+        return (
+            f"this message goes from rank {src} (stage {other}) to rank {dst} (stage "
+            f"{stage}) in placement '{placement.name}'"
+        )
     return ""

@@ -29,19 +29,24 @@ def summary(report: Report, label: str) -> str:
     peaks = " ".join(str(p.peak) for p in report.peaks)
     lines = [head, f"peak activations per rank: {peaks}"]
     for totals in report.waits:
-        pairs = " ".join(f"{d:g}/{p:g}" for d, p in zip(totals.dependency, totals.placement,
-                                                         strict=True))
-        lines.append(f"wait per rank under {totals.model.value} (dependency-bound/placement-"
-                     f"bound; makespan {totals.makespan:g}; budget "
-                     f"{report.options.stall_budget}): {pairs}")
+        pairs = " ".join(
+            f"{d:g}/{p:g}" for d, p in zip(totals.dependency, totals.placement, strict=True)
+        )
+        lines.append(
+            f"wait per rank under {totals.model.value} (dependency-bound/placement-"
+            f"bound; makespan {totals.makespan:g}; budget "
+            f"{report.options.stall_budget}): {pairs}"
+        )
     return "\n".join(lines)
 
 
 def text(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
     """Every violation in full (location, caret, notes), then the summary."""
     parts = [str(v) for v in report.violations]
-    parts += [f"note: {code}: {more} more violation(s) of this kind not shown"
-              for code, more in report.dropped]
+    parts += [
+        f"note: {code}: {more} more violation(s) of this kind not shown"
+        for code, more in report.dropped
+    ]
     parts += [f"note: {note}" for note in (*report.notes, *notes)]
     parts.append(summary(report, label))
     return "\n\n".join(parts) + "\n"
@@ -76,11 +81,18 @@ def as_json(report: Report, label: str, notes: tuple[str, ...] = ()) -> dict[str
         "verdicts": {v.model.value: v.status.value for v in report.verdicts},
         "violations": [violation_json(v) for v in report.violations],
         "dropped": dict(report.dropped),
-        "peak_activations": [{"rank": p.rank, "peak": p.peak, "index": p.index}
-                             for p in report.peaks],
-        "waits": [{"model": t.model.value, "makespan": t.makespan,
-                   "dependency_bound": list(t.dependency), "placement_bound": list(t.placement)}
-                  for t in report.waits],
+        "peak_activations": [
+            {"rank": p.rank, "peak": p.peak, "index": p.index} for p in report.peaks
+        ],
+        "waits": [
+            {
+                "model": t.model.value,
+                "makespan": t.makespan,
+                "dependency_bound": list(t.dependency),
+                "placement_bound": list(t.placement),
+            }
+            for t in report.waits
+        ],
         "notes": [*report.notes, *notes],
     }
 
@@ -96,8 +108,11 @@ def annotation(v: Violation, label: str) -> str:
     """`::error file=…,line=…,col=…,title=…::message` for one violation."""
     props = []
     if v.span is not None:
-        props += [f"file={_escape(v.span.file, prop=True)}", f"line={v.span.line}",
-                  f"col={v.span.col}"]
+        props += [
+            f"file={_escape(v.span.file, prop=True)}",
+            f"line={v.span.line}",
+            f"col={v.span.col}",
+        ]
     props.append(f"title={_escape(f'pipecc verify [{v.code}] {label}', prop=True)}")
     return f"::error {','.join(props)}::{_escape(v.message)}"
 
@@ -106,8 +121,10 @@ def github(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
     """One annotation per violation, then the summary as a notice."""
     lines = [annotation(v, label) for v in report.violations]
     status = "ok" if report.ok else "failed"
-    lines.append(f"::notice title={_escape(f'pipecc verify {status}', prop=True)}::"
-                 f"{_escape(summary(report, label))}")
+    lines.append(
+        f"::notice title={_escape(f'pipecc verify {status}', prop=True)}::"
+        f"{_escape(summary(report, label))}"
+    )
     lines += [f"::notice::{_escape(note)}" for note in (*report.notes, *notes)]
     return "\n".join(lines) + "\n"
 

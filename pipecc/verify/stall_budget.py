@@ -34,8 +34,10 @@ class StallBudget:
         """`0`, `0.05` or `2%`."""
         match = _BUDGET.fullmatch(text)
         if match is None:
-            raise InputError(f"--stall-budget: expected a time (0.05) or a percentage of the "
-                             f"makespan (2%), got {text!r}")
+            raise InputError(
+                f"--stall-budget: expected a time (0.05) or a percentage of the "
+                f"makespan (2%), got {text!r}"
+            )
         return cls(float(match.group(1)), bool(match.group(2)))
 
     def allowed(self, makespan: float) -> float:
@@ -56,8 +58,9 @@ class WaitTotals:
     placement: tuple[float, ...]
 
 
-def check_stalls(ctx: Context, costs: CostModel, model: CommModel,
-                 budget: StallBudget) -> WaitTotals | None:
+def check_stalls(
+    ctx: Context, costs: CostModel, model: CommModel, budget: StallBudget
+) -> WaitTotals | None:
     """Report every placement-bound wait over `budget` under `model`; None when the program
     does not run to completion there (the deadlock check reports that)."""
     run = replay(ctx.program, model=model, timing=CostTiming(costs), wiring=ctx.wiring)
@@ -71,17 +74,21 @@ def check_stalls(ctx: Context, costs: CostModel, model: CommModel,
             if gap.placement > allowed + 1e-9:
                 ctx.report(_violation(ctx, gap, model, budget, allowed))
     return WaitTotals(
-        model, round(makespan, 9),
+        model,
+        round(makespan, 9),
         tuple(round(sum(g.dependency for g in rank), 9) for rank in gaps),
         tuple(round(sum(g.placement for g in rank), 9) for rank in gaps),
     )
 
 
-def _violation(ctx: Context, gap: Gap, model: CommModel, budget: StallBudget,
-               allowed: float) -> StallError:
+def _violation(
+    ctx: Context, gap: Gap, model: CommModel, budget: StallBudget, allowed: float
+) -> StallError:
     limit = f"{budget}" + (f" = {allowed:g}" if budget.percent else "")
-    text = (f"{ctx.describe(gap.rank, gap.index)} waits {gap.placement:g} longer than its "
-            f"data needs ({gap.since:g} to {gap.until:g}, of which {gap.dependency:g} "
-            f"dependency-bound) under {model.value}, over the stall budget {limit}: "
-            f"{gap.cause}")
+    text = (
+        f"{ctx.describe(gap.rank, gap.index)} waits {gap.placement:g} longer than its "
+        f"data needs ({gap.since:g} to {gap.until:g}, of which {gap.dependency:g} "
+        f"dependency-bound) under {model.value}, over the stall budget {limit}: "
+        f"{gap.cause}"
+    )
     return StallError(text, ctx.span(gap.rank, gap.index), rank=gap.rank, index=gap.index)

@@ -60,27 +60,32 @@ def _messages_unique(ctx: Context) -> bool:
     return w.num_paired == w.num_comm  # ops with a bad peer are in no list: check slowly
 
 
-def _check_one_wait(
-    ctx: Context, rank: int, index: int, wait: Wait, waited_by: list[int]
-) -> None:
+def _check_one_wait(ctx: Context, rank: int, index: int, wait: Wait, waited_by: list[int]) -> None:
     w = ctx.wiring
     base = w.offsets[rank]
     for target in wait.ops:
         if not 0 <= target < len(waited_by):
-            text = (f"rank {rank} @{index} {ctx.what(wait)} lists @{target}, but rank {rank} "
-                    f"has instructions @0..@{len(waited_by) - 1}")
+            text = (
+                f"rank {rank} @{index} {ctx.what(wait)} lists @{target}, but rank {rank} "
+                f"has instructions @0..@{len(waited_by) - 1}"
+            )
             ctx.report(WaitTargetError(text, ctx.span(rank, index), rank=rank, index=index))
         elif w.code[base + target] not in (SEND, RECV):
-            text = (f"rank {rank} @{index} {ctx.what(wait)} lists @{target}, "
-                    f"{ctx.what(ctx.instr(rank, target))}, which is not a send or receive")
+            text = (
+                f"rank {rank} @{index} {ctx.what(wait)} lists @{target}, "
+                f"{ctx.what(ctx.instr(rank, target))}, which is not a send or receive"
+            )
             ctx.report(WaitTargetError(text, ctx.span(rank, index), rank=rank, index=index))
         elif waited_by[target] >= 0:
             first = waited_by[target]
-            text = (f"rank {rank} @{index} waits for {ctx.describe(rank, target)}, already "
-                    f"waited at @{first}")
+            text = (
+                f"rank {rank} @{index} waits for {ctx.describe(rank, target)}, already "
+                f"waited at @{first}"
+            )
             notes = (ctx.note(rank, first, "the first wait is here"),)
-            ctx.report(DoubleWaitError(text, ctx.span(rank, index), notes=notes, rank=rank,
-                                       index=index))
+            ctx.report(
+                DoubleWaitError(text, ctx.span(rank, index), notes=notes, rank=rank, index=index)
+            )
         else:
             waited_by[target] = index
 
@@ -91,9 +96,11 @@ def _check_unwaited(ctx: Context, rank: int, waited_by: list[int]) -> None:
     code = w.code
     for index, by in enumerate(waited_by):
         if by < 0 and (code[base + index] == SEND or code[base + index] == RECV):
-            text = (f"{ctx.describe(rank, index)} is posted but never waited: on gloo its "
-                    "work object is never completed (the step hangs), and its buffer may be "
-                    "reused while the transfer runs")
+            text = (
+                f"{ctx.describe(rank, index)} is posted but never waited: on gloo its "
+                "work object is never completed (the step hangs), and its buffer may be "
+                "reused while the transfer runs"
+            )
             ctx.report(UnwaitedError(text, ctx.span(rank, index), rank=rank, index=index))
 
 
@@ -110,12 +117,14 @@ def _check_reuse(ctx: Context, rank: int, waited_by: list[int]) -> None:
         key = (c, message[base + index])
         earlier = outstanding.get(key)
         if earlier is not None and not 0 <= waited_by[earlier] < index:
-            whose = ("wait comes later" if waited_by[earlier] >= 0
-                     else "post is never waited")
-            text = (f"{ctx.describe(rank, index)} reuses the buffer of @{earlier} (the same "
-                    f"message), whose {whose}: the two transfers write (or read) one tensor "
-                    "at the same time")
+            whose = "wait comes later" if waited_by[earlier] >= 0 else "post is never waited"
+            text = (
+                f"{ctx.describe(rank, index)} reuses the buffer of @{earlier} (the same "
+                f"message), whose {whose}: the two transfers write (or read) one tensor "
+                "at the same time"
+            )
             notes = (ctx.note(rank, earlier, "the first post is here"),)
-            ctx.report(BufferReuseError(text, ctx.span(rank, index), notes=notes, rank=rank,
-                                        index=index))
+            ctx.report(
+                BufferReuseError(text, ctx.span(rank, index), notes=notes, rank=rank, index=index)
+            )
         outstanding[key] = index

@@ -23,8 +23,21 @@ rank 3 | F0.0 I0.0 F0.1 I0.1 F0.2 I0.2 F0.3 I0.3 W0.0 F0.4 I0.4 W0.1 F0.5 I0.5 W
 
 
 def test_text_grid(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["compile", str(ROOT / "schedules/zb_h1.sched"), "--ranks", "4",
-                 "--microbatches", "8", "--format", "text"]) == 0
+    assert (
+        main(
+            [
+                "compile",
+                str(ROOT / "schedules/zb_h1.sched"),
+                "--ranks",
+                "4",
+                "--microbatches",
+                "8",
+                "--format",
+                "text",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == ZB_H1_GRID
 
 
@@ -51,8 +64,10 @@ def test_output_file_and_json_input(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_defines_change_the_program(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["compile", "interleaved_1f1b", "-P", "2", "-M", "4", "-D", "V=3",
-                 "--format", "text"]) == 0
+    assert (
+        main(["compile", "interleaved_1f1b", "-P", "2", "-M", "4", "-D", "V=3", "--format", "text"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("# interleaved_1f1b  P=2 M=4  placement loop(3)  V=3\n")
     assert "F2.0" in out
@@ -67,13 +82,18 @@ def test_list_shows_every_bundled_schedule(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_help_explains_formats_and_exit_codes() -> None:
-    result = subprocess.run([sys.executable, "-m", "pipecc.cli", "compile", "--help"],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipecc.cli", "compile", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0
     for word in ("torch-csv-comms", "--microbatches", "-D NAME=VALUE", "F0.4&B1.1"):
         assert word in result.stdout
-    top = subprocess.run([sys.executable, "-m", "pipecc.cli", "--help"],
-                         capture_output=True, text=True, check=False).stdout
+    top = subprocess.run(
+        [sys.executable, "-m", "pipecc.cli", "--help"], capture_output=True, text=True, check=False
+    ).stdout
     assert "exit codes: 0 success, 1" in top
 
 
@@ -86,7 +106,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "pipecc"
-    result = subprocess.run([str(script), "compile", "gpipe", "-P", "2", "-M", "2",
-                             "--format", "torch-csv"], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [str(script), "compile", "gpipe", "-P", "2", "-M", "2", "--format", "torch-csv"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0
     assert result.stdout == "0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n"

@@ -7,7 +7,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
 
 from pipecc.cli import main
 
@@ -19,8 +18,9 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "simulate", "1f1b", "-P", "4", "-M", "8", "--cost", "F=1,B=2",
-                        "--json")
+    code, out, _ = _run(
+        capsys, "simulate", "1f1b", "-P", "4", "-M", "8", "--cost", "F=1,B=2", "--json"
+    )
     assert code == 0
     data = json.loads(out)
     assert data["makespan"] == 33
@@ -28,16 +28,20 @@ def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     rank = data["ranks"][0]
     assert set(rank) >= {"busy", "idle", "internal_idle", "peak_activations", "peak_at", "stalls"}
     assert rank["peak_activations"] == 4
-    assert rank["stalls"][0] == {"index": 12, "since": 4.0, "length": 6.0, "released_by": 11,
-                                 "message": "recv grad stage 0 mb 0 from rank 1"}
+    assert rank["stalls"][0] == {
+        "index": 12,
+        "since": 4.0,
+        "length": 6.0,
+        "released_by": 11,
+        "message": "recv grad stage 0 mb 0 from rank 1",
+    }
     ops = data["ops"]
     assert ops[0] == {"rank": 0, "index": 0, "op": "F0.0", "start": 0.0, "end": 1.0}
     assert len(ops) == sum(1 for _ in ops)
 
 
 def test_text_output_has_summary_and_grid(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "simulate", "zb_h1", "-P", "4", "-M", "8",
-                        "--cost", "F=1,I=1,W=1")
+    code, out, _ = _run(capsys, "simulate", "zb_h1", "-P", "4", "-M", "8", "--cost", "F=1,I=1,W=1")
     assert code == 0
     lines = out.splitlines()
     assert lines[1] == "makespan 27   bubble ratio 0.1111"
@@ -51,8 +55,20 @@ def test_svg_is_well_formed_with_a_box_per_computation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     svg = tmp_path / "out.svg"
-    code, _, _ = _run(capsys, "simulate", "dualpipe", "-P", "4", "-M", "8", "--cost",
-                      "F=1,B=2,I=1,W=1,FB=2.6,comm=0.1", "--svg", str(svg), "--arrows")
+    code, _, _ = _run(
+        capsys,
+        "simulate",
+        "dualpipe",
+        "-P",
+        "4",
+        "-M",
+        "8",
+        "--cost",
+        "F=1,B=2,I=1,W=1,FB=2.6,comm=0.1",
+        "--svg",
+        str(svg),
+        "--arrows",
+    )
     assert code == 0
     root = ET.parse(svg).getroot()
     boxes = [g for g in root.iter("{http://www.w3.org/2000/svg}g")]
@@ -81,21 +97,35 @@ def test_png_without_matplotlib_is_a_clear_error(
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        code, _, err = _run(capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--png",
-                            str(tmp_path / "x.png"))
+        code, _, err = _run(
+            capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--png", str(tmp_path / "x.png")
+        )
         assert code == 2
         assert "PNG output needs matplotlib" in err
     else:
-        code, _, _ = _run(capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--png",
-                          str(tmp_path / "x.png"))
+        code, _, _ = _run(
+            capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--png", str(tmp_path / "x.png")
+        )
         assert code == 0 and (tmp_path / "x.png").stat().st_size > 0
 
 
 def test_cost_file_and_flag_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     costs = tmp_path / "c.toml"
     costs.write_text('[cost]\nF = 2.0\nB = 4.0\nunit = "ms"\n[cost.stage.0]\nF = 3.0\n')
-    code, out, _ = _run(capsys, "simulate", "1f1b", "-P", "2", "-M", "1", "--cost-file",
-                        str(costs), "--cost", "B=2", "--json")
+    code, out, _ = _run(
+        capsys,
+        "simulate",
+        "1f1b",
+        "-P",
+        "2",
+        "-M",
+        "1",
+        "--cost-file",
+        str(costs),
+        "--cost",
+        "B=2",
+        "--json",
+    )
     assert code == 0
     # stage 0: F=3, B=2; stage 1: F=2, B=2 → 3 + 2 + 2 + 2
     assert json.loads(out)["makespan"] == 9
@@ -110,16 +140,29 @@ def test_cost_file_and_flag_override(tmp_path: Path, capsys: pytest.CaptureFixtu
         (("--cost-file", "missing.toml"), "error: missing.toml: no such file"),
     ],
 )
-def test_bad_costs_exit_2(argv: tuple[str, ...], message: str,
-                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_costs_exit_2(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, _, err = _run(capsys, "simulate", "1f1b", "-P", "2", "-M", "2", *argv)
     assert code == 2
     assert err.startswith(message)
 
 
 def test_compare_sorts_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "compare", "1f1b", "zb_h1", "zb_h2", "dualpipe", "-P", "4",
-                        "-M", "6", "--cost", "F=1,B=2,I=1,W=1")
+    code, out, _ = _run(
+        capsys,
+        "compare",
+        "1f1b",
+        "zb_h1",
+        "zb_h2",
+        "dualpipe",
+        "-P",
+        "4",
+        "-M",
+        "6",
+        "--cost",
+        "F=1,B=2,I=1,W=1",
+    )
     assert code == 0
     rows = out.splitlines()[2:]
     assert [row.split()[0] for row in rows] == ["zb_h1", "1f1b", "dualpipe", "zb_h2"]
@@ -130,8 +173,20 @@ def test_compare_sorts_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_explain_walks_back_to_time_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "explain", "dualpipe", "-P", "8", "-M", "20", "--cost",
-                        "F=1,B=3,I=2,W=1", "--op", "4:39", "--json")
+    code, out, _ = _run(
+        capsys,
+        "explain",
+        "dualpipe",
+        "-P",
+        "8",
+        "-M",
+        "20",
+        "--cost",
+        "F=1,B=3,I=2,W=1",
+        "--op",
+        "4:39",
+        "--json",
+    )
     assert code == 0
     links = json.loads(out)
     assert links[0]["reason"].startswith("B1.0: needs the data of [33] recv grad pipe 0 stage 4")

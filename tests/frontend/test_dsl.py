@@ -11,8 +11,9 @@ from pipecc.ir.ops import Fused, Kind
 
 
 def _order(text: str, ranks: int = 2, microbatches: int = 2, **defines: int) -> list[list[str]]:
-    program = compile_source(text, "t.sched", ranks=ranks, microbatches=microbatches,
-                             defines=defines)
+    program = compile_source(
+        text, "t.sched", ranks=ranks, microbatches=microbatches, defines=defines
+    )
     return [[_label(op) for op in row] for row in compute_order(program)]
 
 
@@ -67,8 +68,7 @@ def test_plain_w_is_rank_fifo_and_chunk_w_is_chunk_fifo() -> None:
     }
     """
     program = compile_source(text, "t.sched", ranks=1, microbatches=2)
-    weights = [(op.chunk, op.mb) for op in program.ranks[0]
-               if getattr(op, "kind", None) is Kind.W]
+    weights = [(op.chunk, op.mb) for op in program.ranks[0] if getattr(op, "kind", None) is Kind.W]
     # W1 takes chunk 1's oldest I (1, 0); plain W then takes the rank's oldest left: (0, 0),
     # then (1, 1), then (0, 1).
     assert weights == [(1, 0), (0, 0), (1, 1), (0, 1)]
@@ -117,7 +117,11 @@ def test_placement_table() -> None:
     """
     program = compile_source(text, "t.sched", ranks=2, microbatches=1)
     assert [(s.rank, s.chunk, s.pipe, s.stage) for s in program.placement.slots] == [
-        (0, 0, 0, 0), (0, 1, 0, 3), (1, 0, 0, 1), (1, 1, 0, 2)]
+        (0, 0, 0, 0),
+        (0, 1, 0, 3),
+        (1, 0, 0, 1),
+        (1, 1, 0, 2),
+    ]
 
 
 def test_placement_table_must_be_a_bijection() -> None:
@@ -127,8 +131,10 @@ def test_placement_table_must_be_a_bijection() -> None:
 
 
 def test_bidirectional_microbatch_ranges() -> None:
-    text = "placement bidirectional\nphase p { repeat M / 2 { F0 } repeat M / 2 { F1 } " \
-           "repeat M / 2 { B1 } repeat M / 2 { B0 } }"
+    text = (
+        "placement bidirectional\nphase p { repeat M / 2 { F0 } repeat M / 2 { F1 } "
+        "repeat M / 2 { B1 } repeat M / 2 { B0 } }"
+    )
     program = compile_source(text, "t.sched", ranks=2, microbatches=4)
     rank1 = [op.label() for op in program.ranks[1] if hasattr(op, "kind")]
     # rank 1 lies in the first half of pipe 1 (microbatches 2, 3): that is its chunk 0

@@ -12,8 +12,13 @@ import pytest
 from pipecc.cli import main
 
 
-def _compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-             text: str, *flags: str) -> tuple[int, str]:
+def _compile(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    text: str,
+    *flags: str,
+) -> tuple[int, str]:
     monkeypatch.chdir(tmp_path)
     Path("bad.sched").write_text(text)
     code = main(["compile", "bad.sched", *flags])
@@ -148,8 +153,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_error_message(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_error_message(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     text, flags, expected = CASES[name]
     code, err = _compile(tmp_path, monkeypatch, capsys, text, *flags)
     assert err == expected
@@ -165,12 +171,20 @@ def test_error_message(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         ("latin1", "error: latin.sched: not UTF-8 text (byte 6 cannot be decoded)\n"),
     ],
 )
-def test_unreadable_input_is_one_line(setup: str, expected: str, tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_unreadable_input_is_one_line(
+    setup: str,
+    expected: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.chdir(tmp_path)
-    name = {"missing": "nothing.sched", "directory": "folder.sched", "binary": "junk.sched",
-            "latin1": "latin.sched"}[setup]
+    name = {
+        "missing": "nothing.sched",
+        "directory": "folder.sched",
+        "binary": "junk.sched",
+        "latin1": "latin.sched",
+    }[setup]
     if setup == "directory":
         Path(name).mkdir()
     elif setup == "binary":
@@ -181,8 +195,9 @@ def test_unreadable_input_is_one_line(setup: str, expected: str, tmp_path: Path,
     assert capsys.readouterr().err == expected
 
 
-def test_sched_needs_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_sched_needs_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, err = _compile(tmp_path, monkeypatch, capsys, "phase a { repeat M { F B } }\n")
     assert code == 2
     assert err == "error: bad.sched: a .sched file needs -P/--ranks and -M/--microbatches\n"

@@ -56,17 +56,27 @@ def test_schema_validates_output() -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d.update(format="other/1"),
-         'p.json: format: expected "pipecc.program/1", got "other/1"'),
-        (lambda d: d["programs"][1].__setitem__(2, {"op": "F", "chunk": 0}),
-         "p.json: programs[1][2]: missing field 'pipe'"),
-        (lambda d: d["programs"][0].__setitem__(0, {"op": "X"}),
-         'p.json: programs[0][0]: unknown op "X" (expected F, B, I, W, F&B, F&I, send, recv '
-         "or wait)"),
-        (lambda d: d["programs"][0][1].__setitem__("mb", -1),
-         "p.json: programs[0][1]: field 'mb' must be an integer ≥ 0, got -1"),
-        (lambda d: d.__setitem__("programs", d["programs"][:1]),
-         "p.json: programs: has 1 rank lists, header says 2"),
+        (
+            lambda d: d.update(format="other/1"),
+            'p.json: format: expected "pipecc.program/1", got "other/1"',
+        ),
+        (
+            lambda d: d["programs"][1].__setitem__(2, {"op": "F", "chunk": 0}),
+            "p.json: programs[1][2]: missing field 'pipe'",
+        ),
+        (
+            lambda d: d["programs"][0].__setitem__(0, {"op": "X"}),
+            'p.json: programs[0][0]: unknown op "X" (expected F, B, I, W, F&B, F&I, send, recv '
+            "or wait)",
+        ),
+        (
+            lambda d: d["programs"][0][1].__setitem__("mb", -1),
+            "p.json: programs[0][1]: field 'mb' must be an integer ≥ 0, got -1",
+        ),
+        (
+            lambda d: d.__setitem__("programs", d["programs"][:1]),
+            "p.json: programs: has 1 rank lists, header says 2",
+        ),
     ],
 )
 def test_malformed_program_names_rank_and_index(edit, message: str) -> None:  # type: ignore[no-untyped-def]

@@ -24,8 +24,10 @@ def test_fused_cells_use_torch_overlap_syntax() -> None:
     assert rank0[7:10] == ["(0F3;3B1)OVERLAP_F_B", "(3F2;0B0)OVERLAP_F_B", "3B2"]
 
 
-@pytest.mark.parametrize(("schedule", "ranks", "microbatches"),
-                         [("dualpipev", 3, 6), ("zbv", 2, 3), ("interleaved_zb", 2, 4)])
+@pytest.mark.parametrize(
+    ("schedule", "ranks", "microbatches"),
+    [("dualpipev", 3, 6), ("zbv", 2, 3), ("interleaved_zb", 2, 4)],
+)
 def test_torch_parses_what_we_write(schedule: str, ranks: int, microbatches: int) -> None:
     program = compile_bundled(schedule, ranks, microbatches)
     rows = list(csv.reader(io.StringIO(torch_csv.dumps(program))))
@@ -42,8 +44,9 @@ def _normalise(action):  # type: ignore[no-untyped-def]
 
 
 def test_comms_cells_name_sending_and_receiving_stage() -> None:
-    rows = list(csv.reader(io.StringIO(torch_csv.dumps(compile_bundled("1f1b", 2, 1),
-                                                      with_comms=True))))
+    rows = list(
+        csv.reader(io.StringIO(torch_csv.dumps(compile_bundled("1f1b", 2, 1), with_comms=True)))
+    )
     assert rows == [["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]]
 
 

@@ -19,8 +19,18 @@ from pipecc.passes.align_comms import align_comms
 from pipecc.semantics import CommModel, replay
 from pipecc.simulate import simulate
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "looped_bfs", "zb_h1",
-             "zb_h2", "zbv", "dualpipe", "dualpipev"]
+SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "interleaved_zb",
+    "looped_bfs",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+    "dualpipe",
+    "dualpipev",
+]
 
 
 def _placement(program: Program, costs: CostModel, model: CommModel) -> float:
@@ -56,8 +66,9 @@ def test_known_residual_is_under_one_latency() -> None:
     in time serialize when one side posts them in different gaps (docs/align.md): what is
     left is shorter than one message latency per gap."""
     costs = parse_cost_flag("F=1,B=2,I=1,W=1,comm=0.3")
-    aligned = align_comms(compile_bundled("interleaved_1f1b", 4, 8), costs=costs,
-                          model=CommModel.NCCL)
+    aligned = align_comms(
+        compile_bundled("interleaved_1f1b", 4, 8), costs=costs, model=CommModel.NCCL
+    )
     t = simulate(aligned, costs, model=CommModel.NCCL)
     residual = [g for r in t.ranks for g in r.gaps if g.placement > 0]
     assert residual and all(g.placement < 0.3 for g in residual)
@@ -69,11 +80,14 @@ def test_default_policy_leaves_placement_bound_wait_with_latency() -> None:
     costs = parse_cost_flag("F=1,I=1,W=1,comm=0.5")
     assert _placement(program, costs, CommModel.RENDEZVOUS) > 0
     aligned = align_comms(program, costs=costs, model=CommModel.RENDEZVOUS)
-    assert simulate(aligned, costs, model=CommModel.RENDEZVOUS).makespan < simulate(
-        program, costs, model=CommModel.RENDEZVOUS).makespan
+    assert (
+        simulate(aligned, costs, model=CommModel.RENDEZVOUS).makespan
+        < simulate(program, costs, model=CommModel.RENDEZVOUS).makespan
+    )
 
 
 # ---- hand-made misplacements ---------------------------------------------------------------
+
 
 def test_receive_posted_late_is_placement_bound() -> None:
     # rank 1 posts the receive for microbatch 1 by hand, only after an unrelated I
@@ -91,14 +105,18 @@ def test_receive_posted_late_is_placement_bound() -> None:
     gap = late[0]
     # made at 2 by rank 0, could arrive at 2.5; rank 1 is busy until 4.5 and only then posts
     assert (gap.since, gap.until, gap.dependency, gap.placement) == (4.5, 5.0, 0.0, 0.5)
-    assert gap.cause == ("[5] recv act pipe 0 stage 1 mb 1 from rank 0 completed at 5: "
-                         "the receive was posted only at 4.5")
+    assert gap.cause == (
+        "[5] recv act pipe 0 stage 1 mb 1 from rank 0 completed at 5: "
+        "the receive was posted only at 4.5"
+    )
     # the rank's own early wait for a send is placement-bound too
     early = [g for g in t.ranks[0].gaps if g.index == 3][0]
     assert early.placement == 0.5 and "its own send" in early.cause
     aligned = align_comms(program, costs=costs, model=CommModel.RENDEZVOUS)
-    assert sum(r.placement_bound for r in simulate(aligned, costs,
-                                                   model=CommModel.RENDEZVOUS).ranks) == 0
+    assert (
+        sum(r.placement_bound for r in simulate(aligned, costs, model=CommModel.RENDEZVOUS).ranks)
+        == 0
+    )
 
 
 def test_send_after_unrelated_w_is_placement_bound_under_rendezvous() -> None:
@@ -115,13 +133,16 @@ def test_send_after_unrelated_w_is_placement_bound_under_rendezvous() -> None:
     causes = [g.cause for r in t_after.ranks for g in r.gaps if g.placement > 0]
     assert any("posted the matching send only at" in cause for cause in causes)
     aligned = align_comms(after, costs=costs, model=CommModel.RENDEZVOUS)
-    assert sum(r.placement_bound for r in simulate(aligned, costs,
-                                                   model=CommModel.RENDEZVOUS).ranks) == 0
+    assert (
+        sum(r.placement_bound for r in simulate(aligned, costs, model=CommModel.RENDEZVOUS).ranks)
+        == 0
+    )
 
 
 def compile_bundled_example(name: str, ranks: int, microbatches: int) -> Program:
-    return compile_schedule(ROOT / "examples" / "schedules" / f"{name}.sched", ranks=ranks,
-                            microbatches=microbatches)
+    return compile_schedule(
+        ROOT / "examples" / "schedules" / f"{name}.sched", ranks=ranks, microbatches=microbatches
+    )
 
 
 # ---- brute force ---------------------------------------------------------------------------
@@ -136,8 +157,10 @@ def _moves(program: Program) -> list[Program]:
             if not isinstance(instr, Send | Recv):
                 continue
             for target in range(len(instrs) + 1):
-                for moved in (_move_post(instrs, source, target),
-                              _move_completion(instrs, source, target)):
+                for moved in (
+                    _move_post(instrs, source, target),
+                    _move_completion(instrs, source, target),
+                ):
                     if moved is not None and moved != instrs:
                         found.append(_with_rank(program, rank, moved))
     return found
@@ -173,8 +196,9 @@ def _move_post(instrs: tuple[Instr, ...], source: int, target: int) -> tuple[Ins
     return _rebuild(entries)
 
 
-def _move_completion(instrs: tuple[Instr, ...], source: int, target: int
-                     ) -> tuple[Instr, ...] | None:
+def _move_completion(
+    instrs: tuple[Instr, ...], source: int, target: int
+) -> tuple[Instr, ...] | None:
     """The op at `source` completed by a Wait of its own at position `target` instead of the
     Wait that lists it now."""
     entries: list[tuple[int | None, Instr]] = []
@@ -207,19 +231,22 @@ def _legal(program: Program) -> bool:
                 out = flow.output_flow(op.kind, op.pipe, op.stage, op.mb)
                 if out is not None:
                     made.add(out.key)
-            if isinstance(instr, Send) and flow.key(instr.what, instr.pipe, instr.stage,
-                                                     instr.mb) not in made:
+            if (
+                isinstance(instr, Send)
+                and flow.key(instr.what, instr.pipe, instr.stage, instr.mb) not in made
+            ):
                 return False
     return all(replay(program, model=m).finished for m in CommModel)
 
 
-@pytest.mark.parametrize(("schedule", "ranks", "microbatches"),
-                         [("1f1b", 2, 2), ("zb_h1", 2, 3), ("gpipe", 2, 2), ("zbv", 2, 2),
-                          ("1f1b", 2, 4)])
-@pytest.mark.parametrize("model", [CommModel.RENDEZVOUS, CommModel.NCCL],
-                         ids=lambda m: m.value)
-def test_classification_agrees_with_brute_force(schedule: str, ranks: int, microbatches: int,
-                                                model: CommModel) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "ranks", "microbatches"),
+    [("1f1b", 2, 2), ("zb_h1", 2, 3), ("gpipe", 2, 2), ("zbv", 2, 2), ("1f1b", 2, 4)],
+)
+@pytest.mark.parametrize("model", [CommModel.RENDEZVOUS, CommModel.NCCL], ids=lambda m: m.value)
+def test_classification_agrees_with_brute_force(
+    schedule: str, ranks: int, microbatches: int, model: CommModel
+) -> None:
     """Try moving each comm op to every legal position. A program with no placement-bound
     wait is never beaten by a move; for every wait classified placement-bound, some move lets
     that op start earlier; and the aligned program is at least as fast as every move."""
@@ -237,6 +264,7 @@ def test_classification_agrees_with_brute_force(schedule: str, ranks: int, micro
         assert best >= base.makespan - 1e-9
     for gap in flagged:
         op = program.ranks[gap.rank][gap.index]
-        earliest = min(v.replay.start_time(gap.rank, v.program.ranks[gap.rank].index(op))
-                       for v in variants)
+        earliest = min(
+            v.replay.start_time(gap.rank, v.program.ranks[gap.rank].index(op)) for v in variants
+        )
         assert earliest < gap.until - 1e-9, gap

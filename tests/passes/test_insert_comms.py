@@ -8,7 +8,6 @@ from collections import defaultdict
 import pytest
 from helpers import compile_bundled
 
-from pipecc.api import compile_source
 from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Compute, Fused, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
@@ -50,8 +49,12 @@ def check_lowering(program: Program) -> None:
     assert dict(sends) == dict(recvs)
 
 
-def _check_recvs_before_use(rank: int, instrs: tuple, waited_at: dict[int, int],  # type: ignore[type-arg]
-                            flow: Dataflow) -> None:
+def _check_recvs_before_use(
+    rank: int,
+    instrs: tuple,
+    waited_at: dict[int, int],  # type: ignore[type-arg]
+    flow: Dataflow,
+) -> None:
     recv_index = {}
     for index, instr in enumerate(instrs):
         if isinstance(instr, Recv):

@@ -18,13 +18,18 @@ from pipecc.semantics import (
     wire,
 )
 
-NCCL, SINGLE, RV, EAGER = (CommModel.NCCL, CommModel.NCCL_SINGLE, CommModel.RENDEZVOUS,
-                           CommModel.EAGER)
+NCCL, SINGLE, RV, EAGER = (
+    CommModel.NCCL,
+    CommModel.NCCL_SINGLE,
+    CommModel.RENDEZVOUS,
+    CommModel.EAGER,
+)
 
 
 def _program(*ranks: tuple[Instr, ...], chunks: int = 1) -> Program:
-    return Program("t", "", len(ranks), 2, (), "hand", loop_placement(len(ranks), chunks),
-                   tuple(ranks))
+    return Program(
+        "t", "", len(ranks), 2, (), "hand", loop_placement(len(ranks), chunks), tuple(ranks)
+    )
 
 
 class Costs:
@@ -50,9 +55,15 @@ RECV_A = Recv(Msg.ACT, 0, 0, 1, 0)
 HANDOFF = _program((F0, SEND_A, Wait((1,))), (RECV_A, F1, Wait((0,))))
 
 
-@pytest.mark.parametrize(("model", "send_done", "f1_start"), [
-    (EAGER, 2.0, 3.0), (RV, 3.0, 3.0), (NCCL, 3.0, 3.0), (SINGLE, 3.0, 3.0),
-])
+@pytest.mark.parametrize(
+    ("model", "send_done", "f1_start"),
+    [
+        (EAGER, 2.0, 3.0),
+        (RV, 3.0, 3.0),
+        (NCCL, 3.0, 3.0),
+        (SINGLE, 3.0, 3.0),
+    ],
+)
 def test_handoff_times(model: CommModel, send_done: float, f1_start: float) -> None:
     run = replay(HANDOFF, model=model, timing=Costs(compute=2.0, latency=1.0))
     assert run.finished
@@ -90,39 +101,57 @@ CROSS = _program((SEND_A, RECV_B, Wait((0, 1))), (SEND_B, RECV_A, Wait((0, 1))))
 
 def test_send_send_is_a_stream_cycle_under_nccl_only() -> None:
     assert [replay(CROSS, model=m).finished for m in (NCCL, SINGLE, RV, EAGER)] == [
-        False, False, True, True]
+        False,
+        False,
+        True,
+        True,
+    ]
     run = replay(CROSS, model=NCCL)
     assert run.blocked_at(0) == 2 and run.blocked_at(1) == 2
     assert set(run.stuck) == {
-        Stuck(0, 2, Block.WAITS_FOR, (0, 0)), Stuck(1, 2, Block.WAITS_FOR, (1, 0)),
-        Stuck(0, 0, Block.PARTNER, (1, 1)), Stuck(1, 0, Block.PARTNER, (0, 1)),
-        Stuck(0, 1, Block.STREAM, (0, 0)), Stuck(1, 1, Block.STREAM, (1, 0)),
+        Stuck(0, 2, Block.WAITS_FOR, (0, 0)),
+        Stuck(1, 2, Block.WAITS_FOR, (1, 0)),
+        Stuck(0, 0, Block.PARTNER, (1, 1)),
+        Stuck(1, 0, Block.PARTNER, (0, 1)),
+        Stuck(0, 1, Block.STREAM, (0, 0)),
+        Stuck(1, 1, Block.STREAM, (1, 0)),
     }
 
 
 def test_a_group_is_one_unit_on_its_streams() -> None:
-    grouped = _program((SEND_A._replace(group=0), RECV_B._replace(group=0), Wait((0, 1))),
-                       (SEND_B._replace(group=3), RECV_A._replace(group=3), Wait((0, 1))))
+    grouped = _program(
+        (SEND_A._replace(group=0), RECV_B._replace(group=0), Wait((0, 1))),
+        (SEND_B._replace(group=3), RECV_A._replace(group=3), Wait((0, 1))),
+    )
     assert all(replay(grouped, model=m).finished for m in (NCCL, SINGLE, RV, EAGER))
     # the same group ids, but not consecutive: two units again
-    split = _program((SEND_A._replace(group=0), F0, RECV_B._replace(group=0), Wait((0, 2))),
-                     (SEND_B._replace(group=3), B1, RECV_A._replace(group=3), Wait((0, 2))))
+    split = _program(
+        (SEND_A._replace(group=0), F0, RECV_B._replace(group=0), Wait((0, 2))),
+        (SEND_B._replace(group=3), B1, RECV_A._replace(group=3), Wait((0, 2))),
+    )
     assert not replay(split, model=NCCL).finished
 
 
 def test_needs_buffering_send_waited_before_the_recv() -> None:
-    blocking = _program((SEND_A, Wait((0,)), RECV_B, Wait((2,))),
-                        (SEND_B, Wait((0,)), RECV_A, Wait((2,))))
+    blocking = _program(
+        (SEND_A, Wait((0,)), RECV_B, Wait((2,))), (SEND_B, Wait((0,)), RECV_A, Wait((2,)))
+    )
     assert [replay(blocking, model=m).finished for m in (NCCL, SINGLE, RV, EAGER)] == [
-        False, False, False, True]
+        False,
+        False,
+        False,
+        True,
+    ]
     run = replay(blocking, model=RV)
     assert Stuck(0, 2, Block.NOT_POSTED, (0, 1)) in run.stuck
 
 
 def test_stream_cause() -> None:
     # rank 0 posts two sends to rank 1; rank 1 receives them only after a compute (5)
-    prog = _program((SEND_A, SEND_A._replace(mb=1), Wait((0, 1))),
-                    (B1, RECV_A, RECV_A._replace(mb=1), Wait((1, 2))))
+    prog = _program(
+        (SEND_A, SEND_A._replace(mb=1), Wait((0, 1))),
+        (B1, RECV_A, RECV_A._replace(mb=1), Wait((1, 2))),
+    )
     run = replay(prog, model=NCCL, timing=Costs(compute=5.0, latency=1.0))
     assert run.done_time(0, 0) == 6.0 and run.done_time(0, 1) == 7.0
     assert run.ready_time(0, 1) == 6.0  # behind the first send on the stream

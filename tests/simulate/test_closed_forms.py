@@ -14,8 +14,14 @@ from pipecc.simulate import Timeline, simulate
 MODELS = list(CommModel)
 
 
-def _run(name: str, ranks: int, microbatches: int, costs: str,
-         model: CommModel = CommModel.NCCL, **defines: int) -> Timeline:
+def _run(
+    name: str,
+    ranks: int,
+    microbatches: int,
+    costs: str,
+    model: CommModel = CommModel.NCCL,
+    **defines: int,
+) -> Timeline:
     program = compile_bundled(name, ranks, microbatches, **defines)
     return simulate(program, parse_cost_flag(costs), model=model)
 
@@ -34,8 +40,9 @@ def test_zb_h1_bubble() -> None:
     """Rank 0's idle time inside its working interval is (P−1)(F + I − W) with B = I + W,
     as the zero-bubble paper states, whenever W ≤ F; when W > F a W no longer fits into the
     gap it is meant to fill and the bubble is (P−1)(F + I − min(F, W))."""
-    for ranks, (f, i, w) in itertools.product((2, 4, 6), itertools.product((1, 2, 3), (1, 2),
-                                                                            (1, 2))):
+    for ranks, (f, i, w) in itertools.product(
+        (2, 4, 6), itertools.product((1, 2, 3), (1, 2), (1, 2))
+    ):
         t = _run("zb_h1", ranks, 3 * ranks, f"F={f},I={i},W={w}")
         assert t.ranks[0].internal_idle == (ranks - 1) * (f + i - min(f, w))
         if w <= f:
@@ -53,9 +60,9 @@ def test_zb_h2_has_no_bubble_when_f_i_w_are_equal(model: CommModel) -> None:
 def test_dualpipe_bubble_matches_deepseek_table_when_f_equals_i() -> None:
     """(PP/2 − 1)(F&B + B − 3W) per rank (DeepSeek-V3, Table 2), when F equals the input-
     gradient part of B and W ≤ F; it is an approximation otherwise (docs/simulate.md)."""
-    for ranks, (f, w, fb) in itertools.product((4, 6, 8), ((1, 1, None), (2, 1, None),
-                                                           (2, 2, None), (3, 2, None),
-                                                           (1, 1, 2.5))):
+    for ranks, (f, w, fb) in itertools.product(
+        (4, 6, 8), ((1, 1, None), (2, 1, None), (2, 2, None), (3, 2, None), (1, 1, 2.5))
+    ):
         i = f
         costs = f"F={f},I={i},W={w}" + (f",FB={fb}" if fb else "")
         fused = fb if fb else f + i + w
@@ -76,8 +83,12 @@ def test_dualpipe_table_is_off_when_f_differs_from_i_or_w_exceeds_f() -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "peak"),
-    [("1f1b", lambda p: p), ("zb_h1", lambda p: p), ("zb_h2", lambda p: 2 * p - 1),
-     ("dualpipe", lambda p: p + 1)],
+    [
+        ("1f1b", lambda p: p),
+        ("zb_h1", lambda p: p),
+        ("zb_h2", lambda p: 2 * p - 1),
+        ("dualpipe", lambda p: p + 1),
+    ],
 )
 def test_activation_peaks(schedule: str, peak) -> None:  # type: ignore[no-untyped-def]
     for ranks in (2, 4, 6, 8):

@@ -14,8 +14,14 @@ from pipecc.ir.placement import loop_placement
 from pipecc.ir.program import Program
 
 CLASSES = (
-    "swap-adjacent", "swap-sends", "drop-recv", "move-wait-later", "duplicate-compute",
-    "move-comm", "duplicate-comm", "ungroup",
+    "swap-adjacent",
+    "swap-sends",
+    "drop-recv",
+    "move-wait-later",
+    "duplicate-compute",
+    "move-comm",
+    "duplicate-comm",
+    "ungroup",
 )
 
 Entry = tuple[int, bool]  # (old index, is a copy)
@@ -81,8 +87,7 @@ def _move_comm(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random
     return bool(comms)
 
 
-def _duplicate_compute(instrs: tuple[Instr, ...], order: list[Entry],
-                       rng: random.Random) -> bool:
+def _duplicate_compute(instrs: tuple[Instr, ...], order: list[Entry], rng: random.Random) -> bool:
     computes = _indices(instrs, (Compute, Fused))
     if computes:
         i = rng.choice(computes)
@@ -100,9 +105,13 @@ def _duplicate_comm(instrs: tuple[Instr, ...], order: list[Entry], rng: random.R
 
 
 _EDITS = {
-    "swap-adjacent": _swap_adjacent, "swap-sends": _swap_sends, "drop-recv": _drop_recv,
-    "move-wait-later": _move_wait_later, "move-comm": _move_comm,
-    "duplicate-compute": _duplicate_compute, "duplicate-comm": _duplicate_comm,
+    "swap-adjacent": _swap_adjacent,
+    "swap-sends": _swap_sends,
+    "drop-recv": _drop_recv,
+    "move-wait-later": _move_wait_later,
+    "move-comm": _move_comm,
+    "duplicate-compute": _duplicate_compute,
+    "duplicate-comm": _duplicate_comm,
 }
 
 
@@ -130,8 +139,10 @@ def mutate(program: Program, cls: str, rng: random.Random) -> Program | None:
 
 def ungroup(instrs: tuple[Instr, ...]) -> tuple[Instr, ...]:
     """Every send and recv posted alone (no groups)."""
-    return tuple(x._replace(group=None) if type(x) in (Send, Recv) else x  # type: ignore[union-attr]
-                 for x in instrs)
+    return tuple(
+        x._replace(group=None) if type(x) in (Send, Recv) else x  # type: ignore[union-attr]
+        for x in instrs
+    )
 
 
 def ungrouped(program: Program) -> Program:
@@ -152,8 +163,9 @@ def random_comm_program(rng: random.Random) -> Program:
     for mine in ops:
         rng.shuffle(mine)
         ranks.append(_with_waits(mine, rng))
-    return Program("random", "", num_ranks, 8, (), "random", loop_placement(num_ranks, 1),
-                   tuple(ranks))
+    return Program(
+        "random", "", num_ranks, 8, (), "random", loop_placement(num_ranks, 1), tuple(ranks)
+    )
 
 
 def _with_waits(posts: list[Instr], rng: random.Random) -> tuple[Instr, ...]:

@@ -75,8 +75,11 @@ def _consumed(program: Program, rank: int, index: int) -> list[int]:
         name = _input_name(op, program, rank)
         if name is None:
             continue
-        hits = [j for j, x in enumerate(instrs)
-                if type(x) is Recv and (x.what, x.pipe, x.stage, x.mb) == name]
+        hits = [
+            j
+            for j, x in enumerate(instrs)
+            if type(x) is Recv and (x.what, x.pipe, x.stage, x.mb) == name
+        ]
         before = [j for j in hits if j < index]
         after = [j for j in hits if j > index]
         if before:
@@ -99,9 +102,12 @@ class _Machine:
         self.recvq: dict[tuple[int, int], deque[Op]] = {}
         self.streams: dict[tuple[int, int], deque[tuple[Op, ...]]] = {}
         self.unit_of: dict[Op, tuple[Op, ...]] = {}
-        self.consumes = {(r, i): _consumed(program, r, i)
-                         for r, instrs in enumerate(program.ranks)
-                         for i, x in enumerate(instrs) if type(x) in (Compute, Fused)}
+        self.consumes = {
+            (r, i): _consumed(program, r, i)
+            for r, instrs in enumerate(program.ranks)
+            for i, x in enumerate(instrs)
+            if type(x) in (Compute, Fused)
+        }
 
     def peer_ok(self, rank: int, instr: Instr) -> bool:
         return 0 <= instr.peer < self.n and instr.peer != rank  # type: ignore[union-attr]
@@ -218,8 +224,9 @@ class _Timed(_Machine):
     """Events in global time order: a rank runs its next instruction when its clock says so;
     a transfer completes at its computed time; completions wake ranks and stream heads."""
 
-    def __init__(self, program: Program, model: str, duration: dict[Op, float],
-                 latency: dict[Op, float]) -> None:
+    def __init__(
+        self, program: Program, model: str, duration: dict[Op, float], latency: dict[Op, float]
+    ) -> None:
         super().__init__(program, model)
         self.duration = duration
         self.latency = latency  # per send
@@ -246,8 +253,9 @@ class _Timed(_Machine):
                 self.rank_event(t, x)  # type: ignore[arg-type]
             else:
                 self.complete_event(t, x)  # type: ignore[arg-type]
-        return Outcome(self.cursor, self.posted, self.completed, self.matched, self.times,
-                       self.done_at)
+        return Outcome(
+            self.cursor, self.posted, self.completed, self.matched, self.times, self.done_at
+        )
 
     def rank_event(self, t: float, rank: int) -> None:
         instrs = self.p.ranks[rank]
@@ -263,8 +271,9 @@ class _Timed(_Machine):
                 self.after_post(t, tuple((rank, j) for j in range(start, self.cursor[rank])))
                 continue
             if type(instr) is Wait:
-                needed = [(rank, j) for j in instr.ops
-                          if 0 <= j < len(instrs) and _is_comm(instrs[j])]
+                needed = [
+                    (rank, j) for j in instr.ops if 0 <= j < len(instrs) and _is_comm(instrs[j])
+                ]
             else:
                 needed = [(rank, j) for j in self.consumes[(rank, i)]]
             missing = [op for op in needed if op not in self.completed]
@@ -335,7 +344,8 @@ class _Timed(_Machine):
             self.push(t, "rank", rank)
 
 
-def run_timed(program: Program, model: str, duration: dict[Op, float],
-              latency: dict[Op, float]) -> Outcome:
+def run_timed(
+    program: Program, model: str, duration: dict[Op, float], latency: dict[Op, float]
+) -> Outcome:
     """Discrete-event replay with durations per compute op and latency per send."""
     return _Timed(program, model, duration, latency).run_timed()

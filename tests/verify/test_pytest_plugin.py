@@ -12,9 +12,13 @@ from programs import DATA
 
 
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           *args, str(folder)], capture_output=True, text=True, cwd=folder,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args, str(folder)],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        check=False,
+    )
 
 
 def test_items_per_size_with_skips_and_failures(tmp_path: Path) -> None:
@@ -32,8 +36,9 @@ def test_items_per_size_with_skips_and_failures(tmp_path: Path) -> None:
 
 def test_all_models_option(tmp_path: Path) -> None:
     shutil.copy(SCHEDULES / "dualpipe.sched", tmp_path)
-    result = _pytest(tmp_path, "--pipecc", "--pipecc-comm", "all", "--pipecc-sizes",
-                     "ranks=2 microbatches=4")
+    result = _pytest(
+        tmp_path, "--pipecc", "--pipecc-comm", "all", "--pipecc-sizes", "ranks=2 microbatches=4"
+    )
     assert result.returncode == 0 and "1 passed" in result.stdout
 
 

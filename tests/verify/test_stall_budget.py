@@ -35,8 +35,21 @@ def test_budget_syntax() -> None:
 
 
 def test_default_placement_fails_a_zero_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "dualpipe", "-P", "8", "-M", "20", "--cost", COSTS,
-                        "--stall-budget", "0", "--format", "json")
+    code, out, _ = _run(
+        capsys,
+        "verify",
+        "dualpipe",
+        "-P",
+        "8",
+        "-M",
+        "20",
+        "--cost",
+        COSTS,
+        "--stall-budget",
+        "0",
+        "--format",
+        "json",
+    )
     assert code == 1
     report = json.loads(out)
     first = report["violations"][0]
@@ -46,7 +59,8 @@ def test_default_placement_fails_a_zero_budget(capsys: pytest.CaptureFixture[str
         "rank 0 @3 F0.1 (pipe 0 stage 0 mb 1) waits 0.1 longer than its data needs (1 to 1.1,"
         " of which 0 dependency-bound) under nccl, over the stall budget 0: [1] send act pipe 0"
         " stage 1 mb 0 to rank 1 completed at 1.1: the rank waited for its own send to finish"
-        " its transfer (1 to 1.1) before it needed to; completed later, it would not block")
+        " its transfer (1 to 1.1) before it needed to; completed later, it would not block"
+    )
     assert first["line"] == 17  # the .sched line of the F0 that waited
     waits = report["waits"][0]
     assert waits["model"] == "nccl" and waits["makespan"] == 69.1
@@ -55,8 +69,9 @@ def test_default_placement_fails_a_zero_budget(capsys: pytest.CaptureFixture[str
 
 def test_percentage_budget_lets_short_waits_pass(capsys: pytest.CaptureFixture[str]) -> None:
     # the longest placement-bound wait here is 0.1, under 1% of the makespan (0.691)
-    code, out, _ = _run(capsys, "verify", "dualpipe", "-P", "8", "-M", "20", "--cost", COSTS,
-                        "--stall-budget", "1%")
+    code, out, _ = _run(
+        capsys, "verify", "dualpipe", "-P", "8", "-M", "20", "--cost", COSTS, "--stall-budget", "1%"
+    )
     assert code == 0, out
     assert "budget 1%): 7.9/1.2 7.4/1.7" in out
 
@@ -65,18 +80,49 @@ def test_aligned_program_passes_under_every_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     aligned = tmp_path / "dp.json"
-    assert main(["compile", "dualpipe", "-P", "8", "-M", "20", "--cost", COSTS, "--align",
-                 "-o", str(aligned)]) == 0
-    code, out, _ = _run(capsys, "verify", str(aligned), "--cost", COSTS, "--stall-budget", "0",
-                        "--comm", "all")
+    assert (
+        main(
+            [
+                "compile",
+                "dualpipe",
+                "-P",
+                "8",
+                "-M",
+                "20",
+                "--cost",
+                COSTS,
+                "--align",
+                "-o",
+                str(aligned),
+            ]
+        )
+        == 0
+    )
+    code, out, _ = _run(
+        capsys, "verify", str(aligned), "--cost", COSTS, "--stall-budget", "0", "--comm", "all"
+    )
     assert code == 0, out
     assert out.count("/0 ") >= 4 * 7  # zero placement-bound wait on every rank, every model
 
 
 def test_send_after_w_under_rendezvous_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", str(EXAMPLES / "zb_h1_send_after_w.sched"), "-P",
-                        "4", "-M", "8", "--cost", "F=1,I=1,W=2", "--comm", "rendezvous",
-                        "--stall-budget", "0", "--format", "github")
+    code, out, _ = _run(
+        capsys,
+        "verify",
+        str(EXAMPLES / "zb_h1_send_after_w.sched"),
+        "-P",
+        "4",
+        "-M",
+        "8",
+        "--cost",
+        "F=1,I=1,W=2",
+        "--comm",
+        "rendezvous",
+        "--stall-budget",
+        "0",
+        "--format",
+        "github",
+    )
     assert code == 1
     errors = [line for line in out.splitlines() if line.startswith("::error")]
     assert errors and all("pipecc verify [stall]" in line for line in errors)
@@ -84,9 +130,20 @@ def test_send_after_w_under_rendezvous_is_flagged(capsys: pytest.CaptureFixture[
 
 
 def test_budget_in_a_sweep(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", str(ROOT / "schedules" / "zb_h1.sched"), "--sweep",
-                        "ranks=2..3", "microbatches=4", "--cost", "F=1,I=1,W=1,comm=0.5",
-                        "--stall-budget", "0", "--jobs", "1")
+    code, out, _ = _run(
+        capsys,
+        "verify",
+        str(ROOT / "schedules" / "zb_h1.sched"),
+        "--sweep",
+        "ranks=2..3",
+        "microbatches=4",
+        "--cost",
+        "F=1,I=1,W=1,comm=0.5",
+        "--stall-budget",
+        "0",
+        "--jobs",
+        "1",
+    )
     assert code == 1
     assert "FAILED at" in out and "error[stall]" in out
 
@@ -99,12 +156,34 @@ def test_budget_needs_a_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_pytest_plugin_applies_the_budget(tmp_path: Path) -> None:
     shutil.copy(EXAMPLES / "zb_h1_send_after_w.sched", tmp_path)
-    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pipecc",
-            "--pipecc-sizes", "ranks=4 microbatches=8", str(tmp_path)]
+    base = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--pipecc",
+        "--pipecc-sizes",
+        "ranks=4 microbatches=8",
+        str(tmp_path),
+    ]
     clean = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, check=False)
     assert clean.returncode == 0, clean.stdout
-    budget = subprocess.run([*base, "--pipecc-comm", "rendezvous", "--pipecc-stall-budget", "0",
-                             "--pipecc-cost", "F=1,I=1,W=2"], capture_output=True, text=True,
-                            cwd=tmp_path, check=False)
+    budget = subprocess.run(
+        [
+            *base,
+            "--pipecc-comm",
+            "rendezvous",
+            "--pipecc-stall-budget",
+            "0",
+            "--pipecc-cost",
+            "F=1,I=1,W=2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
     assert budget.returncode == 1
     assert "error[stall]" in budget.stdout

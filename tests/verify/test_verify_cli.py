@@ -47,27 +47,52 @@ def test_violation_exits_1_with_the_witness(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_json_format(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "tests/verify/data/pytorch_172668.csv", "--format",
-                        "json", "--comm", "all")
+    code, out, _ = _run(
+        capsys,
+        "verify",
+        "tests/verify/data/pytorch_172668.csv",
+        "--format",
+        "json",
+        "--comm",
+        "all",
+    )
     assert code == 1
     data = json.loads(out)
     assert data["ok"] is False
-    assert data["verdicts"] == {"nccl": "deadlock", "nccl-single": "deadlock",
-                                "rendezvous": "passes", "eager": "passes"}
+    assert data["verdicts"] == {
+        "nccl": "deadlock",
+        "nccl-single": "deadlock",
+        "rendezvous": "passes",
+        "eager": "passes",
+    }
     first = data["violations"][0]
     assert (first["code"], first["rank"], first["index"]) == ("deadlock", 0, 4)
     assert (first["file"], first["line"], first["col"]) == (
-        "tests/verify/data/pytorch_172668.csv", 1, 27)
+        "tests/verify/data/pytorch_172668.csv",
+        1,
+        27,
+    )
     assert data["peak_activations"][0] == {"rank": 0, "peak": 4, "index": 10}
 
 
 def test_github_format_points_at_the_sched_line(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "tests/verify/data/megatron_5100.sched", "-P", "4",
-                        "-M", "8", "--format", "github")
+    code, out, _ = _run(
+        capsys,
+        "verify",
+        "tests/verify/data/megatron_5100.sched",
+        "-P",
+        "4",
+        "-M",
+        "8",
+        "--format",
+        "github",
+    )
     assert code == 1
     first = out.splitlines()[0]
-    assert first.startswith("::error file=tests/verify/data/megatron_5100.sched,line=13,col=45,"
-                            "title=pipecc verify [needs-buffering] ")
+    assert first.startswith(
+        "::error file=tests/verify/data/megatron_5100.sched,line=13,col=45,"
+        "title=pipecc verify [needs-buffering] "
+    )
     assert "%0A" in first and "\n" not in first
     assert out.splitlines()[-1].startswith("::notice title=pipecc verify failed::")
 
@@ -81,10 +106,22 @@ def test_compiled_json_program(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "schedules/zbv.sched:16:24: error[orphan]" in out.replace(str(ROOT) + "/", "")
 
 
-def test_compute_only_csv_is_lowered_then_verified(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "compile", "zbv", "-P", "2", "-M", "3", "--format",
-                        "torch-csv", "-o", str(tmp_path / "zbv.csv"))
+def test_compute_only_csv_is_lowered_then_verified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = _run(
+        capsys,
+        "compile",
+        "zbv",
+        "-P",
+        "2",
+        "-M",
+        "3",
+        "--format",
+        "torch-csv",
+        "-o",
+        str(tmp_path / "zbv.csv"),
+    )
     assert code == 0
     code, out, _ = _run(capsys, "verify", str(tmp_path / "zbv.csv"), "--comm", "all")
     assert code == 0, out
@@ -94,38 +131,43 @@ def test_compute_only_csv_is_lowered_then_verified(tmp_path: Path,
 
 
 def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "zb_h2", "-P", "4", "-M", "8",
-                        "--max-activations", "7")
+    code, out, _ = _run(capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "7")
     assert code == 0 and "peak activations per rank: 7 7 7 7" in out
-    code, out, _ = _run(capsys, "verify", "zb_h2", "-P", "4", "-M", "8",
-                        "--max-activations", "6")
+    code, out, _ = _run(capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "6")
     assert code == 1 and out.count("error[memory]") == 4
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["schedules/1f1b.sched"], "a .sched file needs -P/--ranks and -M/--microbatches"),
-    (["missing.json"], "missing.json: no such file"),
-    (["zb_h2", "-P", "4", "-M", "3"], "requires M >= 2 * P - 1, got M=3, P=4"),
-    (["zb_h1", "--sweep", "ranks=2..x"], "--sweep ranks='2..x': expected sizes like 2..8"),
-    (["zb_h1", "--sweep", "ranks=4..2"], "sizes are integers ≥ 1 in ranges a..b with a ≤ b"),
-    (["zb_h1", "--sweep", "stages=1..3"], "expected ranks=A..B or microbatches=A..B"),
-    (["prog.json", "--sweep", "ranks=2..3", "microbatches=1..2"], "--sweep compiles .sched"),
-])
-def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str], argv: list[str],
-                           message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["schedules/1f1b.sched"], "a .sched file needs -P/--ranks and -M/--microbatches"),
+        (["missing.json"], "missing.json: no such file"),
+        (["zb_h2", "-P", "4", "-M", "3"], "requires M >= 2 * P - 1, got M=3, P=4"),
+        (["zb_h1", "--sweep", "ranks=2..x"], "--sweep ranks='2..x': expected sizes like 2..8"),
+        (["zb_h1", "--sweep", "ranks=4..2"], "sizes are integers ≥ 1 in ranges a..b with a ≤ b"),
+        (["zb_h1", "--sweep", "stages=1..3"], "expected ranks=A..B or microbatches=A..B"),
+        (["prog.json", "--sweep", "ranks=2..3", "microbatches=1..2"], "--sweep compiles .sched"),
+    ],
+)
+def test_bad_input_exits_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
     code, out, err = _run(capsys, "verify", *argv)
     assert code == 2 and out == ""
     assert message in err
 
 
-def test_malformed_csv_points_at_the_cell(tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_malformed_csv_points_at_the_cell(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "bad.csv"
     path.write_text("0F0,0X1\n1F0\n")
     code, _, err = _run(capsys, "verify", str(path))
     assert code == 2
-    assert err == (f"{path}:1:5: error: not a torch action: '0X1' (expected e.g. 0F1, 2I0, "
-                   "1SEND_F3, (0F7;7B3)OVERLAP_F_B)\n    1 | 0F0,0X1\n      |     ^^^\n")
+    assert err == (
+        f"{path}:1:5: error: not a torch action: '0X1' (expected e.g. 0F1, 2I0, "
+        "1SEND_F3, (0F7;7B3)OVERLAP_F_B)\n    1 | 0F0,0X1\n      |     ^^^\n"
+    )
 
 
 def test_bad_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,17 +177,27 @@ def test_bad_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_sweep_lists_skips_and_stops_at_the_first_failure(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "zb_h1", "tests/verify/data/megatron_5100.sched",
-                        "--sweep", "ranks=2..4", "microbatches=1..6", "--jobs", "1")
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = _run(
+        capsys,
+        "verify",
+        "zb_h1",
+        "tests/verify/data/megatron_5100.sched",
+        "--sweep",
+        "ranks=2..4",
+        "microbatches=1..6",
+        "--jobs",
+        "1",
+    )
     assert code == 1
     lines = out.splitlines()
     assert "zb_h1: ok: 12 size(s) verified, 6 skipped" in lines
-    assert ("  skipped 6 size(s), requires M >= P: P=2: M=1; P=3: M=1..2; P=4: M=1..3"
-            in lines)
-    assert ("tests/verify/data/megatron_5100.sched: FAILED at "
-            "tests/verify/data/megatron_5100.sched P=2 M=2: 0 size(s) verified, 1 skipped"
-            in lines)
+    assert "  skipped 6 size(s), requires M >= P: P=2: M=1; P=3: M=1..2; P=4: M=1..3" in lines
+    assert (
+        "tests/verify/data/megatron_5100.sched: FAILED at "
+        "tests/verify/data/megatron_5100.sched P=2 M=2: 0 size(s) verified, 1 skipped" in lines
+    )
     assert "error[needs-buffering]" in out
 
 

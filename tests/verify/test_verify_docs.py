@@ -48,7 +48,9 @@ def _matches(expected: list[str], got: list[str]) -> bool:
 
 @pytest.mark.parametrize(("command", "expected"), _blocks(), ids=lambda v: str(v)[:60])
 def test_documented_output_is_what_the_tool_prints(
-    command: str, expected: list[str], capsys: pytest.CaptureFixture[str],
+    command: str,
+    expected: list[str],
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.chdir(ROOT)

@@ -65,17 +65,18 @@ CASES: dict[str, tuple[Callable[[], Program], str, dict[str, object]]] = {
     "bad-wait": (lambda: put(_1f1b(), 0, 2, Wait((0,))), "bad-wait", {}),
     "buffer-reuse": (lambda: duplicate(_1f1b(), 1, 0, 1), "buffer-reuse", {}),
     "forward-before-input": (lambda: move(_zbv(), 1, 4, 2), "forward-before-input", {}),
-    "backward-before-gradient": (lambda: move(_zbv(), 1, 15, 12),
-                                 "backward-before-gradient", {}),
+    "backward-before-gradient": (lambda: move(_zbv(), 1, 15, 12), "backward-before-gradient", {}),
     "backward-before-forward": (lambda: move(_1f1b(), 1, 4, 2), "backward-before-forward", {}),
-    "weight-before-input-grad": (lambda: move(_zbv(), 0, 12, 8),
-                                 "weight-before-input-grad", {}),
+    "weight-before-input-grad": (lambda: move(_zbv(), 0, 12, 8), "weight-before-input-grad", {}),
     "send-before-compute": (lambda: move(_1f1b(), 0, 1, 0), "send-before-compute", {}),
     "recv-after-use": (lambda: move(_1f1b(), 1, 0, 3), "recv-after-use", {}),
     "missing-recv": (lambda: drop(_zbv(), 1, 3), "missing-recv", {}),
     "coverage": (lambda: drop(_1f1b(), 1, 4), "coverage", {}),
-    "placement": (lambda: replace(compiled("zbv", 4, 8), placement=loop_placement(4, 2)),
-                  "placement", {}),
+    "placement": (
+        lambda: replace(compiled("zbv", 4, 8), placement=loop_placement(4, 2)),
+        "placement",
+        {},
+    ),
     "memory": (lambda: compiled("zb_h2", 4, 8), "memory", {"max_activations": 6}),
 }
 
@@ -102,12 +103,19 @@ def test_each_check_fires_with_its_full_message(case: str) -> None:
 
 def test_needs_buffering_witness() -> None:
     """Megatron-LM#5100: one phase sends first on every rank; it runs only with buffering."""
-    outcome = verify_file(str((DATA / "megatron_5100.sched").relative_to(ROOT)), ranks=4,
-                          microbatches=8, options=Options(models=ALL_MODELS))
+    outcome = verify_file(
+        str((DATA / "megatron_5100.sched").relative_to(ROOT)),
+        ranks=4,
+        microbatches=8,
+        options=Options(models=ALL_MODELS),
+    )
     verdicts = {v.model: v.status.value for v in outcome.report.verdicts}
-    assert verdicts == {CommModel.NCCL: "needs buffering", CommModel.NCCL_SINGLE:
-                        "needs buffering", CommModel.RENDEZVOUS: "needs buffering",
-                        CommModel.EAGER: "needs buffering"}
+    assert verdicts == {
+        CommModel.NCCL: "needs buffering",
+        CommModel.NCCL_SINGLE: "needs buffering",
+        CommModel.RENDEZVOUS: "needs buffering",
+        CommModel.EAGER: "needs buffering",
+    }
     _check_golden("needs-buffering", rendered(first(outcome.report, "needs-buffering")))
 
 
@@ -122,8 +130,12 @@ def test_witness_lists_every_hop_of_the_cycle() -> None:
     """The pytorch#172668 cycle: each rank sends before it receives from the other."""
     text = rendered(first(report(_csv("pytorch_172668.csv")), "deadlock"))
     hops = [line.split()[:4] for line in text.splitlines() if line.startswith("    rank")]
-    assert hops[:4] == [["rank", "0", "@4", "recv"], ["rank", "0", "@3", "send"],
-                        ["rank", "1", "@4", "recv"], ["rank", "1", "@3", "send"]]
+    assert hops[:4] == [
+        ["rank", "0", "@4", "recv"],
+        ["rank", "0", "@3", "send"],
+        ["rank", "1", "@4", "recv"],
+        ["rank", "1", "@3", "send"],
+    ]
     assert "▶ @5 wait 4" in text
 
 

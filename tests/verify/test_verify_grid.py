@@ -44,8 +44,9 @@ def test_bundled_schedule_verifies_under_every_model(name: str) -> None:
 
 
 def _placement(rng: random.Random, ranks: int) -> Placement:
-    return vshape_placement(ranks) if rng.random() < 0.3 else loop_placement(ranks,
-                                                                             rng.randint(1, 2))
+    return (
+        vshape_placement(ranks) if rng.random() < 0.3 else loop_placement(ranks, rng.randint(1, 2))
+    )
 
 
 def _random_order(
@@ -56,8 +57,9 @@ def _random_order(
     split = {(s, m): rng.random() < 0.5 for s in range(stages) for m in range(microbatches)}
     done: set[tuple[str, int, int]] = set()
     todo = {("F", s, m) for s in range(stages) for m in range(microbatches)}
-    todo |= {("I" if split[(s, m)] else "B", s, m) for s in range(stages)
-             for m in range(microbatches)}
+    todo |= {
+        ("I" if split[(s, m)] else "B", s, m) for s in range(stages) for m in range(microbatches)
+    }
     todo |= {("W", s, m) for (s, m), yes in split.items() if yes}
     order: list[list[Compute]] = [[] for _ in range(placement.num_ranks)]
     while todo:
@@ -71,8 +73,12 @@ def _random_order(
     return order
 
 
-def _ready(op: tuple[str, int, int], done: set[tuple[str, int, int]], stages: int,
-           split: dict[tuple[int, int], bool]) -> bool:
+def _ready(
+    op: tuple[str, int, int],
+    done: set[tuple[str, int, int]],
+    stages: int,
+    split: dict[tuple[int, int], bool],
+) -> bool:
     kind, s, m = op
     if kind == "F":
         return s == 0 or ("F", s - 1, m) in done
@@ -89,8 +95,13 @@ def _fuse(rng: random.Random, ops: list[Compute]) -> tuple[Instr, ...]:
     while i < len(ops):
         a = ops[i]
         b = ops[i + 1] if i + 1 < len(ops) else None
-        if (b is not None and a.kind is Kind.F and b.kind in (Kind.B, Kind.I)
-                and a.chunk != b.chunk and rng.random() < 0.5):
+        if (
+            b is not None
+            and a.kind is Kind.F
+            and b.kind in (Kind.B, Kind.I)
+            and a.chunk != b.chunk
+            and rng.random() < 0.5
+        ):
             out.append(Fused(a, b))
             i += 2
         else:
@@ -100,8 +111,9 @@ def _fuse(rng: random.Random, ops: list[Compute]) -> tuple[Instr, ...]:
 
 
 def _program(placement: Placement, microbatches: int, ranks: list[tuple[Instr, ...]]) -> Program:
-    return Program("random", "", placement.num_ranks, microbatches, (), "none", placement,
-                   tuple(ranks))
+    return Program(
+        "random", "", placement.num_ranks, microbatches, (), "none", placement, tuple(ranks)
+    )
 
 
 def test_default_lowering_of_runnable_orders_passes_every_model() -> None:
@@ -144,8 +156,12 @@ def test_default_lowering_of_shuffled_orders_is_safe_or_refused() -> None:
         else:
             # the only ways a shuffled order may fail: it cannot run at all, or the shuffle
             # broke a same-rank dependency (a W before its I, a backward before its F)
-            assert codes <= {"unrunnable-order", "weight-before-input-grad",
-                             "backward-before-forward", "forward-before-input",
-                             "backward-before-gradient"}, codes
+            assert codes <= {
+                "unrunnable-order",
+                "weight-before-input-grad",
+                "backward-before-forward",
+                "forward-before-input",
+                "backward-before-gradient",
+            }, codes
             outcomes["refused with a cycle"] += "unrunnable-order" in codes
     assert min(outcomes.values()) >= 20, outcomes

@@ -26,10 +26,18 @@ from pipecc.semantics import CommModel, Replay, replay, wire
 from pipecc.verify import Options, Status, verify
 
 SOURCES = [
-    ("1f1b", 2, 3, {}), ("1f1b", 3, 5, {}), ("gpipe", 3, 2, {}), ("zb_h1", 3, 4, {}),
-    ("zb_h2", 2, 3, {}), ("interleaved_1f1b", 2, 4, {"V": 2}), ("interleaved_zb", 2, 4, {}),
-    ("looped_bfs", 2, 2, {}), ("zbv", 2, 3, {}), ("dualpipev", 2, 4, {}),
-    ("dualpipe", 2, 4, {}), ("dualpipe", 4, 8, {}),
+    ("1f1b", 2, 3, {}),
+    ("1f1b", 3, 5, {}),
+    ("gpipe", 3, 2, {}),
+    ("zb_h1", 3, 4, {}),
+    ("zb_h2", 2, 3, {}),
+    ("interleaved_1f1b", 2, 4, {"V": 2}),
+    ("interleaved_zb", 2, 4, {}),
+    ("looped_bfs", 2, 2, {}),
+    ("zbv", 2, 3, {}),
+    ("dualpipev", 2, 4, {}),
+    ("dualpipe", 2, 4, {}),
+    ("dualpipe", 4, 8, {}),
 ]
 MUTANTS = 3200
 
@@ -44,25 +52,35 @@ def _programs() -> list[Program]:
 def _engine_state(run_: Replay) -> Outcome:
     w = run_.wiring
     cursors = [run_.cursors[r] - w.offsets[r] for r in range(w.num_ranks)]
-    posted = {w.locate(g) for g, c in enumerate(w.code)
-              if c in (1, 2) and run_.start[g] is not None}
+    posted = {
+        w.locate(g) for g, c in enumerate(w.code) if c in (1, 2) and run_.start[g] is not None
+    }
     completed = {w.locate(g) for g, t in enumerate(run_.done) if t is not None}
-    matched = {w.locate(g): w.locate(p) for g, p in enumerate(w.partner)
-               if p >= 0 and w.locate(g) in posted and w.locate(p) in posted}
+    matched = {
+        w.locate(g): w.locate(p)
+        for g, p in enumerate(w.partner)
+        if p >= 0 and w.locate(g) in posted and w.locate(p) in posted
+    }
     return Outcome(cursors, posted, completed, matched)
 
 
 def _finished(program: Program, outcome: Outcome) -> bool:
-    return (all(c == len(instrs) for c, instrs in zip(outcome.cursors, program.ranks, strict=True))
-            and outcome.posted <= outcome.completed)
+    return (
+        all(c == len(instrs) for c, instrs in zip(outcome.cursors, program.ranks, strict=True))
+        and outcome.posted <= outcome.completed
+    )
 
 
 def _compare(program: Program, model: str) -> tuple[bool, bool]:
     """(engine == oracle, oracle says it finishes) for one program and model."""
     expected = run(program, model)
     got = _engine_state(replay(program, model=CommModel(model)))
-    same = (got.cursors == expected.cursors and got.posted == expected.posted
-            and got.completed == expected.completed and got.matched == expected.matched)
+    same = (
+        got.cursors == expected.cursors
+        and got.posted == expected.posted
+        and got.completed == expected.completed
+        and got.matched == expected.matched
+    )
     return same, _finished(program, expected)
 
 
@@ -105,14 +123,17 @@ def test_random_mutants_agree_with_the_oracle() -> None:
         for model in MODELS:
             same, finishes[model] = _compare(mutant, model)
             if not same:
-                disagreements.append(f"{cls} of {source.schedule}: engine and oracle differ "
-                                     f"under {model}")
+                disagreements.append(
+                    f"{cls} of {source.schedule}: engine and oracle differ under {model}"
+                )
             if not finishes[model]:
                 stuck[(cls, model)] += 1
         if made[cls] % 4 == 0 and not _verdict_agrees(mutant, finishes):
             disagreements.append(f"{cls} of {source.schedule}: verifier verdict differs")
-    print(f"\n{sum(made.values())} mutants × {len(MODELS)} models; disagreements with the "
-          f"oracle: {len(disagreements)}")
+    print(
+        f"\n{sum(made.values())} mutants × {len(MODELS)} models; disagreements with the "
+        f"oracle: {len(disagreements)}"
+    )
     for cls in CLASSES:
         runs = ", ".join(f"{m} {stuck[(cls, m)]}" for m in MODELS)
         print(f"  {cls:<18} {made[cls]:>5} mutants; do not finish under: {runs}")
@@ -176,12 +197,21 @@ def test_timed_replay_agrees_with_a_discrete_event_simulation(model: str) -> Non
             continue
         duration, latency = _timing(mutant, rng)
         expected = run_timed(mutant, model, duration, latency)
-        got = replay(mutant, model=CommModel(model), timing=_Table(duration, latency),
-                     wiring=wire(mutant))
-        starts = {(r, i): got.start_time(r, i) for r, instrs in enumerate(mutant.ranks)
-                  for i in range(len(instrs)) if got.start_time(r, i) is not None}
-        dones = {(r, i): got.done_time(r, i) for r, instrs in enumerate(mutant.ranks)
-                 for i in range(len(instrs)) if got.done_time(r, i) is not None}
+        got = replay(
+            mutant, model=CommModel(model), timing=_Table(duration, latency), wiring=wire(mutant)
+        )
+        starts = {
+            (r, i): got.start_time(r, i)
+            for r, instrs in enumerate(mutant.ranks)
+            for i in range(len(instrs))
+            if got.start_time(r, i) is not None
+        }
+        dones = {
+            (r, i): got.done_time(r, i)
+            for r, instrs in enumerate(mutant.ranks)
+            for i in range(len(instrs))
+            if got.done_time(r, i) is not None
+        }
         assert starts == expected.times, (mutant.schedule, model)
         assert dones == expected.done_at, (mutant.schedule, model)
         checked += 1

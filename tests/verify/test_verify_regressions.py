@@ -44,13 +44,15 @@ def _torch_zbv(ranks: int, microbatches: int, *, defer: bool = True) -> str:
     for rank, actions in order.items():
         acts = schedules._add_unshard_reshard([a for a in actions if a is not None])
         lowered[rank] = schedules._add_reduce_grad(acts, microbatches)
-    lowered = schedules._add_send_recv(lowered, stage_to_rank=lambda s: stage_to_rank[s],
-                                       num_stages=2 * ranks)
+    lowered = schedules._add_send_recv(
+        lowered, stage_to_rank=lambda s: stage_to_rank[s], num_stages=2 * ranks
+    )
     if defer:
         lowered = schedules._defer_recv_ops(lowered, stage_to_rank=lambda s: stage_to_rank[s])
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(
-        [str(a) for a in lowered[r]] for r in range(ranks))
+        [str(a) for a in lowered[r]] for r in range(ranks)
+    )
     return out.getvalue()
 
 
@@ -67,8 +69,10 @@ def test_torch_defer_pp_recv_zbv_mismatch_is_named(tmp_path) -> None:  # type: i
     assert any("UNSHARD/RESHARD/REDUCE_GRAD" in note for note in outcome.notes)
     # the deferred recvs also put a send ahead of a recv toward the same peer on both
     # ranks: a cycle through NCCL's stream order, while gloo (rendezvous) runs it
-    verdicts = {v.model: v.status for v in
-                verify_file(str(path), options=Options(models=ALL_MODELS)).report.verdicts}
+    verdicts = {
+        v.model: v.status
+        for v in verify_file(str(path), options=Options(models=ALL_MODELS)).report.verdicts
+    }
     assert verdicts[CommModel.NCCL] is Status.DEADLOCK
     assert verdicts[CommModel.RENDEZVOUS] is Status.PASSES
 
@@ -81,19 +85,26 @@ def test_controls_without_deferral_and_lowered_by_pipecc(tmp_path) -> None:  # t
     assert "mismatch" not in codes(verify_file(str(eager)).report)
     rows = [line.split(",") for line in _torch_zbv(2, 4).splitlines()]
     compute_only = tmp_path / "zbv_compute.csv"
-    compute_only.write_text("\n".join(",".join(c for c in row if "SEND" not in c
-                                                and "RECV" not in c) for row in rows) + "\n")
+    compute_only.write_text(
+        "\n".join(",".join(c for c in row if "SEND" not in c and "RECV" not in c) for row in rows)
+        + "\n"
+    )
     outcome = verify_file(str(compute_only), options=Options(models=ALL_MODELS))
     assert outcome.report.ok, [str(v) for v in outcome.report.violations]
 
 
 def test_pytorch_172668_send_send_cycle() -> None:
-    program = torch_csv.loads((DATA / "pytorch_172668.csv").read_text(),
-                              "pytorch_172668.csv").program
+    program = torch_csv.loads(
+        (DATA / "pytorch_172668.csv").read_text(), "pytorch_172668.csv"
+    ).program
     result = report(program, models=ALL_MODELS)
     verdicts = {v.model: v.status for v in result.verdicts}
-    assert verdicts == {CommModel.NCCL: Status.DEADLOCK, CommModel.NCCL_SINGLE: Status.DEADLOCK,
-                        CommModel.RENDEZVOUS: Status.PASSES, CommModel.EAGER: Status.PASSES}
+    assert verdicts == {
+        CommModel.NCCL: Status.DEADLOCK,
+        CommModel.NCCL_SINGLE: Status.DEADLOCK,
+        CommModel.RENDEZVOUS: Status.PASSES,
+        CommModel.EAGER: Status.PASSES,
+    }
     text = rendered(first(result, "deadlock"))
     # the thread's witness: r0 …0SEND_F1, 2RECV_F0 / r1 …1SEND_F0, 1RECV_F1
     assert "rank 0 @3     send act stage 1 mb 1 to rank 1" in text
@@ -109,13 +120,17 @@ def test_megatron_5100_parity_in_one_phase_only() -> None:
     violation = outcome.report.violations[0]
     assert violation.span is not None and violation.span.line == 13  # the `i == 0` branch
     # with parity ordering in every step (the fix) it verifies under every model
-    fixed = (DATA / "megatron_5100.sched").read_text().replace("i == 0 or rank % 2 == 0",
-                                                               "rank % 2 == 0")
+    fixed = (
+        (DATA / "megatron_5100.sched")
+        .read_text()
+        .replace("i == 0 or rank % 2 == 0", "rank % 2 == 0")
+    )
     fixed_path = DATA.parent / "megatron_5100_fixed.sched"
     try:
         fixed_path.write_text(fixed)
-        again = verify_file(str(fixed_path), ranks=4, microbatches=8,
-                            options=Options(models=ALL_MODELS))
+        again = verify_file(
+            str(fixed_path), ranks=4, microbatches=8, options=Options(models=ALL_MODELS)
+        )
     finally:
         fixed_path.unlink()
     assert again.report.ok, [str(v) for v in again.report.violations]
@@ -134,8 +149,7 @@ def test_torchtitan_775_fewer_microbatches_than_ranks() -> None:
     the first size it breaks, with the line of the negative loop count."""
     ok = sweep_file("1f1b", ranks=range(8, 9), microbatches=range(1, 8))
     assert ok.ok and ok.verified == 7
-    naive = sweep_file(str(DATA / "naive_1f1b.sched"), ranks=range(2, 5),
-                       microbatches=range(1, 5))
+    naive = sweep_file(str(DATA / "naive_1f1b.sched"), ranks=range(2, 5), microbatches=range(1, 5))
     assert not naive.ok
     assert naive.failed is not None and naive.failed.label.endswith("P=3 M=1")
     error = naive.failed.error  # type: ignore[union-attr]
