@@ -459,13 +459,19 @@ class _Emitter:
             group = self.next_group
             self.next_group += 1
         tail = (group, None)
-        out = self.out
+        out, recv_at, due = self.out, self.recv_at, self.due
+        starts, consumed = self.starts, self.consumed
         for _, _, payload, key, send, _ in batch:
-            if send:
-                self._due(key, len(out))
+            if send:  # due: as `_due`, inlined (this loop places every message of a program)
+                k = bisect_left(starts, consumed.get(key, 0))
+                waits = due.get(k)
+                if waits is None:
+                    due[k] = [len(out)]
+                else:
+                    waits.append(len(out))
                 out.append(_new(Send, payload + tail))
             else:
-                self.recv_at[key] = len(out)
+                recv_at[key] = len(out)
                 out.append(_new(Recv, payload + tail))
 
     def manual(self, position: int, instr: Instr) -> None:
