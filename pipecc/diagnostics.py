@@ -77,7 +77,6 @@ class PipeccError(Exception):
     """
 
     exit_code = 2
-    kind = "error"
 
     def __init__(
         self, message: str, span: Span | None = None, *, notes: tuple[Note, ...] = ()
@@ -86,6 +85,11 @@ class PipeccError(Exception):
         self.message = message
         self.span = span
         self.notes = notes
+
+    @property
+    def kind(self) -> str:
+        """The word before the message: `error`, or `error[code]` for a violation."""
+        return "error"
 
     def __str__(self) -> str:
         parts = [_render_one(self.span, self.kind, self.message)]
@@ -160,7 +164,7 @@ class Violation(ProgramError):
         self.rank = rank
         self.index = index
 
-    @property  # type: ignore[override]
+    @property
     def kind(self) -> str:
         return f"error[{self.code}]"
 

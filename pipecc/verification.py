@@ -305,7 +305,7 @@ def _sweep_part(
 
 def _merge(path: str, parts: list[_Part]) -> SweepResult:
     """Parts in size order: everything up to and including the first failure."""
-    verified, skipped = 0, []
+    verified, skipped = 0, list[Skip]()
     for part in parts:
         verified += part.verified
         skipped += part.skipped

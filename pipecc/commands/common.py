@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
@@ -20,7 +21,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
 
 
-SubParsers = argparse._SubParsersAction  # the type `add_subparsers` returns
+# the type `add_subparsers` returns (generic only for the type checker in Python 3.11)
+if TYPE_CHECKING:
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+else:
+    SubParsers = argparse._SubParsersAction
 
 
 def define(text: str) -> tuple[str, int]:

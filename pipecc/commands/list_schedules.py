@@ -34,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(tree: ast.ScheduleFile, text: str) -> tuple[str, str, str, str]:
     """Placement, parameters with defaults, requirements, and the first comment line."""
-    placement, params, requires = "loop", [], []
+    placement = "loop"
+    params: list[str] = []
+    requires: list[str] = []
     for decl in tree.decls:
         match decl:
             case ast.NamedPlacement(name=name, arg=arg):

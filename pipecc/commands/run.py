@@ -36,7 +36,7 @@ instruction); 2 input pipecc cannot use.
 """
 
 
-def register(commands: SubParsers) -> None:  # type: ignore[type-arg]
+def register(commands: SubParsers) -> None:
     cmd = commands.add_parser(
         "run",
         help="run a schedule on local processes with a model file (needs torch)",
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--timeout must be positive")
     program = _program(args)
     try:
-        from pipecc.runtime.launcher import RunJob, run_job
+        from pipecc.runtime.launcher import RunJob, run_job  # type: ignore[import-not-found]
     except ImportError as err:
         raise InputError(f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}") from None
     batch = args.batch_size or 8 * program.num_microbatches

@@ -8,6 +8,7 @@ import json
 import os
 
 from pipecc.commands.common import SubParsers, add_size_args, load_costs, positive
+from pipecc.costs import CostModel
 from pipecc.diagnostics import InputError
 from pipecc.semantics import CommModel
 from pipecc.verification import (
@@ -114,11 +115,13 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     models = ALL_MODELS if args.comm == "all" else (CommModel(args.comm),)
+    costs, budget = _stall_options(args)
     options = Options(
         models=models,
         max_activations=args.max_activations,
         limit=args.limit,
-        **_stall_options(args),
+        costs=costs,
+        stall_budget=budget,
     )
     defines = dict(args.defines)
     if args.sweep:
@@ -144,18 +147,19 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(o.report.ok for o in outcomes) else 1
 
 
-def _stall_options(args: argparse.Namespace) -> dict[str, object]:
-    """--stall-budget with its cost model; a cost model alone only reports the wait totals."""
+def _stall_options(args: argparse.Namespace) -> tuple[CostModel | None, StallBudget | None]:
+    """--stall-budget with its cost model; a cost model alone is an error (simulate shows the
+    waits without a budget)."""
     if args.stall_budget is None:
         if args.cost or args.cost_file:
             raise InputError(
                 "--cost/--cost-file are for --stall-budget (to see the waits "
                 "without a budget, use 'pipecc simulate')"
             )
-        return {}
+        return None, None
     if not (args.cost or args.cost_file):
         raise InputError("--stall-budget needs a cost model: --cost K=V,... or --cost-file")
-    return {"costs": load_costs(args), "stall_budget": StallBudget.parse(args.stall_budget)}
+    return load_costs(args), StallBudget.parse(args.stall_budget)
 
 
 def _sched_files(files: list[str]) -> list[str]:

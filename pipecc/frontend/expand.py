@@ -383,7 +383,8 @@ def _build_placement(decls: _Declarations, states: list[_RankState], ranks: int)
             case _:
                 raise AssertionError(decl)
     except PlacementError as err:
-        raise ScheduleError(f"invalid placement for P={ranks}: {err}", decl and decl.span) from err
+        span = decl.span if decl is not None else None
+        raise ScheduleError(f"invalid placement for P={ranks}: {err}", span) from err
 
 
 def _loop_chunks(decl: ast.NamedPlacement, state: _RankState) -> int:

@@ -98,21 +98,23 @@ def _terminal_patterns() -> dict[str, str]:
 def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
     line = getattr(err, "line", 1) or 1
     col = getattr(err, "column", 1) or 1
+    expected: set[str]
     if isinstance(err, lark.UnexpectedEOF):
         line, col = _end_position(source.text)
         message = "unexpected end of file"
-        expected = err.expected
+        expected = {str(name) for name in err.expected}
     elif isinstance(err, lark.UnexpectedToken):
         token: Token = err.token
         shown = "end of file" if token.type == "$END" else repr(str(token))
         message = f"unexpected {shown}"
-        expected = err.expected
+        expected = set(err.expected)
         if token.type == "$END":
             line, col = _end_position(source.text)
     elif isinstance(err, lark.UnexpectedCharacters):
-        char = source.text[err.pos_in_stream] if err.pos_in_stream < len(source.text) else "?"
+        at = err.pos_in_stream or 0
+        char = source.text[at] if at < len(source.text) else "?"
         message = f"unexpected character {char!r}"
-        expected = err.allowed or set()
+        expected = set(err.allowed or ())
     else:
         message, expected = str(err), set()
     token_text = None

@@ -128,7 +128,7 @@ class _Reader:
 
     def span(self, obj: dict[str, Any]) -> Span | None:
         line, col = obj.get("line"), obj.get("col")
-        if _is_int(line) and _is_int(col):
+        if isinstance(line, int) and isinstance(col, int):
             return Span(self.source, line, col)
         return None
 
@@ -214,7 +214,7 @@ def _rank_list(value: Any, rank: int, reader: _Reader) -> list[Any]:
 
 def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
     entries = reader.field(
-        data, "placement", "header", lambda v: isinstance(v, list) and v, "a non-empty list"
+        data, "placement", "header", lambda v: isinstance(v, list) and bool(v), "a non-empty list"
     )
     slots = []
     for i, entry in enumerate(entries):
@@ -271,7 +271,7 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
             obj,
             "ops",
             where,
-            lambda v: isinstance(v, list) and v and all(_is_int(i) and i >= 0 for i in v),
+            lambda v: isinstance(v, list) and bool(v) and all(_is_int(i) and i >= 0 for i in v),
             "a non-empty list of instruction indices",
         )
         return Wait(tuple(ops), reader.span(obj))

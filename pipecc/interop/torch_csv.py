@@ -115,7 +115,7 @@ def loads(text: str, path: str = "<csv>") -> Loaded:
     with_comms = any(cell.action.startswith(("SEND", "RECV")) for row in rows for cell in row)
     builder = _RowBuilder(placement, with_comms)
     ranks = tuple(builder.build(rank, row) for rank, row in enumerate(rows))
-    notes = ()
+    notes: tuple[str, ...] = ()
     if ignored:
         notes = (
             f"ignored {ignored} UNSHARD/RESHARD/REDUCE_GRAD cell(s): they move no pipeline data",

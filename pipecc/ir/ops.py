@@ -55,7 +55,7 @@ class Compute(NamedTuple):
     span: Span | None = None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Compute and self[:5] == other[:5]  # type: ignore[index]
+        return type(other) is Compute and self[:5] == other[:5]
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
@@ -76,7 +76,7 @@ class Fused(NamedTuple):
     span: Span | None = None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Fused and self[:2] == other[:2]  # type: ignore[index]
+        return type(other) is Fused and self[:2] == other[:2]
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
@@ -104,7 +104,7 @@ class Send(NamedTuple):
     span: Span | None = None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Send and self[:6] == other[:6]  # type: ignore[index]
+        return type(other) is Send and self[:6] == other[:6]
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
@@ -128,7 +128,7 @@ class Recv(NamedTuple):
     span: Span | None = None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Recv and self[:6] == other[:6]  # type: ignore[index]
+        return type(other) is Recv and self[:6] == other[:6]
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
@@ -147,7 +147,7 @@ class Wait(NamedTuple):
     span: Span | None = None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Wait and self[0] == other[0]  # type: ignore[index]
+        return type(other) is Wait and self[0] == other[0]
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)

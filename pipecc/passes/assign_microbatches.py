@@ -335,15 +335,17 @@ class _RankAssigner:
                     item.span,
                 )
             _, message, peer = queue.popleft()
+            placeholder = self.out[index]
+            assert type(placeholder) is Recv
             self.out[index] = Recv(
                 item.what,
                 peer,
                 message.pipe,
                 message.stage,
                 message.mb,
-                self.out[index].group,
+                placeholder.group,
                 item.span,
-            )  # type: ignore[union-attr]
+            )
 
 
 def _noun(what: Msg) -> str:

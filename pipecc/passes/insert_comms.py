@@ -282,7 +282,7 @@ def _manual_messages(
                 computes += 1
             elif type(instr) is Send:
                 key = flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
-                time = ends[computes] if computes >= 0 else 0
+                time = int(ends[computes]) if computes >= 0 else 0
                 sends[key] = _message_order(time, rank, position, 0, num_ranks, span)
             elif type(instr) is Recv:
                 recvs.add(flow.key(instr.what, instr.pipe, instr.stage, instr.mb))
@@ -396,7 +396,7 @@ def _message_events(
         for k, outputs in enumerate(ops.outputs):
             if not outputs:
                 continue
-            made = int(ops.end[k])
+            made = int(ops.end[k])  # an integer time: see _integer_times
             base = _message_order(made, src, ops.positions[k], 0, num_ranks, span)
             for sub, (key, dst, send, recv, _) in enumerate(outputs):
                 if dst == src:
