@@ -11,6 +11,11 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
     bytes         size of one message (with `bandwidth`, adds bytes / bandwidth to `comm`)
     bandwidth     bytes per time unit (global only)
     act_bytes     bytes of one microbatch's activations of a stage (for peak memory in bytes)
+    post          host time a rank spends posting one send or receive (global only; 0)
+    wait          host time a rank spends in a wait after it is released (global only; 0)
+    sync          time of the duplicated-stage gradient sum at the end of a step, for
+                  programs with duplicated stages (DualPipe); added to the step, not to the
+                  program's makespan (global only; 0)
     unit          the name of the time unit, for display ("ms" in files the runtime writes)
 
 Defaults: F=1, B=2, I=1, W=1. Given only B, I = W = B/2; given I and W, B = I + W; given B
@@ -31,7 +36,8 @@ from pipecc.diagnostics import CostModelError
 from pipecc.ir.ops import Compute, Fused, Kind, Send
 
 DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes")
-GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", "unit")
+HOST_KEYS = ("post", "wait", "sync")  # global only: a rank's host time, a step's sync
+GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "unit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +76,37 @@ class ResolvedCost:
 
 
 @dataclass(frozen=True, slots=True)
+class HostCost:
+    """Time outside the transfers and compute ops (None: not given, 0).
+
+    `post`: host time a rank spends posting each Send/Recv (the op, or its group, is posted
+    at the end of it); `wait`: host time after each Wait's release; `sync`: the
+    duplicated-stage gradient sum after the program, once per step.
+    """
+
+    post: float | None = None
+    wait: float | None = None
+    sync: float | None = None
+
+    def over(self, base: HostCost) -> HostCost:
+        """This one's values where given, `base`'s elsewhere."""
+        return HostCost(
+            self.post if self.post is not None else base.post,
+            self.wait if self.wait is not None else base.wait,
+            self.sync if self.sync is not None else base.sync,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class CostModel:
-    """Global costs, per-stage overrides, and the bandwidth that turns bytes into time."""
+    """Global costs, per-stage overrides, the bandwidth that turns bytes into time, and the
+    host overheads."""
 
     base: StageCost = StageCost()
     stages: tuple[tuple[int, StageCost], ...] = ()
     bandwidth: float | None = None
     unit: str = ""
+    host: HostCost = HostCost()
     _resolved: dict[int, ResolvedCost] = field(default_factory=dict, compare=False, repr=False)
 
     def stage(self, stage: int) -> ResolvedCost:
@@ -116,6 +146,15 @@ class CostModel:
         cost = self.stage(stage)
         return cost.comm
 
+    def overhead(self) -> tuple[float, float]:
+        """Host time per post and per Wait, (post, wait) (0 where not given)."""
+        return (self.host.post or 0.0, self.host.wait or 0.0)
+
+    @property
+    def sync(self) -> float:
+        """The duplicated-stage gradient sum's time per step (0 where not given)."""
+        return self.host.sync or 0.0
+
     def scaled(self, factor: float) -> CostModel:
         """Compute durations multiplied by `factor` (comm and sizes unchanged): the same
         model cut into more, smaller stages."""
@@ -130,7 +169,11 @@ class CostModel:
         if all(getattr(base, key) is None for key in ("F", "B", "I", "W")):
             base = replace(base, F=1.0, B=2.0)  # scale the defaults too
         return CostModel(
-            scale(base), tuple((n, scale(c)) for n, c in self.stages), self.bandwidth, self.unit
+            scale(base),
+            tuple((n, scale(c)) for n, c in self.stages),
+            self.bandwidth,
+            self.unit,
+            self.host,
         )
 
     def overridden_by(self, other: CostModel) -> CostModel:
@@ -140,6 +183,7 @@ class CostModel:
             stages=self.stages,
             bandwidth=other.bandwidth if other.bandwidth is not None else self.bandwidth,
             unit=other.unit or self.unit,
+            host=other.host.over(self.host),
         )
 
     def describe(self) -> str:
@@ -151,6 +195,11 @@ class CostModel:
         ]
         if self.bandwidth is not None:
             given.append(f"bandwidth={_fmt(self.bandwidth)}")
+        given += [
+            f"{key}={_fmt(value)}"
+            for key in HOST_KEYS
+            if (value := getattr(self.host, key)) is not None
+        ]
         resolved = self.stage(0)
         shown = ", ".join(given) if given else "defaults"
         return (
@@ -197,7 +246,7 @@ def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
 @dataclass(frozen=True, slots=True)
 class CostTiming:
     """A cost model as the replay engine's `Timing` (pipecc.semantics): how long each compute
-    instruction runs, and each message's latency."""
+    instruction runs, each message's latency, and the host time of posts and waits."""
 
     costs: CostModel
 
@@ -211,6 +260,9 @@ class CostTiming:
 
     def latency(self, rank: int, index: int, send: Send) -> float:
         return self.costs.latency(send.stage)
+
+    def overhead(self, rank: int) -> tuple[float, float]:
+        return self.costs.overhead()
 
 
 # ---- parsing -------------------------------------------------------------------------------
@@ -234,10 +286,12 @@ def _check_key(key: str, known: tuple[str, ...], where: str) -> None:
         raise CostModelError(f"{where}: unknown cost key '{key}' (known: {', '.join(known)}){hint}")
 
 
-def _stage_cost(values: dict[str, Any], where: str) -> StageCost:
+def _stage_cost(values: dict[str, Any], where: str, *, known: tuple[str, ...]) -> StageCost:
     fields = {}
     for key, value in values.items():
-        _check_key(key, DURATION_KEYS, where)
+        if key in GLOBAL_KEYS and key not in known:
+            raise CostModelError(f"{where}: '{key}' is global only: give it under [cost]")
+        _check_key(key, known, where)
         fields[key] = _number(key, value, where)
     return StageCost(**fields)
 
@@ -275,19 +329,24 @@ def load_cost_file(path: str | Path) -> CostModel:
 def _model(values: dict[str, Any], stages: Any, where: str) -> CostModel:
     unit = str(values.pop("unit", ""))
     bandwidth = values.pop("bandwidth", None)
-    base = _stage_cost(values, where)
+    host = HostCost(
+        **{key: _number(key, values.pop(key), where) for key in HOST_KEYS if key in values}
+    )
+    base = _stage_cost(values, where, known=GLOBAL_KEYS)
     if not isinstance(stages, dict):
         raise CostModelError(f"{where}: [cost.stage] must hold tables [cost.stage.N]")
     overrides = []
     for name, table in sorted(stages.items(), key=lambda item: str(item[0])):
         if not str(name).isdigit() or not isinstance(table, dict):
             raise CostModelError(f"{where}: [cost.stage.{name}]: N must be a stage number")
-        overrides.append((int(name), _stage_cost(table, f"{where} [cost.stage.{name}]")))
+        table_where = f"{where} [cost.stage.{name}]"
+        overrides.append((int(name), _stage_cost(table, table_where, known=DURATION_KEYS)))
     model = CostModel(
         base=base,
         stages=tuple(sorted(overrides)),
         bandwidth=_number("bandwidth", bandwidth, where) if bandwidth is not None else None,
         unit=unit,
+        host=host,
     )
     model.stage(0)  # resolve once, so inconsistent values fail here with the file's name
     for stage, _ in overrides:

@@ -109,7 +109,7 @@ def _explain_done(
         return ("ready", pr, pi)
     if cause.kind is CauseKind.POST:
         if type(op) is Recv or type(op) is Send:
-            posted = run.start_time(r, i) or 0.0
+            posted = run.post_time(r, i) or 0.0
             links.append(
                 Link(
                     r,

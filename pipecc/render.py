@@ -57,7 +57,7 @@ def messages(timeline: Timeline) -> list[tuple[int, float, int, float, str]]:
     """(src rank, send post time, dst rank, recv completion time, label) per message."""
     run = timeline.replay
     found = []
-    for rank, index, instr, start, _ in timeline.ops():
+    for rank, index, instr, _, _ in timeline.ops():
         if type(instr) is not Send:
             continue
         partner = run.partner(rank, index)
@@ -65,7 +65,8 @@ def messages(timeline: Timeline) -> list[tuple[int, float, int, float, str]]:
             continue
         done = run.done_time(*partner)
         if done is not None:
-            found.append((rank, start, partner[0], done, _message_label(instr)))
+            posted = run.post_time(rank, index) or 0.0
+            found.append((rank, posted, partner[0], done, _message_label(instr)))
     return found
 
 

@@ -2,8 +2,9 @@
 
 The simulator is the replay engine of `pipecc.semantics` (the same code the verifier runs)
 with durations from a `CostModel`; this module turns the replay into the numbers users ask
-for: makespan, bubble ratio, per-rank busy and idle time, the idle time inside each rank's
-working interval, stalls (every wait on a recv or a rendezvous send) and peak memory.
+for: makespan, the step time (makespan plus the duplicated-stage gradient sync, `sync`),
+bubble ratio, per-rank busy, host and idle time, the idle time inside each rank's working
+interval, stalls (every wait on a recv or a rendezvous send) and peak memory.
 
     timeline = simulate(program, parse_cost_flag("F=1,B=2"))
     timeline.makespan, timeline.bubble_ratio, timeline.ranks[0].stalls
@@ -57,6 +58,7 @@ class RankStats:
     busy: float
     idle: float
     internal_idle: float
+    host: float  # time spent posting and in waits after their release (`post`, `wait`)
     first_start: float
     last_end: float
     peak_activations: int
@@ -82,6 +84,7 @@ class RankStats:
             "busy": clean(self.busy),
             "idle": clean(self.idle),
             "internal_idle": clean(self.internal_idle),
+            "host": clean(self.host),
             "first_start": clean(self.first_start),
             "last_end": clean(self.last_end),
             "peak_activations": self.peak_activations,
@@ -96,7 +99,12 @@ class RankStats:
 
 @dataclass(frozen=True, slots=True)
 class Timeline:
-    """The simulated step: the replay itself, and the figures derived from it."""
+    """The simulated step: the replay itself, and the figures derived from it.
+
+    `step` is the makespan plus, for a program with duplicated stages (two pipes over the
+    same stages, DualPipe), the cost model's `sync`: the gradient sum that follows the
+    program in every training step (DESIGN §7).
+    """
 
     program: Program
     costs: CostModel
@@ -105,6 +113,11 @@ class Timeline:
     makespan: float
     bubble_ratio: float
     ranks: tuple[RankStats, ...]
+    sync: float = 0.0
+
+    @property
+    def step(self) -> float:
+        return self.makespan + self.sync
 
     def ops(self) -> list[tuple[int, int, Instr, float, float]]:
         """(rank, index, instruction, start, end) of every instruction, rank by rank."""
@@ -125,6 +138,8 @@ class Timeline:
             "comm_model": self.model.value,
             "costs": self.costs.describe(),
             "makespan": clean(self.makespan),
+            "sync": clean(self.sync),
+            "step": clean(self.step),
             "bubble_ratio": clean(self.bubble_ratio),
             "ranks": [stats.to_json() for stats in self.ranks],
             "ops": [
@@ -197,7 +212,14 @@ def _simulate(
     )
     busy = sum(stats.busy for stats in ranks)
     bubble = 1.0 - busy / (program.num_ranks * makespan) if makespan > 0 else 0.0
-    return Timeline(program, costs, model, run, makespan, bubble, ranks)
+    sync = costs.sync if has_duplicated_stages(program) else 0.0
+    return Timeline(program, costs, model, run, makespan, bubble, ranks, sync)
+
+
+def has_duplicated_stages(program: Program) -> bool:
+    """Whether some stage is held twice (two pipes over the same stages, as DualPipe): the
+    runtime then sums the copies' gradients after the program (DESIGN §7)."""
+    return program.placement.num_pipes > 1
 
 
 def _rank_stats(
@@ -217,6 +239,9 @@ def _rank_stats(
             busy += end - start
             first = start if first is None else first
             last = end
+    post, wait = costs.overhead()  # every post and every Wait takes exactly this much
+    waits = len(run.wiring.waits[rank])
+    host = post * (len(instrs) - len(run.wiring.computes[rank]) - waits) + wait * waits
     first = first if first is not None else 0.0
     peak, peak_index, peak_bytes = _peak_memory(instrs, costs)
     peak_time = run.start_time(rank, peak_index) or 0.0 if instrs else 0.0
@@ -225,13 +250,14 @@ def _rank_stats(
         busy=busy,
         idle=makespan - busy,
         internal_idle=(last - first) - busy,
+        host=host,
         first_start=first,
         last_end=last,
         peak_activations=peak,
         peak_index=peak_index,
         peak_time=peak_time,
         peak_bytes=peak_bytes,
-        stalls=tuple(_stalls(rank, instrs, run, threshold)),
+        stalls=tuple(_stalls(rank, instrs, run, threshold, post=post)),
     )
 
 
@@ -265,19 +291,24 @@ def _peak_bytes(instrs: tuple[Instr, ...], costs: CostModel) -> float:
     return peak
 
 
-def _stalls(rank: int, instrs: tuple[Instr, ...], run: Replay, threshold: float) -> list[Stall]:
-    """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv)."""
+def _stalls(
+    rank: int, instrs: tuple[Instr, ...], run: Replay, threshold: float, *, post: float
+) -> list[Stall]:
+    """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv):
+    from the end of the previous instruction to the start (the release) of this one. A post
+    never blocks: it ends `post` after the previous instruction."""
     found = []
     starts, ends, base = run.start, run.end, run.wiring.offsets[rank]
     previous_end = 0.0
     for index, instr in enumerate(instrs):
         kind = type(instr)
         if kind is Send or kind is Recv:
+            previous_end += post
             continue
         start = starts[base + index] or 0.0
         blocked_from = previous_end
         previous_end = ends[base + index] or start
-        length = (previous_end if kind is Wait else start) - blocked_from
+        length = start - blocked_from
         if length <= threshold or length <= 0:
             continue
         cause = run.cause(rank, index)

@@ -12,7 +12,9 @@ Every gap before a compute op, on its rank, is split in two (issue 6, DESIGN §6
   are posted at their best legal positions (`pipecc compile --align`).
 
 "Stall-free alignment" means zero placement-bound wait. A gap whose every input was already
-there is wholly placement-bound.
+there is wholly placement-bound. The host time of the posts and waits inside a gap (the cost
+model's `post` and `wait`) is neither: it is the gap's `host` part, and the other two split
+the rest.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class Gap:
     since: float
     until: float
     dependency: float  # the part before the op's inputs could exist
-    placement: float  # the rest
+    placement: float  # the rest of the idle time
     cause: str  # for a placement-bound part: what held the rank
+    host: float = 0.0  # the host time of the posts and waits inside the gap
 
     @property
     def length(self) -> float:
@@ -52,6 +55,7 @@ class Gap:
             "length": _clean(self.length),
             "dependency_bound": _clean(self.dependency),
             "placement_bound": _clean(self.placement),
+            "host": _clean(self.host),
             "cause": self.cause,
         }
 
@@ -65,22 +69,22 @@ def classify(program: Program, run: Replay, costs: CostModel) -> list[list[Gap]]
     dependency-bound and placement-bound parts (module docstring)."""
     ready = _data_ready(program, run, costs)
     starts, ends, offsets = run.start, run.end, run.wiring.offsets
+    post, wait = costs.overhead()  # every post and every Wait takes exactly this much
     gaps: list[list[Gap]] = []
     for rank, instrs in enumerate(program.ranks):
         found: list[Gap] = []
-        previous_end = 0.0
+        previous_end = host = 0.0
         base = offsets[rank]
         for index, instr in enumerate(instrs):
-            if type(instr) is not Compute and type(instr) is not Fused:
+            kind = type(instr)
+            if kind is not Compute and kind is not Fused:
+                host += wait if kind is Wait else post
                 continue
             start = starts[base + index] or 0.0
-            if start > previous_end + _EPSILON:
-                found.append(
-                    _gap(
-                        program, run, rank, index, previous_end, start, ready.get(base + index, 0.0)
-                    )
-                )
-            previous_end = ends[base + index] or start
+            if start > previous_end + host + _EPSILON:
+                span = (previous_end, start, host)
+                found.append(_gap(program, run, (rank, index), span, ready.get(base + index, 0.0)))
+            previous_end, host = ends[base + index] or start, 0.0
         gaps.append(found)
     return gaps
 
@@ -88,24 +92,28 @@ def classify(program: Program, run: Replay, costs: CostModel) -> list[list[Gap]]
 def _gap(
     program: Program,
     run: Replay,
-    rank: int,
-    index: int,
-    since: float,
-    until: float,
+    at: tuple[int, int],
+    span: tuple[float, float, float],
     data_ready: float,
 ) -> Gap:
-    dependency = min(max(data_ready - since, 0.0), until - since)
-    placement = until - since - dependency
+    """The gap before compute op `at` = (rank, index): from `since` to `until`, `host` of it
+    spent posting and waiting."""
+    (rank, index), (since, until, host) = at, span
+    idle = until - since - host
+    dependency = min(max(data_ready - since, 0.0), idle)
+    placement = idle - dependency
     if placement <= _EPSILON:
-        return Gap(rank, index, since, until, until - since, 0.0, "")
+        return Gap(rank, index, since, until, idle, 0.0, "", host)
     cause = _placement_cause(program, run, rank, index, max(since, data_ready))
-    return Gap(rank, index, since, until, dependency, placement, cause)
+    return Gap(rank, index, since, until, dependency, placement, cause, host)
 
 
 def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, float]:
     """For each compute op (by global instruction id): when its last input could have been
-    there — its producers' end in this replay plus each message's latency."""
+    there — its producers' end in this replay plus, for a message, the host time of its post
+    and its latency."""
     flow = Dataflow(program.placement)
+    post, _ = costs.overhead()
     computes = [
         [
             (index, (instr,) if type(instr) is Compute else (instr[0], instr[1]))
@@ -126,8 +134,8 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
                 at = made_at.get(op[4] * stride + needed[0]) if needed is not None else None
                 if at is None:
                     continue
-                if needed[1] != needed[2]:  # from another rank: add the message's latency
-                    at += costs.latency(op[3])
+                if needed[1] != needed[2]:  # from another rank: posted, then in flight
+                    at += post + costs.latency(op[3])
                 latest = max(latest, at)
             if latest:
                 ready[base + index] = latest
@@ -202,7 +210,7 @@ def _why_late(program: Program, run: Replay, rank: int, index: int) -> str:
     if ready_cause.kind is CauseKind.STREAM:
         ahead = program.ranks[ready_cause.rank][ready_cause.index]
         return f"queued on this rank's nccl stream behind [{ready_cause.index}] {describe(ahead)}"
-    posted = run.start_time(rank, index) or 0.0
+    posted = run.post_time(rank, index) or 0.0
     if type(op) is Send:
         done = run.done_time(rank, index) or 0.0
         return (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import InputError
@@ -104,8 +104,8 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cost",
         metavar="K=V,...",
-        help="durations and comm latency, e.g. F=1,B=2,I=1,W=1,FB=2.5,comm=0.1 "
-        "(docs/simulate.md; default F=1,B=2,I=1,W=1)",
+        help="durations, comm latency and host time, e.g. F=1,B=2,I=1,W=1,FB=2.5,comm=0.1,"
+        "post=0.05,wait=0.01,sync=3 (docs/simulate.md; default F=1,B=2,I=1,W=1)",
     )
     parser.add_argument(
         "--cost-file",

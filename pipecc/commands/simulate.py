@@ -26,11 +26,13 @@ from pipecc.simulate import Timeline, simulate
 
 DESCRIPTION = """\
 Replay a compiled schedule with durations (the same replay `pipecc verify` runs, DESIGN §5)
-and report the makespan, the bubble ratio 1 - Σbusy / (P·makespan), per rank its busy and
-idle time, the idle time between its first start and last end (the bubble zero-bubble
-schedules remove), its peak live activations, and every stall (a wait on a receive or on a
-rendezvous send). Pictures: --svg (a Gantt chart like the papers'), --png (needs
-matplotlib), --trace (Chrome/Perfetto trace JSON, opens in ui.perfetto.dev).
+and report the makespan, the step (makespan + the cost model's `sync` for a program with
+duplicated stages), the bubble ratio 1 - Σbusy / (P·makespan), per rank its busy and idle
+time, the idle time between its first start and last end (the bubble zero-bubble schedules
+remove), its peak live activations, and every stall (a wait on a receive or on a rendezvous
+send). With `post`/`wait` costs, posts and waits take host time on their rank. Pictures:
+--svg (a Gantt chart like the papers'), --png (needs matplotlib), --trace (Chrome/Perfetto
+trace JSON, opens in ui.perfetto.dev).
 """
 
 EPILOG = """\
@@ -93,10 +95,11 @@ def run(args: argparse.Namespace) -> int:
 def summary(timeline: Timeline) -> str:
     """The headline figures and the per-rank table."""
     program = timeline.program
+    step = f"   step {timeline.step:g} (sync {timeline.sync:g})" if timeline.sync else ""
     lines = [
         f"# {program.schedule}  P={program.num_ranks} M={program.num_microbatches}  "
         f"comm {timeline.model.value}  costs {timeline.costs.describe()}",
-        f"makespan {timeline.makespan:g}   bubble ratio {timeline.bubble_ratio:.4f}",
+        f"makespan {timeline.makespan:g}{step}   bubble ratio {timeline.bubble_ratio:.4f}",
         "rank   busy     idle  in-bubble  peak act  stalls (count, total)  "
         "dependency-bound  placement-bound",
     ]
@@ -108,4 +111,7 @@ def summary(timeline: Timeline) -> str:
             f"{stats.peak_activations:>9}  {stalls:<20s} {stats.dependency_bound:>16g} "
             f"{stats.placement_bound:>16g}"
         )
+    if any(stats.host for stats in timeline.ranks):
+        hosts = ", ".join(f"rank {stats.rank} {stats.host:g}" for stats in timeline.ranks)
+        lines.append(f"host time in posts and waits (part of idle): {hosts}")
     return "\n".join(lines) + "\n"

@@ -4,17 +4,22 @@
     run = replay(program, model=CommModel.RENDEZVOUS, timing=my_costs)
     run.finished, run.start_time(2, 17), run.cause(2, 17), run.stuck
 
-Timed semantics (exact; untimed replay is the same with every duration and latency 0):
+Timed semantics (exact; untimed replay is the same with every duration, latency and
+overhead 0):
 
 - Each rank runs its instruction list in order with its own clock, starting at 0.
-- Posting a Send or Recv takes no time and never blocks: its start and end are the clock.
+- Posting a Send or Recv never blocks; it takes the rank's `post` overhead (host time, 0
+  unless the timing says otherwise): it starts at the clock and ends `post` later. A unit
+  (one op, or a group, below) is posted at the end of its last op's post; everything below
+  that says "post" means that moment.
 - A compute op (Compute or Fused) starts at max(clock, completion of every Recv on this rank
   whose tensor it consumes) and ends at start + duration. It blocks on such a Recv even
   without a Wait. The Recv it consumes is the one carrying its input message (what, pipe,
   stage, mb) on its rank: the latest one posted before it, else the first one after it (which
   it then waits for forever: a recv consumed before it is posted).
-- A Wait starts and ends at max(clock, completion of every op it lists). Listed indices that
-  are not Send/Recv ops of the rank are ignored here (the verifier reports them).
+- A Wait starts (is released) at max(clock, completion of every op it lists) and ends the
+  rank's `wait` overhead later. Listed indices that are not Send/Recv ops of the rank are
+  ignored here (the verifier reports them).
 - Matching: per ordered pair (src, dst) the k-th Send of src to dst matches the k-th Recv of
   dst from src, in posting order, whatever messages they name (NCCL and gloo untagged ops).
   An op without a partner (or whose peer is not another rank) never completes.
@@ -50,16 +55,25 @@ The rules live in `engine` only; `verify`, `simulate` and the alignment pass all
 from __future__ import annotations
 
 from pipecc.semantics.engine import replay
-from pipecc.semantics.model import ZERO_TIMING, CommModel, Timing, ZeroTiming
+from pipecc.semantics.model import (
+    NO_OVERHEAD,
+    ZERO_TIMING,
+    CommModel,
+    Overhead,
+    Timing,
+    ZeroTiming,
+)
 from pipecc.semantics.result import Block, Cause, CauseKind, Replay, Stuck
 from pipecc.semantics.wiring import Wiring, wire
 
 __all__ = [
+    "NO_OVERHEAD",
     "ZERO_TIMING",
     "Block",
     "Cause",
     "CauseKind",
     "CommModel",
+    "Overhead",
     "Replay",
     "Stuck",
     "Timing",

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pipecc.ir.program import Program
 from pipecc.semantics.model import ZERO_TIMING, CommModel, Timing
 from pipecc.semantics.result import Block, Replay, Stuck
-from pipecc.semantics.wiring import COMPUTE, RECV, SEND, Wiring, wire
+from pipecc.semantics.wiring import COMPUTE, RECV, SEND, WAIT, Wiring, wire
 
 
 def replay(
@@ -41,6 +41,7 @@ def replay(
         end=run.end,
         done=run.done,
         unit_act=run.unit_act,
+        unit_post=run.unit_post,
         latency=run.lat,
         cursors=tuple(run.cursor),
         stuck=_stuck(run),
@@ -73,6 +74,7 @@ class _Run:
         self.clock = [0.0] * wiring.num_ranks
         self.dur, self.lat = _costs(wiring, timing)
         self.unit_act: list[float | None] = []
+        self.unit_post: list[float | None] = [None] * len(wiring.unit_first)
 
     def run(self) -> None:
         ready = self.ready
@@ -84,14 +86,22 @@ class _Run:
         w = self.w
         code, deps, done, dur = w.code, w.deps, self.done, self.dur
         start, end = self.start, self.end
+        unit_of, unit_first, unit_last = w.unit, w.unit_first, w.unit_last
+        unit_post = self.unit_post
         post = self._post
         g, t = self.cursor[rank], self.clock[rank]
         stop = w.offsets[rank + 1]
         while g < stop:
             c = code[g]
             if c == SEND or c == RECV:
-                start[g] = end[g] = t
-                post(g, t, rank)
+                start[g] = t
+                t += dur[g]  # the host time of the post
+                end[g] = t
+                u = unit_of[g]
+                if unit_last[u] == g:  # a group is posted with its last op
+                    unit_post[u] = t
+                    for o in range(unit_first[u], g + 1):
+                        post(o, t, rank)
                 g += 1
                 continue
             s = t
@@ -104,7 +114,7 @@ class _Run:
                 if x > s:
                     s = x
             start[g] = s
-            t = s + dur[g] if c == COMPUTE else s
+            t = s + dur[g]  # a compute op's duration, a Wait's host time after its release
             end[g] = t
             g += 1
         self.cursor[rank], self.clock[rank] = g, t
@@ -127,12 +137,12 @@ class _EagerRun(_Run):
         p = self.partner[g]
         if self.w.code[g] == SEND:
             self._complete(g, t)
-            other = self.start[p] if p >= 0 else None
+            other = self.unit_post[self.w.unit[p]] if p >= 0 else None
             if other is not None:
                 arrival = t + self.lat[g]
                 self._complete(p, other if other > arrival else arrival)
         elif p >= 0:
-            other = self.start[p]
+            other = self.unit_post[self.w.unit[p]]
             if other is not None:
                 arrival = other + self.lat[g]
                 self._complete(g, t if t > arrival else arrival)
@@ -144,7 +154,7 @@ class _RendezvousRun(_Run):
     def _post(self, g: int, t: float, rank: int) -> None:
         p = self.partner[g]
         if p >= 0:
-            other = self.start[p]
+            other = self.unit_post[self.w.unit[p]]
             if other is not None:
                 at = (t if t >= other else other) + self.lat[g]
                 self._complete(g, at)
@@ -163,7 +173,6 @@ class _StreamRun(_Run):
         self.streams_of = streams.of_unit
         self.head = [0] * len(self.units_on)  # position of each stream's head unit
         self.unit_act = [None] * count
-        self.unit_post: list[float | None] = [None] * count
         self.unit_ready = [0.0] * count  # the latest completion of a unit ahead of it
         self.unit_left = [
             b - a + 1 for a, b in zip(wiring.unit_first, wiring.unit_last, strict=True)
@@ -223,7 +232,9 @@ class _StreamRun(_Run):
         while g < stop:
             c = code[g]
             if c == SEND or c == RECV:
-                start[g] = end[g] = t
+                start[g] = t
+                t += dur[g]  # the host time of the post
+                end[g] = t
                 u = unit_of[g]
                 if unit_last[u] == g:  # a group is posted with its last op
                     unit_post[u] = t
@@ -244,7 +255,7 @@ class _StreamRun(_Run):
                 if x > s:
                     s = x
             start[g] = s
-            t = s + dur[g] if c == COMPUTE else s
+            t = s + dur[g]
             end[g] = t
             g += 1
         self.cursor[rank], self.clock[rank] = g, t
@@ -324,8 +335,9 @@ class _StreamRun(_Run):
 
 
 def _costs(wiring: Wiring, timing: Timing) -> tuple[Sequence[float], Sequence[float]]:
-    """Per instruction: the duration of a compute op; the latency of a send, copied to its
-    partner recv so that either side can look it up."""
+    """Per instruction: the time it takes on its rank's clock (a compute op's duration, a
+    post's or a Wait's host overhead); the latency of a send, copied to its partner recv so
+    that either side can look it up."""
     n = len(wiring.code)
     if timing is ZERO_TIMING:
         zeros = [0.0] * n
@@ -343,6 +355,11 @@ def _costs(wiring: Wiring, timing: Timing) -> tuple[Sequence[float], Sequence[fl
                 lat[g] = timing.latency(rank, index, instr)  # type: ignore[arg-type]
                 if partner[g] >= 0:
                     lat[partner[g]] = lat[g]
+        post, wait = timing.overhead(rank)
+        if post or wait:
+            for g in range(base, base + len(instrs)):
+                if code[g] != COMPUTE:
+                    dur[g] = wait if code[g] == WAIT else post
     return dur, lat
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pipecc.ir.ops import Compute, Fused, Send
 
@@ -22,8 +22,19 @@ class CommModel(enum.Enum):
         return self is CommModel.NCCL or self is CommModel.NCCL_SINGLE
 
 
+class Overhead(NamedTuple):
+    """Host time a rank spends on communication besides the transfers themselves."""
+
+    post: float  # on each Send/Recv it posts; the op (its group) is posted at the end of it
+    wait: float  # on each Wait, after the Wait is released
+
+
+NO_OVERHEAD = Overhead(0.0, 0.0)
+
+
 class Timing(Protocol):
-    """Durations and latencies for a timed replay (the simulator's cost model)."""
+    """Durations, latencies and host overheads for a timed replay (the simulator's cost
+    model)."""
 
     def duration(self, rank: int, index: int, instr: Compute | Fused) -> float:
         """How long compute instruction `index` of `rank` runs."""
@@ -34,15 +45,23 @@ class Timing(Protocol):
         at the receiver (not busy time)."""
         ...
 
+    def overhead(self, rank: int) -> tuple[float, float]:
+        """Host time `rank` spends on each post and after each Wait's release: (post, wait),
+        an `Overhead`."""
+        ...
+
 
 class ZeroTiming:
-    """Every duration and latency is 0: the untimed replay."""
+    """Every duration, latency and overhead is 0: the untimed replay."""
 
     def duration(self, rank: int, index: int, instr: Compute | Fused) -> float:
         return 0.0
 
     def latency(self, rank: int, index: int, send: Send) -> float:
         return 0.0
+
+    def overhead(self, rank: int) -> Overhead:
+        return NO_OVERHEAD
 
 
 ZERO_TIMING = ZeroTiming()

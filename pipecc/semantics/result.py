@@ -55,11 +55,12 @@ class Stuck(NamedTuple):
 class Replay:
     """The outcome of one replay (read-only; times are None for what never happened).
 
-    For a Send/Recv, start = end = its post and `done` its completion; for a Wait, start =
-    end = its release; for a compute op, end = start + duration. `unit_act` holds the
-    activation time of each unit (nccl models only). Ties between causes resolve towards the
-    cross-rank cause (RECV, WAIT, TRANSFER, STREAM), so a walk back along causes always
-    reaches time 0.
+    For a Send/Recv, start..end is the host time of its post (start = end without a `post`
+    overhead), `done` its completion; `unit_post` holds when each unit was posted (the end of
+    its last op). For a Wait, start is its release and end = start + the `wait` overhead; for
+    a compute op, end = start + duration. `unit_act` holds the activation time of each unit
+    (nccl models only). Ties between causes resolve towards the cross-rank cause (RECV, WAIT,
+    TRANSFER, STREAM), so a walk back along causes always reaches time 0.
     """
 
     wiring: Wiring
@@ -68,6 +69,7 @@ class Replay:
     end: Sequence[float | None]
     done: Sequence[float | None]
     unit_act: Sequence[float | None]
+    unit_post: Sequence[float | None]
     latency: Sequence[float]  # of each send, and of its partner recv
     cursors: tuple[int, ...]  # global id of each rank's next instruction
     stuck: tuple[Stuck, ...]  # the blocked state; empty when the replay finished
@@ -134,7 +136,7 @@ class Replay:
         if self.model is CommModel.EAGER:
             if w.code[g] == SEND:
                 return Cause(CauseKind.POST, rank, index)
-            if self.start[p] + self.latency[p] >= self.start[g]:  # type: ignore[operator]
+            if self.posted(p) + self.latency[p] >= self.posted(g):  # type: ignore[operator]
                 return Cause(CauseKind.TRANSFER, *w.locate(p))
             return Cause(CauseKind.POST, rank, index)
         if self._ready(p) >= self._ready(g):
@@ -156,12 +158,21 @@ class Replay:
                     return Cause(CauseKind.STREAM, *w.locate(last))
         return Cause(CauseKind.POST, rank, index)
 
+    def post_time(self, rank: int, index: int) -> float | None:
+        """When Send/Recv `index` of `rank` was posted (its group's post, after the host
+        time of every op of the group)."""
+        return self.posted(self.wiring.offsets[rank] + index)
+
     def ready_time(self, rank: int, index: int) -> float | None:
         """When Send/Recv `index` of `rank` could transfer: its post, or (nccl) the
         activation of its unit."""
         return self._ready(self.wiring.offsets[rank] + index)
 
+    def posted(self, g: int) -> float | None:
+        """When Send/Recv `g` (a global id) was posted: the end of its unit's last post."""
+        return self.unit_post[self.wiring.unit[g]]
+
     def _ready(self, g: int) -> float | None:
         if self.model.has_streams:
             return self.unit_act[self.wiring.unit[g]]
-        return self.start[g]
+        return self.posted(g)

@@ -13,6 +13,7 @@ from pipecc.semantics import (
     Cause,
     CauseKind,
     CommModel,
+    Overhead,
     Stuck,
     replay,
     wire,
@@ -33,16 +34,23 @@ def _program(*ranks: tuple[Instr, ...], chunks: int = 1) -> Program:
 
 
 class Costs:
-    """Every compute takes `compute`; every send has latency `latency`."""
+    """Every compute takes `compute`; every send has latency `latency`; every post takes
+    `post` and every Wait `wait` of host time."""
 
-    def __init__(self, compute: float = 1.0, latency: float = 0.0) -> None:
+    def __init__(
+        self, compute: float = 1.0, latency: float = 0.0, *, post: float = 0.0, wait: float = 0.0
+    ) -> None:
         self.compute, self.lat = compute, latency
+        self.host = Overhead(post, wait)
 
     def duration(self, rank: int, index: int, instr: object) -> float:
         return self.compute
 
     def latency(self, rank: int, index: int, send: object) -> float:
         return self.lat
+
+    def overhead(self, rank: int) -> Overhead:
+        return self.host
 
 
 F0 = Compute(Kind.F, 0, 0, 0, 0)
@@ -77,6 +85,57 @@ def test_handoff_times(model: CommModel, send_done: float, f1_start: float) -> N
     assert run.cause(0, 2) == Cause(CauseKind.WAIT, 0, 1)
     assert run.partner(0, 1) == (1, 0) and run.partner(1, 0) == (0, 1)
     assert run.makespan() == 5.0
+
+
+@pytest.mark.parametrize(
+    ("model", "send_done"), [(EAGER, 2.25), (RV, 3.25), (NCCL, 3.25), (SINGLE, 3.25)]
+)
+def test_host_overhead_of_posts_and_waits(model: CommModel, send_done: float) -> None:
+    """post = 0.25 on each Send/Recv, wait = 0.5 after each Wait's release, by hand."""
+    run = replay(HANDOFF, model=model, timing=Costs(2.0, 1.0, post=0.25, wait=0.5))
+    assert run.finished
+    # rank 1 posts its recv over [0, 0.25]; rank 0 computes F0 over [0, 2], posts over [2, 2.25]
+    assert (run.start_time(1, 0), run.end_time(1, 0), run.post_time(1, 0)) == (0.0, 0.25, 0.25)
+    assert (run.start_time(0, 1), run.end_time(0, 1), run.post_time(0, 1)) == (2.0, 2.25, 2.25)
+    assert run.done_time(0, 1) == send_done  # eager: at its post; else post + latency
+    assert run.done_time(1, 0) == 3.25  # the data: send posted at 2.25, latency 1
+    assert (run.start_time(1, 1), run.end_time(1, 1)) == (3.25, 5.25)  # F1 on the recv
+    # a Wait starts when released and ends `wait` later
+    assert (run.start_time(0, 2), run.end_time(0, 2)) == (send_done, send_done + 0.5)
+    assert (run.start_time(1, 2), run.end_time(1, 2)) == (5.25, 5.75)
+    assert run.cause(1, 2) == Cause(CauseKind.PROGRAM, 1, 1)  # nothing left to wait for
+    assert run.makespan() == 5.75
+
+
+@pytest.mark.parametrize(
+    ("model", "grad_done"), [(EAGER, 2.5), (RV, 3.5), (NCCL, 3.5), (SINGLE, 3.5)]
+)
+def test_a_group_is_posted_after_all_its_posts(model: CommModel, grad_done: float) -> None:
+    grouped = _program(
+        (F0, SEND_A._replace(group=0), RECV_B._replace(group=0), Wait((1, 2))),
+        (RECV_A._replace(group=1), SEND_B._replace(group=1), Wait((0, 1))),
+    )
+    run = replay(grouped, model=model, timing=Costs(2.0, 1.0, post=0.25, wait=0.5))
+    assert run.finished
+    assert [(run.start_time(0, i), run.end_time(0, i)) for i in (1, 2)] == [(2, 2.25), (2.25, 2.5)]
+    assert run.post_time(0, 1) == run.post_time(0, 2) == 2.5  # the send goes with the group
+    assert run.post_time(1, 0) == run.post_time(1, 1) == 0.5
+    assert run.done_time(1, 0) == 3.5  # from 2.5, not from the send's own post at 2.25
+    # rank 1's grad, sent at 0.5: eager, there at 1.5, received at the recv's post (2.5);
+    # otherwise it transfers once the recv is posted, at 2.5, and arrives at 3.5
+    assert run.done_time(0, 2) == grad_done
+    assert run.end_time(0, 3) == grad_done + 0.5
+    assert run.end_time(1, 2) == 4.0
+
+
+def test_untimed_replay_has_no_host_time() -> None:
+    for model in (EAGER, RV, NCCL, SINGLE):
+        run = replay(HANDOFF, model=model)
+        assert all(
+            run.start_time(r, i) == run.end_time(r, i) == 0.0
+            for r, instrs in enumerate(HANDOFF.ranks)
+            for i in range(len(instrs))
+        )
 
 
 def test_causes_walk_back_to_time_zero() -> None:

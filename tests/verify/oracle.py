@@ -225,11 +225,18 @@ class _Timed(_Machine):
     a transfer completes at its computed time; completions wake ranks and stream heads."""
 
     def __init__(
-        self, program: Program, model: str, duration: dict[Op, float], latency: dict[Op, float]
+        self,
+        program: Program,
+        model: str,
+        duration: dict[Op, float],
+        latency: dict[Op, float],
+        overhead: dict[int, tuple[float, float]],
     ) -> None:
         super().__init__(program, model)
         self.duration = duration
         self.latency = latency  # per send
+        self.overhead = overhead  # per rank: (host time per post, per Wait after its release)
+        self.paid: set[int] = set()  # ranks whose next unit's posts have taken their time
         self.heap: list[tuple[float, int, str, object]] = []
         self.seq = 0
         self.post_time: dict[Op, float] = {}
@@ -263,12 +270,8 @@ class _Timed(_Machine):
             i = self.cursor[rank]
             instr = instrs[i]
             if _is_comm(instr):
-                start = i
-                self.post_unit(rank)
-                for j in range(start, self.cursor[rank]):
-                    self.times[(rank, j)] = t
-                    self.post_time[(rank, j)] = t
-                self.after_post(t, tuple((rank, j) for j in range(start, self.cursor[rank])))
+                if not self.post_timed(t, rank):
+                    return  # back when its posts have taken their time
                 continue
             if type(instr) is Wait:
                 needed = [
@@ -285,6 +288,31 @@ class _Timed(_Machine):
             if type(instr) in (Compute, Fused):
                 self.push(t + self.duration[(rank, i)], "rank", rank)
                 return
+            wait = self.overhead[rank][1]
+            if wait:  # the Wait is released at t and takes `wait` more
+                self.push(t + wait, "rank", rank)
+                return
+
+    def post_timed(self, t: float, rank: int) -> bool:
+        """Post the unit at the rank's cursor, whose ops each take `post` one after another;
+        False if that takes time: the rank comes back when it is over, and posts then."""
+        instrs = self.p.ranks[rank]
+        start = self.cursor[rank]
+        if rank not in self.paid:
+            clock = t
+            for j in range(start, _group_end(instrs, start)):
+                self.times[(rank, j)] = clock
+                clock = clock + self.overhead[rank][0]
+            if clock > t:
+                self.paid.add(rank)
+                self.push(clock, "rank", rank)
+                return False
+        self.paid.discard(rank)
+        self.post_unit(rank)
+        for j in range(start, self.cursor[rank]):
+            self.post_time[(rank, j)] = t
+        self.after_post(t, tuple((rank, j) for j in range(start, self.cursor[rank])))
+        return True
 
     def after_post(self, t: float, unit: tuple[Op, ...]) -> None:
         self.match_all()
@@ -345,7 +373,13 @@ class _Timed(_Machine):
 
 
 def run_timed(
-    program: Program, model: str, duration: dict[Op, float], latency: dict[Op, float]
+    program: Program,
+    model: str,
+    duration: dict[Op, float],
+    latency: dict[Op, float],
+    overhead: dict[int, tuple[float, float]] | None = None,
 ) -> Outcome:
-    """Discrete-event replay with durations per compute op and latency per send."""
-    return _Timed(program, model, duration, latency).run_timed()
+    """Discrete-event replay with durations per compute op, latency per send and host
+    overheads per rank (time per post, per Wait after its release; none by default)."""
+    host = overhead or {rank: (0.0, 0.0) for rank in range(program.num_ranks)}
+    return _Timed(program, model, duration, latency, host).run_timed()

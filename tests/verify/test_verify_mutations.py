@@ -22,7 +22,7 @@ from oracle import MODELS, Outcome, run, run_timed
 
 from pipecc.ir.ops import Compute, Fused, Send
 from pipecc.ir.program import Program
-from pipecc.semantics import CommModel, Replay, replay, wire
+from pipecc.semantics import NO_OVERHEAD, CommModel, Overhead, Replay, replay, wire
 from pipecc.verify import Options, Status, verify
 
 SOURCES = [
@@ -173,8 +173,8 @@ def _timing(program: Program, rng: random.Random) -> tuple[dict, dict]:
 
 
 class _Table:
-    def __init__(self, duration: dict, latency: dict) -> None:
-        self.d, self.l = duration, latency
+    def __init__(self, duration: dict, latency: dict, overhead: dict[int, Overhead]) -> None:
+        self.d, self.l, self.o = duration, latency, overhead
 
     def duration(self, rank: int, index: int, instr: object) -> float:
         return self.d[(rank, index)]
@@ -182,10 +182,23 @@ class _Table:
     def latency(self, rank: int, index: int, send: object) -> float:
         return self.l[(rank, index)]
 
+    def overhead(self, rank: int) -> Overhead:
+        return self.o[rank]
 
+
+def _overhead(program: Program, rng: random.Random | None) -> dict[int, Overhead]:
+    """Host time per post and per Wait on each rank: none, or small random integers."""
+    return {
+        rank: Overhead(float(rng.randint(0, 2)), float(rng.randint(0, 2))) if rng else NO_OVERHEAD
+        for rank in range(program.num_ranks)
+    }
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["no-overhead", "overhead"])
 @pytest.mark.parametrize("model", MODELS)
-def test_timed_replay_agrees_with_a_discrete_event_simulation(model: str) -> None:
+def test_timed_replay_agrees_with_a_discrete_event_simulation(model: str, host: bool) -> None:
     rng = random.Random(7)
+    host_rng = random.Random(11) if host else None
     programs = _programs()
     checked = 0
     for k in range(200):
@@ -196,10 +209,10 @@ def test_timed_replay_agrees_with_a_discrete_event_simulation(model: str) -> Non
         if mutant is None:
             continue
         duration, latency = _timing(mutant, rng)
-        expected = run_timed(mutant, model, duration, latency)
-        got = replay(
-            mutant, model=CommModel(model), timing=_Table(duration, latency), wiring=wire(mutant)
-        )
+        overhead = _overhead(mutant, host_rng)
+        expected = run_timed(mutant, model, duration, latency, dict(overhead))
+        timing = _Table(duration, latency, overhead)
+        got = replay(mutant, model=CommModel(model), timing=timing, wiring=wire(mutant))
         starts = {
             (r, i): got.start_time(r, i)
             for r, instrs in enumerate(mutant.ranks)
