@@ -116,7 +116,10 @@ class PipelineRuntime:
         self._finish(ctx)
         if self.config.sync_duplicated and self.shared:
             modules = {chunk: c.module for chunk, c in self.chunks.items()}
+            start = time.perf_counter()
             sum_copies(self.channel, self.rank, self.shared, modules)
+            if recorder is not None:
+                recorder.sync(start, time.perf_counter())
         return self._loss_of(ctx)
 
     def forward(self, inputs: object = None, targets: object = None) -> dict[int, Tensors]:
@@ -187,6 +190,10 @@ class PipelineRuntime:
                         self._timed(ctx, instr)
                     case Compute() | Fused():
                         self._compute(ctx, instr)
+                    case Send() | Recv() if ctx.recorder is not None:
+                        start = time.perf_counter()
+                        self._post(ctx, index, instr, commit)
+                        ctx.recorder.post(time.perf_counter() - start)
                     case Send() | Recv():
                         self._post(ctx, index, instr, commit)
                     case Wait():
@@ -442,17 +449,20 @@ class PipelineRuntime:
                 ops.append(self.channel.p2p(type(instr) is Send, tensor, instr.peer))
                 owners.append(index)
         handles = self.channel.post(ops, batched=ctx.queue[0][1].group is not None)
-        now = time.perf_counter()
         for index, instr, tensors in ctx.queue:
             mine = tuple(h for h, owner in zip(handles, owners, strict=True) if owner == index)
             ctx.pending[index] = Pending(instr, mine, tensors)
-            if ctx.recorder is not None and type(instr) is Send:
-                ctx.recorder.send(_key(instr), now, sum(t.nbytes for t in tensors))
+        if ctx.recorder is not None:
+            now = time.perf_counter()  # the group is posted (its ops go out from the poster)
+            for _, instr, tensors in ctx.queue:
+                nbytes = sum(t.nbytes for t in tensors)
+                ctx.recorder.posted(type(instr) is Send, _key(instr), now, nbytes)
         ctx.queue.clear()
 
     def _wait(self, ctx: StepContext, index: int, instr: Wait) -> None:
-        start = time.perf_counter()
+        start = released = time.perf_counter()
         deadline = time.monotonic() + self.config.timeout
+        waited: list[Send | Recv] = []
         for op_index in instr.ops:
             pending = ctx.pending.pop(op_index, None)
             if pending is None:
@@ -462,12 +472,14 @@ class PipelineRuntime:
                     self.channel.complete(posted, deadline)
                 except Exception as err:
                     raise self._comm_failure(index, instr, op_index, pending, err) from err
+            released = time.perf_counter()
+            waited.append(pending.instr)
             if type(pending.instr) is Recv:
                 recv = pending.instr
                 ctx.mail[(recv.what, recv.pipe, recv.stage, recv.mb)] = pending.tensors
-                if ctx.recorder is not None:
-                    nbytes = sum(t.nbytes for t in pending.tensors)
-                    ctx.recorder.recv(_key(recv), start, time.perf_counter(), nbytes)
+        if ctx.recorder is not None:
+            ops = tuple((type(op) is Send, _key(op)) for op in waited)
+            ctx.recorder.wait(ops, (start, released, time.perf_counter()))
 
     def _comm_failure(
         self, index: int, instr: Wait, op_index: int, pending: Pending, err: Exception

@@ -220,11 +220,13 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
         (
             f"pipecc run --profile: {program.schedule}, P={program.num_ranks}, "
             f"M={program.num_microbatches}, batch {job.batch_size} rows, model {job.model}",
-            f"measured on {backend_for(program.num_ranks)} over {job.steps} timed step(s): "
-            "the median wall time of each compute op,",
-            "ms; FB/FI = a fused F&B/F&I, under its forward's stage; [cost.stage.N]: N is the",
-            "program's stage index (both pipes' stage N together); comm = median latency from",
-            "a send's post to its receive's completion; bytes = median message size",
+            f"measured on {backend_for(program.num_ranks)} over {job.steps} timed step(s), "
+            "means in ms: F, B, I, W, FB, FI = the",
+            "wall time of each compute op (FB/FI: a fused F&B/F&I, under its forward's stage);",
+            "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
+            "post = host time of a send or recv; wait = host time of a wait after its release;",
+            "comm = from the moment a wait's last transfer could start to its release; sync =",
+            "the duplicated-stage gradient sum, per step; bytes = median message size",
         )
     )
     return render_cost_file(records, header)

@@ -1,23 +1,43 @@
-"""Measured costs: per-(stage, op) durations and message sizes, written as a cost file.
+"""Measured costs: per-(stage, op) durations, host overheads, message latency and sizes.
 
 A `Recorder` collects, on one rank during real steps, the wall time of every compute
-instruction and the post/complete times and sizes of every message. `write_cost_file` merges
+instruction and of every post, when each message was posted on each side, when each wait
+started and was released, and the duplicated-stage gradient sum. `render_cost_file` merges
 the records of all ranks into the simulator's TOML cost format (DESIGN §6):
 
-    [cost]            unit = "ms"; F, B, I, W, FB, FI (ms); comm (ms per message);
-                      bytes (per message)
+    [cost]            unit = "ms"; F, B, I, W, FB, FI (ms); post, wait (ms per op);
+                      comm (ms per message); bytes (per message); sync (ms per step)
     [cost.stage.N]    the same durations measured on stage N alone
 
 Stage N is the `stage` of the program (pipe 0's numbering); with two pipes (DualPipe) stage N
 of both pipes is one model stage and their samples are merged. A fused op is recorded as FB
-(F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up. Every figure
-is the median of its samples.
+(F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up.
 
-`comm` is a latency: from the post of a send to the completion of the matching receive, taken
-only from messages whose receiver was already waiting when the send was posted (otherwise
-the completion time says when the receiver arrived, not when the data did); if no message
-qualifies, the median of completion − max(send post, receiver's wait) is used. Ranks of
-`pipecc run` share one host, so their monotonic clocks agree.
+Every duration is the **mean** of its samples (`comm`, below, is fitted the same way). The
+simulator adds durations up along the critical path, and the mean is the figure whose sum is
+the expected total; host noise only ever adds time (a descheduled thread, a late wake-up),
+so a median would leave that tail out of every op and predict a step shorter than any real
+one.
+
+- `post`: host time of one send or receive instruction on the compute thread: preparing its
+  buffer and, at the last op of a group, handing the group to the poster thread (gloo) or
+  posting it (NCCL). The simulator charges it to every Send/Recv and posts a group at the
+  end of its last op's post.
+- `wait`: host time of a wait after its last op completed (the mailbox, the bookkeeping).
+- `comm`: the latency under which the simulator's rendezvous rule reproduces the run's own
+  waits. For every wait that waits for a transfer, the run measured when it started, when
+  the last of its transfers could start (its send and its receive both posted) and when it
+  was released; under the rule it is released at max(start, that moment + comm). `comm` is
+  the smallest value that makes those releases add up to the measured ones (their sum grows
+  with `comm`). Transfers are slower while both ranks compute (gloo's
+  threads and the poster need a core) than while one waits, and a wait that finds its data
+  already there says nothing of when it came; fitting all waits at once counts both right,
+  where an average over waits that blocked would count only the slow ones and one over
+  waits that began before their transfer only the fast ones.
+- `sync`: per step, from the moment the last holder of a duplicated stage starts the
+  gradient sum to the moment the last one has finished it.
+
+Ranks of `pipecc run` share one host, so their monotonic clocks agree.
 """
 
 from __future__ import annotations
@@ -29,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MessageKey = tuple[str, int, int, int]  # (what, pipe, receiving stage, mb)
+WaitedOp = tuple[bool, MessageKey]  # (a send?, its message)
 KEYS = ("F", "B", "I", "W", "FB", "FI")
 
 
@@ -38,57 +59,117 @@ class Recorder:
 
     step: int = 0
     computes: list[tuple[str, int, float]] = field(default_factory=list)  # (kind, stage, s)
-    sends: list[tuple[int, MessageKey, float, int]] = field(default_factory=list)
-    recvs: list[tuple[int, MessageKey, float, float, int]] = field(default_factory=list)
+    posts: list[float] = field(default_factory=list)  # s of each Send/Recv instruction
+    # (step, a send?, message, posted at, bytes): when each side's group went out
+    messages: list[tuple[int, bool, MessageKey, float, int]] = field(default_factory=list)
+    # (step, the ops waited for, (start, release, end))
+    waits: list[tuple[int, tuple[WaitedOp, ...], tuple[float, float, float]]] = field(
+        default_factory=list
+    )
+    syncs: list[tuple[int, float, float]] = field(default_factory=list)  # (step, start, end)
 
     def compute(self, kind: str, stage: int, seconds: float) -> None:
         self.computes.append((kind, stage, seconds))
 
-    def send(self, key: MessageKey, posted: float, nbytes: int) -> None:
-        self.sends.append((self.step, key, posted, nbytes))
+    def post(self, seconds: float) -> None:
+        self.posts.append(seconds)
 
-    def recv(self, key: MessageKey, wait_start: float, done: float, nbytes: int) -> None:
-        self.recvs.append((self.step, key, wait_start, done, nbytes))
+    def posted(self, send: bool, key: MessageKey, at: float, nbytes: int) -> None:
+        self.messages.append((self.step, send, key, at, nbytes))
+
+    def wait(self, ops: tuple[WaitedOp, ...], times: tuple[float, float, float]) -> None:
+        self.waits.append((self.step, ops, times))
+
+    def sync(self, start: float, end: float) -> None:
+        self.syncs.append((self.step, start, end))
 
 
-def _median_ms(samples: Iterable[float]) -> float:
-    return round(statistics.median(samples) * 1e3, 4)
+def _mean_ms(samples: Iterable[float]) -> float:
+    return round(statistics.fmean(samples) * 1e3, 4)
 
 
 def compute_costs(records: list[Recorder]) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
-    """Median durations (ms) per op kind, overall and per stage."""
+    """Mean durations (ms) per op kind, overall and per stage."""
     overall: dict[str, list[float]] = defaultdict(list)
     staged: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
         for kind, stage, seconds in record.computes:
             overall[kind].append(seconds)
             staged[stage][kind].append(seconds)
-    top = {k: _median_ms(overall[k]) for k in KEYS if overall[k]}
+    top = {k: _mean_ms(overall[k]) for k in KEYS if overall[k]}
     per_stage = {
-        stage: {k: _median_ms(kinds[k]) for k in KEYS if kinds[k]}
+        stage: {k: _mean_ms(kinds[k]) for k in KEYS if kinds[k]}
         for stage, kinds in sorted(staged.items())
     }
     return top, per_stage
 
 
-def comm_costs(records: list[Recorder]) -> dict[str, float]:
-    """Latency per message (ms) and bytes per message, from matched send/recv records."""
-    posted = {(step, key): (t, n) for r in records for step, key, t, n in r.sends}
-    clean: list[float] = []
-    fallback: list[float] = []
-    sizes: list[int] = []
-    for record in records:
-        for step, key, wait_start, done, nbytes in record.recvs:
-            sizes.append(nbytes)
-            if (step, key) not in posted:
-                continue
-            send_time, _ = posted[(step, key)]
-            if wait_start <= send_time:
-                clean.append(done - send_time)
-            fallback.append(max(done - max(send_time, wait_start), 0.0))
+def host_costs(records: list[Recorder]) -> dict[str, float]:
+    """Mean host time (ms) per post and per wait after its release; the duplicated-stage
+    gradient sum per step."""
     result: dict[str, float] = {}
-    if clean or fallback:
-        result["comm"] = _median_ms(clean or fallback)
+    posts = [seconds for record in records for seconds in record.posts]
+    waits = [end - release for r in records for _, _, (_, release, end) in r.waits]
+    syncs = sync_times(records)
+    for key, samples in (("post", posts), ("wait", waits), ("sync", syncs)):
+        if samples:
+            result[key] = _mean_ms(samples)
+    return result
+
+
+def sync_times(records: list[Recorder]) -> list[float]:
+    """Per step: the last end of the gradient sum minus its last start, over the ranks."""
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for record in records:
+        for step, start, end in record.syncs:
+            starts[step] = max(starts.get(step, start), start)
+            ends[step] = max(ends.get(step, end), end)
+    return [ends[step] - starts[step] for step in sorted(starts)]
+
+
+def wait_times(records: list[Recorder]) -> list[tuple[float, float, float]]:
+    """Per wait that waits for a transfer: (its start, the moment its last transfer could
+    start: both sides posted, its release)."""
+    posted: dict[tuple[int, MessageKey], float] = {}  # the later of the two sides' posts
+    for record in records:
+        for step, _, key, at, _ in record.messages:
+            posted[(step, key)] = max(posted.get((step, key), at), at)
+    found = []
+    for record in records:
+        for step, ops, (start, release, _) in record.waits:
+            ready = [posted[(step, key)] for _, key in ops if (step, key) in posted]
+            if ready:
+                found.append((start, max(ready), release))
+    return found
+
+
+def fit_latency(waits: list[tuple[float, float, float]]) -> float:
+    """The smallest latency c ≥ 0 with Σ max(start, ready + c) = Σ release over `waits`
+    (seconds).
+
+    The left side grows with c, is at most the right side at c = 0 (no wait is released
+    before it starts or before its transfer can start) and at least it at c = the longest
+    release − ready, so bisection finds it.
+    """
+    target = sum(release for _, _, release in waits)
+    low, high = 0.0, max((release - ready for _, ready, release in waits), default=0.0)
+    while high - low > 1e-9:
+        middle = (low + high) / 2
+        if sum(max(start, ready + middle) for start, ready, _ in waits) < target:
+            low = middle
+        else:
+            high = middle
+    return max(high, 0.0)
+
+
+def comm_costs(records: list[Recorder]) -> dict[str, float]:
+    """Latency per message (ms) and bytes per message."""
+    waits = wait_times(records)
+    sizes = [nbytes for r in records for _, send, _, _, nbytes in r.messages if send]
+    result: dict[str, float] = {}
+    if waits:
+        result["comm"] = round(fit_latency(waits) * 1e3, 4)
     if sizes:
         result["bytes"] = int(statistics.median(sizes))
     return result
@@ -98,6 +179,7 @@ def render_cost_file(records: list[Recorder], header: str) -> str:
     """The TOML text: a comment header, `[cost]`, then `[cost.stage.N]` tables."""
     top, per_stage = compute_costs(records)
     top.update(comm_costs(records))
+    top.update(host_costs(records))
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += ["", "[cost]", 'unit = "ms"', *_table(top)]
     for stage, costs in per_stage.items():

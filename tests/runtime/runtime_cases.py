@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, TensorSpec, infer_boundaries
+from pipecc.runtime.profile import Recorder
 from pipecc.runtime.reference import gradients, reference_step
 from torch import nn
 
@@ -116,7 +117,8 @@ class Case:
     """One runtime configuration and what to check.
 
     `mode`: train (one step, compared with the reference), forward (forward only), nosync
-    (duplicated stages not summed), timeout (a second step in which rank 0 stays away).
+    (duplicated stages not summed), timeout (a second step in which rank 0 stays away),
+    profile (a train step with a `Recorder`, whose records come back).
     `pipelines`: run several pipelines side by side, each in a subgroup; pipeline rank r is
     global rank `pipeline[r]`.
     """
@@ -204,14 +206,15 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
     run = _setup(rank, case)
     if case.mode == "forward":
         return _forward_case(run)
-    loss = run.runtime.step(run.inputs, run.targets)
+    recorder = Recorder(step=0) if case.mode == "profile" else None
+    loss = run.runtime.step(run.inputs, run.targets, recorder=recorder)
     if case.mode == "timeout":
         return _timeout_case(run)
     reference = build(case.model, len(run.stages))  # on the CPU
     microbatches = case.program.num_microbatches
     data = (_to(run.inputs, torch.device("cpu")), run.targets.cpu())
     want_loss, want = reference_step(reference, data, microbatches, run.loss_fn)
-    return _compare(run, loss, want, want_loss)
+    return {**_compare(run, loss, want, want_loss), "recorder": recorder}
 
 
 def _setup(rank: int, case: Case) -> _Run:

@@ -54,6 +54,8 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert model.unit == "ms"
     for key in ("F", "B", "I", "W", "FB", "comm", "bytes"):
         assert getattr(model.base, key) is not None, f"{key} measured"
+    assert model.host.post and model.host.wait is not None, "host time per post and wait"
+    assert model.host.sync is None, "DualPipeV holds every stage once: nothing to sum"
     assert model.base.bytes == 8 * 16 * 4, "one microbatch: 8 rows × 16 fp32"
     assert [stage for stage, _ in model.stages] == [0, 1, 2, 3]
 

@@ -17,6 +17,8 @@ import pytest
 import torch
 from pipecc.runtime.spawn import spawn
 from runtime_cases import (
+    HIDDEN,
+    ROWS,
     SCHEDULES,
     TOLERANCE,
     Case,
@@ -25,6 +27,8 @@ from runtime_cases import (
     run_cases,
     wrong_boundaries,
 )
+
+from pipecc.ir.ops import Recv, Send, Wait
 
 Results = list[dict[str, dict[str, Any]]]  # per rank: case name -> result
 
@@ -53,7 +57,8 @@ def feature_cases_2() -> list[Case]:
         Case("tuple-interleaved_zb", compile_case("interleaved_zb", 2, 4), model="tuple"),
         Case("forward-zbv", compile_case("zbv", 2, 4), mode="forward"),
         Case("forward-dualpipe", dualpipe, mode="forward"),
-        Case("timeout", compile_case("1f1b", 2, 2), mode="timeout", timeout=1.0),
+        Case("profile-dualpipe", dualpipe, mode="profile"),
+        Case("timeout", compile_case("1f1b", 2, 2), mode="timeout", timeout=1.0),  # the last
     ]
 
 
@@ -218,3 +223,30 @@ def test_recv_timeout_names_rank_instruction_peer_and_message(group2: Results) -
         "error: rank 1: instruction 1 (wait 0): recv act pipe 0 stage 1 mb 0 from rank 0 "
         "(instruction 0) did not complete within 1 s"
     )
+
+
+def test_profile_records_every_post_wait_and_the_sync(group2: Results) -> None:
+    """A profiled step (`pipecc run --profile`): one post time per Send/Recv, one record
+    per Wait naming its ops, each message's post on both sides, and the duplicated-stage
+    sum; the step itself is unchanged."""
+    per_rank = [r["profile-dualpipe"] for r in group2]
+    _assert_matches_reference(per_rank, 6)
+    program = compile_case("dualpipe", 2, 6)
+    posted = {}
+    for rank, result in enumerate(per_rank):
+        recorder, instrs = result["recorder"], program.ranks[rank]
+        comm = [i for i in instrs if type(i) is Send or type(i) is Recv]
+        waits = [i for i in instrs if type(i) is Wait]
+        assert len(recorder.posts) == len(comm) and all(s > 0 for s in recorder.posts)
+        assert [len(ops) for _, ops, _ in recorder.waits] == [len(w.ops) for w in waits]
+        for _, ops, (start, release, end) in recorder.waits:
+            assert start <= release <= end
+            for send, key in ops:
+                assert (send, key) in {(s, k) for _, s, k, _, _ in recorder.messages}
+        for _, send, key, _, nbytes in recorder.messages:
+            assert nbytes == ROWS * HIDDEN * 4
+            posted.setdefault(key, []).append(send)
+        assert len(recorder.syncs) == 1, "the duplicated-stage sum, once per step"
+        (_, sync_start, sync_end) = recorder.syncs[0]
+        assert sync_end > sync_start >= max(end for _, _, (_, _, end) in recorder.waits)
+    assert all(sorted(sides) == [False, True] for sides in posted.values()), "sent and received"

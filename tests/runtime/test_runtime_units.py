@@ -9,7 +9,7 @@ import torch
 from pipecc.runtime import TensorSpec, infer_boundaries
 from pipecc.runtime.plan import build_plan as _plan
 from pipecc.runtime.plan import forward_only as _forward_only
-from pipecc.runtime.profile import Recorder, render_cost_file
+from pipecc.runtime.profile import Recorder, fit_latency, render_cost_file
 from pipecc.runtime.specs import meta_forward, normalise_boundaries
 from torch import nn
 
@@ -95,19 +95,51 @@ def _computes(instr: object) -> tuple[Compute, ...]:
 
 
 def test_cost_file_round_trips_through_the_simulators_parser(tmp_path: Path) -> None:
-    a, b = Recorder(step=0), Recorder(step=0)
+    a, b = Recorder(step=0), Recorder(step=0)  # ranks 0 and 1
     for stage, recorder in ((0, a), (1, b)):
         recorder.compute("F", stage, 0.001 * (stage + 1))
+        recorder.compute("F", stage, 0.003 * (stage + 1))  # the mean: 2 and 4 ms
         recorder.compute("B", stage, 0.002 * (stage + 1))
         recorder.compute("FB", stage, 0.0025)
-    key = ("act", 0, 1, 0)
-    a.send(key, posted=10.0, nbytes=128)
-    b.recv(key, wait_start=9.5, done=10.0005, nbytes=128)  # waiting before the send: clean
+    for seconds in (0.0001, 0.0003):
+        a.post(seconds)
+    b.post(0.0002)  # post: the mean, 0.2 ms
+    act, grad, act2 = ("act", 0, 1, 0), ("grad", 0, 0, 0), ("act", 0, 1, 1)
+    # act: rank 1 waits from 9.5; the transfer can start at 10 (both posted); released
+    # at 10.0005. grad: the receive is posted last, at 20.001, and waited for at once;
+    # released at 20.0018. act2: both posted at 30; rank 0 waits for its send at once and
+    # is released at 30.0006; rank 1 comes to wait at 31 and finds the data there.
+    b.posted(False, act, 9.0, 128)
+    a.posted(True, act, 10.0, 128)
+    b.wait(((False, act),), (9.5, 10.0005, 10.0006))
+    b.posted(True, grad, 20.0, 128)
+    a.posted(False, grad, 20.001, 128)
+    a.wait(((False, grad),), (20.0011, 20.0018, 20.0019))
+    a.posted(True, act2, 30.0, 128)
+    b.posted(False, act2, 30.0, 128)
+    a.wait(((True, act2),), (30.00001, 30.0006, 30.0007))
+    b.wait(((False, act2),), (31.0, 31.0, 31.0001))
+    a.sync(40.0, 40.010)
+    b.sync(40.002, 40.011)  # from the last start to the last end: 9 ms
     path = tmp_path / "costs.toml"
     path.write_text(render_cost_file([a, b], "measured here\nsecond line"))
     assert path.read_text().startswith("# measured here\n# second line\n\n[cost]\n")
     model = load_cost_file(path)
-    assert model.base.comm == pytest.approx(0.5)
+    # rank 1's late wait adds nothing; the others: 10 + c, 20.001 + c, 30 + c
+    assert model.base.comm == pytest.approx((0.5 + 0.8 + 0.6) / 3, abs=1e-4)
     assert model.base.bytes == 128
-    assert model.stage(1).F == pytest.approx(2.0) and model.stage(0).B == pytest.approx(2.0)
+    assert model.host.post == pytest.approx(0.2)
+    assert model.host.wait == pytest.approx(0.1, abs=1e-4)  # after each release
+    assert model.host.sync == pytest.approx(9.0, abs=1e-4)
+    assert model.stage(1).F == pytest.approx(4.0) and model.stage(0).B == pytest.approx(2.0)
     assert model.stage(0).FB == pytest.approx(2.5)
+
+
+def test_comm_is_the_latency_that_reproduces_the_waits() -> None:
+    """Under the rendezvous rule a wait is released at max(start, ready + comm)."""
+    blocked = (9.9, 10.0, 10.0004)  # waiting before the transfer could start: 0.4 ms
+    late = (20.01, 20.0, 20.01)  # came 10 ms after: the data was there, nothing to learn
+    assert fit_latency([blocked, late]) == pytest.approx(0.0004, abs=1e-8)
+    slow = (20.0002, 20.0, 20.0006)  # came 0.2 ms after, still waited: 0.6 ms
+    assert fit_latency([blocked, slow]) == pytest.approx(0.0005, abs=1e-8)
+    assert fit_latency([]) == 0.0
