@@ -68,23 +68,27 @@ def classify(program: Program, run: Replay, costs: CostModel) -> list[list[Gap]]
     """The idle gaps before every compute op of every rank, each split into its
     dependency-bound and placement-bound parts (module docstring)."""
     ready = _data_ready(program, run, costs)
-    starts, ends, offsets = run.start, run.end, run.wiring.offsets
+    w = run.wiring
+    starts, ends = run.start, run.end
     post, wait = costs.overhead()  # every post and every Wait takes exactly this much
     gaps: list[list[Gap]] = []
-    for rank, instrs in enumerate(program.ranks):
+    for rank in range(program.num_ranks):
         found: list[Gap] = []
-        previous_end = host = 0.0
-        base = offsets[rank]
-        for index, instr in enumerate(instrs):
-            kind = type(instr)
-            if kind is not Compute and kind is not Fused:
-                host += wait if kind is Wait else post
-                continue
-            start = starts[base + index] or 0.0
+        previous_end, previous = 0.0, w.offsets[rank] - 1
+        waits, next_wait = w.waits[rank], 0
+        last_wait = len(waits)
+        for g in w.computes[rank]:
+            # the instructions since the previous compute op: posts and waits
+            first_wait = next_wait
+            while next_wait < last_wait and waits[next_wait] < g:
+                next_wait += 1
+            count = next_wait - first_wait
+            host = post * (g - previous - 1 - count) + wait * count
+            start = starts[g] or 0.0
             if start > previous_end + host + _EPSILON:
-                span = (previous_end, start, host)
-                found.append(_gap(program, run, (rank, index), span, ready.get(base + index, 0.0)))
-            previous_end, host = ends[base + index] or start, 0.0
+                at = (rank, g - w.offsets[rank])
+                found.append(_gap(program, run, at, (previous_end, start, host), ready.get(g, 0.0)))
+            previous_end, previous = ends[g] or start, g
         gaps.append(found)
     return gaps
 
