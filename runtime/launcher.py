@@ -225,8 +225,8 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "wall time of each compute op (FB/FI: a fused F&B/F&I, under its forward's stage);",
             "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
             "post = host time of a send or recv; wait = host time of a wait after its release;",
-            "comm = from the moment a wait's last transfer could start to its release; sync =",
-            "the duplicated-stage gradient sum, per step; bytes = median message size",
+            "comm = the latency under which the rendezvous rule reproduces the run's waits;",
+            "sync = the duplicated-stage gradient sum, per step; bytes = median message size",
         )
     )
     return render_cost_file(records, header)
