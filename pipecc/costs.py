@@ -249,14 +249,26 @@ class CostTiming:
     instruction runs, each message's latency, and the host time of posts and waits."""
 
     costs: CostModel
+    # durations by (kind, stage) or (kind, stage, kind, stage): a program of 10⁶ instructions
+    # has a few dozen distinct ones
+    _known: dict[tuple[object, ...], float] = field(default_factory=dict, compare=False)
 
     def duration(self, rank: int, index: int, instr: Compute | Fused) -> float:
         return self.op_duration(instr)
 
     def op_duration(self, instr: Compute | Fused) -> float:
         if type(instr) is Compute:
-            return self.costs.compute(instr)
-        return self.costs.fused(instr)  # type: ignore[arg-type]
+            key: tuple[object, ...] = (instr[0], instr[3])
+        else:
+            key = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
+        value = self._known.get(key)
+        if value is None:
+            value = self._known[key] = (
+                self.costs.compute(instr)  # type: ignore[arg-type]
+                if type(instr) is Compute
+                else self.costs.fused(instr)  # type: ignore[arg-type]
+            )
+        return value
 
     def latency(self, rank: int, index: int, send: Send) -> float:
         return self.costs.latency(send.stage)

@@ -232,13 +232,13 @@ def _rank_stats(
 ) -> RankStats:
     instrs = program.ranks[rank]
     busy, first, last = 0.0, None, 0.0
-    for index, instr in enumerate(instrs):
-        if type(instr) is Compute or type(instr) is Fused:
-            start, end = run.start_time(rank, index), run.end_time(rank, index)
-            assert start is not None and end is not None
-            busy += end - start
-            first = start if first is None else first
-            last = end
+    starts, ends = run.start, run.end
+    for g in run.wiring.computes[rank]:  # the global ids of the rank's compute ops
+        start, end = starts[g], ends[g]
+        assert start is not None and end is not None
+        busy += end - start
+        first = start if first is None else first
+        last = end
     post, wait = costs.overhead()  # every post and every Wait takes exactly this much
     waits = len(run.wiring.waits[rank])
     host = post * (len(instrs) - len(run.wiring.computes[rank]) - waits) + wait * waits
