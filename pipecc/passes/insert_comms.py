@@ -193,7 +193,9 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
     duration_of = placement.duration
     stages = max(flow.placement.num_stages(p) for p in range(flow.placement.num_pipes))
     latency_of = [placement.latency(stage) for stage in range(stages)]
-    durations: dict[tuple[object, ...], float] = {}  # by (kind, stage[, kind, stage])
+    # durations looked up once: a compute op's by kind then stage, a fused op's by both halves
+    single: dict[Kind, dict[int, float]] = {}
+    fused: dict[tuple[object, ...], float] = {}
     stride, inputs_of, outputs_of = flow.mb_stride, flow.inputs, flow.outputs
     add_compute, add_position = ops.computes.append, ops.positions.append
     add_inputs, add_outputs, add_duration = (
@@ -204,10 +206,18 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
     for position, instr in enumerate(instrs):
         if type(instr) is Compute:
             parts: tuple[Compute, ...] = (instr,)
-            signature: tuple[object, ...] = (instr[0], instr[3])
+            by_stage = single.get(instr[0])
+            if by_stage is None:
+                by_stage = single[instr[0]] = {}
+            duration = by_stage.get(instr[3])
+            if duration is None:
+                duration = by_stage[instr[3]] = duration_of(instr)
         elif type(instr) is Fused:
             parts = (instr[0], instr[1])
             signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
+            duration = fused.get(signature)
+            if duration is None:
+                duration = fused[signature] = duration_of(instr)
         else:
             continue
         inputs = []
@@ -233,9 +243,6 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
         add_position(position)
         add_inputs(tuple(inputs))
         add_outputs(tuple(outputs))
-        duration = durations.get(signature)
-        if duration is None:
-            duration = durations[signature] = duration_of(instr)
         add_duration(duration)
     if any(type(instr) is Send for instr in instrs):
         _anchor_manual_sends(ops, instrs, flow)
@@ -297,8 +304,11 @@ def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
     cursor = [0] * len(ranks)
     clock = [0.0] * len(ranks)
     remaining = sum(len(r.computes) for r in ranks)
+    # what each compute op makes available, as (key, _, _, _, latency) tuples: its outputs,
+    # or with hand-placed sends the (key, latency) pairs _anchor_manual_sends computed
     publishes = [
-        ops.publish or [[(output[0], output[4]) for output in outputs] for outputs in ops.outputs]
+        ops.outputs if ops.publish is None else [[(key, 0, 0, 0, lat) for key, lat in keys]
+                                                 for keys in ops.publish]
         for ops in ranks
     ]
     while remaining:
@@ -323,8 +333,8 @@ def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
                     now = ready + durations[k]
                     start.append(ready)
                     end.append(now)
-                    for key, latency in publish[k]:
-                        available[key] = now + latency
+                    for output in publish[k]:
+                        available[output[0]] = now + output[4]
                     k += 1
                     continue
                 break
@@ -516,13 +526,12 @@ class _Emitter:
             self.out.append(_new(Wait, (tuple(targets), None)))
 
     def wait_all(self) -> None:
-        done = {i for instr in self.out if type(instr) is Wait for i in instr.ops}
-        posted = [
-            i
-            for i, instr in enumerate(self.out)
-            if (type(instr) is Send or type(instr) is Recv) and i not in done
-        ]
+        """One final Wait for what is still open: the sends due after the last compute op,
+        and any recv no compute op consumed (hand-waited ops were never registered)."""
+        posted = [i for waits in self.due.values() for i in waits]
+        posted.extend(self.recv_at.values())
         if posted:
+            posted.sort()
             self.out.append(_new(Wait, (tuple(posted), None)))
 
 
