@@ -188,14 +188,36 @@ def _name(op: Send | Recv) -> str:
     return f"{op.what.value} stage {op.stage} mb {op.mb}"
 
 
+@dataclass
+class _Durations:
+    """The placement's durations, each computed once: a compute op's by kind then stage (no
+    tuple per op), a fused op's by both halves."""
+
+    duration: Callable[[Compute | Fused], float]
+    single: dict[Kind, dict[int, float]] = field(default_factory=dict)
+    fused: dict[tuple[object, ...], float] = field(default_factory=dict)
+
+    def of(self, instr: Compute | Fused) -> float:
+        if type(instr) is Compute:
+            by_stage = self.single.get(instr[0])
+            if by_stage is None:
+                by_stage = self.single[instr[0]] = {}
+            value = by_stage.get(instr[3])
+            if value is None:
+                value = by_stage[instr[3]] = self.duration(instr)
+            return value
+        signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
+        value = self.fused.get(signature)
+        if value is None:
+            value = self.fused[signature] = self.duration(instr)
+        return value
+
+
 def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) -> _RankOps:
     ops = _RankOps()
-    duration_of = placement.duration
+    duration_of = _Durations(placement.duration).of
     stages = max(flow.placement.num_stages(p) for p in range(flow.placement.num_pipes))
     latency_of = [placement.latency(stage) for stage in range(stages)]
-    # durations looked up once: a compute op's by kind then stage, a fused op's by both halves
-    single: dict[Kind, dict[int, float]] = {}
-    fused: dict[tuple[object, ...], float] = {}
     stride, inputs_of, outputs_of = flow.mb_stride, flow.inputs, flow.outputs
     add_compute, add_position = ops.computes.append, ops.positions.append
     add_inputs, add_outputs, add_duration = (
@@ -206,18 +228,8 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
     for position, instr in enumerate(instrs):
         if type(instr) is Compute:
             parts: tuple[Compute, ...] = (instr,)
-            by_stage = single.get(instr[0])
-            if by_stage is None:
-                by_stage = single[instr[0]] = {}
-            duration = by_stage.get(instr[3])
-            if duration is None:
-                duration = by_stage[instr[3]] = duration_of(instr)
         elif type(instr) is Fused:
             parts = (instr[0], instr[1])
-            signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
-            duration = fused.get(signature)
-            if duration is None:
-                duration = fused[signature] = duration_of(instr)
         else:
             continue
         inputs = []
@@ -243,7 +255,7 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
         add_position(position)
         add_inputs(tuple(inputs))
         add_outputs(tuple(outputs))
-        add_duration(duration)
+        add_duration(duration_of(instr))
     if any(type(instr) is Send for instr in instrs):
         _anchor_manual_sends(ops, instrs, flow)
     return ops
@@ -307,8 +319,9 @@ def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
     # what each compute op makes available, as (key, _, _, _, latency) tuples: its outputs,
     # or with hand-placed sends the (key, latency) pairs _anchor_manual_sends computed
     publishes = [
-        ops.outputs if ops.publish is None else [[(key, 0, 0, 0, lat) for key, lat in keys]
-                                                 for keys in ops.publish]
+        ops.outputs
+        if ops.publish is None
+        else [[(key, 0, 0, 0, lat) for key, lat in keys] for keys in ops.publish]
         for ops in ranks
     ]
     while remaining:
