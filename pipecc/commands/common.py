@@ -73,6 +73,12 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_input_args(parser: argparse.ArgumentParser) -> None:
+    """FILE and -P/-M/-D: the one program that `load_input` reads."""
+    parser.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
+    add_size_args(parser)
+
+
 def load_input(path: str, args: argparse.Namespace) -> Program:
     """A Program from `path`, by extension: a .sched file compiled for -P/-M/-D, a compiled
     program (.json), or a torch.distributed.pipelining action CSV (.csv); a compute-only CSV

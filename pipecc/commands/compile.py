@@ -7,7 +7,7 @@ import argparse
 from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
-    add_size_args,
+    add_input_args,
     load_costs,
     load_input,
     write_output,
@@ -55,8 +55,7 @@ def register(commands: SubParsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
-    add_size_args(cmd)
+    add_input_args(cmd)
     cmd.add_argument(
         "--format", choices=FORMATS, default="json", help="output format (default: json)"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipecc.commands.common import SubParsers, add_cost_args, add_size_args, load_costs, load_input
+from pipecc.commands.common import SubParsers, add_cost_args, add_input_args, load_costs, load_input
 from pipecc.diagnostics import InputError
 from pipecc.explain import critical_path
 from pipecc.ir.printer import describe
@@ -37,8 +37,7 @@ def register(commands: SubParsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
-    add_size_args(cmd)
+    add_input_args(cmd)
     add_cost_args(cmd)
     cmd.add_argument(
         "--op", type=_op, required=True, metavar="RANK:INDEX", help="the instruction to explain"

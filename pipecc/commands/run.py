@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from pipecc.commands.common import SubParsers, add_size_args, load_input, positive
+from pipecc.commands.common import SubParsers, add_input_args, load_input, positive, write_output
 from pipecc.diagnostics import InputError, ProgramError
 from pipecc.ir.program import Program
 
@@ -44,8 +43,7 @@ def register(commands: SubParsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
-    add_size_args(cmd)
+    add_input_args(cmd)
     cmd.add_argument("--nproc", dest="ranks", type=positive, help="processes to start (= -P)")
     cmd.add_argument("--model", required=True, metavar="FILE.py", help="the model file")
     cmd.add_argument(
@@ -123,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     )
     report = run_job(job)
     if args.profile is not None and report.cost_file is not None:
-        _write(args.profile, report.cost_file)
+        write_output(report.cost_file, args.profile)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
     failure = _failure(fields, args.tolerance) if args.check else None
     if args.json:
@@ -166,10 +164,3 @@ def _print_summary(fields: dict[str, Any], args: argparse.Namespace, failure: st
     )
     if args.profile is not None:
         print(f"wrote {args.profile}")
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as err:
-        raise InputError(f"{path}: cannot write: {err.strerror or err}") from None

@@ -8,7 +8,7 @@ import json
 from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
-    add_size_args,
+    add_input_args,
     load_costs,
     load_input,
     write_output,
@@ -51,8 +51,7 @@ def register(commands: SubParsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("file", metavar="FILE", help=".sched file, bundled schedule name, or .json")
-    add_size_args(cmd)
+    add_input_args(cmd)
     add_cost_args(cmd)
     cmd.add_argument(
         "--stall-threshold",
