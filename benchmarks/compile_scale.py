@@ -13,55 +13,23 @@ means ×4; the target is ≤ ×4.5). Machines are noisy: compare the ratios, mea
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from collections.abc import Callable
-from pathlib import Path
-
+from scale import compile_case, median_time, parse_args
 from torch_baseline import torch_lowered
 
-from pipecc.api import compile_schedule
-
-ROOT = Path(__file__).resolve().parent.parent
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}))
-
-
-def _best_of(repeat: int, work: Callable[[], object]) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = work()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def _pipecc(
     name: str, defines: dict[str, int], ranks: int, microbatches: int, repeat: int
 ) -> tuple[float, int]:
-    path = ROOT / "schedules" / f"{name}.sched"
-    seconds, program = _best_of(
-        repeat,
-        lambda: compile_schedule(path, ranks=ranks, microbatches=microbatches, defines=defines),
-    )
-    return seconds, program.num_instructions()  # type: ignore[attr-defined]
+    seconds, program = median_time(repeat, lambda: compile_case(name, defines, ranks, microbatches))
+    return seconds, program.num_instructions()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=1024)
-    parser.add_argument(
-        "--torch-microbatches",
-        type=int,
-        default=None,
-        help="run torch at this M instead (it is quadratic in M)",
-    )
-    parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(__doc__, torch_help="run torch at this M instead (it is quadratic in M)")
     P, M = args.ranks, args.microbatches
-    compile_schedule(ROOT / "schedules" / "1f1b.sched", ranks=2, microbatches=2)  # warm-up
+    compile_case("1f1b", {}, 2, 2)  # warm-up
     print(f"compile at P={P}, M={M} (median of {args.repeat})")
     for name, defines in CASES:
         seconds, count = _pipecc(name, defines, P, M, args.repeat)

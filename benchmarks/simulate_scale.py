@@ -14,18 +14,12 @@ comparison is on interleaved 1F1B and ZB-V. Ratios are measured in the same run.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from pathlib import Path
-
+from scale import compile_case, median_time, parse_args
 from torch_baseline import torch_lowered, torch_simulate
 
-from pipecc.api import compile_schedule
 from pipecc.costs import parse_cost_flag
 from pipecc.simulate import Timeline, simulate
 
-ROOT = Path(__file__).resolve().parent.parent
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}), ("zbv", {}))
 # torch's simulator rejects fused OVERLAP_F_B actions, so it cannot replay DualPipeV
 # (DESIGN §6): the torch comparison runs on interleaved 1F1B and ZB-V.
@@ -36,35 +30,13 @@ COSTS = parse_cost_flag("F=1,B=2,I=1,W=1")
 def _time_simulate(
     name: str, defines: dict[str, int], ranks: int, microbatches: int, repeat: int
 ) -> tuple[float, Timeline, int]:
-    program = compile_schedule(
-        ROOT / "schedules" / f"{name}.sched",
-        ranks=ranks,
-        microbatches=microbatches,
-        defines=defines,
-    )
-    times = []
-    timeline = None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        timeline = simulate(program, COSTS)
-        times.append(time.perf_counter() - start)
-    assert timeline is not None
-    return statistics.median(times), timeline, program.num_instructions()
+    program = compile_case(name, defines, ranks, microbatches)
+    seconds, timeline = median_time(repeat, lambda: simulate(program, COSTS))
+    return seconds, timeline, program.num_instructions()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=1024)
-    parser.add_argument(
-        "--torch-microbatches",
-        type=int,
-        default=None,
-        help="run torch at this M instead (its lowering is quadratic in M)",
-    )
-    parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     P, M = args.ranks, args.microbatches
     print(f"simulate at P={P}, M={M}, costs F=1,B=2,I=1,W=1, nccl (median of {args.repeat})")
     for name, defines in CASES:

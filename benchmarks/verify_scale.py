@@ -19,23 +19,18 @@ measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import resource
-import statistics
-import time
-from pathlib import Path
 from typing import Any
 
+from scale import compile_case, median_time, parse_args
 from torch_baseline import torch_lowered, torch_simulate
 
-from pipecc.api import compile_schedule
 from pipecc.interop import torch_csv
 from pipecc.ir.program import Program
 from pipecc.verify import Options, Report, verify
 
-ROOT = Path(__file__).resolve().parent.parent
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}))
 TORCH_CANNOT = {"dualpipev": "torch's _simulate_comms_compute cannot replay OVERLAP_F_B"}
 
@@ -45,22 +40,9 @@ def _rss_mb() -> float:
 
 
 def _time_verify(program: Program, repeat: int) -> tuple[float, Report]:
-    times, report = [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        report = verify(program, Options())
-        times.append(time.perf_counter() - start)
-    assert report is not None and report.ok, [str(v) for v in report.violations]
-    return statistics.median(times), report
-
-
-def _compiled(name: str, defines: dict[str, int], ranks: int, microbatches: int) -> Program:
-    return compile_schedule(
-        ROOT / "schedules" / f"{name}.sched",
-        ranks=ranks,
-        microbatches=microbatches,
-        defines=defines,
-    )
+    seconds, report = median_time(repeat, lambda: verify(program, Options()))
+    assert report.ok, [str(v) for v in report.violations]
+    return seconds, report
 
 
 def _torch_program(lowered: Any) -> Program:
@@ -73,14 +55,14 @@ def _torch_program(lowered: Any) -> Program:
 
 
 def _row(name: str, ranks: int, microbatches: int, defines: dict[str, int], repeat: int) -> float:
-    program = _compiled(name, defines, ranks, microbatches)
+    program = compile_case(name, defines, ranks, microbatches)
     seconds, _ = _time_verify(program, repeat)
     count = program.num_instructions()
     print(
         f"  {name:18s} pipecc {seconds:6.2f} s  {count:>9,} instructions  "
         f"({seconds / count * 1e6:.2f} µs each)"
     )
-    quarter = _compiled(name, defines, ranks, microbatches // 4)
+    quarter = compile_case(name, defines, ranks, microbatches // 4)
     small, _ = _time_verify(quarter, repeat)
     print(
         f"  {'':18s} scaling M/4 → M: ×{seconds / small:.2f} time for "
@@ -106,18 +88,7 @@ def _torch_row(name: str, ranks: int, microbatches: int, repeat: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=1024)
-    parser.add_argument(
-        "--torch-microbatches",
-        type=int,
-        default=None,
-        help="run torch at this M instead (its lowering is quadratic in M)",
-    )
-    parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     ranks, microbatches = args.ranks, args.microbatches
     print(
         f"verify at P={ranks}, M={microbatches}, V=2, nccl, every check (median of {args.repeat})"
