@@ -1,11 +1,15 @@
-"""Shared helpers for the tests: compile bundled schedules, normalise compute orders."""
+"""Shared helpers for the tests: compile bundled schedules, normalise compute orders, run the
+command line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipecc.api import compile_schedule
+from pipecc.cli import main
 from pipecc.ir.ops import Compute, Fused
 from pipecc.ir.program import Program
 
@@ -35,3 +39,10 @@ def compute_order(program: Program) -> list[list[tuple[Any, ...]]]:
                 row.append(("OVERLAP", _op(instr.forward), _op(instr.backward)))
         orders.append(row)
     return orders
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """`pipecc ARGV...` in this process: (exit code, stdout, stderr)."""
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

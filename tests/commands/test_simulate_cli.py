@@ -7,18 +7,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-from pipecc.cli import main
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from helpers import run_cli
 
 
 def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "simulate", "1f1b", "-P", "4", "-M", "8", "--cost", "F=1,B=2", "--json"
     )
     assert code == 0
@@ -41,7 +34,9 @@ def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_text_output_has_summary_and_grid(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "simulate", "zb_h1", "-P", "4", "-M", "8", "--cost", "F=1,I=1,W=1")
+    code, out, _ = run_cli(
+        capsys, "simulate", "zb_h1", "-P", "4", "-M", "8", "--cost", "F=1,I=1,W=1"
+    )
     assert code == 0
     lines = out.splitlines()
     assert lines[1] == "makespan 27   bubble ratio 0.1111"
@@ -55,7 +50,7 @@ def test_svg_is_well_formed_with_a_box_per_computation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     svg = tmp_path / "out.svg"
-    code, _, _ = _run(
+    code, _, _ = run_cli(
         capsys,
         "simulate",
         "dualpipe",
@@ -80,7 +75,7 @@ def test_svg_is_well_formed_with_a_box_per_computation(
 
 def test_perfetto_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.json"
-    code, _, _ = _run(capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--trace", str(trace))
+    code, _, _ = run_cli(capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--trace", str(trace))
     assert code == 0
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
@@ -97,13 +92,13 @@ def test_png_without_matplotlib_is_a_clear_error(
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        code, _, err = _run(
+        code, _, err = run_cli(
             capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--png", str(tmp_path / "x.png")
         )
         assert code == 2
         assert "PNG output needs matplotlib" in err
     else:
-        code, _, _ = _run(
+        code, _, _ = run_cli(
             capsys, "simulate", "1f1b", "-P", "2", "-M", "2", "--png", str(tmp_path / "x.png")
         )
         assert code == 0 and (tmp_path / "x.png").stat().st_size > 0
@@ -112,7 +107,7 @@ def test_png_without_matplotlib_is_a_clear_error(
 def test_cost_file_and_flag_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     costs = tmp_path / "c.toml"
     costs.write_text('[cost]\nF = 2.0\nB = 4.0\nunit = "ms"\n[cost.stage.0]\nF = 3.0\n')
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "simulate",
         "1f1b",
@@ -143,13 +138,13 @@ def test_cost_file_and_flag_override(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_bad_costs_exit_2(
     argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, _, err = _run(capsys, "simulate", "1f1b", "-P", "2", "-M", "2", *argv)
+    code, _, err = run_cli(capsys, "simulate", "1f1b", "-P", "2", "-M", "2", *argv)
     assert code == 2
     assert err.startswith(message)
 
 
 def test_compare_sorts_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "compare",
         "1f1b",
@@ -173,7 +168,7 @@ def test_compare_sorts_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_explain_walks_back_to_time_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "explain",
         "dualpipe",
@@ -197,6 +192,6 @@ def test_explain_walks_back_to_time_zero(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_explain_rejects_unknown_instruction(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys, "explain", "1f1b", "-P", "2", "-M", "2", "--op", "5:0")
+    code, _, err = run_cli(capsys, "explain", "1f1b", "-P", "2", "-M", "2", "--op", "5:0")
     assert code == 2
     assert err == "error: --op 5:0: the program has ranks 0..1\n"

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, run_cli
 
 from pipecc.cli import main
 from pipecc.diagnostics import InputError
@@ -18,12 +18,6 @@ from pipecc.verify import StallBudget
 
 COSTS = "F=1,B=2,I=1,W=1,comm=0.1"
 EXAMPLES = ROOT / "examples" / "schedules"
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_budget_syntax() -> None:
@@ -35,7 +29,7 @@ def test_budget_syntax() -> None:
 
 
 def test_default_placement_fails_a_zero_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "verify",
         "dualpipe",
@@ -69,7 +63,7 @@ def test_default_placement_fails_a_zero_budget(capsys: pytest.CaptureFixture[str
 
 def test_percentage_budget_lets_short_waits_pass(capsys: pytest.CaptureFixture[str]) -> None:
     # the longest placement-bound wait here is 0.1, under 1% of the makespan (0.691)
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "verify", "dualpipe", "-P", "8", "-M", "20", "--cost", COSTS, "--stall-budget", "1%"
     )
     assert code == 0, out
@@ -98,7 +92,7 @@ def test_aligned_program_passes_under_every_model(
         )
         == 0
     )
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "verify", str(aligned), "--cost", COSTS, "--stall-budget", "0", "--comm", "all"
     )
     assert code == 0, out
@@ -106,7 +100,7 @@ def test_aligned_program_passes_under_every_model(
 
 
 def test_send_after_w_under_rendezvous_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "verify",
         str(EXAMPLES / "zb_h1_send_after_w.sched"),
@@ -130,7 +124,7 @@ def test_send_after_w_under_rendezvous_is_flagged(capsys: pytest.CaptureFixture[
 
 
 def test_budget_in_a_sweep(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "verify",
         str(ROOT / "schedules" / "zb_h1.sched"),
@@ -149,7 +143,7 @@ def test_budget_in_a_sweep(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_budget_needs_a_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys, "verify", "zb_h1", "-P", "4", "-M", "8", "--stall-budget", "0")
+    code, _, err = run_cli(capsys, "verify", "zb_h1", "-P", "4", "-M", "8", "--stall-budget", "0")
     assert code == 2
     assert err == "error: --stall-budget needs a cost model: --cost K=V,... or --cost-file\n"
 

@@ -6,17 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, run_cli
 from programs import DATA, compiled, drop
 
 from pipecc.cli import main
 from pipecc.interop import json_program
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +19,7 @@ def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_clean_schedule_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "schedules/dualpipe.sched", "-P", "4", "-M", "8")
+    code, out, _ = run_cli(capsys, "verify", "schedules/dualpipe.sched", "-P", "4", "-M", "8")
     assert code == 0
     head, peaks = out.splitlines()
     assert head.startswith("schedules/dualpipe.sched P=4 M=8: ok (")
@@ -34,20 +28,20 @@ def test_clean_schedule_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_comm_all_lists_each_verdict(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "zb_h1", "-P", "4", "-M", "8", "--comm", "all")
+    code, out, _ = run_cli(capsys, "verify", "zb_h1", "-P", "4", "-M", "8", "--comm", "all")
     assert code == 0
     assert "nccl passes, nccl-single passes, rendezvous passes, eager passes" in out
 
 
 def test_violation_exits_1_with_the_witness(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "tests/verify/data/pytorch_172668.csv")
+    code, out, _ = run_cli(capsys, "verify", "tests/verify/data/pytorch_172668.csv")
     assert code == 1
     assert out.startswith("tests/verify/data/pytorch_172668.csv:1:27: error[deadlock]: ")
     assert out.rstrip().endswith("peak activations per rank: 4 4")
 
 
 def test_json_format(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "verify",
         "tests/verify/data/pytorch_172668.csv",
@@ -76,7 +70,7 @@ def test_json_format(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_github_format_points_at_the_sched_line(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "verify",
         "tests/verify/data/megatron_5100.sched",
@@ -100,7 +94,7 @@ def test_github_format_points_at_the_sched_line(capsys: pytest.CaptureFixture[st
 def test_compiled_json_program(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "broken.json"
     path.write_text(json_program.dumps(drop(compiled("zbv", 2, 2), 1, 3)))
-    code, out, _ = _run(capsys, "verify", str(path))
+    code, out, _ = run_cli(capsys, "verify", str(path))
     assert code == 1
     assert "error[orphan]" in out and "error[mismatch]" in out
     assert "schedules/zbv.sched:16:24: error[orphan]" in out.replace(str(ROOT) + "/", "")
@@ -109,7 +103,7 @@ def test_compiled_json_program(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_compute_only_csv_is_lowered_then_verified(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "compile",
         "zbv",
@@ -123,17 +117,21 @@ def test_compute_only_csv_is_lowered_then_verified(
         str(tmp_path / "zbv.csv"),
     )
     assert code == 0
-    code, out, _ = _run(capsys, "verify", str(tmp_path / "zbv.csv"), "--comm", "all")
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path / "zbv.csv"), "--comm", "all")
     assert code == 0, out
     assert "compute-only input: sends, receives and waits placed by the default" in out
-    code, out, _ = _run(capsys, "verify", "tests/verify/data/unrunnable.csv")
+    code, out, _ = run_cli(capsys, "verify", "tests/verify/data/unrunnable.csv")
     assert code == 1 and "error[unrunnable-order]" in out
 
 
 def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "7")
+    code, out, _ = run_cli(
+        capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "7"
+    )
     assert code == 0 and "peak activations per rank: 7 7 7 7" in out
-    code, out, _ = _run(capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "6")
+    code, out, _ = run_cli(
+        capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "6"
+    )
     assert code == 1 and out.count("error[memory]") == 4
 
 
@@ -152,7 +150,7 @@ def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_input_exits_2(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    code, out, err = _run(capsys, "verify", *argv)
+    code, out, err = run_cli(capsys, "verify", *argv)
     assert code == 2 and out == ""
     assert message in err
 
@@ -162,7 +160,7 @@ def test_malformed_csv_points_at_the_cell(
 ) -> None:
     path = tmp_path / "bad.csv"
     path.write_text("0F0,0X1\n1F0\n")
-    code, _, err = _run(capsys, "verify", str(path))
+    code, _, err = run_cli(capsys, "verify", str(path))
     assert code == 2
     assert err == (
         f"{path}:1:5: error: not a torch action: '0X1' (expected e.g. 0F1, 2I0, "
@@ -179,7 +177,7 @@ def test_bad_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_sweep_lists_skips_and_stops_at_the_first_failure(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys,
         "verify",
         "zb_h1",
@@ -202,17 +200,17 @@ def test_sweep_lists_skips_and_stops_at_the_first_failure(
 
 
 def test_sweep_lists_of_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "verify", "zb_h1", "--sweep", "P=2,4", "M=1..2,8", "--jobs", "1")
+    code, out, _ = run_cli(capsys, "verify", "zb_h1", "--sweep", "P=2,4", "M=1..2,8", "--jobs", "1")
     assert code == 0
     assert out.splitlines()[0] == "zb_h1: ok: 3 size(s) verified, 3 skipped"
 
 
 def test_sweep_in_parallel_matches_serial(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["verify", "zbv", "dualpipe", "--sweep", "ranks=2..4", "microbatches=1..8"]
-    _, serial, _ = _run(capsys, *argv, "--jobs", "1")
-    code, parallel, _ = _run(capsys, *argv, "--jobs", "2")
+    _, serial, _ = run_cli(capsys, *argv, "--jobs", "1")
+    code, parallel, _ = run_cli(capsys, *argv, "--jobs", "2")
     assert code == 0 and parallel == serial
-    assert json.loads(_run(capsys, *argv, "--format", "json")[1])[1]["verified"] == 4
+    assert json.loads(run_cli(capsys, *argv, "--format", "json")[1])[1]["verified"] == 4
 
 
 def test_regression_data_is_where_the_docs_say() -> None:
