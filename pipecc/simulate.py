@@ -21,7 +21,7 @@ from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait, computa
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, Replay, replay
-from pipecc.stalls import Gap, classify
+from pipecc.stalls import Gap, classify, clean
 
 
 class DeadlockedError(ProgramError):
@@ -153,12 +153,6 @@ class Timeline:
                 for rank, index, instr, start, end in self.ops()
             ],
         }
-
-
-def clean(value: float) -> float:
-    """A time rounded to 9 decimals: sums of durations such as 0.1 print as 29.4, not
-    29.399999999999995 (the replay itself keeps full precision)."""
-    return round(value, 9) + 0.0
 
 
 def op_name(instr: Instr) -> str:

@@ -51,16 +51,19 @@ class Gap:
     def to_json(self) -> dict[str, object]:
         return {
             "index": self.index,
-            "since": _clean(self.since),
-            "length": _clean(self.length),
-            "dependency_bound": _clean(self.dependency),
-            "placement_bound": _clean(self.placement),
-            "host": _clean(self.host),
+            "since": clean(self.since),
+            "length": clean(self.length),
+            "dependency_bound": clean(self.dependency),
+            "placement_bound": clean(self.placement),
+            "host": clean(self.host),
             "cause": self.cause,
         }
 
 
-def _clean(value: float) -> float:
+def clean(value: float) -> float:
+    """A time rounded to 9 decimals: sums of durations such as 0.1 print as 29.4, not
+    29.399999999999995 (the replay itself keeps full precision). Every time in the
+    simulator's JSON goes through it, gaps and the rest of the timeline alike."""
     return round(value, 9) + 0.0
 
 
