@@ -83,6 +83,7 @@ def compile_source(
     with paused_gc():
         streams = expand(tree, ranks=ranks, microbatches=microbatches, defines=defines)
         program = assign_microbatches(streams)
+        del streams  # freed before lowering, which reuses its memory
         for step in PASSES:
             program = step(program)
     return program

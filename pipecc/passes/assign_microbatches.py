@@ -25,6 +25,7 @@ from pipecc.ir.program import Program
 from pipecc.ir.streams import CommSpec, FusedSpec, OpSpec, StreamItem, Streams, WaitSpec
 
 _new = tuple.__new__
+_F, _I, _W = Kind.F, Kind.I, Kind.W
 
 
 def assign_microbatches(streams: Streams) -> Program:
@@ -67,6 +68,7 @@ class _RankAssigner:
     flow: Dataflow = field(init=False)
     slots: list[tuple[int, int]] = field(default_factory=list)  # chunk -> (pipe, stage)
     manual: bool = False  # the stream has hand-placed comm ops
+    count: int = 0  # microbatches M: ops on higher ones (padding) are dropped
 
     def __post_init__(self) -> None:
         placement = self.streams.placement
@@ -79,19 +81,20 @@ class _RankAssigner:
             self.limits.append(mbs)
             self.pending_chunk.append(deque())
             self.slots.append((slot.pipe, slot.stage))
-        count = self.streams.num_microbatches
+        count = self.count = self.streams.num_microbatches
         self.done = {kind: [bytearray(count) for _ in self.slots] for kind in Kind}
         self.unsent = {Msg.ACT: deque(), Msg.GRAD: deque()}
 
     def run(self, stream: tuple[StreamItem, ...]) -> tuple[Instr, ...]:
         self.manual = any(type(item) is CommSpec or type(item) is WaitSpec for item in stream)
+        resolve, emit, fused = self._resolve, self._emit, self._fused  # every op goes by here
         for item in stream:
             if type(item) is OpSpec:
-                op = self._resolve(item)
+                op = resolve(item)
                 if op is not None:
-                    self._emit(op)
+                    emit(op)
             elif type(item) is FusedSpec:
-                self._fused(item)
+                fused(item)
             elif type(item) is CommSpec:
                 self._comm(item)
             elif type(item) is WaitSpec:
@@ -109,7 +112,7 @@ class _RankAssigner:
         if forward is not None and backward is not None:
             self._check_order(backward)  # the two halves run together: no B on its own F
             self._check_order(forward)
-            self.out.append(Fused(forward, backward, item.span))
+            self.out.append(_new(Fused, (forward, backward, item.span)))
             if self.manual:
                 self._note_produced(forward)
                 self._note_produced(backward)
@@ -125,19 +128,19 @@ class _RankAssigner:
     def _resolve(self, spec: OpSpec) -> Compute | None:
         """The Compute for `spec`, or None when it falls on a padded microbatch."""
         kind, chunk, mb, span = spec
-        if kind is Kind.W:
+        if kind is _W:
             return self._resolve_weight(spec)
         if chunk is None or not 0 <= chunk < len(self.slots):
             chunk = self._chunk(spec)
         if mb is None:
-            counters = self.fwd if kind is Kind.F else self.bwd
+            counters = self.fwd if kind is _F else self.bwd
             mb = counters[chunk]
             counters[chunk] = mb + 1
         if mb not in self.limits[chunk]:
             self._mb_error(spec, chunk, mb)
-        if kind is Kind.I:
+        if kind is _I:
             self._queue_weight(chunk, mb, span)  # queued even when padded: its W drops too
-        if mb >= self.streams.num_microbatches:
+        if mb >= self.count:
             return None
         pipe, stage = self.slots[chunk]
         return _new(Compute, (kind, chunk, pipe, stage, mb, span))
@@ -187,10 +190,10 @@ class _RankAssigner:
         entry = self._pop_weight(spec)
         chunk, mb, _ = entry
         self.waited.add((chunk, mb))
-        if mb >= self.streams.num_microbatches:
+        if mb >= self.count:
             return None  # the W of an I generated for a padded microbatch
-        slot = self.streams.placement.slot(self.rank, chunk)
-        return Compute(Kind.W, chunk, slot.pipe, slot.stage, mb, spec.span)
+        pipe, stage = self.slots[chunk]
+        return _new(Compute, (_W, chunk, pipe, stage, mb, spec.span))
 
     def _pop_weight(self, spec: OpSpec) -> tuple[int, int, Span | None]:
         if spec.chunk is None:
@@ -218,19 +221,16 @@ class _RankAssigner:
         return queue.popleft()
 
     def _check_order(self, op: Compute) -> None:
-        key = op.mb * len(self.slots) + op.chunk
-        self._mark_done(op)
-        if op.kind is Kind.F:
+        """Mark `op` done; a repeated op, or a backward before its forward, is an error."""
+        kind, chunk, _, _, mb, _ = op
+        marks, key = self.done[kind][chunk], mb * len(self.slots) + chunk
+        if marks[mb] or (kind is not _F and kind is not _W and key not in self.forwards):
+            self._order_error(op, marks)
+        marks[mb] = 1
+        if kind is _F:
             self.forwards.add(key)
-        elif op.kind is not Kind.W and key not in self.forwards:
-            raise ScheduleError(
-                f"{op.label()} on rank {self.rank} comes before its forward {Kind.F.value}"
-                f"{op.chunk}.{op.mb} (a backward needs the activations of its forward)",
-                op.span,
-            )
 
-    def _mark_done(self, op: Compute) -> None:
-        marks = self.done[op.kind][op.chunk]
+    def _order_error(self, op: Compute, marks: bytearray) -> None:
         if marks[op.mb]:
             first = next(o for instr in self.out for o in computations(instr) if o == op)
             raise ScheduleError(
@@ -239,7 +239,11 @@ class _RankAssigner:
                 op.span,
                 notes=((first.span, "first here"),) if first.span else (),
             )
-        marks[op.mb] = 1
+        raise ScheduleError(
+            f"{op.label()} on rank {self.rank} comes before its forward {Kind.F.value}"
+            f"{op.chunk}.{op.mb} (a backward needs the activations of its forward)",
+            op.span,
+        )
 
     def _check_complete(self) -> None:
         """Each (chunk, mb) of this rank needs one F and one B, or one I and one W."""

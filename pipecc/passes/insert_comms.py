@@ -124,30 +124,30 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     """Place the comm ops of `prog` as `placement` says (the module docstring describes the
     default; `align_comms` passes the real costs)."""
     flow = Dataflow(prog.placement)
-    ranks = [_collect(instrs, flow, placement) for instrs in prog.ranks]
+    table = _op_table(flow, placement)
+    ranks = [_collect(instrs, flow, placement, table) for instrs in prog.ranks]
     consumed = _replay(ranks, prog)
     if placement.duration is not _unit_duration or placement.latency is not _no_latency:
         _integer_times(ranks, consumed)
     span = 2 * max((len(instrs) for instrs in prog.ranks), default=1) + 2
     manual_sends, manual_recvs = _manual_messages(prog, ranks, flow, span)
     events = _message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
-    lowered = tuple(
-        _emit_rank(
-            prog.ranks[rank],
-            ranks[rank],
-            events[rank],
-            _Emitter(
-                flow,
-                ranks[rank].start,
-                consumed,
-                placement.grouping,
-                hand_waited=_hand_waited(prog.ranks[rank]),
-            ),
+    manual = [
+        len(ops.computes) != len(instrs) for ops, instrs in zip(ranks, prog.ranks, strict=True)
+    ]
+    for ops in ranks:  # what the events now hold: freed, so that emission reuses the memory
+        ops.outputs.clear()
+        ops.publish = None
+    lowered = []
+    for rank, instrs in enumerate(prog.ranks):
+        hand_waited = _hand_waited(instrs) if manual[rank] else set()
+        emitter = _Emitter(
+            flow, ranks[rank].start, consumed, placement.grouping, hand_waited=hand_waited
         )
-        for rank in range(prog.num_ranks)
-    )
-    if any(type(i) is Send or type(i) is Recv for instrs in prog.ranks for i in instrs):
-        _check_hand_placed_order(lowered)
+        lowered.append(_emit_rank(instrs, ranks[rank], events[rank], emitter))
+        events[rank] = []
+    if any(manual):  # hand-placed sends, recvs or waits
+        _check_hand_placed_order(tuple(lowered))
     return Program(
         schedule=prog.schedule,
         source=prog.source,
@@ -156,7 +156,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
         params=prog.params,
         comm=placement.policy,
         placement=prog.placement,
-        ranks=lowered,
+        ranks=tuple(lowered),
     )
 
 
@@ -188,37 +188,43 @@ def _name(op: Send | Recv) -> str:
     return f"{op.what.value} stage {op.stage} mb {op.mb}"
 
 
-@dataclass
-class _Durations:
-    """The placement's durations, each computed once: a compute op's by kind then stage (no
-    tuple per op), a fused op's by both halves."""
-
-    duration: Callable[[Compute | Fused], float]
-    single: dict[Kind, dict[int, float]] = field(default_factory=dict)
-    fused: dict[tuple[object, ...], float] = field(default_factory=dict)
-
-    def of(self, instr: Compute | Fused) -> float:
-        if type(instr) is Compute:
-            by_stage = self.single.get(instr[0])
-            if by_stage is None:
-                by_stage = self.single[instr[0]] = {}
-            value = by_stage.get(instr[3])
-            if value is None:
-                value = by_stage[instr[3]] = self.duration(instr)
-            return value
-        signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
-        value = self.fused.get(signature)
-        if value is None:
-            value = self.fused[signature] = self.duration(instr)
-        return value
+# What a computation of one (kind, pipe, stage) consumes and produces, for any microbatch:
+# (base of the key of its input message, or -1; (base, src, dst, what, receiving stage,
+# latency) of its output message, or None; its duration).
+_OpInfo = tuple[int, tuple[int, int, int, object, int, float] | None, float]
 
 
-def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) -> _RankOps:
-    ops = _RankOps()
-    duration_of = _Durations(placement.duration).of
+def _op_table(flow: Dataflow, placement: CommPlacement) -> dict[Kind, list[list[_OpInfo]]]:
+    """`_OpInfo` by kind, pipe and stage: one look-up per compute op in `_collect`."""
     stages = max(flow.placement.num_stages(p) for p in range(flow.placement.num_pipes))
     latency_of = [placement.latency(stage) for stage in range(stages)]
-    stride, inputs_of, outputs_of = flow.mb_stride, flow.inputs, flow.outputs
+    table: dict[Kind, list[list[_OpInfo]]] = {}
+    for kind in Kind:
+        by_pipe = table[kind] = []
+        for pipe in range(flow.placement.num_pipes):
+            row = []
+            for stage in range(flow.placement.num_stages(pipe)):
+                needed = flow.inputs[kind][pipe][stage]
+                made = flow.outputs[kind][pipe][stage]
+                output = None
+                if made is not None:
+                    base, src, dst, what, _, to = made
+                    output = (base, src, dst, what, to, latency_of[to] if src != dst else 0.0)
+                duration = placement.duration(Compute(kind, 0, pipe, stage, 0))
+                row.append((-1 if needed is None else needed[0], output, duration))
+            by_pipe.append(row)
+    return table
+
+
+def _collect(
+    instrs: Sequence[Instr],
+    flow: Dataflow,
+    placement: CommPlacement,
+    table: dict[Kind, list[list[_OpInfo]]],
+) -> _RankOps:
+    ops = _RankOps()
+    fused_durations: dict[tuple[object, ...], float] = {}
+    stride = flow.mb_stride
     add_compute, add_position = ops.computes.append, ops.positions.append
     add_inputs, add_outputs, add_duration = (
         ops.inputs.append,
@@ -227,36 +233,54 @@ def _collect(instrs: Sequence[Instr], flow: Dataflow, placement: CommPlacement) 
     )
     for position, instr in enumerate(instrs):
         if type(instr) is Compute:
-            parts: tuple[Compute, ...] = (instr,)
-        elif type(instr) is Fused:
-            parts = (instr[0], instr[1])
-        else:
-            continue
-        inputs = []
-        outputs = []
-        for kind, _, pipe, stage, mb, _ in parts:
-            needed = inputs_of[kind][pipe][stage]
-            if needed is not None:
-                inputs.append(mb * stride + needed[0])
-            made = outputs_of[kind][pipe][stage]
-            if made is not None:
-                base, src, dst, what, _, to = made
-                latency = latency_of[to] if src != dst else 0.0
-                outputs.append(
+            kind, _, pipe, stage, mb, _ = instr
+            needed, made, duration = table[kind][pipe][stage]
+            add_inputs(() if needed < 0 else (mb * stride + needed,))
+            if made is None:
+                add_outputs(())
+            else:
+                base, src, dst, what, to, latency = made
+                add_outputs(
                     (
-                        mb * stride + base,
-                        dst,
-                        (what, dst, pipe, to, mb),
-                        (what, src, pipe, to, mb),
-                        latency,
+                        (
+                            mb * stride + base,
+                            dst,
+                            (what, dst, pipe, to, mb),
+                            (what, src, pipe, to, mb),
+                            latency,
+                        ),
                     )
                 )
+        elif type(instr) is Fused:
+            inputs = []
+            outputs = []
+            for kind, _, pipe, stage, mb, _ in instr[:2]:
+                needed, made, _ = table[kind][pipe][stage]
+                if needed >= 0:
+                    inputs.append(mb * stride + needed)
+                if made is not None:
+                    base, src, dst, what, to, latency = made
+                    outputs.append(
+                        (
+                            mb * stride + base,
+                            dst,
+                            (what, dst, pipe, to, mb),
+                            (what, src, pipe, to, mb),
+                            latency,
+                        )
+                    )
+            add_inputs(tuple(inputs))
+            add_outputs(tuple(outputs))
+            signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
+            duration = fused_durations.get(signature)
+            if duration is None:
+                duration = fused_durations[signature] = placement.duration(instr)
+        else:
+            continue
         add_compute(instr)
         add_position(position)
-        add_inputs(tuple(inputs))
-        add_outputs(tuple(outputs))
-        add_duration(duration_of(instr))
-    if any(type(instr) is Send for instr in instrs):
+        add_duration(duration)
+    if len(ops.computes) != len(instrs) and any(type(instr) is Send for instr in instrs):
         _anchor_manual_sends(ops, instrs, flow)
     return ops
 
@@ -414,27 +438,52 @@ def _message_events(
     else:
         find, times = bisect_right, [ops.end for ops in ranks]
     unit = 2 * num_ranks * span  # an order divided by this is its time
+    manual = bool(manual_sends or manual_recvs)
     for src, ops in enumerate(ranks):
-        own = events[src]
+        own, ends, positions = events[src], ops.end, ops.positions
+        first = src * span  # _message_order, inlined: this loop sees every message
         for k, outputs in enumerate(ops.outputs):
             if not outputs:
                 continue
-            made = int(ops.end[k])  # an integer time: see _integer_times
-            base = _message_order(made, src, ops.positions[k], 0, num_ranks, span)
+            made = int(ends[k])  # an integer time: see _integer_times
+            base = made * unit + first + 2 * positions[k]
             for sub, (key, dst, send, recv, _) in enumerate(outputs):
                 if dst == src:
                     continue
-                order = manual_sends.get(key)
-                if order is None:
-                    order = base + sub
-                    own.append((k + 1, order, send, key, True, made))
-                if key not in manual_recvs:
-                    events[dst].append(
-                        (find(times[dst], order // unit), order, recv, key, False, made)
+                if manual:
+                    _manual_events(
+                        events,
+                        (k, src, dst, key, base + sub, made, send, recv),
+                        manual_sends,
+                        manual_recvs,
+                        (find, times[dst], unit),
                     )
+                    continue
+                order = base + sub
+                own.append((k + 1, order, send, key, True, made))
+                events[dst].append((find(times[dst], made), order, recv, key, False, made))
     for rank_events in events:
         rank_events.sort()
     return events
+
+
+def _manual_events(
+    events: list[list[Event]],
+    message: tuple[int, int, int, int, int, int, tuple[object, ...], tuple[object, ...]],
+    manual_sends: dict[int, int],
+    manual_recvs: set[int],
+    locate: tuple[Callable[..., int], list[float], int],
+) -> None:
+    """`_message_events` for one message of a program with hand-placed sends or recvs: a
+    hand-sent message takes its order from its send; a hand-received one gets no Recv."""
+    k, src, dst, key, order, made, send, recv = message
+    find, times, unit = locate
+    if key in manual_sends:
+        order = manual_sends[key]
+    else:
+        events[src].append((k + 1, order, send, key, True, made))
+    if key not in manual_recvs:
+        events[dst].append((find(times, order // unit), order, recv, key, False, made))
 
 
 def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int, span: int) -> int:
@@ -548,9 +597,70 @@ class _Emitter:
             self.out.append(_new(Wait, (tuple(posted), None)))
 
 
-def _emit_rank(
+def _emit_rank(  # noqa: C901
     instrs: Sequence[Instr], ops: _RankOps, events: list[Event], emitter: _Emitter
 ) -> tuple[Instr, ...]:
+    """Interleave one rank's computes with its posts and waits. The default grouping (every
+    gap's posts together) and the Wait before each op are inlined here: this loop places
+    every instruction of a program."""
+    if emitter.grouping is not Grouping.PER_GAP or len(ops.computes) != len(instrs):  # hand-placed
+        return _emit_rank_general(instrs, ops, events, emitter)
+    out, recv_at, due = emitter.out, emitter.recv_at, emitter.due
+    starts, consumed = emitter.starts, emitter.consumed
+    append, get_consumed, pop_due, pop_recv = out.append, consumed.get, due.pop, recv_at.pop
+    group = emitter.next_group
+    inputs = ops.inputs
+    cursor, count = 0, len(events)
+    next_gap = events[0][0] if events else len(ops.computes)
+    for k, instr in enumerate(ops.computes):
+        if next_gap <= k:
+            stop = cursor + 1
+            while stop < count and events[stop][0] <= k:
+                stop += 1
+            if stop - cursor > 1:
+                tail: tuple[int | None, None] = (group, None)
+                group += 1
+            else:
+                tail = (None, None)
+            for event in events[cursor:stop]:
+                payload, key = event[2], event[3]
+                if event[4]:  # a send: completed when due (`_Emitter._due`)
+                    at = bisect_left(starts, get_consumed(key, 0))
+                    waits = due.get(at)
+                    if waits is None:
+                        due[at] = [len(out)]
+                    else:
+                        waits.append(len(out))
+                    append(_new(Send, payload + tail))
+                else:
+                    recv_at[key] = len(out)
+                    append(_new(Recv, payload + tail))
+            cursor = stop
+            next_gap = events[stop][0] if stop < count else len(ops.computes)
+        targets = pop_due(k, None)  # the Wait before op k (`_Emitter.wait_before`)
+        for key in inputs[k]:
+            index = pop_recv(key, None)
+            if index is not None:
+                if targets is None:
+                    targets = [index]
+                else:
+                    targets.append(index)
+        if targets:
+            if len(targets) > 1:
+                targets.sort()
+            append(_new(Wait, (tuple(targets), None)))
+        append(instr)
+    emitter.next_group = group
+    if cursor < count:
+        emitter.post(events[cursor:])
+    emitter.wait_all()
+    return tuple(out)
+
+
+def _emit_rank_general(
+    instrs: Sequence[Instr], ops: _RankOps, events: list[Event], emitter: _Emitter
+) -> tuple[Instr, ...]:
+    """`_emit_rank` for any grouping and for hand-placed comm ops, one method per step."""
     cursor = 0
     position = 0  # next input instruction to copy (hand-placed comm ops)
     count = len(events)
