@@ -32,6 +32,7 @@ SLOT_P, SLOT_M, SLOT_RANK = 0, 1, 2
 BUILTIN_NAMES = {"P": SLOT_P, "M": SLOT_M, "rank": SLOT_RANK}
 FUNCTIONS = ("min", "max", "abs")
 _OP_NAME = re.compile(r"[FBIW][0-9]*")
+_new = tuple.__new__
 
 
 class Type(enum.Enum):
@@ -239,23 +240,38 @@ def _compile_compare(node: ast.Binary, scope: Scope) -> Typed:
 
 
 def _division(op: ast.BinOp, left: ExprFn, right: ExprFn, span: Span | None) -> ExprFn:
-    def divide(env: Env) -> int:
-        a, b = left(env), right(env)
-        if b == 0:
-            raise ScheduleError(f"division by zero ({a} {op.value} 0) {where(env)}", span)
-        if op is ast.BinOp.DIV:
-            if a % b:
-                raise ScheduleError(
-                    f"'/' is exact division, but {a} / {b} leaves a remainder {where(env)} "
-                    "(write '//' to round down)",
-                    span,
-                )
-            return a // b
-        if op is ast.BinOp.FLOORDIV:
-            return a // b
-        return a % b
+    """`/`, `//` or `%`, one closure each: schedules divide in their innermost loops."""
 
-    return divide
+    def by_zero(a: int, env: Env) -> ScheduleError:
+        return ScheduleError(f"division by zero ({a} {op.value} 0) {where(env)}", span)
+
+    def exact(env: Env) -> int:
+        a, b = left(env), right(env)
+        if not b:
+            raise by_zero(a, env)
+        if a % b:
+            raise ScheduleError(
+                f"'/' is exact division, but {a} / {b} leaves a remainder {where(env)} "
+                "(write '//' to round down)",
+                span,
+            )
+        return a // b
+
+    def floor(env: Env) -> int:
+        a, b = left(env), right(env)
+        if b:
+            return a // b
+        raise by_zero(a, env)
+
+    def modulo(env: Env) -> int:
+        a, b = left(env), right(env)
+        if b:
+            return a % b
+        raise by_zero(a, env)
+
+    if op is ast.BinOp.DIV:
+        return exact
+    return floor if op is ast.BinOp.FLOORDIV else modulo
 
 
 # ---- statements ----------------------------------------------------------------------------
@@ -366,16 +382,29 @@ def _compile_if(
 
 
 def _compile_op(stmt: ast.OpStmt, scope: Scope) -> StmtFn:
+    if len(stmt.ops) == 1:
+        return _compile_single(stmt.ops[0], scope)
     makers = [_compile_opref(op, scope) for op in stmt.ops]
-    if len(makers) == 1:
-        (make,) = makers
-        return lambda env, out: out.append(make(env))
     forward, backward = stmt.ops
     if forward.kind is not Kind.F or not backward.kind.is_backward:
         raise ScheduleError("a fused op is a forward then a backward: F0&B1 or F0&I1", stmt.span)
     make_f, make_b = makers
     span = stmt.span
     return lambda env, out: out.append(FusedSpec(make_f(env), make_b(env), span))
+
+
+def _compile_single(op: ast.OpRef, scope: Scope) -> StmtFn:
+    """A statement of one op: `_compile_opref` and the append in one closure for the forms
+    loops repeat most (a constant op, an op with a computed chunk)."""
+    if op.mb is None and op.chunk is not None and not isinstance(op.chunk, ast.Num):
+        chunk = expect(op.chunk, scope, Type.INT).fn
+        kind, span = op.kind, op.span
+        return lambda env, out: out.append(_new(OpSpec, (kind, chunk(env), None, span)))
+    make = _compile_opref(op, scope)
+    if op.mb is None:
+        constant = make([])
+        return lambda env, out: out.append(constant)
+    return lambda env, out: out.append(make(env))
 
 
 def _compile_opref(op: ast.OpRef, scope: Scope) -> Callable[[Env], OpSpec]:
@@ -389,8 +418,10 @@ def _compile_opref(op: ast.OpRef, scope: Scope) -> Callable[[Env], OpSpec]:
         return lambda env: constant
     if mb is None:
         assert chunk is not None
-        return lambda env: OpSpec(kind, chunk(env), None, span)
-    return lambda env: OpSpec(kind, None if chunk is None else chunk(env), mb(env), span)
+        return lambda env: _new(OpSpec, (kind, chunk(env), None, span))
+    if chunk is None:
+        return lambda env: _new(OpSpec, (kind, None, mb(env), span))
+    return lambda env: _new(OpSpec, (kind, chunk(env), mb(env), span))
 
 
 def _compile_comm(stmt: ast.CommStmt | ast.GroupStmt | ast.WaitStmt) -> StmtFn:

@@ -82,6 +82,20 @@ CASES = {
         "    1 | let h = P / 2\n"
         "      |         ^^^^^\n",
     ),
+    "floor_division_by_zero": (
+        "phase a { for k in 0 .. M { F(k // (rank - 1)) B } }\n",
+        ("-P", "2", "-M", "2"),
+        "bad.sched:1:31: error: division by zero (0 // 0) on rank 1 (P=2, M=2)\n"
+        "    1 | phase a { for k in 0 .. M { F(k // (rank - 1)) B } }\n"
+        "      |                               ^^^^^^^^^^^^^^^\n",
+    ),
+    "modulo_by_zero": (
+        "let v = 0\nphase a { for k in 0 .. M { F(k % v) B } }\n",
+        ("-P", "2", "-M", "2"),
+        "bad.sched:2:31: error: division by zero (0 % 0) on rank 0 (P=2, M=2)\n"
+        "    2 | phase a { for k in 0 .. M { F(k % v) B } }\n"
+        "      |                               ^^^^^\n",
+    ),
     "w_without_i": (
         "phase a { repeat M { F } W }\n",
         ("-P", "2", "-M", "2"),
