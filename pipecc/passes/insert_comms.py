@@ -130,11 +130,13 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     if placement.duration is not _unit_duration or placement.latency is not _no_latency:
         _integer_times(ranks, consumed)
     span = 2 * max((len(instrs) for instrs in prog.ranks), default=1) + 2
-    manual_sends, manual_recvs = _manual_messages(prog, ranks, flow, span)
-    events = _message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
     manual = [
         len(ops.computes) != len(instrs) for ops, instrs in zip(ranks, prog.ranks, strict=True)
-    ]
+    ]  # the ranks with hand-placed sends, recvs or waits
+    manual_sends, manual_recvs = (
+        _manual_messages(prog, ranks, flow, span) if any(manual) else ({}, set())
+    )
+    events = _message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
     for ops in ranks:  # what the events now hold: freed, so that emission reuses the memory
         ops.outputs.clear()
         ops.publish = None
