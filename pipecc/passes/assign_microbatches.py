@@ -87,12 +87,14 @@ class _RankAssigner:
 
     def run(self, stream: tuple[StreamItem, ...]) -> tuple[Instr, ...]:
         self.manual = any(type(item) is CommSpec or type(item) is WaitSpec for item in stream)
-        resolve, emit, fused = self._resolve, self._emit, self._fused  # every op goes by here
+        place, fused, append = self._place, self._fused, self.out.append  # every op: here
         for item in stream:
             if type(item) is OpSpec:
-                op = resolve(item)
+                op = place(item)
                 if op is not None:
-                    emit(op)
+                    append(op)
+                    if self.manual:
+                        self._note_produced(op)
             elif type(item) is FusedSpec:
                 fused(item)
             elif type(item) is CommSpec:
@@ -107,29 +109,28 @@ class _RankAssigner:
     # ---- computations ----------------------------------------------------------------------
 
     def _fused(self, item: FusedSpec) -> None:
-        forward = self._resolve(item.forward)
-        backward = self._resolve(item.backward)
+        # the backward is placed (and checked) first: the two halves run together, so a
+        # backward cannot use the forward it is fused with
+        backward = self._place(item.backward)
+        forward = self._place(item.forward)
         if forward is not None and backward is not None:
-            self._check_order(backward)  # the two halves run together: no B on its own F
-            self._check_order(forward)
             self.out.append(_new(Fused, (forward, backward, item.span)))
-            if self.manual:
-                self._note_produced(forward)
-                self._note_produced(backward)
         elif forward is not None or backward is not None:
-            self._emit(forward if forward is not None else backward)  # type: ignore[arg-type]
-
-    def _emit(self, op: Compute) -> None:
-        self._check_order(op)
-        self.out.append(op)
+            self.out.append(forward if forward is not None else backward)  # type: ignore[arg-type]
         if self.manual:
-            self._note_produced(op)
+            for op in (forward, backward):
+                if op is not None:
+                    self._note_produced(op)
 
-    def _resolve(self, spec: OpSpec) -> Compute | None:
-        """The Compute for `spec`, or None when it falls on a padded microbatch."""
+    def _place(self, spec: OpSpec) -> Compute | None:
+        """The Compute for `spec`, marked done on this rank, or None when it falls on a
+        padded microbatch. A repeated op, or a backward before its forward, is an error."""
         kind, chunk, mb, span = spec
         if kind is _W:
-            return self._resolve_weight(spec)
+            op = self._resolve_weight(spec)
+            if op is not None:
+                self._check_order(op)
+            return op
         if chunk is None or not 0 <= chunk < len(self.slots):
             chunk = self._chunk(spec)
         if mb is None:
@@ -143,7 +144,14 @@ class _RankAssigner:
         if mb >= self.count:
             return None
         pipe, stage = self.slots[chunk]
-        return _new(Compute, (kind, chunk, pipe, stage, mb, span))
+        op = _new(Compute, (kind, chunk, pipe, stage, mb, span))
+        marks, key = self.done[kind][chunk], mb * len(self.slots) + chunk  # _check_order
+        if marks[mb] or (kind is not _F and key not in self.forwards):
+            self._order_error(op, marks)
+        marks[mb] = 1
+        if kind is _F:
+            self.forwards.add(key)
+        return op
 
     def _chunk(self, spec: OpSpec) -> int:
         placement = self.streams.placement
