@@ -44,7 +44,7 @@ from .duplicates import copies, sum_copies
 from .fused import Hook, ScaledCriterion, find_hook
 from .plan import Plan, build_plan, forward_only
 from .profile import Recorder
-from .specs import Boundaries, TensorSpec, describe_specs, normalise_boundaries
+from .specs import Boundaries, TensorSpec, as_tuple, describe_specs, normalise_boundaries
 from .split_backward import full_backward, input_backward
 
 
@@ -258,7 +258,7 @@ class PipelineRuntime:
         inputs = self._take_inputs(ctx, chunk, op)
         if ctx.training and not chunk.first:
             inputs = tuple(_leaf(t) for t in inputs)
-        outputs = _as_tuple(chunk.module(*inputs), op)
+        outputs = as_tuple(chunk.module(*inputs), f"stage {op.stage} must return")
         if chunk.last:
             outputs = self._loss(ctx, op.mb, outputs)
         else:
@@ -343,7 +343,7 @@ class PipelineRuntime:
         loss0: Any,
         criterion: ScaledCriterion | None,
     ) -> None:
-        outputs = _as_tuple(outputs0, op)
+        outputs = as_tuple(outputs0, f"stage {op.stage} must return")
         if criterion is not None:
             if not isinstance(loss0, torch.Tensor) or criterion.raw is None:
                 raise ProgramError(
@@ -515,16 +515,6 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 def _is_floating(tensor: torch.Tensor) -> bool:
     return tensor.dtype.is_floating_point or tensor.dtype.is_complex
-
-
-def _as_tuple(value: Any, op: Compute) -> Tensors:
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return tuple(value)
-    raise InputError(
-        f"stage {op.stage} must return a tensor or a tuple of tensors, got {type(value).__name__}"
-    )
 
 
 def _device_of(modules: Mapping[int, torch.nn.Module]) -> torch.device:

@@ -55,15 +55,16 @@ Specs: TypeAlias = tuple[TensorSpec, ...]
 Boundaries: TypeAlias = Mapping[int, Specs]
 
 
-def as_tuple(value: object) -> tuple[torch.Tensor, ...]:
-    """A stage's inputs or outputs as a tuple of tensors (a lone tensor becomes a 1-tuple)."""
+def as_tuple(
+    value: object, subject: str = "a stage must take and return"
+) -> tuple[torch.Tensor, ...]:
+    """A stage's inputs or outputs as a tuple of tensors (a lone tensor becomes a 1-tuple);
+    anything else is an InputError that starts with `subject`."""
     if isinstance(value, torch.Tensor):
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
-    raise InputError(
-        f"a stage must take and return a tensor or a tuple of tensors, got {type(value).__name__}"
-    )
+    raise InputError(f"{subject} a tensor or a tuple of tensors, got {type(value).__name__}")
 
 
 def specs_of(tensors: Sequence[torch.Tensor]) -> Specs:

@@ -10,7 +10,7 @@ from pipecc.runtime import TensorSpec, infer_boundaries
 from pipecc.runtime.plan import build_plan as _plan
 from pipecc.runtime.plan import forward_only as _forward_only
 from pipecc.runtime.profile import Recorder, fit_latency, render_cost_file
-from pipecc.runtime.specs import meta_forward, normalise_boundaries
+from pipecc.runtime.specs import as_tuple, meta_forward, normalise_boundaries
 from torch import nn
 
 from pipecc.api import compile_schedule
@@ -52,6 +52,19 @@ def test_boundaries_from_pairs() -> None:
     assert found == {1: (TensorSpec((2, 3), torch.float16),), 2: (TensorSpec((1,), torch.int32),)}
     with pytest.raises(InputError, match="boundary of stage 1"):
         normalise_boundaries({1: "2x3"})
+
+
+def test_stage_values_must_be_tensors() -> None:
+    x = torch.zeros(1)
+    assert as_tuple(x) == (x,) and as_tuple([x, x]) == (x, x)
+    with pytest.raises(
+        InputError, match=r"^error: a stage must take and return a tensor or a tuple"
+    ):
+        as_tuple({"x": x})
+    with pytest.raises(
+        InputError, match=r"^error: stage 3 must return a tensor or a tuple of tensors, got int"
+    ):
+        as_tuple(7, "stage 3 must return")
 
 
 def test_plan_commits_at_the_end_of_each_group() -> None:
