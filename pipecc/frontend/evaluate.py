@@ -196,11 +196,6 @@ def _compile_call(node: ast.Call, scope: Scope) -> Typed:
     return Typed(lambda env: pick(a(env) for a in args), Type.INT)
 
 
-_ARITH: dict[ast.BinOp, Callable[[int, int], int]] = {
-    ast.BinOp.ADD: lambda a, b: a + b,
-    ast.BinOp.SUB: lambda a, b: a - b,
-    ast.BinOp.MUL: lambda a, b: a * b,
-}
 _COMPARE: dict[ast.BinOp, Callable[[int, int], bool]] = {
     ast.BinOp.EQ: lambda a, b: a == b,
     ast.BinOp.NE: lambda a, b: a != b,
@@ -223,9 +218,12 @@ def _compile_binary(node: ast.Binary, scope: Scope) -> Typed:
         return _compile_compare(node, scope)
     left = expect(node.left, scope, Type.INT).fn
     right = expect(node.right, scope, Type.INT).fn
-    if op in _ARITH:
-        apply = _ARITH[op]
-        return Typed(lambda env: apply(left(env), right(env)), Type.INT)
+    if op is ast.BinOp.ADD:
+        return Typed(lambda env: left(env) + right(env), Type.INT)
+    if op is ast.BinOp.SUB:
+        return Typed(lambda env: left(env) - right(env), Type.INT)
+    if op is ast.BinOp.MUL:
+        return Typed(lambda env: left(env) * right(env), Type.INT)
     return Typed(_division(op, left, right, node.span), Type.INT)
 
 
@@ -344,16 +342,16 @@ def _compile_for(stmt: ast.For, scope: Scope) -> StmtFn:
     stop = expect(stmt.stop, scope, Type.INT).fn
     loop_scope = scope.child()
     slot = loop_scope.define(stmt.var, Type.INT, "loop variable", stmt.span).slot
-    inner = compile_body(stmt.body, loop_scope) if stmt.body else None
+    steps = [_compile_stmt(body_stmt, loop_scope) for body_stmt in stmt.body]
     span = stmt.span
 
     def loop(env: Env, out: list[StreamItem]) -> None:
         first, last = start(env), stop(env)
         _loop_count(last - first, f"for {stmt.var} in {first} .. {last}: the loop", span, env)
-        for value in range(first, last):
+        for value in range(first, last):  # the body's steps run here, not through a wrapper
             env[slot] = value
-            if inner is not None:
-                inner(env, out)
+            for step in steps:
+                step(env, out)
 
     return loop
 
