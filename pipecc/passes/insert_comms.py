@@ -334,11 +334,15 @@ def _manual_messages(
     return sends, recvs
 
 
-def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
+def _replay(ranks: list[_RankOps], prog: Program) -> list[float]:
     """Run every rank's computes as soon as their inputs exist (the placement's durations and
-    latencies); return when each message is consumed."""
-    available: dict[int, float] = {}
-    consumed: dict[int, float] = {}
+    latencies); return when each message is consumed (0 for a message nothing consumes).
+
+    Both tables are lists indexed by message key: the keys are dense (`Dataflow`), and a
+    list index is cheaper than a hash look-up in this loop over every op."""
+    keys = prog.num_microbatches * Dataflow(prog.placement).mb_stride
+    available: list[float | None] = [None] * keys
+    consumed: list[float] = [0] * keys
     cursor = [0] * len(ranks)
     clock = [0.0] * len(ranks)
     remaining = sum(len(r.computes) for r in ranks)
@@ -361,7 +365,7 @@ def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
             while k < count:
                 ready = now
                 for key in inputs[k]:
-                    at = available.get(key)
+                    at = available[key]
                     if at is None:
                         break
                     if at > ready:
@@ -386,7 +390,7 @@ def _replay(ranks: list[_RankOps], prog: Program) -> dict[int, float]:
 
 
 def _stuck(
-    ranks: list[_RankOps], cursor: list[int], available: dict[int, float], prog: Program
+    ranks: list[_RankOps], cursor: list[int], available: list[float | None], prog: Program
 ) -> ScheduleError:
     flow = Dataflow(prog.placement)
     lines = []
@@ -396,7 +400,7 @@ def _stuck(
         if k >= len(ops.computes):
             continue
         instr = ops.computes[k]
-        missing = [flow.message(key).label() for key in ops.inputs[k] if key not in available]
+        missing = [flow.message(key).label() for key in ops.inputs[k] if available[key] is None]
         lines.append(f"rank {rank} at {instr.label()} waits for {', '.join(missing)}")
         first_span = first_span or instr.span
     return ScheduleError(
@@ -409,7 +413,7 @@ def _stuck(
 # ---- global order ---------------------------------------------------------------------------
 
 
-def _integer_times(ranks: list[_RankOps], consumed: dict[int, float]) -> None:
+def _integer_times(ranks: list[_RankOps], consumed: list[float]) -> None:
     """Replace the replay's times by their rank among all distinct times, so that event orders
     are exact integers (unit costs give integers already: nothing to do)."""
     values = {t for ops in ranks for t in (*ops.start, *ops.end)}
@@ -419,8 +423,7 @@ def _integer_times(ranks: list[_RankOps], consumed: dict[int, float]) -> None:
     for ops in ranks:
         ops.start = [index[t] for t in ops.start]
         ops.end = [index[t] for t in ops.end]
-    for key, t in consumed.items():
-        consumed[key] = index[t]
+    consumed[:] = [index.get(t, 0) for t in consumed]
 
 
 def _message_events(
@@ -503,7 +506,7 @@ class _Emitter:
 
     flow: Dataflow
     starts: list[float]  # start of each compute op of the rank in the ordering replay
-    consumed: dict[int, float]  # message key -> start of the op consuming it, likewise
+    consumed: list[float]  # message key -> start of the op consuming it, likewise
     grouping: Grouping = Grouping.PER_GAP
     out: list[Instr] = field(default_factory=list)
     due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
@@ -537,7 +540,7 @@ class _Emitter:
         starts, consumed = self.starts, self.consumed
         for _, _, payload, key, send, _ in batch:
             if send:  # due: as `_due`, inlined (this loop places every message of a program)
-                k = bisect_left(starts, consumed.get(key, 0))
+                k = bisect_left(starts, consumed[key])
                 waits = due.get(k)
                 if waits is None:
                     due[k] = [len(out)]
@@ -575,7 +578,7 @@ class _Emitter:
         """A send is completed before the first compute op of its rank that starts, in the
         unit-time replay, once its receiver has consumed it (the receiver has posted its recv
         by then): late enough not to hold the sender up, early enough to free the buffer."""
-        k = bisect_left(self.starts, self.consumed.get(key, 0))
+        k = bisect_left(self.starts, self.consumed[key])
         self.due.setdefault(k, []).append(index)
 
     def wait_before(self, k: int, inputs: tuple[int, ...]) -> None:
@@ -609,7 +612,7 @@ def _emit_rank(  # noqa: C901
         return _emit_rank_general(instrs, ops, events, emitter)
     out, recv_at, due = emitter.out, emitter.recv_at, emitter.due
     starts, consumed = emitter.starts, emitter.consumed
-    append, get_consumed, pop_due, pop_recv = out.append, consumed.get, due.pop, recv_at.pop
+    append, pop_due, pop_recv = out.append, due.pop, recv_at.pop
     group = emitter.next_group
     inputs = ops.inputs
     cursor, count = 0, len(events)
@@ -627,7 +630,7 @@ def _emit_rank(  # noqa: C901
             for event in events[cursor:stop]:
                 payload, key = event[2], event[3]
                 if event[4]:  # a send: completed when due (`_Emitter._due`)
-                    at = bisect_left(starts, get_consumed(key, 0))
+                    at = bisect_left(starts, consumed[key])
                     waits = due.get(at)
                     if waits is None:
                         due[at] = [len(out)]
