@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipecc.diagnostics import ScheduleError
-from pipecc.ir.dataflow import Dataflow
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait
+from pipecc.ir.dataflow import Dataflow, Message
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 
 UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
@@ -115,6 +115,24 @@ class _RankOps:
     publish: list[list[tuple[int, float]]] | None = None
 
 
+class _Keys:
+    """The message keys of this pass: `Dataflow`'s (what, pipe, stage) base times M, plus the
+    microbatch. A rank's ops go through the microbatches of a few stages in order, so their
+    look-ups in the tables indexed by key (`_replay`, the emission) walk memory in order: with
+    Dataflow's microbatch-major keys every look-up of a large program was a cache miss."""
+
+    def __init__(self, flow: Dataflow, microbatches: int) -> None:
+        self.flow, self.count = flow, microbatches
+        self.size = microbatches * flow.mb_stride  # every key is below this
+
+    def key(self, what: Msg, pipe: int, stage: int, mb: int) -> int:
+        return self.flow.key(what, pipe, stage, 0) * self.count + mb
+
+    def message(self, key: int) -> Message:
+        base, mb = divmod(key, self.count)
+        return self.flow.message(base)._replace(mb=mb)
+
+
 def insert_comms(prog: Program) -> Program:
     """Lower a compute-only program with the default policy (module docstring)."""
     return lower(prog, DEFAULT)
@@ -124,9 +142,10 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     """Place the comm ops of `prog` as `placement` says (the module docstring describes the
     default; `align_comms` passes the real costs)."""
     flow = Dataflow(prog.placement)
-    table = _op_table(flow, placement)
-    ranks = [_collect(instrs, flow, placement, table) for instrs in prog.ranks]
-    consumed = _replay(ranks, prog)
+    keys = _Keys(flow, prog.num_microbatches)
+    table = _op_table(keys, placement)
+    ranks = [_collect(instrs, keys, placement, table) for instrs in prog.ranks]
+    consumed = _replay(ranks, prog, keys)
     if placement.duration is not _unit_duration or placement.latency is not _no_latency:
         _integer_times(ranks, consumed)
     span = 2 * max((len(instrs) for instrs in prog.ranks), default=1) + 2
@@ -134,7 +153,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
         len(ops.computes) != len(instrs) for ops, instrs in zip(ranks, prog.ranks, strict=True)
     ]  # the ranks with hand-placed sends, recvs or waits
     manual_sends, manual_recvs = (
-        _manual_messages(prog, ranks, flow, span) if any(manual) else ({}, set())
+        _manual_messages(prog, ranks, keys, span) if any(manual) else ({}, set())
     )
     events = _message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
     for ops in ranks:  # what the events now hold: freed, so that emission reuses the memory
@@ -144,7 +163,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     for rank, instrs in enumerate(prog.ranks):
         hand_waited = _hand_waited(instrs) if manual[rank] else set()
         emitter = _Emitter(
-            flow, ranks[rank].start, consumed, placement.grouping, hand_waited=hand_waited
+            keys, ranks[rank].start, consumed, placement.grouping, hand_waited=hand_waited
         )
         lowered.append(_emit_rank(instrs, ranks[rank], events[rank], emitter))
         events[rank] = []
@@ -196,8 +215,10 @@ def _name(op: Send | Recv) -> str:
 _OpInfo = tuple[int, tuple[int, int, int, object, int, float] | None, float]
 
 
-def _op_table(flow: Dataflow, placement: CommPlacement) -> dict[Kind, list[list[_OpInfo]]]:
-    """`_OpInfo` by kind, pipe and stage: one look-up per compute op in `_collect`."""
+def _op_table(keys: _Keys, placement: CommPlacement) -> dict[Kind, list[list[_OpInfo]]]:
+    """`_OpInfo` by kind, pipe and stage: one look-up per compute op in `_collect`. The key
+    bases are `_Keys`' (a message's key is its base plus its microbatch)."""
+    flow, count = keys.flow, keys.count
     stages = max(flow.placement.num_stages(p) for p in range(flow.placement.num_pipes))
     latency_of = [placement.latency(stage) for stage in range(stages)]
     table: dict[Kind, list[list[_OpInfo]]] = {}
@@ -211,22 +232,22 @@ def _op_table(flow: Dataflow, placement: CommPlacement) -> dict[Kind, list[list[
                 output = None
                 if made is not None:
                     base, src, dst, what, _, to = made
-                    output = (base, src, dst, what, to, latency_of[to] if src != dst else 0.0)
+                    latency = latency_of[to] if src != dst else 0.0
+                    output = (base * count, src, dst, what, to, latency)
                 duration = placement.duration(Compute(kind, 0, pipe, stage, 0))
-                row.append((-1 if needed is None else needed[0], output, duration))
+                row.append((-1 if needed is None else needed[0] * count, output, duration))
             by_pipe.append(row)
     return table
 
 
 def _collect(
     instrs: Sequence[Instr],
-    flow: Dataflow,
+    keys: _Keys,
     placement: CommPlacement,
     table: dict[Kind, list[list[_OpInfo]]],
 ) -> _RankOps:
     ops = _RankOps()
     fused_durations: dict[tuple[object, ...], float] = {}
-    stride = flow.mb_stride
     add_compute, add_position = ops.computes.append, ops.positions.append
     add_inputs, add_outputs, add_duration = (
         ops.inputs.append,
@@ -237,7 +258,7 @@ def _collect(
         if type(instr) is Compute:
             kind, _, pipe, stage, mb, _ = instr
             needed, made, duration = table[kind][pipe][stage]
-            add_inputs(() if needed < 0 else (mb * stride + needed,))
+            add_inputs(() if needed < 0 else (needed + mb,))
             if made is None:
                 add_outputs(())
             else:
@@ -245,7 +266,7 @@ def _collect(
                 add_outputs(
                     (
                         (
-                            mb * stride + base,
+                            base + mb,
                             dst,
                             (what, dst, pipe, to, mb),
                             (what, src, pipe, to, mb),
@@ -259,12 +280,12 @@ def _collect(
             for kind, _, pipe, stage, mb, _ in instr[:2]:
                 needed, made, _ = table[kind][pipe][stage]
                 if needed >= 0:
-                    inputs.append(mb * stride + needed)
+                    inputs.append(needed + mb)
                 if made is not None:
                     base, src, dst, what, to, latency = made
                     outputs.append(
                         (
-                            mb * stride + base,
+                            base + mb,
                             dst,
                             (what, dst, pipe, to, mb),
                             (what, src, pipe, to, mb),
@@ -283,14 +304,14 @@ def _collect(
         add_position(position)
         add_duration(duration)
     if len(ops.computes) != len(instrs) and any(type(instr) is Send for instr in instrs):
-        _anchor_manual_sends(ops, instrs, flow)
+        _anchor_manual_sends(ops, instrs, keys)
     return ops
 
 
-def _anchor_manual_sends(ops: _RankOps, instrs: Sequence[Instr], flow: Dataflow) -> None:
+def _anchor_manual_sends(ops: _RankOps, instrs: Sequence[Instr], keys: _Keys) -> None:
     """Publish each hand-sent message at the end of the compute op just before its send."""
     manual = {
-        flow.key(i.what, i.pipe, i.stage, i.mb): position
+        keys.key(i.what, i.pipe, i.stage, i.mb): position
         for position, i in enumerate(instrs)
         if type(i) is Send
     }
@@ -303,12 +324,12 @@ def _anchor_manual_sends(ops: _RankOps, instrs: Sequence[Instr], flow: Dataflow)
         if type(instr) is Compute or type(instr) is Fused:
             k += 1
         elif type(instr) is Send:
-            key = flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
+            key = keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
             ops.publish[k].append((key, latency.get(key, 0.0)))
 
 
 def _manual_messages(
-    prog: Program, ranks: list[_RankOps], flow: Dataflow, span: int
+    prog: Program, ranks: list[_RankOps], keys: _Keys, span: int
 ) -> tuple[dict[int, int], set[int]]:
     """The messages the schedule sends by hand, with the global order of their posts, and the
     messages it receives by hand.
@@ -326,23 +347,22 @@ def _manual_messages(
             if type(instr) is Compute or type(instr) is Fused:
                 computes += 1
             elif type(instr) is Send:
-                key = flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
+                key = keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
                 time = int(ends[computes]) if computes >= 0 else 0
                 sends[key] = _message_order(time, rank, position, 0, num_ranks, span)
             elif type(instr) is Recv:
-                recvs.add(flow.key(instr.what, instr.pipe, instr.stage, instr.mb))
+                recvs.add(keys.key(instr.what, instr.pipe, instr.stage, instr.mb))
     return sends, recvs
 
 
-def _replay(ranks: list[_RankOps], prog: Program) -> list[float]:
+def _replay(ranks: list[_RankOps], prog: Program, keys: _Keys) -> list[float]:
     """Run every rank's computes as soon as their inputs exist (the placement's durations and
     latencies); return when each message is consumed (0 for a message nothing consumes).
 
-    Both tables are lists indexed by message key: the keys are dense (`Dataflow`), and a
+    Both tables are lists indexed by message key: the keys are dense (`_Keys`), and a
     list index is cheaper than a hash look-up in this loop over every op."""
-    keys = prog.num_microbatches * Dataflow(prog.placement).mb_stride
-    available: list[float | None] = [None] * keys
-    consumed: list[float] = [0] * keys
+    available: list[float | None] = [None] * keys.size
+    consumed: list[float] = [0] * keys.size
     cursor = [0] * len(ranks)
     clock = [0.0] * len(ranks)
     remaining = sum(len(r.computes) for r in ranks)
@@ -384,15 +404,14 @@ def _replay(ranks: list[_RankOps], prog: Program) -> list[float]:
             progressed += k - cursor[rank]
             cursor[rank], clock[rank] = k, now
         if not progressed:
-            raise _stuck(ranks, cursor, available, prog)
+            raise _stuck(ranks, cursor, available, keys)
         remaining -= progressed
     return consumed
 
 
 def _stuck(
-    ranks: list[_RankOps], cursor: list[int], available: list[float | None], prog: Program
+    ranks: list[_RankOps], cursor: list[int], available: list[float | None], keys: _Keys
 ) -> ScheduleError:
-    flow = Dataflow(prog.placement)
     lines = []
     first_span = None
     for rank, ops in enumerate(ranks):
@@ -400,7 +419,7 @@ def _stuck(
         if k >= len(ops.computes):
             continue
         instr = ops.computes[k]
-        missing = [flow.message(key).label() for key in ops.inputs[k] if available[key] is None]
+        missing = [keys.message(key).label() for key in ops.inputs[k] if available[key] is None]
         lines.append(f"rank {rank} at {instr.label()} waits for {', '.join(missing)}")
         first_span = first_span or instr.span
     return ScheduleError(
@@ -504,7 +523,7 @@ def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int
 class _Emitter:
     """Builds one rank's lowered list: posts, waits and computes in order."""
 
-    flow: Dataflow
+    keys: _Keys
     starts: list[float]  # start of each compute op of the rank in the ordering replay
     consumed: list[float]  # message key -> start of the op consuming it, likewise
     grouping: Grouping = Grouping.PER_GAP
@@ -568,7 +587,7 @@ class _Emitter:
         self.out.append(instr._replace(group=group))
         if position in self.hand_waited:
             return  # the schedule completes it with its own wait
-        key = self.flow.key(instr.what, instr.pipe, instr.stage, instr.mb)
+        key = self.keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
         if type(instr) is Send:
             self._due(key, index)
         else:
