@@ -212,7 +212,7 @@ def _name(op: Send | Recv) -> str:
 # What a computation of one (kind, pipe, stage) consumes and produces, for any microbatch:
 # (base of the key of its input message, or -1; (base, src, dst, what, receiving stage,
 # latency) of its output message, or None; its duration).
-_OpInfo = tuple[int, tuple[int, int, int, object, int, float] | None, float]
+_OpInfo = tuple[int, tuple[int, int, int, Msg, int, float] | None, float]
 
 
 def _op_table(keys: _Keys, placement: CommPlacement) -> dict[Kind, list[list[_OpInfo]]]:
@@ -295,9 +295,9 @@ def _collect(
             add_inputs(tuple(inputs))
             add_outputs(tuple(outputs))
             signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
-            duration = fused_durations.get(signature)
-            if duration is None:
-                duration = fused_durations[signature] = placement.duration(instr)
+            if signature not in fused_durations:
+                fused_durations[signature] = placement.duration(instr)
+            duration = fused_durations[signature]
         else:
             continue
         add_compute(instr)
