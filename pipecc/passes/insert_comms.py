@@ -77,7 +77,8 @@ def _no_latency(stage: int) -> float:
 class CommPlacement:
     """The knobs of the lowering: the durations and latencies of the replay that orders the
     program, where receives go, and what is grouped. `DEFAULT` is the default policy; the
-    alignment pass (`align_comms`) uses the real costs."""
+    alignment pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
+    on its kind and stage only: it is asked once per (kind, pipe, stage), not per op."""
 
     policy: str
     duration: Callable[[Compute | Fused], float] = _unit_duration
