@@ -13,7 +13,7 @@ means ×4; the target is ≤ ×4.5). Machines are noisy: compare the ratios, mea
 
 from __future__ import annotations
 
-from scale import compile_case, median_time, parse_args
+from scale import compile_case, median_time, parse_args, run
 from torch_baseline import torch_lowered
 
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}))
@@ -52,4 +52,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

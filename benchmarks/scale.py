@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from pipecc.api import compile_schedule
+from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,3 +58,14 @@ def median_time(repeat: int, work: Callable[[], T]) -> tuple[float, T]:
         times.append(time.perf_counter() - start)
     assert result is not None
     return statistics.median(times), result
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a benchmark's `main`: sizes a schedule rejects (the M/4 scaling run included) are
+    one line on stderr and exit code 2, not a traceback."""
+    try:
+        main()
+    except InputError as err:
+        print(f"{err}\n(every size the benchmark compiles, M/4 included, must be valid)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None

@@ -14,7 +14,7 @@ comparison is on interleaved 1F1B and ZB-V. Ratios are measured in the same run.
 
 from __future__ import annotations
 
-from scale import compile_case, median_time, parse_args
+from scale import compile_case, median_time, parse_args, run
 from torch_baseline import torch_lowered, torch_simulate
 
 from pipecc.costs import parse_cost_flag
@@ -63,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -24,7 +24,7 @@ import io
 import resource
 from typing import Any
 
-from scale import compile_case, median_time, parse_args
+from scale import compile_case, median_time, parse_args, run
 from torch_baseline import torch_lowered, torch_simulate
 
 from pipecc.interop import torch_csv
@@ -111,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
