@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from pipecc.ir.ops import Instr
 from pipecc.ir.placement import Placement
 
+# Lowering policies whose programs only a backend with independent progress (gloo: DESIGN §5's
+# `rendezvous` model) can run: under NCCL's ordered streams they deadlock (docs/compile.md).
+RENDEZVOUS_ONLY = frozenset({"early-recv"})
+
 
 @dataclass(frozen=True, slots=True)
 class Program:

@@ -27,9 +27,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipecc.costs import CostModel, CostTiming
-from pipecc.ir.ops import Compute, Fused
 from pipecc.ir.program import Program
-from pipecc.passes.insert_comms import CommPlacement, Grouping, RecvPosting, lower
+from pipecc.passes.insert_comms import CommPlacement, Grouping, RecvPosting, lower, strip_comms
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, replay
 from pipecc.stalls import classify
@@ -45,7 +44,7 @@ def align_comms(prog: Program, *, costs: CostModel, model: CommModel = CommModel
 
 
 def _align(prog: Program, costs: CostModel, model: CommModel) -> Program:
-    compute_only = _strip_comms(prog)
+    compute_only = strip_comms(prog)
     timing = CostTiming(costs)
     base = CommPlacement(
         POLICY,
@@ -72,11 +71,3 @@ def _score(program: Program, costs: CostModel, model: CommModel) -> tuple[float,
     gaps = classify(program, run, costs)
     placement = sum(gap.placement for rank in gaps for gap in rank)
     return (round(placement, 9), round(run.makespan(), 9))
-
-
-def _strip_comms(prog: Program) -> Program:
-    ranks = tuple(
-        tuple(instr for instr in instrs if type(instr) is Compute or type(instr) is Fused)
-        for instrs in prog.ranks
-    )
-    return replace(prog, ranks=ranks, comm="none")

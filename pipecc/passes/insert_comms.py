@@ -26,6 +26,14 @@ The policy, "default":
    not hold its rank up in the unit-time picture, and the buffer is not held for longer than
    the message is in use. Whatever is still open at the end is completed by a final Wait.
    Hand-placed sends without a hand-placed `wait` follow the same rule.
+
+The policy "early-recv" (`EARLY_RECV`) is the default with every receive it places posted
+before the first compute op, still in the global order, so a transfer can start the moment
+its sender posts. It is for gloo: there every posted op progresses on its own (DESIGN §5's
+`rendezvous` model), and a receive posted late delays a transfer that could already have
+happened. Under NCCL's ordered streams the early receives sit in front of the sends behind
+them and the program deadlocks: it passes `verify --comm rendezvous` and `eager` only, and
+the runtime refuses to run it on NCCL (`pipecc.ir.program.RENDEZVOUS_ONLY`).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from __future__ import annotations
 import enum
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipecc.diagnostics import ScheduleError
 from pipecc.ir.dataflow import Dataflow, Message
@@ -53,6 +61,8 @@ class RecvPosting(enum.Enum):
     # before the compute op during which the message comes to exist, so that a rendezvous
     # transfer can start the moment the data is there (the alignment pass)
     BEFORE_BUSY = "before-busy"
+    # before the first compute op of the rank (the early-recv policy: rendezvous only)
+    AT_START = "at-start"
 
 
 class Grouping(enum.Enum):
@@ -89,6 +99,8 @@ class CommPlacement:
 
 DEFAULT = CommPlacement("default")
 POLICY = DEFAULT.policy
+EARLY_RECV = CommPlacement("early-recv", recv_posting=RecvPosting.AT_START)
+POLICIES = {placement.policy: placement for placement in (DEFAULT, EARLY_RECV)}
 
 # A message event is (gap, order, payload, key, is_send, time): it is posted before compute
 # op `gap` of its rank; `payload` is the Send/Recv fields up to the group, (what, peer, pipe,
@@ -134,9 +146,20 @@ class _Keys:
         return self.flow.message(base)._replace(mb=mb)
 
 
-def insert_comms(prog: Program) -> Program:
-    """Lower a compute-only program with the default policy (module docstring)."""
-    return lower(prog, DEFAULT)
+def insert_comms(prog: Program, placement: CommPlacement = DEFAULT) -> Program:
+    """Lower a compute-only program with the default policy, or another of `POLICIES`
+    (module docstring)."""
+    return lower(prog, placement)
+
+
+def strip_comms(prog: Program) -> Program:
+    """`prog` with every send, receive and wait removed, hand-placed ones included: the
+    compute-only program a lowering starts from."""
+    ranks = tuple(
+        tuple(instr for instr in instrs if type(instr) is Compute or type(instr) is Fused)
+        for instrs in prog.ranks
+    )
+    return replace(prog, ranks=ranks, comm="none")
 
 
 def lower(prog: Program, placement: CommPlacement) -> Program:
@@ -457,11 +480,15 @@ def _message_events(
     num_ranks = len(ranks)
     events: list[list[Event]] = [[] for _ in range(num_ranks)]
     # a receive goes before the first compute op that starts at or after the moment its
-    # message exists (WHEN_MADE), or that is still running then (BEFORE_BUSY)
+    # message exists (WHEN_MADE), or that is still running then (BEFORE_BUSY), or before the
+    # first compute op of all (AT_START)
+    find: Callable[[Sequence[float], float], int]
     if posting is RecvPosting.WHEN_MADE:
         find, times = bisect_left, [ops.start for ops in ranks]
-    else:
+    elif posting is RecvPosting.BEFORE_BUSY:
         find, times = bisect_right, [ops.end for ops in ranks]
+    else:
+        find, times = _first_gap, [ops.start for ops in ranks]
     unit = 2 * num_ranks * span  # an order divided by this is its time
     manual = bool(manual_sends or manual_recvs)
     for src, ops in enumerate(ranks):
@@ -511,6 +538,11 @@ def _manual_events(
         events[src].append((k + 1, order, send, key, True, made))
     if key not in manual_recvs:
         events[dst].append((find(times, order // unit), order, recv, key, False, made))
+
+
+def _first_gap(times: Sequence[float], time: float) -> int:
+    """Where an AT_START receive goes: before compute op 0, whenever its message is made."""
+    return 0
 
 
 def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int, span: int) -> int:

@@ -10,7 +10,10 @@ from helpers import compile_bundled
 
 from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Compute, Fused, Recv, Send, Wait, computations
-from pipecc.ir.program import Program
+from pipecc.ir.program import RENDEZVOUS_ONLY, Program
+from pipecc.passes.insert_comms import DEFAULT, EARLY_RECV, POLICIES, insert_comms, strip_comms
+from pipecc.semantics import CommModel
+from pipecc.verify import Options, verify
 
 SIZES = {
     "gpipe": [(2, 1), (3, 5), (4, 8)],
@@ -94,3 +97,29 @@ def test_local_handoff_has_no_comm_ops() -> None:
     program = compile_bundled("zbv", 2, 2)
     last = program.ranks[1]
     assert not [i for i in last if isinstance(i, Send | Recv) and i.peer == 1]
+
+
+@pytest.mark.parametrize("schedule", sorted(SIZES))
+def test_early_recv_posts_every_receive_first_and_is_for_gloo_only(schedule: str) -> None:
+    for ranks, microbatches in SIZES[schedule]:
+        default = compile_bundled(schedule, ranks, microbatches)
+        early = insert_comms(strip_comms(default), EARLY_RECV)
+        assert early.comm == "early-recv" and early.comm in RENDEZVOUS_ONLY
+        check_lowering(early)
+        for rank, instrs in enumerate(early.ranks):
+            computes = [i for i in instrs if isinstance(i, Compute | Fused)]
+            assert computes == [i for i in default.ranks[rank] if isinstance(i, Compute | Fused)]
+            first = next(k for k, i in enumerate(instrs) if isinstance(i, Compute | Fused))
+            late = [k for k, i in enumerate(instrs) if isinstance(i, Recv) and k > first]
+            assert not late, f"rank {rank}: receives posted after the first compute op: {late}"
+        verdicts = {m: verify(early, Options(models=(m,))).ok for m in CommModel}
+        assert verdicts[CommModel.RENDEZVOUS] and verdicts[CommModel.EAGER]
+        # every pair sends both ways, and on NCCL's ordered streams the receives posted
+        # first hold up the sends behind them
+        assert not verdicts[CommModel.NCCL] and not verdicts[CommModel.NCCL_SINGLE]
+
+
+def test_policies() -> None:
+    assert POLICIES == {"default": DEFAULT, "early-recv": EARLY_RECV}
+    assert RENDEZVOUS_ONLY == {EARLY_RECV.policy}
+    assert DEFAULT.policy not in RENDEZVOUS_ONLY
