@@ -25,10 +25,11 @@ from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
-from pipecc.ir.program import Program
+from pipecc.ir.program import RENDEZVOUS_ONLY, Program
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import insert_comms
 from pipecc.perf import paused_gc
+from pipecc.semantics import CommModel
 from pipecc.verify import DEFAULT, Options, Report, check_order, verify
 
 
@@ -60,6 +61,13 @@ def verify_program(
             *notes,
             "compute-only input: sends, receives and waits placed by the "
             "default comm policy (docs/compile.md), then verified",
+        )
+    nccl = {CommModel.NCCL, CommModel.NCCL_SINGLE}
+    if program.comm in RENDEZVOUS_ONLY and nccl & set(options.models):
+        notes = (
+            *notes,
+            f"compiled with the {program.comm} comm policy, which is for gloo: NCCL's "
+            "ordered streams deadlock on it by design (verify it with --comm rendezvous)",
         )
     return verify(program, options), notes
 

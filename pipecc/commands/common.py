@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
-from pipecc.passes.insert_comms import insert_comms
+from pipecc.passes.insert_comms import POLICIES, POLICY, insert_comms, strip_comms
 from pipecc.verification import is_compute_only, load
 
 
@@ -89,6 +89,26 @@ def load_input(path: str, args: argparse.Namespace) -> Program:
     if program.num_ranks > 1 and is_compute_only(program):
         program = insert_comms(program)
     return program
+
+
+def add_policy_arg(parser: argparse.ArgumentParser) -> None:
+    """--comm-policy: how the compiler places sends, receives and waits."""
+    parser.add_argument(
+        "--comm-policy",
+        choices=sorted(POLICIES),
+        default=POLICY,
+        help="where sends, receives and waits go (default: default, safe under every comm "
+        "model); early-recv posts every receive at the start of the step, which is faster "
+        "on gloo but deadlocks under NCCL (docs/compile.md)",
+    )
+
+
+def apply_policy(program: Program, args: argparse.Namespace) -> Program:
+    """`program` with its comm ops placed by --comm-policy, if it names another policy (every
+    comm op is placed again, hand-placed ones too)."""
+    if args.comm_policy == program.comm:
+        return program
+    return insert_comms(strip_comms(program), POLICIES[args.comm_policy])
 
 
 def write_output(text: str, output: str | None) -> None:

@@ -8,13 +8,17 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_policy_arg,
+    apply_policy,
     load_costs,
     load_input,
     write_output,
 )
+from pipecc.diagnostics import InputError
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
 from pipecc.passes.align_comms import align_comms
+from pipecc.passes.insert_comms import POLICY
 from pipecc.semantics import CommModel
 
 FORMATS = ("json", "text", "listing", "torch-csv", "torch-csv-comms")
@@ -25,9 +29,11 @@ microbatch, resolve every W to its I, and place sends, receives and waits with t
 comm policy (docs/compile.md). FILE is a .sched file, the name of a bundled schedule (see
 'pipecc list'), or a compiled program (.json) to convert to another format.
 
---align places every send, receive and wait for the given costs and comm model instead, so
-that no rank waits for a message it could have had (docs/align.md); the compute order is
-unchanged, and hand-placed comm ops are placed again.
+--comm-policy early-recv posts every receive at the start of the step: faster on gloo, where
+each posted op progresses on its own, but it deadlocks under NCCL (verify it with --comm
+rendezvous; the runtime refuses it on NCCL). --align places every send, receive and wait for
+the given costs and comm model instead, so that no rank waits for a message it could have
+had (docs/align.md). Either keeps the compute order and places hand-placed comm ops again.
 """
 
 EPILOG = """\
@@ -44,6 +50,7 @@ examples:
   pipecc compile schedules/interleaved_1f1b.sched -P 4 -M 8 -D V=2 --format text
   pipecc compile zb_h1 -P 4 -M 8 --format torch-csv
   pipecc compile zb_h1 -P 4 -M 8 --cost F=1,I=1,W=1,comm=0.2 --align -o zb_h1.json
+  pipecc compile zb_h1 -P 4 -M 8 --comm-policy early-recv -o zb_h1_gloo.json
 """
 
 
@@ -65,12 +72,16 @@ def register(commands: SubParsers) -> None:
         action="store_true",
         help="place comm ops for --cost/--cost-file under --comm (docs/align.md)",
     )
+    add_policy_arg(cmd)
     add_cost_args(cmd)
     cmd.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
+    if args.align and args.comm_policy != POLICY:
+        raise InputError("--align and --comm-policy both place the comm ops: give one of them")
+    program = apply_policy(program, args)
     if args.align:
         program = align_comms(program, costs=load_costs(args), model=CommModel(args.comm))
     match args.format:

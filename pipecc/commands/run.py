@@ -10,7 +10,15 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from pipecc.commands.common import SubParsers, add_input_args, load_input, positive, write_output
+from pipecc.commands.common import (
+    SubParsers,
+    add_input_args,
+    add_policy_arg,
+    apply_policy,
+    load_input,
+    positive,
+    write_output,
+)
 from pipecc.diagnostics import InputError, ProgramError
 from pipecc.ir.program import Program
 
@@ -29,6 +37,7 @@ examples:
   pipecc run schedules/zb_h1.sched --nproc 4 --microbatches 8 --model examples/mlp.py --check
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --steps 10 --warmup 2 --json
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
+  pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy early-recv --check
 
 exit codes: 0 ok; 1 the check failed or a rank failed (the message names the rank and
 instruction); 2 input pipecc cannot use.
@@ -76,6 +85,7 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--profile", metavar="FILE", help="write measured per-(stage, op) costs as a TOML cost file"
     )
+    add_policy_arg(cmd)
     cmd.set_defaults(run=run)
 
 
@@ -87,7 +97,7 @@ def _count(text: str) -> int:
 
 
 def _program(args: argparse.Namespace) -> Program:
-    program = load_input(args.file, args)
+    program = apply_policy(load_input(args.file, args), args)
     if args.ranks is not None and program.num_ranks != args.ranks:
         raise InputError(
             f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"

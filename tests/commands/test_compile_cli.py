@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, run_cli
 
 from pipecc import __version__
 from pipecc.cli import main
@@ -114,3 +114,47 @@ def test_console_script_is_installed() -> None:
     )
     assert result.returncode == 0
     assert result.stdout == "0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n"
+
+
+def test_early_recv_policy_compiles_verifies_for_gloo_and_is_flagged_for_nccl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "zb_h1.json"
+    code, _, err = run_cli(
+        capsys, "compile", "zb_h1", "-P", "4", "-M", "8", "--comm-policy", "early-recv",
+        "-o", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    program = json.loads(out.read_text())
+    assert program["comm"] == "early-recv"
+    for instrs in program["programs"]:
+        first = next(k for k, i in enumerate(instrs) if i["op"] in ("F", "B", "I", "W", "F&B"))
+        assert all(k < first for k, i in enumerate(instrs) if i["op"] == "recv")
+    code, text, _ = run_cli(capsys, "verify", str(out), "--comm", "rendezvous")
+    assert code == 0, text
+    code, text, _ = run_cli(capsys, "verify", str(out))  # nccl, the default model
+    assert code == 1
+    assert "error[deadlock]: deadlock under nccl" in text
+    assert (
+        "note: compiled with the early-recv comm policy, which is for gloo: NCCL's ordered "
+        "streams deadlock on it by design (verify it with --comm rendezvous)" in text
+    )
+    # the same policy applied to a compiled program places its comm ops again
+    code, again, err = run_cli(
+        capsys, "compile", "zb_h1", "-P", "4", "-M", "8", "-o", str(tmp_path / "default.json")
+    )
+    assert code == 0, err
+    code, again, err = run_cli(
+        capsys, "compile", str(tmp_path / "default.json"), "--comm-policy", "early-recv"
+    )
+    assert code == 0, err
+    assert json.loads(again) == program
+
+
+def test_align_and_a_comm_policy_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys, "compile", "zb_h1", "-P", "4", "-M", "8", "--comm-policy", "early-recv",
+        "--align", "--cost", "F=1,B=2",
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert err == "error: --align and --comm-policy both place the comm ops: give one of them\n"
