@@ -75,7 +75,9 @@ class PipelineRuntime:
         self.rank_map = tuple(
             config.rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
         )
-        self._problem = setup.world_problem(program, world, self.rank_map, dist.get_rank())
+        self._problem = setup.world_problem(
+            program, world, self.rank_map, dist.get_rank()
+        ) or setup.backend_problem(program, dist.get_backend(self.group))
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
         self.device = config.device or _device_of(self.modules)
         self.channel = Channel(self.group, self.rank_map, timeout=config.timeout)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pipecc.diagnostics import SetupError
 from pipecc.ir.ops import Msg, Recv
 from pipecc.ir.placement import StageSlot
-from pipecc.ir.program import Program
+from pipecc.ir.program import RENDEZVOUS_ONLY, Program
 
 from .specs import Specs, describe_specs, meta_forward
 
@@ -88,6 +88,17 @@ def world_problem(program: Program, world: int, rank_map: Sequence[int], me: int
         return f"the rank map {list(rank_map)} must list {world} distinct global ranks"
     if me not in rank_map:
         return f"this process (global rank {me}) is not in the rank map {list(rank_map)}"
+    return None
+
+
+def backend_problem(program: Program, backend: str) -> str | None:
+    """A comm policy the process group's backend cannot run (every rank sees it alike)."""
+    if program.comm in RENDEZVOUS_ONLY and backend == "nccl":
+        return (
+            f"the program was compiled with the {program.comm} comm policy, which is for gloo: "
+            "under NCCL its early receives block the sends queued behind them and the step "
+            "deadlocks; compile it with the default policy (--comm-policy default)"
+        )
     return None
 
 

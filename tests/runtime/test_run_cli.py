@@ -60,6 +60,14 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert [stage for stage, _ in model.stages] == [0, 1, 2, 3]
 
 
+def test_early_recv_policy_runs_on_gloo_and_matches_the_reference() -> None:
+    result = pipecc("run", "zbv", "--nproc", "2", "-M", "4", "--model", MLP, "--check", "--json",
+                    "--comm-policy", "early-recv")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["max_rel_grad_diff"] <= 1e-6
+
+
 def run_inline(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str, fault: str = ""
 ) -> tuple[int, str, str]:

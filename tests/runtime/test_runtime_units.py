@@ -10,6 +10,7 @@ from pipecc.runtime import TensorSpec, infer_boundaries
 from pipecc.runtime.plan import build_plan as _plan
 from pipecc.runtime.plan import forward_only as _forward_only
 from pipecc.runtime.profile import Recorder, fit_latency, render_cost_file
+from pipecc.runtime.setup import backend_problem
 from pipecc.runtime.specs import as_tuple, meta_forward, normalise_boundaries
 from torch import nn
 
@@ -17,6 +18,7 @@ from pipecc.api import compile_schedule
 from pipecc.costs import load_cost_file
 from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
+from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
 
 
 class Split(nn.Module):
@@ -65,6 +67,45 @@ def test_stage_values_must_be_tensors() -> None:
         InputError, match=r"^error: stage 3 must return a tensor or a tuple of tensors, got int"
     ):
         as_tuple(7, "stage 3 must return")
+
+
+def test_a_gloo_only_program_is_refused_on_nccl() -> None:
+    program = insert_comms(
+        strip_comms(compile_schedule("1f1b", ranks=2, microbatches=4)), EARLY_RECV
+    )
+    assert backend_problem(program, "gloo") is None
+    assert backend_problem(compile_schedule("1f1b", ranks=2, microbatches=4), "nccl") is None
+    assert backend_problem(program, "nccl") == (
+        "the program was compiled with the early-recv comm policy, which is for gloo: under "
+        "NCCL its early receives block the sends queued behind them and the step deadlocks; "
+        "compile it with the default policy (--comm-policy default)"
+    )
+
+
+def test_the_runtime_refuses_a_gloo_only_program_on_nccl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed as dist
+    from pipecc.runtime import PipelineRuntime
+
+    from pipecc.diagnostics import SetupError
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        program = insert_comms(
+            strip_comms(compile_schedule("1f1b", ranks=1, microbatches=2)), EARLY_RECV
+        )
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        runtime = PipelineRuntime(
+            program,
+            [nn.Linear(3, 3)],
+            {0: TensorSpec((2, 3), torch.float32), 1: TensorSpec((2, 3), torch.float32)},
+        )
+        with pytest.raises(SetupError, match="compiled with the early-recv comm policy"):
+            runtime.step(torch.zeros(4, 3), torch.zeros(4, 3))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_plan_commits_at_the_end_of_each_group() -> None:
