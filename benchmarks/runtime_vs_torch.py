@@ -9,6 +9,10 @@ loss, 32 rows per microbatch. For every (schedule, H, M) both runtimes are built
 the same weights and stepped alternately, torch first then pipecc, in the same processes; a
 step is timed on rank 0 between a barrier before and a barrier after; the figure is the
 median of the timed steps after the warm-up. `ratio` = pipecc / torch (target ≤ 0.9).
+`pipecc` runs the default program (valid on every backend); `early` the same schedule
+compiled with `--comm-policy early-recv` (every receive posted at the start of the step: the
+policy for gloo, docs/compile.md); `aligned` the default compiled with `--align` for costs the
+runtime profiled.
 `bound` is the compute bound, timed in the same rounds: every rank runs the forward and
 backward of its own stages for all M microbatches with plain autograd and no messages,
 between the same barriers (so the slowest rank counts); `eff` = bound / step time.
@@ -42,6 +46,13 @@ from pipecc.api import compile_schedule  # noqa: E402
 from pipecc.costs import parse_cost_flag  # noqa: E402
 from pipecc.ir.ops import Compute, Fused  # noqa: E402
 from pipecc.passes.align_comms import align_comms  # noqa: E402
+from pipecc.passes.insert_comms import (  # noqa: E402
+    EARLY_RECV,
+    POLICIES,
+    POLICY,
+    insert_comms,
+    strip_comms,
+)
 from pipecc.semantics import CommModel  # noqa: E402
 
 ROWS = 32
@@ -111,10 +122,14 @@ def make_torch(config: Config, stages: list[nn.Module], rank: int) -> Any:
     return cls(mine, config.microbatches, loss_fn=loss)
 
 
-def make_pipecc(config: Config, stages: list[nn.Module], rank: int) -> PipelineRuntime:
+def make_pipecc(
+    config: Config, stages: list[nn.Module], rank: int, policy: str = POLICY
+) -> PipelineRuntime:
     program = compile_schedule(
         config.schedule, ranks=config.ranks, microbatches=config.microbatches
     )
+    if policy != POLICY:
+        program = insert_comms(strip_comms(program), POLICIES[policy])
     modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
     sample = torch.zeros(ROWS, config.hidden)
     return PipelineRuntime(
@@ -208,9 +223,11 @@ def run_config(config: Config, rank: int) -> dict[str, Any]:
     )
     baseline = make_torch(config, torch_stages, rank)
     runtime = make_pipecc(config, pipecc_stages, rank)
+    early = make_pipecc(config, pipecc_stages, rank, EARLY_RECV.policy)
     runners = {
         "torch": (lambda: torch_step(baseline, rank, config.ranks, batch), mine_t),
         "pipecc": (lambda: runtime.step(*batch), mine_p),
+        "early": (lambda: early.step(*batch), mine_p),
     }
     if config.align:
         tuned = aligned(runtime, pipecc_stages, batch)
@@ -243,15 +260,17 @@ def main() -> None:
     results = spawn(worker, 2, configs, timeout=1200)
     print(
         f"{'schedule':17} {'H':>5} {'M':>3} {'torch':>7} {'pipecc':>7} {'ratio':>6} "
-        f"{'aligned':>7} {'ratio':>6} {'bound':>7} {'eff torch':>9} {'eff pipecc':>10}"
+        f"{'early':>7} {'ratio':>6} {'aligned':>7} {'ratio':>6} {'bound':>7} {'eff torch':>9} "
+        f"{'eff pipecc':>10}"
     )
     for index, config in enumerate(configs):
         r0 = results[0][index]
         bound = r0["bound"]
-        best = min(r0["pipecc"], r0.get("aligned", r0["pipecc"]))
+        best = min(r0["pipecc"], r0["early"], r0.get("aligned", r0["pipecc"]))
         print(
             f"{config.schedule:17} {config.hidden:5} {config.microbatches:3} "
             f"{r0['torch']:7.1f} {r0['pipecc']:7.1f} {r0['pipecc'] / r0['torch']:6.2f} "
+            f"{r0['early']:7.1f} {r0['early'] / r0['torch']:6.2f} "
             f"{r0['aligned']:7.1f} {r0['aligned'] / r0['torch']:6.2f} "
             f"{bound:7.1f} {bound / r0['torch']:9.2f} {bound / best:10.2f}",
             flush=True,
@@ -269,10 +288,12 @@ def overhead() -> None:
         math = r0["bound"]
         per_torch = (r0["torch"] - math) / ops * 1e3
         per_pipecc = (r0["pipecc"] - math) / ops * 1e3
+        per_early = (r0["early"] - math) / ops * 1e3
         print(
             f"per-op overhead, H=16, P={ranks}, 1F1B M=16 ({ops} compute ops per rank): "
             f"torch {per_torch:.0f} µs, pipecc {per_pipecc:.0f} µs, "
-            f"ratio {per_pipecc / per_torch:.2f}"
+            f"ratio {per_pipecc / per_torch:.2f}; early-recv {per_early:.0f} µs, "
+            f"ratio {per_early / per_torch:.2f}"
         )
 
 
