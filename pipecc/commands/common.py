@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
-from pipecc.passes.insert_comms import POLICIES, POLICY, insert_comms, strip_comms
+from pipecc.passes.insert_comms import POLICIES, insert_comms, strip_comms
 from pipecc.verification import is_compute_only, load
 
 
@@ -96,17 +96,17 @@ def add_policy_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--comm-policy",
         choices=sorted(POLICIES),
-        default=POLICY,
-        help="where sends, receives and waits go (default: default, safe under every comm "
-        "model); early-recv posts every receive at the start of the step, which is faster "
-        "on gloo but deadlocks under NCCL (docs/compile.md)",
+        help="where sends, receives and waits go: default (the default for a .sched file; "
+        "safe under every comm model) or early-recv (every receive posted at the start of "
+        "the step: faster on gloo, deadlocks under NCCL; docs/compile.md). A .json program "
+        "keeps its own placement unless this is given",
     )
 
 
 def apply_policy(program: Program, args: argparse.Namespace) -> Program:
-    """`program` with its comm ops placed by --comm-policy, if it names another policy (every
-    comm op is placed again, hand-placed ones too)."""
-    if args.comm_policy == program.comm:
+    """`program` with its comm ops placed by --comm-policy, if given and another policy than
+    the program's (every comm op is placed again, hand-placed ones too)."""
+    if args.comm_policy is None or args.comm_policy == program.comm:
         return program
     return insert_comms(strip_comms(program), POLICIES[args.comm_policy])
 

@@ -18,7 +18,6 @@ from pipecc.diagnostics import InputError
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
 from pipecc.passes.align_comms import align_comms
-from pipecc.passes.insert_comms import POLICY
 from pipecc.semantics import CommModel
 
 FORMATS = ("json", "text", "listing", "torch-csv", "torch-csv-comms")
@@ -79,7 +78,7 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
-    if args.align and args.comm_policy != POLICY:
+    if args.align and args.comm_policy is not None:
         raise InputError("--align and --comm-policy both place the comm ops: give one of them")
     program = apply_policy(program, args)
     if args.align:

@@ -158,3 +158,18 @@ def test_align_and_a_comm_policy_are_exclusive(capsys: pytest.CaptureFixture[str
     )  # fmt: skip
     assert (code, out) == (2, "")
     assert err == "error: --align and --comm-policy both place the comm ops: give one of them\n"
+
+
+def test_a_compiled_program_keeps_its_placement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    aligned = tmp_path / "aligned.json"
+    code, _, err = run_cli(
+        capsys, "compile", "zb_h1", "-P", "4", "-M", "8", "--cost", "F=1,I=1,W=2,comm=0.3",
+        "--align", "-o", str(aligned),
+    )  # fmt: skip
+    assert code == 0, err
+    code, again, err = run_cli(capsys, "compile", str(aligned))
+    assert code == 0, err
+    assert json.loads(again) == json.loads(aligned.read_text())
+    assert json.loads(again)["comm"] == "aligned"
