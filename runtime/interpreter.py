@@ -260,7 +260,7 @@ class PipelineRuntime:
         inputs = self._take_inputs(ctx, chunk, op)
         if ctx.training and not chunk.first:
             inputs = tuple(_leaf(t) for t in inputs)
-        outputs = as_tuple(chunk.module(*inputs), f"stage {op.stage} must return")
+        outputs = as_tuple(chunk.module(*inputs), op.stage)
         if chunk.last:
             outputs = self._loss(ctx, op.mb, outputs)
         else:
@@ -345,7 +345,7 @@ class PipelineRuntime:
         loss0: Any,
         criterion: ScaledCriterion | None,
     ) -> None:
-        outputs = as_tuple(outputs0, f"stage {op.stage} must return")
+        outputs = as_tuple(outputs0, op.stage)
         if criterion is not None:
             if not isinstance(loss0, torch.Tensor) or criterion.raw is None:
                 raise ProgramError(

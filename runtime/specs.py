@@ -55,15 +55,14 @@ Specs: TypeAlias = tuple[TensorSpec, ...]
 Boundaries: TypeAlias = Mapping[int, Specs]
 
 
-def as_tuple(
-    value: object, subject: str = "a stage must take and return"
-) -> tuple[torch.Tensor, ...]:
+def as_tuple(value: object, stage: int | None = None) -> tuple[torch.Tensor, ...]:
     """A stage's inputs or outputs as a tuple of tensors (a lone tensor becomes a 1-tuple);
-    anything else is an InputError that starts with `subject`."""
+    anything else is an InputError (naming `stage` when given: what it returned)."""
     if isinstance(value, torch.Tensor):
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
+    subject = "a stage must take and return" if stage is None else f"stage {stage} must return"
     raise InputError(f"{subject} a tensor or a tuple of tensors, got {type(value).__name__}")
 
 

@@ -66,7 +66,7 @@ def test_stage_values_must_be_tensors() -> None:
     with pytest.raises(
         InputError, match=r"^error: stage 3 must return a tensor or a tuple of tensors, got int"
     ):
-        as_tuple(7, "stage 3 must return")
+        as_tuple(7, 3)
 
 
 def test_a_gloo_only_program_is_refused_on_nccl() -> None:
