@@ -1,0 +1,213 @@
+"""Emission of a lowering (`insert_comms`, step 3): each rank's posts, groups and waits
+around its compute ops, in the order `comm_order` gave its message events."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipecc.ir.ops import Instr, Recv, Send, Wait
+from pipecc.passes.comm_order import Event, MessageKeys, RankOps
+from pipecc.passes.comm_placement import Grouping
+
+_new = tuple.__new__
+
+
+@dataclass
+class Emitter:
+    """Builds one rank's lowered list: posts, waits and computes in order."""
+
+    keys: MessageKeys
+    starts: list[float]  # start of each compute op of the rank in the ordering replay
+    consumed: list[float]  # message key -> start of the op consuming it, likewise
+    grouping: Grouping = Grouping.PER_GAP
+    out: list[Instr] = field(default_factory=list)
+    due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
+    recv_at: dict[int, int] = field(default_factory=dict)  # message key -> index of its Recv
+    hand_waited: set[int] = field(default_factory=set)  # input positions a hand wait lists
+    groups: dict[int, int] = field(default_factory=dict)
+    next_group: int = 0
+    moved: dict[int, int] = field(default_factory=dict)  # input index -> output index
+
+    def post(self, batch: list[Event]) -> None:
+        """Post the events of one gap between two compute ops, grouped as the placement says."""
+        if self.grouping is Grouping.PER_GAP:
+            self._post_group(batch)
+        elif self.grouping is Grouping.NONE:
+            for event in batch:
+                self._post_group([event])
+        else:
+            start = 0
+            for i in range(1, len(batch) + 1):
+                if i == len(batch) or batch[i][5] != batch[start][5]:
+                    self._post_group(batch[start:i])
+                    start = i
+
+    def _post_group(self, batch: list[Event]) -> None:
+        group = None
+        if len(batch) > 1:
+            group = self.next_group
+            self.next_group += 1
+        tail = (group, None)
+        out, recv_at, due = self.out, self.recv_at, self.due
+        starts, consumed = self.starts, self.consumed
+        for _, _, payload, key, send, _ in batch:
+            if send:  # due: as `_due`, inlined (this loop places every message of a program)
+                k = bisect_left(starts, consumed[key])
+                waits = due.get(k)
+                if waits is None:
+                    due[k] = [len(out)]
+                else:
+                    waits.append(len(out))
+                out.append(_new(Send, payload + tail))
+            else:
+                recv_at[key] = len(out)
+                out.append(_new(Recv, payload + tail))
+
+    def manual(self, position: int, instr: Instr) -> None:
+        """Copy a hand-placed Send/Recv/Wait, renumbering its group and wait indices."""
+        index = len(self.out)
+        self.moved[position] = index
+        if type(instr) is Wait:
+            self.out.append(Wait(tuple(self.moved[i] for i in instr.ops), instr.span))
+            return
+        assert type(instr) is Send or type(instr) is Recv
+        group = instr.group
+        if group is not None:
+            if group not in self.groups:
+                self.groups[group] = self.next_group
+                self.next_group += 1
+            group = self.groups[group]
+        self.out.append(instr._replace(group=group))
+        if position in self.hand_waited:
+            return  # the schedule completes it with its own wait
+        key = self.keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
+        if type(instr) is Send:
+            self._due(key, index)
+        else:
+            self.recv_at[key] = index
+
+    def _due(self, key: int, index: int) -> None:
+        """A send is completed before the first compute op of its rank that starts, in the
+        unit-time replay, once its receiver has consumed it (the receiver has posted its recv
+        by then): late enough not to hold the sender up, early enough to free the buffer."""
+        k = bisect_left(self.starts, self.consumed[key])
+        self.due.setdefault(k, []).append(index)
+
+    def wait_before(self, k: int, inputs: tuple[int, ...]) -> None:
+        """The Wait before compute op k: the recvs it consumes and the sends due there."""
+        targets = self.due.pop(k, [])
+        for key in inputs:
+            index = self.recv_at.pop(key, None)
+            if index is not None:
+                targets.append(index)
+        if targets:
+            targets.sort()
+            self.out.append(_new(Wait, (tuple(targets), None)))
+
+    def wait_all(self) -> None:
+        """One final Wait for what is still open: the sends due after the last compute op,
+        and any recv no compute op consumed (hand-waited ops were never registered)."""
+        posted = [i for waits in self.due.values() for i in waits]
+        posted.extend(self.recv_at.values())
+        if posted:
+            posted.sort()
+            self.out.append(_new(Wait, (tuple(posted), None)))
+
+
+def emit_rank(  # noqa: C901
+    instrs: Sequence[Instr], ops: RankOps, events: list[Event], emitter: Emitter
+) -> tuple[Instr, ...]:
+    """Interleave one rank's computes with its posts and waits. The default grouping (every
+    gap's posts together) and the Wait before each op are inlined here: this loop places
+    every instruction of a program."""
+    if emitter.grouping is not Grouping.PER_GAP or len(ops.computes) != len(instrs):  # hand-placed
+        return _emit_rank_general(instrs, ops, events, emitter)
+    out, recv_at, due = emitter.out, emitter.recv_at, emitter.due
+    starts, consumed = emitter.starts, emitter.consumed
+    append, pop_due, pop_recv = out.append, due.pop, recv_at.pop
+    group = emitter.next_group
+    inputs = ops.inputs
+    cursor, count = 0, len(events)
+    next_gap = events[0][0] if events else len(ops.computes)
+    for k, instr in enumerate(ops.computes):
+        if next_gap <= k:
+            stop = cursor + 1
+            while stop < count and events[stop][0] <= k:
+                stop += 1
+            if stop - cursor > 1:
+                tail: tuple[int | None, None] = (group, None)
+                group += 1
+            else:
+                tail = (None, None)
+            for event in events[cursor:stop]:
+                payload, key = event[2], event[3]
+                if event[4]:  # a send: completed when due (`Emitter._due`)
+                    at = bisect_left(starts, consumed[key])
+                    waits = due.get(at)
+                    if waits is None:
+                        due[at] = [len(out)]
+                    else:
+                        waits.append(len(out))
+                    append(_new(Send, payload + tail))
+                else:
+                    recv_at[key] = len(out)
+                    append(_new(Recv, payload + tail))
+            cursor = stop
+            next_gap = events[stop][0] if stop < count else len(ops.computes)
+        targets = pop_due(k, None)  # the Wait before op k (`Emitter.wait_before`)
+        for key in inputs[k]:
+            index = pop_recv(key, None)
+            if index is not None:
+                if targets is None:
+                    targets = [index]
+                else:
+                    targets.append(index)
+        if targets:
+            if len(targets) > 1:
+                targets.sort()
+            append(_new(Wait, (tuple(targets), None)))
+        append(instr)
+    emitter.next_group = group
+    if cursor < count:
+        emitter.post(events[cursor:])
+    emitter.wait_all()
+    return tuple(out)
+
+
+def _emit_rank_general(
+    instrs: Sequence[Instr], ops: RankOps, events: list[Event], emitter: Emitter
+) -> tuple[Instr, ...]:
+    """`emit_rank` for any grouping and for hand-placed comm ops, one method per step."""
+    cursor = 0
+    position = 0  # next input instruction to copy (hand-placed comm ops)
+    count = len(events)
+    for k, instr in enumerate(ops.computes):
+        stop = cursor
+        while stop < count and events[stop][0] <= k:
+            stop += 1
+        if stop > cursor:
+            emitter.post(events[cursor:stop])
+            cursor = stop
+        if position < ops.positions[k]:
+            position = _copy_manual(emitter, instrs, position, ops.positions[k])
+        emitter.wait_before(k, ops.inputs[k])
+        emitter.out.append(instr)
+        position += 1
+    if cursor < count:
+        emitter.post(events[cursor:])
+    _copy_manual(emitter, instrs, position, len(instrs))
+    emitter.wait_all()
+    return tuple(emitter.out)
+
+
+def hand_waited(instrs: Sequence[Instr]) -> set[int]:
+    """The input positions of the ops a hand-placed `wait` completes."""
+    return {i for instr in instrs if type(instr) is Wait for i in instr.ops}
+
+
+def _copy_manual(emitter: Emitter, instrs: Sequence[Instr], start: int, stop: int) -> int:
+    for position in range(start, stop):
+        emitter.manual(position, instrs[position])
+    return stop

@@ -1,0 +1,377 @@
+"""The order of a lowering (`insert_comms`, steps 1 and 2): each compute op's messages, the
+replay that orders the program, and every rank's message events in one global order."""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pipecc.diagnostics import ScheduleError
+from pipecc.ir.dataflow import Dataflow, Message
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send
+from pipecc.ir.program import Program
+from pipecc.passes.comm_placement import CommPlacement, RecvPosting
+
+# A message event is (gap, order, payload, key, is_send, time): it is posted before compute
+# op `gap` of its rank; `payload` is the Send/Recv fields up to the group, (what, peer, pipe,
+# stage, mb); `order` sorts every message into one global order (_message_order: by the time
+# the message comes to exist, then rank, then position in the rank's list, the same on every
+# rank); `time` is that moment, for grouping.
+Event = tuple[int, int, tuple[object, ...], int, bool, int]
+
+
+@dataclass
+class RankOps:
+    """The compute ops of one rank, with what each consumes and produces."""
+
+    computes: list[Compute | Fused] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # index in the input list
+    inputs: list[tuple[int, ...]] = field(default_factory=list)  # message keys needed
+    outputs: list[tuple[tuple[int, int, tuple[object, ...], tuple[object, ...], float], ...]] = (
+        field(default_factory=list)
+    )  # (key, dst, send payload, recv payload, latency)
+    durations: list[float] = field(default_factory=list)
+    start: list[float] = field(default_factory=list)
+    end: list[float] = field(default_factory=list)
+    # With hand-placed sends: the (message key, latency) that become available when compute k
+    # ends (a hand-placed send publishes its tensor where it is posted, not where it is made).
+    publish: list[list[tuple[int, float]]] | None = None
+
+
+class MessageKeys:
+    """The message keys of this pass: `Dataflow`'s (what, pipe, stage) base times M, plus the
+    microbatch. A rank's ops go through the microbatches of a few stages in order, so their
+    look-ups in the tables indexed by key (`order_replay`, the emission) walk memory in order: with
+    Dataflow's microbatch-major keys every look-up of a large program was a cache miss."""
+
+    def __init__(self, flow: Dataflow, microbatches: int) -> None:
+        self.flow, self.count = flow, microbatches
+        self.size = microbatches * flow.mb_stride  # every key is below this
+
+    def key(self, what: Msg, pipe: int, stage: int, mb: int) -> int:
+        return self.flow.key(what, pipe, stage, 0) * self.count + mb
+
+    def message(self, key: int) -> Message:
+        base, mb = divmod(key, self.count)
+        return self.flow.message(base)._replace(mb=mb)
+
+
+# What a computation of one (kind, pipe, stage) consumes and produces, for any microbatch:
+# (base of the key of its input message, or -1; (base, src, dst, what, receiving stage,
+# latency) of its output message, or None; its duration).
+_OpInfo = tuple[int, tuple[int, int, int, Msg, int, float] | None, float]
+
+
+def op_table(keys: MessageKeys, placement: CommPlacement) -> dict[Kind, list[list[_OpInfo]]]:
+    """`_OpInfo` by kind, pipe and stage: one look-up per compute op in `collect`. The key
+    bases are `MessageKeys`' (a message's key is its base plus its microbatch)."""
+    flow, count = keys.flow, keys.count
+    stages = max(flow.placement.num_stages(p) for p in range(flow.placement.num_pipes))
+    latency_of = [placement.latency(stage) for stage in range(stages)]
+    table: dict[Kind, list[list[_OpInfo]]] = {}
+    for kind in Kind:
+        by_pipe = table[kind] = []
+        for pipe in range(flow.placement.num_pipes):
+            row = []
+            for stage in range(flow.placement.num_stages(pipe)):
+                needed = flow.inputs[kind][pipe][stage]
+                made = flow.outputs[kind][pipe][stage]
+                output = None
+                if made is not None:
+                    base, src, dst, what, _, to = made
+                    latency = latency_of[to] if src != dst else 0.0
+                    output = (base * count, src, dst, what, to, latency)
+                duration = placement.duration(Compute(kind, 0, pipe, stage, 0))
+                row.append((-1 if needed is None else needed[0] * count, output, duration))
+            by_pipe.append(row)
+    return table
+
+
+def collect(
+    instrs: Sequence[Instr],
+    keys: MessageKeys,
+    placement: CommPlacement,
+    table: dict[Kind, list[list[_OpInfo]]],
+) -> RankOps:
+    """One rank's compute ops with the message keys each consumes, what each produces and
+    its duration (`table` from `op_table`)."""
+    ops = RankOps()
+    fused_durations: dict[tuple[object, ...], float] = {}
+    add_compute, add_position = ops.computes.append, ops.positions.append
+    add_inputs, add_outputs, add_duration = (
+        ops.inputs.append,
+        ops.outputs.append,
+        ops.durations.append,
+    )
+    for position, instr in enumerate(instrs):
+        if type(instr) is Compute:
+            kind, _, pipe, stage, mb, _ = instr
+            needed, made, duration = table[kind][pipe][stage]
+            add_inputs(() if needed < 0 else (needed + mb,))
+            if made is None:
+                add_outputs(())
+            else:
+                base, src, dst, what, to, latency = made
+                add_outputs(
+                    (
+                        (
+                            base + mb,
+                            dst,
+                            (what, dst, pipe, to, mb),
+                            (what, src, pipe, to, mb),
+                            latency,
+                        ),
+                    )
+                )
+        elif type(instr) is Fused:
+            inputs = []
+            outputs = []
+            for kind, _, pipe, stage, mb, _ in instr[:2]:
+                needed, made, _ = table[kind][pipe][stage]
+                if needed >= 0:
+                    inputs.append(needed + mb)
+                if made is not None:
+                    base, src, dst, what, to, latency = made
+                    outputs.append(
+                        (
+                            base + mb,
+                            dst,
+                            (what, dst, pipe, to, mb),
+                            (what, src, pipe, to, mb),
+                            latency,
+                        )
+                    )
+            add_inputs(tuple(inputs))
+            add_outputs(tuple(outputs))
+            signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
+            if signature not in fused_durations:
+                fused_durations[signature] = placement.duration(instr)
+            duration = fused_durations[signature]
+        else:
+            continue
+        add_compute(instr)
+        add_position(position)
+        add_duration(duration)
+    if len(ops.computes) != len(instrs) and any(type(instr) is Send for instr in instrs):
+        _anchor_manual_sends(ops, instrs, keys)
+    return ops
+
+
+def _anchor_manual_sends(ops: RankOps, instrs: Sequence[Instr], keys: MessageKeys) -> None:
+    """Publish each hand-sent message at the end of the compute op just before its send."""
+    manual = {
+        keys.key(i.what, i.pipe, i.stage, i.mb): position
+        for position, i in enumerate(instrs)
+        if type(i) is Send
+    }
+    latency = {out[0]: out[4] for outputs in ops.outputs for out in outputs}
+    ops.publish = [
+        [(out[0], out[4]) for out in outputs if out[0] not in manual] for outputs in ops.outputs
+    ]
+    k = -1
+    for instr in instrs:
+        if type(instr) is Compute or type(instr) is Fused:
+            k += 1
+        elif type(instr) is Send:
+            key = keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
+            ops.publish[k].append((key, latency.get(key, 0.0)))
+
+
+def manual_messages(
+    prog: Program, ranks: list[RankOps], keys: MessageKeys, span: int
+) -> tuple[dict[int, int], set[int]]:
+    """The messages the schedule sends by hand, with the global order of their posts, and the
+    messages it receives by hand.
+
+    A hand-placed send is posted where the schedule wrote it, possibly well after its producer;
+    the receiving side (placed by this pass) must see it in the same order among that pair's
+    messages, so the message takes its order from the send's own position.
+    """
+    sends: dict[int, int] = {}
+    recvs: set[int] = set()
+    num_ranks = prog.num_ranks
+    for rank, instrs in enumerate(prog.ranks):
+        ends, computes = ranks[rank].end, -1
+        for position, instr in enumerate(instrs):
+            if type(instr) is Compute or type(instr) is Fused:
+                computes += 1
+            elif type(instr) is Send:
+                key = keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
+                time = int(ends[computes]) if computes >= 0 else 0
+                sends[key] = _message_order(time, rank, position, 0, num_ranks, span)
+            elif type(instr) is Recv:
+                recvs.add(keys.key(instr.what, instr.pipe, instr.stage, instr.mb))
+    return sends, recvs
+
+
+def order_replay(ranks: list[RankOps], prog: Program, keys: MessageKeys) -> list[float]:
+    """Run every rank's computes as soon as their inputs exist (the placement's durations and
+    latencies); return when each message is consumed (0 for a message nothing consumes).
+
+    Both tables are lists indexed by message key: the keys are dense (`MessageKeys`), and a
+    list index is cheaper than a hash look-up in this loop over every op."""
+    available: list[float | None] = [None] * keys.size
+    consumed: list[float] = [0] * keys.size
+    cursor = [0] * len(ranks)
+    clock = [0.0] * len(ranks)
+    remaining = sum(len(r.computes) for r in ranks)
+    # what each compute op makes available, as (key, _, _, _, latency) tuples: its outputs,
+    # or with hand-placed sends the (key, latency) pairs _anchor_manual_sends computed
+    publishes = [
+        ops.outputs
+        if ops.publish is None
+        else [[(key, 0, 0, 0, lat) for key, lat in keys] for keys in ops.publish]
+        for ops in ranks
+    ]
+    while remaining:
+        progressed = 0
+        for rank, ops in enumerate(ranks):
+            k, now = cursor[rank], clock[rank]
+            inputs, durations = ops.inputs, ops.durations
+            start, end = ops.start, ops.end
+            publish = publishes[rank]
+            count = len(ops.computes)
+            while k < count:
+                ready = now
+                for key in inputs[k]:
+                    at = available[key]
+                    if at is None:
+                        break
+                    if at > ready:
+                        ready = at
+                else:
+                    for key in inputs[k]:
+                        consumed[key] = ready
+                    now = ready + durations[k]
+                    start.append(ready)
+                    end.append(now)
+                    for output in publish[k]:
+                        available[output[0]] = now + output[4]
+                    k += 1
+                    continue
+                break
+            progressed += k - cursor[rank]
+            cursor[rank], clock[rank] = k, now
+        if not progressed:
+            raise _stuck(ranks, cursor, available, keys)
+        remaining -= progressed
+    return consumed
+
+
+def _stuck(
+    ranks: list[RankOps], cursor: list[int], available: list[float | None], keys: MessageKeys
+) -> ScheduleError:
+    lines = []
+    first_span = None
+    for rank, ops in enumerate(ranks):
+        k = cursor[rank]
+        if k >= len(ops.computes):
+            continue
+        instr = ops.computes[k]
+        missing = [keys.message(key).label() for key in ops.inputs[k] if available[key] is None]
+        lines.append(f"rank {rank} at {instr.label()} waits for {', '.join(missing)}")
+        first_span = first_span or instr.span
+    return ScheduleError(
+        "the compute order cannot run: every rank that has ops left waits for data that "
+        "only comes after it\n  " + "\n  ".join(lines),
+        first_span,
+    )
+
+
+# ---- global order ---------------------------------------------------------------------------
+
+
+def integer_times(ranks: list[RankOps], consumed: list[float]) -> None:
+    """Replace the replay's times by their rank among all distinct times, so that event orders
+    are exact integers (unit costs give integers already: nothing to do)."""
+    values = {t for ops in ranks for t in (*ops.start, *ops.end)}
+    if all(float(t).is_integer() for t in values):
+        return
+    index = {t: i for i, t in enumerate(sorted(values))}
+    for ops in ranks:
+        ops.start = [index[t] for t in ops.start]
+        ops.end = [index[t] for t in ops.end]
+    consumed[:] = [index.get(t, 0) for t in consumed]
+
+
+def message_events(
+    ranks: list[RankOps],
+    manual_sends: dict[int, int],
+    manual_recvs: set[int],
+    span: int,
+    posting: RecvPosting,
+) -> list[list[Event]]:
+    """Every rank's message events (its sends and its recvs), in the order it posts them."""
+    num_ranks = len(ranks)
+    events: list[list[Event]] = [[] for _ in range(num_ranks)]
+    # a receive goes before the first compute op that starts at or after the moment its
+    # message exists (WHEN_MADE), or that is still running then (BEFORE_BUSY), or before the
+    # first compute op of all (AT_START)
+    find: Callable[[Sequence[float], float], int]
+    if posting is RecvPosting.WHEN_MADE:
+        find, times = bisect_left, [ops.start for ops in ranks]
+    elif posting is RecvPosting.BEFORE_BUSY:
+        find, times = bisect_right, [ops.end for ops in ranks]
+    else:
+        find, times = _first_gap, [ops.start for ops in ranks]
+    unit = 2 * num_ranks * span  # an order divided by this is its time
+    manual = bool(manual_sends or manual_recvs)
+    for src, ops in enumerate(ranks):
+        own, ends, positions = events[src], ops.end, ops.positions
+        first = src * span  # _message_order, inlined: this loop sees every message
+        for k, outputs in enumerate(ops.outputs):
+            if not outputs:
+                continue
+            made = int(ends[k])  # an integer time: see integer_times
+            base = made * unit + first + 2 * positions[k]
+            for sub, (key, dst, send, recv, _) in enumerate(outputs):
+                if dst == src:
+                    continue
+                if manual:
+                    _manual_events(
+                        events,
+                        (k, src, dst, key, base + sub, made, send, recv),
+                        manual_sends,
+                        manual_recvs,
+                        (find, times[dst], unit),
+                    )
+                    continue
+                order = base + sub
+                own.append((k + 1, order, send, key, True, made))
+                # found by the time as the replay left it: a float compares faster with floats
+                gap = find(times[dst], ends[k])
+                events[dst].append((gap, order, recv, key, False, made))
+    for rank_events in events:
+        rank_events.sort()
+    return events
+
+
+def _manual_events(
+    events: list[list[Event]],
+    message: tuple[int, int, int, int, int, int, tuple[object, ...], tuple[object, ...]],
+    manual_sends: dict[int, int],
+    manual_recvs: set[int],
+    locate: tuple[Callable[..., int], list[float], int],
+) -> None:
+    """`message_events` for one message of a program with hand-placed sends or recvs: a
+    hand-sent message takes its order from its send; a hand-received one gets no Recv."""
+    k, src, dst, key, order, made, send, recv = message
+    find, times, unit = locate
+    if key in manual_sends:
+        order = manual_sends[key]
+    else:
+        events[src].append((k + 1, order, send, key, True, made))
+    if key not in manual_recvs:
+        events[dst].append((find(times, order // unit), order, recv, key, False, made))
+
+
+def _first_gap(times: Sequence[float], time: float) -> int:
+    """Where an AT_START receive goes: before compute op 0, whenever its message is made."""
+    return 0
+
+
+def _message_order(time: int, rank: int, position: int, sub: int, num_ranks: int, span: int) -> int:
+    """Messages that come to exist at `time`, after input position `position` of `rank`
+    (sub: which of the op's outputs): one integer, the same on every rank."""
+    return ((2 * time * num_ranks + rank) * span + 2 * position) + sub

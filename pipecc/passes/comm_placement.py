@@ -1,0 +1,69 @@
+"""The knobs of comm lowering: the replay that orders a program, where receives go, what is
+grouped, and the named policies (`insert_comms` describes the default)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipecc.ir.ops import Compute, Fused, Kind
+
+UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
+
+
+class RecvPosting(enum.Enum):
+    """Where a receive is posted on its rank (both keep every pair in one global order)."""
+
+    # before the first compute op that starts once the message exists (the default policy)
+    WHEN_MADE = "when-made"
+    # before the compute op during which the message comes to exist, so that a rendezvous
+    # transfer can start the moment the data is there (the alignment pass)
+    BEFORE_BUSY = "before-busy"
+    # before the first compute op of the rank (the early-recv policy: rendezvous only)
+    AT_START = "at-start"
+
+
+class Grouping(enum.Enum):
+    """Which posts between two compute ops are posted together (one nccl unit)."""
+
+    PER_GAP = "per-gap"  # all of them (the default policy)
+    BY_TIME = "by-time"  # those whose messages come to exist at the same moment
+    NONE = "none"  # each alone
+
+
+def unit_duration(instr: Compute | Fused) -> float:
+    """The default policy's durations: `UNIT_COST`, a fused op the sum of its halves."""
+    if type(instr) is Compute:
+        return UNIT_COST[instr.kind]
+    return UNIT_COST[instr.forward.kind] + UNIT_COST[instr.backward.kind]  # type: ignore[union-attr]
+
+
+def no_latency(stage: int) -> float:
+    """The default policy's message latency: none."""
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CommPlacement:
+    """The knobs of the lowering: the durations and latencies of the replay that orders the
+    program, where receives go, and what is grouped. `DEFAULT` is the default policy; the
+    alignment pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
+    on its kind and stage only: it is asked once per (kind, pipe, stage), not per op."""
+
+    policy: str
+    duration: Callable[[Compute | Fused], float] = unit_duration
+    latency: Callable[[int], float] = no_latency  # by receiving stage
+    recv_posting: RecvPosting = RecvPosting.WHEN_MADE
+    grouping: Grouping = Grouping.PER_GAP
+
+    @property
+    def unit_time(self) -> bool:
+        """The replay's times are the unit costs' integers (no real durations, no latency)."""
+        return self.duration is unit_duration and self.latency is no_latency
+
+
+DEFAULT = CommPlacement("default")
+POLICY = DEFAULT.policy
+EARLY_RECV = CommPlacement("early-recv", recv_posting=RecvPosting.AT_START)
+POLICIES = {placement.policy: placement for placement in (DEFAULT, EARLY_RECV)}
