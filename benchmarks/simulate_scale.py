@@ -15,7 +15,7 @@ comparison is on interleaved 1F1B and ZB-V. Ratios are measured in the same run.
 from __future__ import annotations
 
 from scale import compile_case, median_time, parse_args, run
-from torch_baseline import torch_lowered, torch_simulate
+from torch_baseline import TORCH_CANNOT, torch_lowered, torch_simulate
 
 from pipecc.costs import parse_cost_flag
 from pipecc.simulate import Timeline, simulate
@@ -23,7 +23,6 @@ from pipecc.simulate import Timeline, simulate
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}), ("zbv", {}))
 # torch's simulator rejects fused OVERLAP_F_B actions, so it cannot replay DualPipeV
 # (DESIGN §6): the torch comparison runs on interleaved 1F1B and ZB-V.
-TORCH_CANNOT = {"dualpipev": "torch's _simulate_comms_compute cannot replay OVERLAP_F_B"}
 COSTS = parse_cost_flag("F=1,B=2,I=1,W=1")
 
 

@@ -51,6 +51,10 @@ def torch_lowered(name: str, ranks: int, microbatches: int) -> tuple[float, Any,
     return time.perf_counter() - start, lowered, mapping, ranks * chunks
 
 
+# schedules torch_simulate cannot replay, with the reason the benchmarks print
+TORCH_CANNOT = {"dualpipev": "torch's _simulate_comms_compute cannot replay OVERLAP_F_B"}
+
+
 def torch_simulate(lowered: Any, mapping: Any, num_stages: int) -> tuple[float, int]:
     """(seconds, simulated steps) of torch's `_simulate_comms_compute` (unit steps, eager
     sends); UNSHARD/RESHARD/REDUCE_GRAD actions, which it rejects, are dropped first."""

@@ -25,14 +25,13 @@ import resource
 from typing import Any
 
 from scale import compile_case, median_time, parse_args, run
-from torch_baseline import torch_lowered, torch_simulate
+from torch_baseline import TORCH_CANNOT, torch_lowered, torch_simulate
 
 from pipecc.interop import torch_csv
 from pipecc.ir.program import Program
 from pipecc.verify import Options, Report, verify
 
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}))
-TORCH_CANNOT = {"dualpipev": "torch's _simulate_comms_compute cannot replay OVERLAP_F_B"}
 
 
 def _rss_mb() -> float:
