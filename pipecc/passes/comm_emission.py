@@ -50,19 +50,13 @@ class Emitter:
             group = self.next_group
             self.next_group += 1
         tail = (group, None)
-        out, recv_at, due = self.out, self.recv_at, self.due
-        starts, consumed = self.starts, self.consumed
+        out = self.out
         for _, _, payload, key, send, _ in batch:
-            if send:  # due: as `_due`, inlined (this loop places every message of a program)
-                k = bisect_left(starts, consumed[key])
-                waits = due.get(k)
-                if waits is None:
-                    due[k] = [len(out)]
-                else:
-                    waits.append(len(out))
+            if send:
+                self._due(key, len(out))
                 out.append(_new(Send, payload + tail))
             else:
-                recv_at[key] = len(out)
+                self.recv_at[key] = len(out)
                 out.append(_new(Recv, payload + tail))
 
     def manual(self, position: int, instr: Instr) -> None:
@@ -120,8 +114,9 @@ def emit_rank(  # noqa: C901
     instrs: Sequence[Instr], ops: RankOps, events: list[Event], emitter: Emitter
 ) -> tuple[Instr, ...]:
     """Interleave one rank's computes with its posts and waits. The default grouping (every
-    gap's posts together) and the Wait before each op are inlined here: this loop places
-    every instruction of a program."""
+    gap's posts together: `Emitter._post_group`) and the Wait before each op
+    (`Emitter.wait_before`) are inlined here, because this loop places every instruction of
+    a program; `_emit_rank_general` does the same through the methods."""
     if emitter.grouping is not Grouping.PER_GAP or len(ops.computes) != len(instrs):  # hand-placed
         return _emit_rank_general(instrs, ops, events, emitter)
     out, recv_at, due = emitter.out, emitter.recv_at, emitter.due
