@@ -66,6 +66,7 @@ class RunReport:
     steps: int
     warmup: int
     backend: str
+    comm: str  # the lowering policy that placed the program's comm ops
     cost_file: str | None = None
 
 
@@ -129,6 +130,7 @@ def run_job(job: RunJob) -> RunReport:
         steps=job.steps,
         warmup=job.warmup,
         backend=backend,
+        comm=job.program.comm,
         cost_file=cost,
     )
 

@@ -43,6 +43,7 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     report = json.loads(result.stdout)  # exactly one JSON object, nothing else on stdout
     assert FIELDS <= set(report)
     assert report["schedule"] == "dualpipev"
+    assert report["comm"] == "default"
     assert (report["ranks"], report["microbatches"], report["steps"]) == (2, 4, 2)
     assert report["batch_size"] == 32, "default batch size is 8·M"
     assert report["max_rel_grad_diff"] <= 1e-6
@@ -65,6 +66,7 @@ def test_early_recv_policy_runs_on_gloo_and_matches_the_reference() -> None:
                     "--comm-policy", "early-recv")  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["comm"] == "early-recv"
     assert report["max_rel_grad_diff"] <= 1e-6
 
 
