@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
+from pipecc.api import compile_schedule
+
 
 def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(
@@ -30,7 +32,12 @@ def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     }
     ops = data["ops"]
     assert ops[0] == {"rank": 0, "index": 0, "op": "F0.0", "start": 0.0, "end": 1.0}
-    assert len(ops) == sum(1 for _ in ops)
+    # one entry per instruction of the program (214 for 1F1B at P=4, M=8), each once
+    program = compile_schedule("1f1b", ranks=4, microbatches=8)
+    assert len(ops) == program.num_instructions() == 214
+    assert {(op["rank"], op["index"]) for op in ops} == {
+        (rank, index) for rank, instrs in enumerate(program.ranks) for index in range(len(instrs))
+    }
 
 
 def test_text_output_has_summary_and_grid(capsys: pytest.CaptureFixture[str]) -> None:

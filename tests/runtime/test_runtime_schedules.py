@@ -28,6 +28,7 @@ from runtime_cases import (
     wrong_boundaries,
 )
 
+from pipecc.api import bundled_schedules
 from pipecc.ir.ops import Recv, Send, Wait
 
 Results = list[dict[str, dict[str, Any]]]  # per rank: case name -> result
@@ -123,6 +124,7 @@ def test_schedule_p4_equals_reference(request: pytest.FixtureRequest, name: str)
 
 
 def test_every_schedule_at_minimum_and_larger_m() -> None:
+    assert set(SCHEDULES) == set(bundled_schedules()), "every bundled schedule is run"
     for ranks in (2, 4):
         names = {case.name.split("-")[0] for case in schedule_cases(ranks)}
         assert names == set(SCHEDULES)

@@ -138,6 +138,13 @@ def test_forward_only_keeps_forwards_and_activations() -> None:
                     pytest.fail("a fused op survived")
         forwards = sum(1 for i in instrs for c in _computes(i) if c.kind is Kind.F)
         assert sum(1 for _, x in kept if type(x) is Compute) == forwards
+        # every activation message is kept, at its index, and every one of them is waited
+        activations = {
+            i for i, x in enumerate(instrs) if type(x) in (Send, Recv) and x.what is Msg.ACT
+        }
+        assert posted == activations
+        waited = {op for _, x in kept if type(x) is Wait for op in x.ops}
+        assert waited == activations
 
 
 def _computes(instr: object) -> tuple[Compute, ...]:

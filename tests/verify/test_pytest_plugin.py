@@ -34,12 +34,17 @@ def test_items_per_size_with_skips_and_failures(tmp_path: Path) -> None:
     assert "error[needs-buffering]" in out
 
 
-def test_all_models_option(tmp_path: Path) -> None:
-    shutil.copy(SCHEDULES / "dualpipe.sched", tmp_path)
-    result = _pytest(
-        tmp_path, "--pipecc", "--pipecc-comm", "all", "--pipecc-sizes", "ranks=2 microbatches=4"
-    )
-    assert result.returncode == 0 and "1 passed" in result.stdout
+def test_the_comm_option_chooses_the_models(tmp_path: Path) -> None:
+    # pair_order_cycle deadlocks under nccl only, so each --pipecc-comm gives its own verdict
+    shutil.copy(DATA / "pair_order_cycle.sched", tmp_path)
+    sizes = ("--pipecc-sizes", "ranks=2 microbatches=2")
+    gloo = _pytest(tmp_path, "--pipecc", "--pipecc-comm", "rendezvous", *sizes)
+    assert gloo.returncode == 0 and "1 passed" in gloo.stdout, gloo.stdout
+    default = _pytest(tmp_path, "--pipecc", *sizes)
+    assert default.returncode == 1 and "error[deadlock]: deadlock under nccl:" in default.stdout
+    both = _pytest(tmp_path, "--pipecc", "--pipecc-comm", "all", *sizes)
+    assert both.returncode == 1
+    assert "nccl deadlock, nccl-single deadlock, rendezvous passes, eager passes" in both.stdout
 
 
 def test_without_the_flag_nothing_is_collected(tmp_path: Path) -> None:

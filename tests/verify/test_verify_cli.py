@@ -172,6 +172,10 @@ def test_bad_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["verify", "zb_h1", "--comm", "mpi"])
     assert exc.value.code == 2
+    assert (
+        "argument --comm: invalid choice: 'mpi' (choose from 'nccl', 'nccl-single', "
+        "'rendezvous', 'eager', 'all')" in capsys.readouterr().err
+    )
 
 
 def test_sweep_lists_skips_and_stops_at_the_first_failure(
