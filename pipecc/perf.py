@@ -21,14 +21,18 @@ def paused_gc() -> Iterator[None]:
     youngest generation the first allocation after the pause would walk every one of them
     (0.2 s for a program of 10⁶ instructions). Full collections still see them, as they see
     every old object; young objects made before the pause are promoted too, so a cycle
-    among them is collected by the next full collection instead of a young one.
+    among them is collected by the next full collection instead of a young one. A caller
+    that froze objects itself (`gc.freeze`, as before a fork) keeps them frozen: then the
+    promotion is skipped, since `gc.unfreeze` would thaw theirs too.
     """
     was_enabled = gc.isenabled()
+    promote = gc.get_freeze_count() == 0
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
-        gc.unfreeze()
+        if promote:
+            gc.freeze()
+            gc.unfreeze()
         if was_enabled:
             gc.enable()
