@@ -82,10 +82,21 @@ def op_table(keys: MessageKeys, placement: CommPlacement) -> dict[Kind, list[lis
                     base, src, dst, what, _, to = made
                     latency = latency_of[to] if src != dst else 0.0
                     output = (base * count, src, dst, what, to, latency)
-                duration = placement.duration(Compute(kind, 0, pipe, stage, 0))
+                duration = _ordering(placement.duration(Compute(kind, 0, pipe, stage, 0)))
                 row.append((-1 if needed is None else needed[0] * count, output, duration))
             by_pipe.append(row)
     return table
+
+
+# The ordering replay gives every op at least this duration. A cost model may give an op zero
+# time; then an op and the message it makes would share one moment with the op that consumes
+# it, and the message's place in the global order (by time) could fall after the receive
+# that the consumer needs first. With a positive duration, time order is dependency order.
+_MIN_DURATION = 1e-9
+
+
+def _ordering(duration: float) -> float:
+    return duration if duration > _MIN_DURATION else _MIN_DURATION
 
 
 def collect(
@@ -146,7 +157,7 @@ def collect(
             add_outputs(tuple(outputs))
             signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
             if signature not in fused_durations:
-                fused_durations[signature] = placement.duration(instr)
+                fused_durations[signature] = _ordering(placement.duration(instr))
             duration = fused_durations[signature]
         else:
             continue

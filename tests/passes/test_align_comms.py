@@ -61,6 +61,18 @@ def test_aligned_for_each_model(model: CommModel) -> None:
             assert replay(aligned, model=other).finished
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_ops_of_zero_duration_still_give_a_safe_program(schedule: str) -> None:
+    # a cost model may give ops zero time (legal: costs are >= 0); every message made at the
+    # moment its consumer starts must still be received before it, in the pair's order
+    for flag in ("F=0,B=0,I=0,W=0,comm=0", "F=1,B=0,I=0,W=1,comm=0", "F=0,B=1,I=1,W=0,comm=0"):
+        program = compile_bundled(schedule, 2, 4)
+        aligned = align_comms(program, costs=parse_cost_flag(flag), model=CommModel.NCCL)
+        check_lowering(aligned)
+        for model in CommModel:
+            assert replay(aligned, model=model).finished, (schedule, flag, model)
+
+
 def test_known_residual_is_under_one_latency() -> None:
     """Under nccl streams, two transfers in opposite directions between one pair that overlap
     in time serialize when one side posts them in different gaps (docs/align.md): what is
