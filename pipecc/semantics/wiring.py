@@ -329,7 +329,7 @@ class _Builder:
                     for op in (instr.forward, instr.backward)  # type: ignore[union-attr]
                     if (k := input_key(op, rank)) >= 0
                 ]
-                deps[c] = tuple(d for d in both if d >= 0)
+                deps[c] = tuple(sorted(d for d in both if d >= 0))  # as _bind_unique: latest last
                 if len(deps[c]) < len(both):
                     self.unreceived.append(c)
 

@@ -28,6 +28,7 @@ from programs import (
     report,
 )
 
+from pipecc.api import compile_schedule
 from pipecc.diagnostics import ProgramError, Violation
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Wait
@@ -150,3 +151,41 @@ def test_violations_beyond_the_limit_are_counted() -> None:
     result = report(program, limit=2)
     assert codes(result) == ["placement", "placement"]
     assert dict(result.dropped) == {"placement": 95}
+
+
+def _late_forward_input(program: Program, rank: int, recv: int, fused: int) -> Program:
+    """`program` with rank's Recv at index `recv` moved to just after the fused op at `fused`."""
+    instrs = list(program.ranks[rank])
+    order = [i for i in range(len(instrs)) if i != recv]
+    order.insert(order.index(fused) + 1, recv)
+    new_of = {old: new for new, old in enumerate(order)}
+    moved = [
+        x._replace(ops=tuple(sorted(new_of[o] for o in x.ops))) if type(x) is Wait else x
+        for x in (instrs[old] for old in order)
+    ]
+    ranks = list(program.ranks)
+    ranks[rank] = tuple(moved)
+    return replace(program, ranks=tuple(ranks))
+
+
+@pytest.mark.parametrize("binding", ["unique", "general"])
+def test_late_input_of_a_fused_forward_is_a_recv_after_use(
+    binding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DualPipe P=4 M=8, rank 0: F1.6&B0.0 at 23 takes the activation received at 20 and the
+    # gradient received at 21; receiving the activation after the fused op is the error,
+    # whichever way the wiring binds each op to its receives
+    from pipecc.semantics import wiring
+
+    if binding == "general":  # the binding used when a rank receives some message twice
+        monkeypatch.setattr(
+            wiring._Builder,
+            "_bind_unique",
+            lambda self, rank, base, instrs, computes, received: self._bind_computes(
+                rank, base, instrs, computes
+            ),
+        )
+    program = compile_schedule("dualpipe", ranks=4, microbatches=8)
+    assert str(program.ranks[0][20]).startswith("Recv(what=<Msg.ACT")
+    report = verify_program(_late_forward_input(program, 0, 20, 23), Options())[0]
+    assert "recv-after-use" in {v.code for v in report.violations}
