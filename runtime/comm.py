@@ -70,11 +70,12 @@ class Channel:
         rank_map: Sequence[int],
         *,
         timeout: float,
+        nccl: bool,
     ) -> None:
         self.group = group
         self.rank_map = tuple(rank_map)
         self.timeout = timeout
-        self.blocking = dist.get_backend(group) != "nccl"
+        self.blocking = not nccl
         self._poster: ThreadPoolExecutor | None = None
         if self.blocking:
             self._poster = ThreadPoolExecutor(1, thread_name_prefix="pipecc-post")
@@ -112,6 +113,13 @@ class Channel:
         deadline = time.monotonic() + self.timeout
         for posted in self.post(ops, batched=True):
             self.complete(posted, deadline)
+
+
+def uses_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether the pipeline's tensors, on `device`, go over NCCL in `group`. A group made
+    without naming a backend serves CUDA tensors with NCCL and CPU tensors with gloo
+    (`get_backend` then says "undefined"; its config says "cpu:gloo,cuda:nccl")."""
+    return device.type == "cuda" and "nccl" in dist.get_backend_config(group)
 
 
 def _post_now(

@@ -36,7 +36,7 @@ from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 
 from . import setup
-from .comm import Channel
+from .comm import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
 from .context import Pending, Saved, StepContext, Tensors, split_microbatches
 from .context import unwrap as _unwrap
@@ -75,12 +75,13 @@ class PipelineRuntime:
         self.rank_map = tuple(
             config.rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
         )
+        self.device = config.device or _device_of(self.modules)
+        nccl = uses_nccl(self.group, self.device)
         self._problem = setup.world_problem(
             program, world, self.rank_map, dist.get_rank()
-        ) or setup.backend_problem(program, dist.get_backend(self.group))
+        ) or setup.backend_problem(program, nccl=nccl)
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
-        self.device = config.device or _device_of(self.modules)
-        self.channel = Channel(self.group, self.rank_map, timeout=config.timeout)
+        self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
         self.losses: dict[int, torch.Tensor] = {}
         self._ready = False
         if self._problem is None:
@@ -445,15 +446,17 @@ class PipelineRuntime:
 
     def _commit(self, ctx: StepContext) -> None:
         """Post the queued ops: one op alone, a group together (`batch_isend_irecv`)."""
-        ops, owners = [], []
-        for index, instr, tensors in ctx.queue:
-            for tensor in tensors:
-                ops.append(self.channel.p2p(type(instr) is Send, tensor, instr.peer))
-                owners.append(index)
+        ops = [
+            self.channel.p2p(type(instr) is Send, tensor, instr.peer)
+            for _, instr, tensors in ctx.queue
+            for tensor in tensors
+        ]
         handles = self.channel.post(ops, batched=ctx.queue[0][1].group is not None)
+        first = 0  # each queued op's tensors are a contiguous run of `ops`
         for index, instr, tensors in ctx.queue:
-            mine = tuple(h for h, owner in zip(handles, owners, strict=True) if owner == index)
+            mine = tuple(handles[first : first + len(tensors)])
             ctx.pending[index] = Pending(instr, mine, tensors)
+            first += len(tensors)
         if ctx.recorder is not None:
             now = time.perf_counter()  # the group is posted (its ops go out from the poster)
             for _, instr, tensors in ctx.queue:

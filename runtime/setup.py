@@ -91,9 +91,11 @@ def world_problem(program: Program, world: int, rank_map: Sequence[int], me: int
     return None
 
 
-def backend_problem(program: Program, backend: str) -> str | None:
-    """A comm policy the process group's backend cannot run (every rank sees it alike)."""
-    if program.comm in RENDEZVOUS_ONLY and backend == "nccl":
+def backend_problem(program: Program, *, nccl: bool) -> str | None:
+    """A program NCCL cannot run, when its tensors go over NCCL (every rank sees it alike):
+    one compiled with a gloo-only comm policy that has receives to post early."""
+    posts_early = any(type(i) is Recv for instrs in program.ranks for i in instrs)
+    if nccl and program.comm in RENDEZVOUS_ONLY and posts_early:
         return (
             f"the program was compiled with the {program.comm} comm policy, which is for gloo: "
             "under NCCL its early receives block the sends queued behind them and the step "

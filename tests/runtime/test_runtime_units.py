@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from pipecc.api import compile_schedule
 from pipecc.costs import load_cost_file
 from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
 
 
@@ -70,23 +72,38 @@ def test_stage_values_must_be_tensors() -> None:
 
 
 def test_a_gloo_only_program_is_refused_on_nccl() -> None:
-    program = insert_comms(
-        strip_comms(compile_schedule("1f1b", ranks=2, microbatches=4)), EARLY_RECV
-    )
-    assert backend_problem(program, "gloo") is None
-    assert backend_problem(compile_schedule("1f1b", ranks=2, microbatches=4), "nccl") is None
-    assert backend_problem(program, "nccl") == (
+    def early(ranks: int) -> Program:
+        default = compile_schedule("1f1b", ranks=ranks, microbatches=4)
+        return insert_comms(strip_comms(default), placement=EARLY_RECV)
+
+    assert backend_problem(early(2), nccl=False) is None
+    assert backend_problem(compile_schedule("1f1b", ranks=2, microbatches=4), nccl=True) is None
+    assert backend_problem(early(1), nccl=True) is None, "no receives: nothing posted early"
+    assert backend_problem(early(2), nccl=True) == (
         "the program was compiled with the early-recv comm policy, which is for gloo: under "
         "NCCL its early receives block the sends queued behind them and the step deadlocks; "
         "compile it with the default policy (--comm-policy default)"
     )
 
 
+def test_nccl_is_recognised_in_a_group_made_without_a_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed as dist
+    from pipecc.runtime.comm import uses_nccl
+
+    configs = {"nccl": True, "cpu:gloo,cuda:nccl": True, "gloo": False}
+    for config, expected in configs.items():
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
+        assert uses_nccl(None, torch.device("cuda", 0)) is expected, config
+        assert uses_nccl(None, torch.device("cpu")) is False, config
+
+
 def test_the_runtime_refuses_a_gloo_only_program_on_nccl(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch.distributed as dist
-    from pipecc.runtime import PipelineRuntime
+    from pipecc.runtime import PipelineRuntime, interpreter
 
     from pipecc.diagnostics import SetupError
 
@@ -94,9 +111,10 @@ def test_the_runtime_refuses_a_gloo_only_program_on_nccl(
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         program = insert_comms(
-            strip_comms(compile_schedule("1f1b", ranks=1, microbatches=2)), EARLY_RECV
+            strip_comms(compile_schedule("1f1b", ranks=2, microbatches=2)), placement=EARLY_RECV
         )
-        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        program = replace(program, num_ranks=1, ranks=program.ranks[1:])  # receives, one rank
+        monkeypatch.setattr(interpreter, "uses_nccl", lambda group, device: True)
         runtime = PipelineRuntime(
             program,
             [nn.Linear(3, 3)],
