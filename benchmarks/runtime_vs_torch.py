@@ -129,7 +129,7 @@ def make_pipecc(
         config.schedule, ranks=config.ranks, microbatches=config.microbatches
     )
     if policy != POLICY:
-        program = insert_comms(strip_comms(program), POLICIES[policy])
+        program = insert_comms(strip_comms(program), placement=POLICIES[policy])
     modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
     sample = torch.zeros(ROWS, config.hidden)
     return PipelineRuntime(

@@ -108,7 +108,7 @@ def apply_policy(program: Program, args: argparse.Namespace) -> Program:
     the program's (every comm op is placed again, hand-placed ones too)."""
     if args.comm_policy is None or args.comm_policy == program.comm:
         return program
-    return insert_comms(strip_comms(program), POLICIES[args.comm_policy])
+    return insert_comms(strip_comms(program), placement=POLICIES[args.comm_policy])
 
 
 def write_output(text: str, output: str | None) -> None:

@@ -80,7 +80,7 @@ __all__ = [
 ]
 
 
-def insert_comms(prog: Program, placement: CommPlacement = DEFAULT) -> Program:
+def insert_comms(prog: Program, *, placement: CommPlacement = DEFAULT) -> Program:
     """Lower a compute-only program with the default policy, or another of `POLICIES`
     (module docstring)."""
     return lower(prog, placement)

@@ -103,7 +103,7 @@ def test_local_handoff_has_no_comm_ops() -> None:
 def test_early_recv_posts_every_receive_first_and_is_for_gloo_only(schedule: str) -> None:
     for ranks, microbatches in SIZES[schedule]:
         default = compile_bundled(schedule, ranks, microbatches)
-        early = insert_comms(strip_comms(default), EARLY_RECV)
+        early = insert_comms(strip_comms(default), placement=EARLY_RECV)
         assert early.comm == "early-recv" and early.comm in RENDEZVOUS_ONLY
         check_lowering(early)
         for rank, instrs in enumerate(early.ranks):
