@@ -225,17 +225,3 @@ def _why_late(program: Program, run: Replay, rank: int, index: int) -> str:
             f"{done:g}) before it needed to; completed later, it would not block"
         )
     return f"the receive was posted only at {posted:g}"
-
-
-@dataclass(frozen=True, slots=True)
-class WaitTotals:
-    """Per rank: total dependency-bound and placement-bound wait."""
-
-    dependency: float
-    placement: float
-
-
-def totals(gaps: list[list[Gap]]) -> list[WaitTotals]:
-    return [
-        WaitTotals(sum(g.dependency for g in rank), sum(g.placement for g in rank)) for rank in gaps
-    ]

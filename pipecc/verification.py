@@ -29,7 +29,6 @@ from pipecc.ir.program import RENDEZVOUS_ONLY, Program
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import insert_comms
 from pipecc.perf import paused_gc
-from pipecc.semantics import CommModel
 from pipecc.verify import DEFAULT, Options, Report, check_order, verify
 
 
@@ -62,8 +61,7 @@ def verify_program(
             "compute-only input: sends, receives and waits placed by the "
             "default comm policy (docs/compile.md), then verified",
         )
-    nccl = {CommModel.NCCL, CommModel.NCCL_SINGLE}
-    if program.comm in RENDEZVOUS_ONLY and nccl & set(options.models):
+    if program.comm in RENDEZVOUS_ONLY and any(m.has_streams for m in options.models):
         notes = (
             *notes,
             f"compiled with the {program.comm} comm policy, which is for gloo: NCCL's "

@@ -128,8 +128,8 @@ class _RankAssigner:
         kind, chunk, mb, span = spec
         if kind is _W:
             op = self._resolve_weight(spec)
-            if op is not None:
-                self._check_order(op)
+            if op is not None:  # _resolve_weight takes each I once: a W cannot repeat
+                self.done[_W][op.chunk][op.mb] = 1
             return op
         if chunk is None or not 0 <= chunk < len(self.slots):
             chunk = self._chunk(spec)
@@ -145,7 +145,7 @@ class _RankAssigner:
             return None
         pipe, stage = self.slots[chunk]
         op = _new(Compute, (kind, chunk, pipe, stage, mb, span))
-        marks, key = self.done[kind][chunk], mb * len(self.slots) + chunk  # _check_order
+        marks, key = self.done[kind][chunk], mb * len(self.slots) + chunk
         if marks[mb] or (kind is not _F and key not in self.forwards):
             self._order_error(op, marks)
         marks[mb] = 1
@@ -227,16 +227,6 @@ class _RankAssigner:
                 spec.span,
             )
         return queue.popleft()
-
-    def _check_order(self, op: Compute) -> None:
-        """Mark `op` done; a repeated op, or a backward before its forward, is an error."""
-        kind, chunk, _, _, mb, _ = op
-        marks, key = self.done[kind][chunk], mb * len(self.slots) + chunk
-        if marks[mb] or (kind is not _F and kind is not _W and key not in self.forwards):
-            self._order_error(op, marks)
-        marks[mb] = 1
-        if kind is _F:
-            self.forwards.add(key)
 
     def _order_error(self, op: Compute, marks: bytearray) -> None:
         if marks[op.mb]:

@@ -84,7 +84,7 @@ class Emitter:
 
     def _due(self, key: int, index: int) -> None:
         """A send is completed before the first compute op of its rank that starts, in the
-        unit-time replay, once its receiver has consumed it (the receiver has posted its recv
+        ordering replay, once its receiver has consumed it (the receiver has posted its recv
         by then): late enough not to hold the sender up, early enough to free the buffer."""
         k = bisect_left(self.starts, self.consumed[key])
         self.due.setdefault(k, []).append(index)

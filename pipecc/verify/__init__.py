@@ -9,10 +9,12 @@ waits (bad-wait, double-wait, unwaited, buffer-reuse), matching (orphan, mismatc
 and placement (route, placement), coverage, data dependencies (forward-before-input,
 backward-before-gradient, backward-before-forward, weight-before-input-grad,
 send-before-compute, recv-after-use, missing-recv), deadlock and needs-buffering under each
-comm model (replayed by pipecc.semantics), and memory (--max-activations).
+comm model (replayed by pipecc.semantics), memory (--max-activations), and stalls
+(--stall-budget: placement-bound wait under a cost model, classified by pipecc.stalls).
 
-The verifier depends on pipecc.ir, pipecc.semantics and networkx only; lowering a
-compute-only input before verifying it is the driver's job (pipecc.verification).
+The verifier depends on pipecc.ir, pipecc.semantics, pipecc.costs, pipecc.stalls and
+networkx; lowering a compute-only input before verifying it is the driver's job
+(pipecc.verification).
 """
 
 from __future__ import annotations

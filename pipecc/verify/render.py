@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipecc.diagnostics import Span, Violation
-from pipecc.verify import Report, Status
+from pipecc.verify import Report
 
 
 def summary(report: Report, label: str) -> str:
@@ -127,7 +127,3 @@ def github(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:
     )
     lines += [f"::notice::{_escape(note)}" for note in (*report.notes, *notes)]
     return "\n".join(lines) + "\n"
-
-
-def passes_everywhere(report: Report) -> bool:
-    return all(v.status is Status.PASSES for v in report.verdicts)
