@@ -118,6 +118,16 @@ class ScheduleError(InputError):
     `require`, negative loop count, a stage or microbatch left without its ops, ...)."""
 
 
+class RequirementError(ScheduleError):
+    """A `require` the sizes violate: the schedule is not defined there (a sweep or a
+    comparison skips that size). `requirement` is the condition as written."""
+
+    def __init__(self, requirement: str, values: str, span: Span | None = None) -> None:
+        got = f", got {values}" if values else ""
+        super().__init__(f"requires {requirement}{got}", span)
+        self.requirement = requirement
+
+
 class CostModelError(InputError):
     """A cost model that cannot be used (unknown key, negative duration, bad TOML)."""
 

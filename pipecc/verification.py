@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipecc.api import PASSES, compile_schedule, load_program, read_text, resolve_schedule
-from pipecc.diagnostics import InputError, ScheduleError
+from pipecc.diagnostics import InputError, RequirementError, ScheduleError
 from pipecc.frontend.ast import ScheduleFile
 from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
@@ -218,10 +218,8 @@ def check_size(
     label = f"{schedule.path} P={ranks} M={microbatches}"
     try:
         program = schedule.compile(ranks, microbatches, defines)
-    except ScheduleError as err:
-        if err.message.startswith("requires "):
-            return Skip(ranks, microbatches, err.message.split(", got")[0])
-        raise
+    except RequirementError as err:
+        return Skip(ranks, microbatches, f"requires {err.requirement}")
     report = verify(program, options)
     return Outcome(label, report)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pipecc.api import compile_schedule, resolve_schedule, schedule_parameters
 from pipecc.commands.common import SubParsers, add_cost_args, add_size_args, load_costs
 from pipecc.costs import CostModel
-from pipecc.diagnostics import InputError, ScheduleError
+from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
 from pipecc.simulate import Timeline, simulate
 
@@ -80,7 +80,7 @@ def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
         program = compile_schedule(
             path, ranks=args.ranks, microbatches=args.microbatches, defines=defines
         )
-    except ScheduleError as err:
+    except RequirementError as err:  # not defined at these sizes; any other error is one
         return Row(path.stem, None, err.message)
     if not args.per_stage:
         costs = costs.scaled(program.num_ranks / program.placement.num_stages(0))

@@ -11,6 +11,7 @@ from pipecc.commands.common import (
     add_input_args,
     load_costs,
     load_input,
+    positive,
     write_output,
 )
 from pipecc.diagnostics import InputError
@@ -61,7 +62,9 @@ def register(commands: SubParsers) -> None:
         help="report waits longer than T (default 0: every wait)",
     )
     cmd.add_argument("--json", action="store_true", help="print one JSON object (DESIGN §6)")
-    cmd.add_argument("--width", type=int, default=120, help="width of the text timeline")
+    cmd.add_argument(
+        "--width", type=positive, default=120, help="width of the text timeline (default: 120)"
+    )
     cmd.add_argument("--svg", metavar="OUT", help="write an SVG Gantt chart")
     cmd.add_argument("--png", metavar="OUT", help="write a PNG Gantt chart (needs matplotlib)")
     cmd.add_argument("--trace", metavar="OUT", help="write a Chrome/Perfetto trace")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
-from pipecc.diagnostics import ScheduleError, Span
+from pipecc.diagnostics import RequirementError, ScheduleError, Span
 from pipecc.frontend import ast
 from pipecc.frontend.evaluate import (
     SLOT_RANK,
@@ -260,8 +260,7 @@ def _require_step(cond: ast.Expr, decl: ast.Require, scope: Scope) -> Step:
     def require(env: Env, state: _RankState) -> None:
         if not check(env):
             values = ", ".join(f"{name}={env[slot]}" for name, slot in slots)
-            got = f", got {values}" if values else ""
-            raise ScheduleError(f"requires {text}{got}", cond.span or decl.span)
+            raise RequirementError(text, values, cond.span or decl.span)
 
     return require
 

@@ -10,6 +10,7 @@ import pytest
 from helpers import run_cli
 
 from pipecc.api import compile_schedule
+from pipecc.cli import main
 
 
 def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
@@ -202,3 +203,24 @@ def test_explain_rejects_unknown_instruction(capsys: pytest.CaptureFixture[str])
     code, _, err = run_cli(capsys, "explain", "1f1b", "-P", "2", "-M", "2", "--op", "5:0")
     assert code == 2
     assert err == "error: --op 5:0: the program has ranks 0..1\n"
+
+
+def test_compare_skips_only_unmet_requirements(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken.sched"
+    broken.write_text("schedule broken\nphase a { repeat M { F } }\n")  # no backward at all
+    code, out, err = run_cli(capsys, "compare", "1f1b", str(broken), "-P", "2", "-M", "2")
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: rank 0 chunk 0 (stage 0 of pipe 0) has no backward (B or I) for microbatch 0\n"
+    )
+
+
+def test_a_zero_width_is_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # argparse's own exit, as for every bad flag
+        main(["simulate", "1f1b", "-P", "2", "-M", "2", "--width", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "pipecc simulate: error: argument --width: expected a positive integer, got 0\n"
+    )
