@@ -26,6 +26,7 @@ class Emitter:
     due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
     recv_at: dict[int, int] = field(default_factory=dict)  # message key -> index of its Recv
     hand_waited: set[int] = field(default_factory=set)  # input positions a hand wait lists
+    hand_order: dict[int, int] = field(default_factory=dict)  # hand-placed message -> order
     groups: dict[int, int] = field(default_factory=dict)
     next_group: int = 0
     moved: dict[int, int] = field(default_factory=dict)  # input index -> output index
@@ -182,27 +183,41 @@ def _emit_rank_general(
         stop = cursor
         while stop < count and events[stop][0] <= k:
             stop += 1
-        if stop > cursor:
-            emitter.post(events[cursor:stop])
-            cursor = stop
-        if position < ops.positions[k]:
-            position = _copy_manual(emitter, instrs, position, ops.positions[k])
+        position = _post_gap(emitter, instrs, (position, ops.positions[k]), events[cursor:stop])
+        cursor = stop
         emitter.wait_before(k, ops.inputs[k])
         emitter.out.append(instr)
         position += 1
-    if cursor < count:
-        emitter.post(events[cursor:])
-    _copy_manual(emitter, instrs, position, len(instrs))
+    _post_gap(emitter, instrs, (position, len(instrs)), events[cursor:])
     emitter.wait_all()
     return tuple(emitter.out)
+
+
+def _post_gap(
+    emitter: Emitter, instrs: Sequence[Instr], hand: tuple[int, int], batch: list[Event]
+) -> int:
+    """Post one gap: its events and the hand-placed ops at input positions `hand` (start,
+    stop), merged by the global order, so that each pair of ranks still posts its messages
+    in one order on both sides (a hand-placed Wait stays after the ops written before it).
+    Returns the next input position."""
+    start, stop = hand
+    done = 0
+    for position in range(start, stop):
+        hand_op = instrs[position]
+        if type(hand_op) is Send or type(hand_op) is Recv:
+            key = emitter.keys.key(hand_op.what, hand_op.pipe, hand_op.stage, hand_op.mb)
+            order = emitter.hand_order.get(key, -1)
+            first = done
+            while done < len(batch) and batch[done][1] < order:
+                done += 1
+            if done > first:
+                emitter.post(batch[first:done])
+        emitter.manual(position, hand_op)
+    if done < len(batch):
+        emitter.post(batch[done:])
+    return stop
 
 
 def hand_waited(instrs: Sequence[Instr]) -> set[int]:
     """The input positions of the ops a hand-placed `wait` completes."""
     return {i for instr in instrs if type(instr) is Wait for i in instr.ops}
-
-
-def _copy_manual(emitter: Emitter, instrs: Sequence[Instr], start: int, stop: int) -> int:
-    for position in range(start, stop):
-        emitter.manual(position, instrs[position])
-    return stop

@@ -191,16 +191,16 @@ def _anchor_manual_sends(ops: RankOps, instrs: Sequence[Instr], keys: MessageKey
 
 def manual_messages(
     prog: Program, ranks: list[RankOps], keys: MessageKeys, span: int
-) -> tuple[dict[int, int], set[int]]:
+) -> tuple[dict[int, int], dict[int, int]]:
     """The messages the schedule sends by hand, with the global order of their posts, and the
-    messages it receives by hand.
+    messages it receives by hand (their orders, -1 here, are filled in by `message_events`).
 
     A hand-placed send is posted where the schedule wrote it, possibly well after its producer;
     the receiving side (placed by this pass) must see it in the same order among that pair's
     messages, so the message takes its order from the send's own position.
     """
     sends: dict[int, int] = {}
-    recvs: set[int] = set()
+    recvs: dict[int, int] = {}
     num_ranks = prog.num_ranks
     for rank, instrs in enumerate(prog.ranks):
         ends, computes = ranks[rank].end, -1
@@ -212,7 +212,7 @@ def manual_messages(
                 time = int(ends[computes]) if computes >= 0 else 0
                 sends[key] = _message_order(time, rank, position, 0, num_ranks, span)
             elif type(instr) is Recv:
-                recvs.add(keys.key(instr.what, instr.pipe, instr.stage, instr.mb))
+                recvs[keys.key(instr.what, instr.pipe, instr.stage, instr.mb)] = -1
     return sends, recvs
 
 
@@ -309,7 +309,7 @@ def integer_times(ranks: list[RankOps], consumed: list[float]) -> None:
 def message_events(
     ranks: list[RankOps],
     manual_sends: dict[int, int],
-    manual_recvs: set[int],
+    manual_recvs: dict[int, int],
     span: int,
     posting: RecvPosting,
 ) -> list[list[Event]]:
@@ -362,18 +362,21 @@ def _manual_events(
     events: list[list[Event]],
     message: tuple[int, int, int, int, int, int, tuple[object, ...], tuple[object, ...]],
     manual_sends: dict[int, int],
-    manual_recvs: set[int],
+    manual_recvs: dict[int, int],
     locate: tuple[Callable[..., int], list[float], int],
 ) -> None:
     """`message_events` for one message of a program with hand-placed sends or recvs: a
-    hand-sent message takes its order from its send; a hand-received one gets no Recv."""
+    hand-sent message takes its order from its send; a hand-received one gets no Recv, and
+    its order is recorded, for the emission to post the hand-placed receive in turn."""
     k, src, dst, key, order, made, send, recv = message
     find, times, unit = locate
     if key in manual_sends:
         order = manual_sends[key]
     else:
         events[src].append((k + 1, order, send, key, True, made))
-    if key not in manual_recvs:
+    if key in manual_recvs:
+        manual_recvs[key] = order
+    else:
         events[dst].append((find(times, order // unit), order, recv, key, False, made))
 
 

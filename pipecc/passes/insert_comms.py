@@ -111,7 +111,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
         len(ops.computes) != len(instrs) for ops, instrs in zip(ranks, prog.ranks, strict=True)
     ]  # the ranks with hand-placed sends, recvs or waits
     manual_sends, manual_recvs = (
-        manual_messages(prog, ranks, keys, span) if any(manual) else ({}, set())
+        manual_messages(prog, ranks, keys, span) if any(manual) else ({}, {})
     )
     events = message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
     for ops in ranks:  # what the events now hold: freed, so that emission reuses the memory
@@ -120,7 +120,14 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     lowered = []
     for rank, instrs in enumerate(prog.ranks):
         waited = hand_waited(instrs) if manual[rank] else set()
-        emitter = Emitter(keys, ranks[rank].start, consumed, placement.grouping, hand_waited=waited)
+        emitter = Emitter(
+            keys,
+            ranks[rank].start,
+            consumed,
+            placement.grouping,
+            hand_waited=waited,
+            hand_order={**manual_recvs, **manual_sends},
+        )
         lowered.append(emit_rank(instrs, ranks[rank], events[rank], emitter))
         events[rank] = []
     if any(manual):  # hand-placed sends, recvs or waits

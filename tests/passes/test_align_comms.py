@@ -118,7 +118,7 @@ def test_receive_posted_late_is_placement_bound() -> None:
     # made at 2 by rank 0, could arrive at 2.5; rank 1 is busy until 4.5 and only then posts
     assert (gap.since, gap.until, gap.dependency, gap.placement) == (4.5, 5.0, 0.0, 0.5)
     assert gap.cause == (
-        "[5] recv act pipe 0 stage 1 mb 1 from rank 0 completed at 5: "
+        "[4] recv act pipe 0 stage 1 mb 1 from rank 0 completed at 5: "
         "the receive was posted only at 4.5"
     )
     # the rank's own early wait for a send is placement-bound too

@@ -9,6 +9,7 @@ from pipecc.api import compile_source
 from pipecc.diagnostics import ScheduleError
 from pipecc.ir.ops import Compute, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.printer import describe
+from pipecc.semantics import CommModel, replay
 
 ZB_H1_SEND_BEFORE_W = """
 require M >= P
@@ -79,3 +80,18 @@ def test_auto_ops_fill_in_around_hand_placed_ones() -> None:
     rank0_recvs = [i for i in program.ranks[0] if isinstance(i, Recv)]
     assert len(rank0_recvs) == 4
     assert all(isinstance(i, Compute | Send | Recv | Wait) for i in program.ranks[2])
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 2), (2, 3), (3, 4), (4, 8)])
+def test_hand_placed_sends_keep_each_pair_in_one_order(ranks: int, microbatches: int) -> None:
+    # GPipe with every send written right after its producer: the receives the compiler
+    # places must be merged with the hand-placed sends by the global order, or a rank posts
+    # a later gradient's receive before an earlier activation's send (a deadlock on NCCL)
+    text = """
+    phase fwd { repeat M { if rank < P - 1 { F send act } else { F } } }
+    phase bwd { repeat M { if rank > 0 { B send grad } else { B } } }
+    """
+    program = compile_source(text, "hand.sched", ranks=ranks, microbatches=microbatches)
+    check_lowering(program)
+    for model in CommModel:
+        assert replay(program, model=model).finished, model
