@@ -1,6 +1,6 @@
 """Split backward: is I + W as cheap as B? (target: I + W ≤ 1.15 × B for the MLP stage)
 
-    .venv/bin/python benchmarks/split_backward.py [--device cuda] [--reps 30]
+    .venv/bin/python benchmarks/split_backward.py [--device cuda] [--rounds 15]
 
 The stage is 4 blocks of Linear(H, H)+GELU on 32 rows (a middle stage: its input needs a
 gradient), one thread. A round is two steps of 4 microbatches each, gradients zeroed first

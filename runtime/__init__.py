@@ -1,9 +1,9 @@
 """pipecc.runtime: executes compiled programs under torchrun (needs the `[runtime]` extra).
 
 This package is the top-level `runtime/` folder of the repository, installed as
-`pipecc.runtime`. It imports `pipecc.ir`, `pipecc.diagnostics` and torch (its launcher also
-`pipecc.api`); nothing in `pipecc` imports it at module level, so the compiler, verifier and
-simulator install without torch. docs/runtime.md describes the API.
+`pipecc.runtime`. It imports only `pipecc.ir`, `pipecc.diagnostics` and torch; nothing in
+`pipecc` imports it at module level, so the compiler, verifier and simulator install
+without torch. docs/runtime.md describes the API.
 
     program = pipecc.api.compile_schedule("schedules/zb_h1.sched", ranks=4, microbatches=8)
     runtime = PipelineRuntime(program, {0: my_stage}, infer_boundaries(all_stages, sample))

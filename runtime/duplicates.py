@@ -34,16 +34,12 @@ def copies(placement: Placement, rank: int) -> dict[int, list[tuple[int, int]]]:
     return found
 
 
-def _flat(module: torch.nn.Module) -> torch.Tensor:
+def _flat(module: torch.nn.Module, device: torch.device) -> torch.Tensor:
     grads = [
         (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
         for p in module.parameters()
     ]
-    return torch.cat(grads) if grads else torch.zeros(0, device=_device(module))
-
-
-def _device(module: torch.nn.Module) -> torch.device:
-    return next((b.device for b in module.buffers()), torch.device("cpu"))
+    return torch.cat(grads) if grads else torch.zeros(0, device=device)
 
 
 def _assign(module: torch.nn.Module, flat: torch.Tensor) -> None:
@@ -59,13 +55,15 @@ def sum_copies(
     rank: int,
     shared: dict[int, list[tuple[int, int]]],
     modules: dict[int, torch.nn.Module],
+    device: torch.device,
 ) -> None:
-    """Make every copy's `.grad` the sum over all copies of its stage."""
+    """Make every copy's `.grad` the sum over all copies of its stage (`device`: where the
+    runtime's tensors live, for a stage without parameters)."""
     contributions: dict[tuple[int, int], torch.Tensor] = {}  # (stage, rank) -> flat grads
     outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
     incoming: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     for stage, holders in shared.items():
-        local = [_flat(modules[chunk]) for r, chunk in holders if r == rank]
+        local = [_flat(modules[chunk], device) for r, chunk in holders if r == rank]
         own = local[0] if len(local) == 1 else torch.stack(local).sum(0)
         contributions[(stage, rank)] = own
         for peer in sorted({r for r, _ in holders if r != rank}):

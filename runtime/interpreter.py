@@ -120,7 +120,7 @@ class PipelineRuntime:
         if self.config.sync_duplicated and self.shared:
             modules = {chunk: c.module for chunk, c in self.chunks.items()}
             start = time.perf_counter()
-            sum_copies(self.channel, self.rank, self.shared, modules)
+            sum_copies(self.channel, self.rank, self.shared, modules, self.device)
             if recorder is not None:
                 recorder.sync(start, time.perf_counter())
         return self._loss_of(ctx)
