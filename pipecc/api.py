@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from pipecc.diagnostics import InputError
-from pipecc.frontend.ast import Param
+from pipecc.frontend.ast import Param, ScheduleFile
 from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
 from pipecc.interop import json_program
@@ -79,7 +79,17 @@ def compile_source(
     defines: Mapping[str, int] | None = None,
 ) -> Program:
     """Compile .sched text: parse, expand for (P, M, -D), assign microbatches, lower."""
-    tree = parse(text, path)
+    return compile_tree(parse(text, path), ranks=ranks, microbatches=microbatches, defines=defines)
+
+
+def compile_tree(
+    tree: ScheduleFile,
+    *,
+    ranks: int,
+    microbatches: int,
+    defines: Mapping[str, int] | None = None,
+) -> Program:
+    """Compile a parsed .sched file for one size (a sweep parses once, compiles many)."""
     with paused_gc():
         streams = expand(tree, ranks=ranks, microbatches=microbatches, defines=defines)
         program = assign_microbatches(streams)

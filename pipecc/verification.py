@@ -18,17 +18,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipecc.api import PASSES, compile_schedule, load_program, read_text, resolve_schedule
+from pipecc.api import compile_schedule, compile_tree, load_program, read_text, resolve_schedule
 from pipecc.diagnostics import InputError, RequirementError, ScheduleError
 from pipecc.frontend.ast import ScheduleFile
-from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import RENDEZVOUS_ONLY, Program
-from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import insert_comms
-from pipecc.perf import paused_gc
 from pipecc.verify import DEFAULT, Options, Report, check_order, verify
 
 
@@ -158,12 +155,7 @@ class Schedule:
         self.tree: ScheduleFile = parse(read_text(resolved), str(resolved))
 
     def compile(self, ranks: int, microbatches: int, defines: Mapping[str, int]) -> Program:
-        with paused_gc():
-            streams = expand(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
-            program = assign_microbatches(streams)
-            for step in PASSES:
-                program = step(program)
-            return program
+        return compile_tree(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
 
 
 def sizes(ranks: Sequence[int], microbatches: Sequence[int]) -> Iterator[tuple[int, int]]:
