@@ -77,6 +77,8 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.align and (args.cost or args.cost_file):
+        raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     program = load_input(args.file, args)
     if args.align and args.comm_policy is not None:
         raise InputError("--align and --comm-policy both place the comm ops: give one of them")

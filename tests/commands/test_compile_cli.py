@@ -173,3 +173,9 @@ def test_a_compiled_program_keeps_its_placement(
     assert code == 0, err
     assert json.loads(again) == json.loads(aligned.read_text())
     assert json.loads(again)["comm"] == "aligned"
+
+
+def test_costs_without_align_are_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "compile", "zb_h1", "-P", "4", "-M", "8", "--cost", "F=1")
+    assert (code, out) == (2, "")
+    assert err == "error: --cost/--cost-file are for --align (without it nothing uses them)\n"
