@@ -39,10 +39,13 @@ def check_placement(ctx: Context) -> int:
                 _, chunk, pipe, stage, _, _ = op
                 if not (0 <= chunk < len(slots) and slots[chunk] == (pipe, stage)):
                     wrong.append((rank, g - base, op))
-    if wrong:
-        _hint_placement(ctx, len(wrong))
-        for rank, index, op in wrong:
-            _report_misplaced(ctx, rank, index, op)
+    code = MisplacedOpError.code
+    hint = _hint_placement(ctx, len(wrong)) if wrong else None
+    for n, (rank, index, op) in enumerate(wrong):
+        if ctx.kept[code] >= ctx.limit:  # the rest are only counted: no message to build
+            ctx.dropped[code] += len(wrong) - n
+            break
+        _report_misplaced(ctx, (rank, index, op), hint if n == 0 else None)
     return len(wrong)
 
 
@@ -59,7 +62,8 @@ def _table(placement: Placement) -> list[list[tuple[int, int]]]:
     ]
 
 
-def _report_misplaced(ctx: Context, rank: int, index: int, op: Compute) -> None:
+def _report_misplaced(ctx: Context, where: tuple[int, int, Compute], hint: str | None) -> None:
+    rank, index, op = where
     placement = ctx.program.placement
     if placement.has_chunk(rank, op.chunk):
         slot = placement.slot(rank, op.chunk)
@@ -73,23 +77,23 @@ def _report_misplaced(ctx: Context, rank: int, index: int, op: Compute) -> None:
         f"{f' of pipe {op.pipe}' if placement.num_pipes > 1 else ''}, but in placement "
         f"'{placement.name}' {held}"
     )
-    ctx.report(MisplacedOpError(text, ctx.span(rank, index), rank=rank, index=index))
+    notes = ((None, hint),) if hint else ()
+    ctx.report(MisplacedOpError(text, ctx.span(rank, index), notes=notes, rank=rank, index=index))
 
 
-def _hint_placement(ctx: Context, wrong: int) -> None:
-    """Name a standard placement that every op fits, when there is one."""
+def _hint_placement(ctx: Context, wrong: int) -> str | None:
+    """A note naming a standard placement that every op fits, when there is one."""
     program = ctx.program
     fits = [p for p in _candidates(program.num_ranks) if _fits(ctx, p)]
     if not fits:
-        return
+        return None
     hint = fits[0]
-    text = (
+    return (
         f"{wrong} op(s) do not fit placement '{program.placement.name}', but every op "
         f"fits placement '{hint.name}': the schedule was written for '{hint.name}' and "
         "is run with another stage-to-rank map (as in pytorch/torchtitan#774, a V "
         "schedule on a loop placement)"
     )
-    ctx.report(MisplacedOpError(text))
 
 
 def _candidates(num_ranks: int) -> list[Placement]:

@@ -140,7 +140,9 @@ def test_torchtitan_774_v_schedule_on_loop_placement() -> None:
     program = replace(compiled("zbv", 4, 8), placement=loop_placement(4, 2))
     result = report(program)
     assert set(codes(result)) == {"placement"}
-    assert "every op fits placement 'vshape'" in result.violations[0].message
+    first = result.violations[0]
+    assert first.message.startswith("F1.0 on rank 0 (@21) computes stage 7, but in placement")
+    assert len(first.notes) == 1 and "every op fits placement 'vshape'" in first.notes[0][1]
     assert result.notes == (
         "route and data-dependency checks skipped: the ops do not fit the program's placement",
     )
