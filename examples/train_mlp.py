@@ -75,6 +75,8 @@ def main() -> None:
         start = time.perf_counter()
         runtime.step(inputs.to(device), targets.to(device))
         optimizer.step()
+        if device.type == "cuda":  # the GPU work was only queued: wait for it before timing
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         share = sum((float(v) for v in runtime.losses.values()), 0.0)  # 0.0 where no loss
         share = torch.tensor([share], dtype=torch.float64, device=device)
