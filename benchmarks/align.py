@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 from pipecc.api import bundled_schedules, compile_schedule
-from pipecc.costs import parse_cost_flag
 from pipecc.passes.align_comms import align_comms
 from pipecc.semantics import CommModel
-from pipecc.simulate import simulate
+from pipecc.semantics.costs import parse_cost_flag
+from pipecc.simulate.timeline import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 

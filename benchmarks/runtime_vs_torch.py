@@ -45,7 +45,6 @@ from pipecc.runtime.profile import comm_costs, compute_costs  # noqa: E402
 from pipecc.runtime.spawn import spawn  # noqa: E402
 
 from pipecc.api import compile_schedule  # noqa: E402
-from pipecc.costs import parse_cost_flag  # noqa: E402
 from pipecc.ir.ops import Compute, Fused  # noqa: E402
 from pipecc.passes.align_comms import align_comms  # noqa: E402
 from pipecc.passes.insert_comms import (  # noqa: E402
@@ -56,6 +55,7 @@ from pipecc.passes.insert_comms import (  # noqa: E402
     strip_comms,
 )
 from pipecc.semantics import CommModel  # noqa: E402
+from pipecc.semantics.costs import parse_cost_flag  # noqa: E402
 
 ROWS = 32
 BLOCKS = 8

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/simulate_scale.py --torch-microbatches 256
 
 For DualPipeV, interleaved 1F1B and ZB-V it compiles the schedule (not timed), then times
-`pipecc.simulate.simulate` with costs F=1, B=2, I=1, W=1 under the nccl model: the replay,
+`pipecc.simulate.timeline.simulate` with costs F=1, B=2, I=1, W=1 under the nccl model: the replay,
 and the per-rank figures (busy, idle, stalls, peak memory). It prints the makespan and bubble
 ratio next to the time, and pipecc's scaling from M/4 to M. torch's simulator decides only
 eager semantics with unit steps and no durations; it runs on the schedule torch itself builds
@@ -17,8 +17,8 @@ from __future__ import annotations
 from scale import compile_case, median_time, parse_args, run
 from torch_baseline import TORCH_CANNOT, torch_lowered, torch_simulate
 
-from pipecc.costs import parse_cost_flag
-from pipecc.simulate import Timeline, simulate
+from pipecc.semantics.costs import parse_cost_flag
+from pipecc.simulate.timeline import Timeline, simulate
 
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}), ("zbv", {}))
 # torch's simulator rejects fused OVERLAP_F_B actions, so it cannot replay DualPipeV

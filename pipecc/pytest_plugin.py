@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from pipecc.costs import parse_cost_flag
 from pipecc.diagnostics import InputError, PipeccError
+from pipecc.driver.sweep import Schedule, Skip, check_size, parse_sizes
 from pipecc.semantics import CommModel
-from pipecc.verification import Schedule, Skip, check_size, parse_sizes
+from pipecc.semantics.costs import parse_cost_flag
 from pipecc.verify import ALL_MODELS, Options, StallBudget
-from pipecc.verify.render import text
+from pipecc.verify.report import text
 
 DEFAULT_SIZES = "ranks=2..8 microbatches=1..16"
 

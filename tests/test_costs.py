@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipecc.costs import HostCost, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import CostModelError
 from pipecc.semantics import Overhead
+from pipecc.semantics.costs import HostCost, load_cost_file, parse_cost_flag
 
 
 def test_host_keys_from_the_flag() -> None:

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import InputError
+from pipecc.driver.load import is_compute_only, load
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES, insert_comms, strip_comms
-from pipecc.verification import is_compute_only, load
+from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
 
 
 class Parser(argparse.ArgumentParser):

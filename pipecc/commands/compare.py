@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from pipecc.api import compile_schedule, resolve_schedule, schedule_parameters
 from pipecc.commands.common import SubParsers, add_cost_args, add_size_args, load_costs
-from pipecc.costs import CostModel
 from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
-from pipecc.simulate import Timeline, simulate
+from pipecc.semantics.costs import CostModel
+from pipecc.simulate.timeline import Timeline, simulate
 
 EPILOG = """\
 The costs are for one rank's share of the model (1/P of it): a schedule that cuts the model

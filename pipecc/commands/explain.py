@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from pipecc.analysis.critical_path import critical_path
 from pipecc.commands.common import SubParsers, add_cost_args, add_input_args, load_costs, load_input
 from pipecc.diagnostics import InputError
-from pipecc.explain import critical_path
 from pipecc.ir.printer import describe
 from pipecc.semantics import CommModel
-from pipecc.simulate import simulate
+from pipecc.simulate.timeline import simulate
 
 EPILOG = """\
 RANK:INDEX names an instruction as `pipecc compile --format listing` numbers it.

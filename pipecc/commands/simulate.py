@@ -15,15 +15,12 @@ from pipecc.commands.common import (
     write_output,
 )
 from pipecc.diagnostics import InputError
-from pipecc.render import (
-    MissingDependencyError,
-    format_timeline,
-    render_png,
-    render_svg,
-    render_trace,
-)
+from pipecc.render.grid import format_timeline
+from pipecc.render.png import MissingDependencyError, render_png
+from pipecc.render.svg import render_svg
+from pipecc.render.trace import render_trace
 from pipecc.semantics import CommModel
-from pipecc.simulate import Timeline, simulate
+from pipecc.simulate.timeline import Timeline, simulate
 
 DESCRIPTION = """\
 Replay a compiled schedule with durations (the same replay `pipecc verify` runs, DESIGN §5)

@@ -8,18 +8,12 @@ import json
 import os
 
 from pipecc.commands.common import SubParsers, add_size_args, load_costs, positive
-from pipecc.costs import CostModel
 from pipecc.diagnostics import InputError
+from pipecc.driver.check import Outcome, verify_file
+from pipecc.driver.sweep import CompileFailure, SweepResult, parse_sizes, sweep_files
 from pipecc.semantics import CommModel
-from pipecc.verification import (
-    CompileFailure,
-    Outcome,
-    SweepResult,
-    parse_sizes,
-    sweep_files,
-    verify_file,
-)
-from pipecc.verify import ALL_MODELS, Options, StallBudget, render
+from pipecc.semantics.costs import CostModel
+from pipecc.verify import ALL_MODELS, Options, StallBudget, report
 
 FORMATS = ("text", "json", "github")
 COMMS = (*(m.value for m in CommModel), "all")
@@ -189,9 +183,9 @@ def parse_sweep(specs: list[str], args: argparse.Namespace) -> tuple[tuple[int, 
 
 def _render_outcomes(outcomes: list[Outcome], fmt: str) -> str:
     if fmt == "json":
-        data = [render.as_json(o.report, o.label, o.notes) for o in outcomes]
+        data = [report.as_json(o.report, o.label, o.notes) for o in outcomes]
         return json.dumps(data[0] if len(data) == 1 else data, indent=2) + "\n"
-    render_one = render.github if fmt == "github" else render.text
+    render_one = report.github if fmt == "github" else report.text
     return "".join(render_one(o.report, o.label, o.notes) for o in outcomes)
 
 
@@ -241,7 +235,7 @@ def _render_sweeps(results: list[SweepResult], fmt: str) -> str:
         if isinstance(r.failed, CompileFailure):
             out.append(_compile_failure(r.failed, fmt))
         elif r.failed is not None:
-            body = (render.github if fmt == "github" else render.text)(
+            body = (report.github if fmt == "github" else report.text)(
                 r.failed.report, r.failed.label
             )
             out.append(body)
@@ -281,4 +275,4 @@ def _failure_json(failed: Outcome | CompileFailure | None) -> object:
             "compile_error": failed.error.message,
             **({"file": span.file, "line": span.line, "col": span.col} if span else {}),
         }
-    return render.as_json(failed.report, failed.label)
+    return report.as_json(failed.report, failed.label)

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipecc.costs import CostModel, CostTiming
+from pipecc.analysis.gaps import classify
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import CommPlacement, Grouping, RecvPosting, lower, strip_comms
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, replay
-from pipecc.stalls import classify
+from pipecc.semantics.costs import CostModel, CostTiming
 
 POLICY = "aligned"
 CANDIDATES = (Grouping.BY_TIME, Grouping.NONE, Grouping.PER_GAP)

@@ -44,8 +44,8 @@ from pipecc.diagnostics import ScheduleError
 from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send
 from pipecc.ir.program import Program
-from pipecc.passes.comm_emission import Emitter, emit_rank, hand_waited
-from pipecc.passes.comm_order import (
+from pipecc.passes.comm.emission import Emitter, emit_rank, hand_waited
+from pipecc.passes.comm.order import (
     MessageKeys,
     collect,
     integer_times,
@@ -54,7 +54,7 @@ from pipecc.passes.comm_order import (
     op_table,
     order_replay,
 )
-from pipecc.passes.comm_placement import (
+from pipecc.passes.comm.placement import (
     DEFAULT,
     EARLY_RECV,
     POLICIES,

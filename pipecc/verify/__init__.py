@@ -10,26 +10,26 @@ and placement (route, placement), coverage, data dependencies (forward-before-in
 backward-before-gradient, backward-before-forward, weight-before-input-grad,
 send-before-compute, recv-after-use, missing-recv), deadlock and needs-buffering under each
 comm model (replayed by pipecc.semantics), memory (--max-activations), and stalls
-(--stall-budget: placement-bound wait under a cost model, classified by pipecc.stalls).
+(--stall-budget: placement-bound wait under a cost model, classified by pipecc.analysis.gaps).
 
-The verifier depends on pipecc.ir, pipecc.semantics, pipecc.costs, pipecc.stalls and
-networkx; lowering a compute-only input before verifying it is the driver's job
-(pipecc.verification).
+The verifier depends on pipecc.ir, pipecc.semantics (the replay and the costs),
+pipecc.analysis.gaps and networkx; lowering a compute-only input before verifying it is the
+driver's job (pipecc.driver.check).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecc.costs import CostModel
 from pipecc.diagnostics import Violation
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, wire
+from pipecc.semantics.costs import CostModel
 from pipecc.verify.context import DEFAULT_LIMIT, Context
 from pipecc.verify.coverage import check_coverage
-from pipecc.verify.dataflow import check_compute_order, check_dataflow
 from pipecc.verify.deadlock import Status, Verdict, check_deadlock
+from pipecc.verify.dependencies import check_compute_order, check_dataflow
 from pipecc.verify.matching import check_matching
 from pipecc.verify.memory import Peak, check_memory, peaks
 from pipecc.verify.placement import check_placement, check_routes

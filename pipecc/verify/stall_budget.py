@@ -2,7 +2,7 @@
 
 With a cost model, the program is replayed with durations under each comm model it passes;
 every idle gap before a compute op is split into its dependency-bound part (the schedule's
-own bubble) and its placement-bound part (`pipecc.stalls`). A placement-bound part longer
+own bubble) and its placement-bound part (`pipecc.analysis.gaps`). A placement-bound part longer
 than the budget is a `stall` violation naming the rank, the instruction, what it waited for
 and why; the totals of both parts per rank are reported beside it.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipecc.costs import CostModel, CostTiming
+from pipecc.analysis.gaps import Gap, classify
 from pipecc.diagnostics import InputError, StallError
 from pipecc.semantics import CommModel, replay
-from pipecc.stalls import Gap, classify
+from pipecc.semantics.costs import CostModel, CostTiming
 from pipecc.verify.context import Context
 
 _BUDGET = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%?)\s*")

@@ -11,13 +11,13 @@ from helpers import ROOT, compile_bundled, compute_order
 from test_insert_comms import check_lowering
 
 from pipecc.api import compile_schedule, compile_source
-from pipecc.costs import CostModel, parse_cost_flag
 from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Instr, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
 from pipecc.passes.align_comms import align_comms
 from pipecc.semantics import CommModel, replay
-from pipecc.simulate import simulate
+from pipecc.semantics.costs import CostModel, parse_cost_flag
+from pipecc.simulate.timeline import simulate
 
 SCHEDULES = [
     "gpipe",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipecc.cli import main
-from pipecc.costs import load_cost_file
+from pipecc.semantics.costs import load_cost_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")

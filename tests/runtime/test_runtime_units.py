@@ -16,11 +16,11 @@ from pipecc.runtime.specs import as_tuple, meta_forward, normalise_boundaries
 from torch import nn
 
 from pipecc.api import compile_schedule
-from pipecc.costs import load_cost_file
 from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
+from pipecc.semantics.costs import load_cost_file
 
 
 class Split(nn.Module):

@@ -7,9 +7,9 @@ import itertools
 import pytest
 from helpers import compile_bundled
 
-from pipecc.costs import parse_cost_flag
 from pipecc.semantics import CommModel
-from pipecc.simulate import Timeline, simulate
+from pipecc.semantics.costs import parse_cost_flag
+from pipecc.simulate.timeline import Timeline, simulate
 
 MODELS = list(CommModel)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipecc.api import compile_schedule
-from pipecc.costs import parse_cost_flag
 from pipecc.semantics import CommModel
-from pipecc.simulate import simulate
+from pipecc.semantics.costs import parse_cost_flag
+from pipecc.simulate.timeline import simulate
 
 COSTS = parse_cost_flag("F=1,B=2,comm=0.1,post=0.25,wait=0.5")
 

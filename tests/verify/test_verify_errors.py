@@ -30,12 +30,12 @@ from programs import (
 
 from pipecc.api import compile_schedule
 from pipecc.diagnostics import ProgramError, Violation
+from pipecc.driver.check import verify_file, verify_program
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Wait
 from pipecc.ir.placement import loop_placement
 from pipecc.ir.program import Program
 from pipecc.semantics import CommModel
-from pipecc.verification import verify_file, verify_program
 from pipecc.verify import ALL_MODELS, Options
 
 EXPECTED = Path(__file__).resolve().parent / "expected"

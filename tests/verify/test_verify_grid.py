@@ -16,10 +16,11 @@ import random
 import pytest
 from helpers import SCHEDULES
 
+from pipecc.driver.check import verify_program
+from pipecc.driver.sweep import Schedule, Skip, check_size
 from pipecc.ir.ops import Compute, Fused, Instr, Kind
 from pipecc.ir.placement import Placement, loop_placement, vshape_placement
 from pipecc.ir.program import Program
-from pipecc.verification import Schedule, Skip, check_size, verify_program
 from pipecc.verify import ALL_MODELS, Options
 
 ALL = Options(models=ALL_MODELS)

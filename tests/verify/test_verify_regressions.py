@@ -19,10 +19,11 @@ import pytest
 from helpers import ROOT
 from programs import DATA, codes, compiled, first, rendered, report
 
+from pipecc.driver.check import verify_file
+from pipecc.driver.sweep import sweep_file
 from pipecc.interop import torch_csv
 from pipecc.ir.placement import loop_placement
 from pipecc.semantics import CommModel
-from pipecc.verification import sweep_file, verify_file
 from pipecc.verify import ALL_MODELS, Options, Status
 
 

@@ -1,5 +1,5 @@
 """Emission of a lowering (`insert_comms`, step 3): each rank's posts, groups and waits
-around its compute ops, in the order `comm_order` gave its message events."""
+around its compute ops, in the order `comm.order` gave its message events."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipecc.ir.ops import Instr, Recv, Send, Wait
-from pipecc.passes.comm_order import Event, MessageKeys, RankOps
-from pipecc.passes.comm_placement import Grouping
+from pipecc.passes.comm.order import Event, MessageKeys, RankOps
+from pipecc.passes.comm.placement import Grouping
 
 _new = tuple.__new__
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipecc.costs import CostModel, CostTiming
+from pipecc.analysis.gaps import Gap, classify, clean
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, Replay, replay
-from pipecc.stalls import Gap, classify, clean
+from pipecc.semantics.costs import CostModel, CostTiming
 
 
 class DeadlockedError(ProgramError):
@@ -75,7 +75,7 @@ class RankStats:
 
     @property
     def placement_bound(self) -> float:
-        """Idle time that better-placed comm ops would remove (pipecc.stalls)."""
+        """Idle time that better-placed comm ops would remove (pipecc.analysis.gaps)."""
         return sum(gap.placement for gap in self.gaps)
 
     def to_json(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pipecc.diagnostics import ScheduleError
 from pipecc.ir.dataflow import Dataflow, Message
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send
 from pipecc.ir.program import Program
-from pipecc.passes.comm_placement import CommPlacement, RecvPosting
+from pipecc.passes.comm.placement import CommPlacement, RecvPosting
 
 # A message event is (gap, order, payload, key, is_send, time): it is posted before compute
 # op `gap` of its rank; `payload` is the Send/Recv fields up to the group, (what, peer, pipe,

@@ -1,12 +1,6 @@
-"""The driver of `pipecc verify` and the pytest plugin: any input, one size or a sweep.
+"""Verify a .sched file at every size of a range (`pipecc verify --sweep`, the pytest plugin).
 
-    outcome = verify_file("schedules/zb_h1.sched", ranks=4, microbatches=8)
-    outcome = verify_file("actions.csv")                  # torch CSV, lowered if compute-only
-    result = sweep_file("schedules/zbv.sched", ranks=range(2, 9), microbatches=range(1, 41))
-
-This module sits above the compiler (it compiles .sched files and lowers compute-only
-programs with the default comm policy) and the verifier; `pipecc.verify` itself never
-imports the compiler.
+result = sweep_file("schedules/zbv.sched", ranks=range(2, 9), microbatches=range(1, 41))
 """
 
 from __future__ import annotations
@@ -16,101 +10,15 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
-from pipecc.api import compile_schedule, compile_tree, load_program, read_text, resolve_schedule
 from pipecc.diagnostics import InputError, RequirementError, ScheduleError
+from pipecc.driver.check import Outcome
+from pipecc.driver.compile import compile_tree
+from pipecc.driver.files import read_text, resolve_schedule
 from pipecc.frontend.ast import ScheduleFile
 from pipecc.frontend.parser import parse
-from pipecc.interop import torch_csv
-from pipecc.ir.ops import Recv, Send, Wait
-from pipecc.ir.program import RENDEZVOUS_ONLY, Program
-from pipecc.passes.insert_comms import insert_comms
-from pipecc.verify import DEFAULT, Options, Report, check_order, verify
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One verified input: what it was, the report, and notes (ignored CSV cells, lowering)."""
-
-    label: str
-    report: Report
-    notes: tuple[str, ...] = ()
-
-
-def is_compute_only(program: Program) -> bool:
-    """No Send, Recv or Wait anywhere: the comm ops are still to be placed."""
-    return not any(type(x) in (Send, Recv, Wait) for instrs in program.ranks for x in instrs)
-
-
-def verify_program(
-    program: Program, options: Options = DEFAULT, notes: tuple[str, ...] = ()
-) -> tuple[Report, tuple[str, ...]]:
-    """Verify a program; a compute-only one is first checked for a runnable compute order,
-    then lowered with the default comm policy (DESIGN §5)."""
-    if program.num_ranks > 1 and is_compute_only(program):
-        refused = check_order(program, options)
-        if refused is not None:
-            return refused, notes
-        program = insert_comms(program)
-        notes = (
-            *notes,
-            "compute-only input: sends, receives and waits placed by the "
-            "default comm policy (docs/compile.md), then verified",
-        )
-    if program.comm in RENDEZVOUS_ONLY and any(m.has_streams for m in options.models):
-        notes = (
-            *notes,
-            f"compiled with the {program.comm} comm policy, which is for gloo: NCCL's "
-            "ordered streams deadlock on it by design (verify it with --comm rendezvous)",
-        )
-    return verify(program, options), notes
-
-
-def load(
-    path: str,
-    *,
-    ranks: int | None = None,
-    microbatches: int | None = None,
-    defines: Mapping[str, int] | None = None,
-) -> tuple[Program, tuple[str, ...]]:
-    """A program from .sched (needs the sizes), .json or torch .csv, chosen by extension."""
-    if path.endswith(".csv"):
-        loaded = torch_csv.loads(read_text(Path(path)), path)
-        return loaded.program, loaded.notes
-    if path.endswith(".json"):
-        return load_program(path), ()
-    if ranks is None or microbatches is None:
-        missing = " and ".join(
-            flag
-            for flag, v in (("-P/--ranks", ranks), ("-M/--microbatches", microbatches))
-            if v is None
-        )
-        raise InputError(f"{path}: a .sched file needs {missing}")
-    program = compile_schedule(path, ranks=ranks, microbatches=microbatches, defines=defines)
-    return program, ()
-
-
-def verify_file(
-    path: str,
-    *,
-    ranks: int | None = None,
-    microbatches: int | None = None,
-    defines: Mapping[str, int] | None = None,
-    options: Options = DEFAULT,
-) -> Outcome:
-    """Load and verify one input (module docstring)."""
-    program, notes = load(path, ranks=ranks, microbatches=microbatches, defines=defines)
-    report, notes = verify_program(program, options, notes)
-    label = (
-        path
-        if ranks is None or path.endswith((".json", ".csv"))
-        else (f"{path} P={ranks} M={microbatches}")
-    )
-    return Outcome(label, report, notes)
-
-
-# ---- sweeps ----------------------------------------------------------------------------------
+from pipecc.ir.program import Program
+from pipecc.verify import DEFAULT, Options, verify
 
 
 @dataclass(frozen=True, slots=True)

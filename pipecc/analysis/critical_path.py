@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
 from pipecc.ir.printer import describe
 from pipecc.semantics import CauseKind, Replay
-from pipecc.simulate import Timeline
+from pipecc.simulate.timeline import Timeline
 
 
 @dataclass(frozen=True, slots=True)

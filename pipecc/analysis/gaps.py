@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecc.costs import CostModel
 from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.semantics import CauseKind, Replay
+from pipecc.semantics.costs import CostModel
 
 _EPSILON = 1e-9
 

@@ -1,0 +1,70 @@
+"""The driver of `pipecc verify` and the pytest plugin for one input: load it, lower it if it
+is compute-only, verify it.
+
+    outcome = verify_file("schedules/zb_h1.sched", ranks=4, microbatches=8)
+    outcome = verify_file("actions.csv")                  # torch CSV, lowered if compute-only
+
+`pipecc.verify` itself never imports the compiler; this module decides when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pipecc.driver.load import is_compute_only, load
+from pipecc.ir.program import RENDEZVOUS_ONLY, Program
+from pipecc.passes.insert_comms import insert_comms
+from pipecc.verify import DEFAULT, Options, Report, check_order, verify
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One verified input: what it was, the report, and notes (ignored CSV cells, lowering)."""
+
+    label: str
+    report: Report
+    notes: tuple[str, ...] = ()
+
+
+def verify_program(
+    program: Program, options: Options = DEFAULT, notes: tuple[str, ...] = ()
+) -> tuple[Report, tuple[str, ...]]:
+    """Verify a program; a compute-only one is first checked for a runnable compute order,
+    then lowered with the default comm policy (DESIGN §5)."""
+    if program.num_ranks > 1 and is_compute_only(program):
+        refused = check_order(program, options)
+        if refused is not None:
+            return refused, notes
+        program = insert_comms(program)
+        notes = (
+            *notes,
+            "compute-only input: sends, receives and waits placed by the "
+            "default comm policy (docs/compile.md), then verified",
+        )
+    if program.comm in RENDEZVOUS_ONLY and any(m.has_streams for m in options.models):
+        notes = (
+            *notes,
+            f"compiled with the {program.comm} comm policy, which is for gloo: NCCL's "
+            "ordered streams deadlock on it by design (verify it with --comm rendezvous)",
+        )
+    return verify(program, options), notes
+
+
+def verify_file(
+    path: str,
+    *,
+    ranks: int | None = None,
+    microbatches: int | None = None,
+    defines: Mapping[str, int] | None = None,
+    options: Options = DEFAULT,
+) -> Outcome:
+    """Load and verify one input (module docstring)."""
+    program, notes = load(path, ranks=ranks, microbatches=microbatches, defines=defines)
+    report, notes = verify_program(program, options, notes)
+    label = (
+        path
+        if ranks is None or path.endswith((".json", ".csv"))
+        else (f"{path} P={ranks} M={microbatches}")
+    )
+    return Outcome(label, report, notes)
