@@ -3,6 +3,7 @@
     program = compile_schedule("schedules/zb_h1.sched", ranks=4, microbatches=8)
     program = compile_schedule("dualpipe", ranks=8, microbatches=20)   # a bundled schedule
     program = load_program("prog.json")
+    program, notes = load("actions.csv", lowering=Lowering(policy="early-recv"))  # any input
 
 They live in `pipecc.driver`; this module names the ones a user (and the runtime's
 launcher) imports.
@@ -11,23 +12,24 @@ launcher) imports.
 from __future__ import annotations
 
 from pipecc.driver.compile import (
-    PASSES,
-    Pass,
+    Alignment,
+    Lowering,
     compile_schedule,
     compile_source,
     compile_tree,
     schedule_parameters,
 )
 from pipecc.driver.files import bundled_schedules, read_text, resolve_schedule
-from pipecc.driver.load import load_program
+from pipecc.driver.load import load, load_program
 
 __all__ = [
-    "PASSES",
-    "Pass",
+    "Alignment",
+    "Lowering",
     "bundled_schedules",
     "compile_schedule",
     "compile_source",
     "compile_tree",
+    "load",
     "load_program",
     "read_text",
     "resolve_schedule",

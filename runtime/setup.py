@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pipecc.diagnostics import SetupError
 from pipecc.ir.ops import Msg, Recv
 from pipecc.ir.placement import StageSlot
-from pipecc.ir.program import RENDEZVOUS_ONLY, Program
+from pipecc.ir.program import Backend, Program
 
 from .specs import Specs, describe_specs, meta_forward
 
@@ -95,7 +95,7 @@ def backend_problem(program: Program, *, nccl: bool) -> str | None:
     """A program NCCL cannot run, when its tensors go over NCCL (every rank sees it alike):
     one compiled with a gloo-only comm policy that has receives to post early."""
     posts_early = any(type(i) is Recv for instrs in program.ranks for i in instrs)
-    if nccl and program.comm in RENDEZVOUS_ONLY and posts_early:
+    if nccl and program.backend is Backend.INDEPENDENT_PROGRESS and posts_early:
         return (
             f"the program was compiled with the {program.comm} comm policy, which is for gloo: "
             "under NCCL its early receives block the sends queued behind them and the step "

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipecc.diagnostics import InputError
-from pipecc.driver.load import is_compute_only, load
+from pipecc.driver.compile import Alignment, Lowering
+from pipecc.driver.load import load
 from pipecc.ir.program import Program
-from pipecc.passes.insert_comms import POLICIES, insert_comms, strip_comms
+from pipecc.passes.insert_comms import POLICIES
+from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
 
 
@@ -81,14 +83,22 @@ def add_input_args(parser: argparse.ArgumentParser) -> None:
 
 def load_input(path: str, args: argparse.Namespace) -> Program:
     """A Program from `path`, by extension: a .sched file compiled for -P/-M/-D, a compiled
-    program (.json), or a torch.distributed.pipelining action CSV (.csv); a compute-only CSV
-    gets its comm ops from the default policy (DESIGN §1, §5)."""
-    program, _ = load(
-        path, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
-    )
-    if program.num_ranks > 1 and is_compute_only(program):
-        program = insert_comms(program)
+    program (.json), or a torch.distributed.pipelining action CSV (.csv); a compute-only one
+    gets its comm ops placed (DESIGN §1, §5). The command's --comm-policy and --align, where
+    it has them, are inputs of that one compilation (`pipecc.driver.load`)."""
+    sizes = {"ranks": args.ranks, "microbatches": args.microbatches}
+    program, _ = load(path, **sizes, defines=dict(args.defines), lowering=lowering(args))
     return program
+
+
+def lowering(args: argparse.Namespace) -> Lowering:
+    """How the command's flags ask for the comm ops to be placed."""
+    policy = getattr(args, "comm_policy", None)
+    if not getattr(args, "align", False):
+        return Lowering(policy=policy)
+    if policy is not None:
+        raise InputError("--align and --comm-policy both place the comm ops: give one of them")
+    return Lowering(align=Alignment(load_costs(args), CommModel(args.comm)))
 
 
 def add_policy_arg(parser: argparse.ArgumentParser) -> None:
@@ -101,14 +111,6 @@ def add_policy_arg(parser: argparse.ArgumentParser) -> None:
         "the step: faster on gloo, deadlocks under NCCL; docs/compile.md). A .json program "
         "keeps its own placement unless this is given",
     )
-
-
-def apply_policy(program: Program, args: argparse.Namespace) -> Program:
-    """`program` with its comm ops placed by --comm-policy, if given and another policy than
-    the program's (every comm op is placed again, hand-placed ones too)."""
-    if args.comm_policy is None or args.comm_policy == program.comm:
-        return program
-    return insert_comms(strip_comms(program), placement=POLICIES[args.comm_policy])
 
 
 def write_output(text: str, output: str | None) -> None:

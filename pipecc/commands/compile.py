@@ -9,16 +9,12 @@ from pipecc.commands.common import (
     add_cost_args,
     add_input_args,
     add_policy_arg,
-    apply_policy,
-    load_costs,
     load_input,
     write_output,
 )
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
-from pipecc.passes.align_comms import align_comms
-from pipecc.semantics import CommModel
 
 FORMATS = ("json", "text", "listing", "torch-csv", "torch-csv-comms")
 
@@ -80,11 +76,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.align and (args.cost or args.cost_file):
         raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     program = load_input(args.file, args)
-    if args.align and args.comm_policy is not None:
-        raise InputError("--align and --comm-policy both place the comm ops: give one of them")
-    program = apply_policy(program, args)
-    if args.align:
-        program = align_comms(program, costs=load_costs(args), model=CommModel(args.comm))
     match args.format:
         case "json":
             text = json_program.dumps(program)

@@ -14,7 +14,6 @@ from pipecc.commands.common import (
     SubParsers,
     add_input_args,
     add_policy_arg,
-    apply_policy,
     load_input,
     positive,
     write_output,
@@ -97,7 +96,7 @@ def _count(text: str) -> int:
 
 
 def _program(args: argparse.Namespace) -> Program:
-    program = apply_policy(load_input(args.file, args), args)
+    program = load_input(args.file, args)
     if args.ranks is not None and program.num_ranks != args.ranks:
         raise InputError(
             f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"

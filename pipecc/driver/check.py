@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipecc.driver.load import is_compute_only, load
-from pipecc.ir.program import RENDEZVOUS_ONLY, Program
-from pipecc.passes.insert_comms import insert_comms
+from pipecc.driver.compile import lower_program
+from pipecc.driver.load import load, needs_lowering
+from pipecc.ir.program import Backend, Program
 from pipecc.verify import DEFAULT, Options, Report, check_order, verify
 
 
@@ -32,17 +32,19 @@ def verify_program(
 ) -> tuple[Report, tuple[str, ...]]:
     """Verify a program; a compute-only one is first checked for a runnable compute order,
     then lowered with the default comm policy (DESIGN §5)."""
-    if program.num_ranks > 1 and is_compute_only(program):
+    if needs_lowering(program):
         refused = check_order(program, options)
         if refused is not None:
             return refused, notes
-        program = insert_comms(program)
+        program = lower_program(program)
         notes = (
             *notes,
             "compute-only input: sends, receives and waits placed by the "
             "default comm policy (docs/compile.md), then verified",
         )
-    if program.comm in RENDEZVOUS_ONLY and any(m.has_streams for m in options.models):
+    if program.backend is Backend.INDEPENDENT_PROGRESS and any(
+        m.has_streams for m in options.models
+    ):
         notes = (
             *notes,
             f"compiled with the {program.comm} comm policy, which is for gloo: NCCL's "
@@ -60,7 +62,9 @@ def verify_file(
     options: Options = DEFAULT,
 ) -> Outcome:
     """Load and verify one input (module docstring)."""
-    program, notes = load(path, ranks=ranks, microbatches=microbatches, defines=defines)
+    program, notes = load(
+        path, ranks=ranks, microbatches=microbatches, defines=defines, lowering=None
+    )
     report, notes = verify_program(program, options, notes)
     label = (
         path

@@ -1,5 +1,6 @@
 """Compile a .sched file: the front end (parse, expand, assign microbatches), then the
-passes in `PASSES`.
+lowering that places the comm ops (`Lowering`: a named policy, or an alignment for a cost
+model), once.
 
     program = compile_schedule("schedules/zb_h1.sched", ranks=4, microbatches=8)
     program = compile_schedule("dualpipe", ranks=8, microbatches=20)   # a bundled schedule
@@ -7,7 +8,8 @@ passes in `PASSES`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipecc.driver.files import read_text, resolve_schedule
@@ -15,12 +17,52 @@ from pipecc.frontend.ast import Param, ScheduleFile
 from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
 from pipecc.ir.program import Program
+from pipecc.passes.align_comms import align_comms
 from pipecc.passes.assign_microbatches import assign_microbatches
-from pipecc.passes.insert_comms import insert_comms
+from pipecc.passes.insert_comms import DEFAULT, POLICIES, insert_comms, strip_comms
 from pipecc.perf import paused_gc
+from pipecc.semantics import CommModel
+from pipecc.semantics.costs import CostModel
 
-Pass = Callable[[Program], Program]
-PASSES: tuple[Pass, ...] = (insert_comms,)
+
+@dataclass(frozen=True, slots=True)
+class Alignment:
+    """`--align`: place every comm op for these costs under this comm model (docs/align.md)."""
+
+    costs: CostModel
+    model: CommModel = CommModel.NCCL
+
+
+@dataclass(frozen=True, slots=True)
+class Lowering:
+    """How the comm ops are placed, an input of compilation beside the sizes: a named policy
+    of `POLICIES` (None: the default, with hand-placed comm ops kept where the schedule put
+    them), or an alignment for a cost model. Another policy than the default, and an
+    alignment, place every comm op again, hand-placed ones too."""
+
+    policy: str | None = None
+    align: Alignment | None = None
+
+
+DEFAULT_LOWERING = Lowering()
+
+
+def lower_program(program: Program, lowering: Lowering = DEFAULT_LOWERING) -> Program:
+    """Place the comm ops of a compute-only program (hand-placed ones may be present)."""
+    if lowering.align is not None:
+        return align_comms(program, costs=lowering.align.costs, model=lowering.align.model)
+    if lowering.policy is None or lowering.policy == DEFAULT.policy:
+        return insert_comms(program)
+    return insert_comms(strip_comms(program), placement=POLICIES[lowering.policy])
+
+
+def place_again(program: Program, lowering: Lowering) -> Program:
+    """A lowered program (a .json, a torch CSV with comms) with its comm ops placed again from
+    its compute order, when the lowering asks for an alignment or another policy than the
+    program's; otherwise the program as it is."""
+    if lowering.align is None and lowering.policy in (None, program.comm):
+        return program
+    return lower_program(strip_comms(program), lowering)
 
 
 def compile_source(
@@ -30,9 +72,13 @@ def compile_source(
     ranks: int,
     microbatches: int,
     defines: Mapping[str, int] | None = None,
+    lowering: Lowering = DEFAULT_LOWERING,
 ) -> Program:
     """Compile .sched text: parse, expand for (P, M, -D), assign microbatches, lower."""
-    return compile_tree(parse(text, path), ranks=ranks, microbatches=microbatches, defines=defines)
+    tree = parse(text, path)
+    return compile_tree(
+        tree, ranks=ranks, microbatches=microbatches, defines=defines, lowering=lowering
+    )
 
 
 def compile_tree(
@@ -41,15 +87,14 @@ def compile_tree(
     ranks: int,
     microbatches: int,
     defines: Mapping[str, int] | None = None,
+    lowering: Lowering = DEFAULT_LOWERING,
 ) -> Program:
     """Compile a parsed .sched file for one size (a sweep parses once, compiles many)."""
     with paused_gc():
         streams = expand(tree, ranks=ranks, microbatches=microbatches, defines=defines)
         program = assign_microbatches(streams)
         del streams  # freed before lowering, which reuses its memory
-        for step in PASSES:
-            program = step(program)
-    return program
+        return lower_program(program, lowering)
 
 
 def compile_schedule(
@@ -58,11 +103,13 @@ def compile_schedule(
     ranks: int,
     microbatches: int,
     defines: Mapping[str, int] | None = None,
+    lowering: Lowering = DEFAULT_LOWERING,
 ) -> Program:
     """Compile a .sched file (or a bundled schedule by name) for P ranks and M microbatches."""
     path = resolve_schedule(str(name_or_path))
+    text = read_text(path)
     return compile_source(
-        read_text(path), str(path), ranks=ranks, microbatches=microbatches, defines=defines
+        text, str(path), ranks=ranks, microbatches=microbatches, defines=defines, lowering=lowering
     )
 
 

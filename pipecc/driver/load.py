@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from pipecc.diagnostics import InputError
-from pipecc.driver.compile import compile_schedule
+from pipecc.driver.compile import (
+    DEFAULT_LOWERING,
+    Lowering,
+    compile_schedule,
+    lower_program,
+    place_again,
+)
 from pipecc.driver.files import read_text
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
@@ -28,19 +35,56 @@ def is_compute_only(program: Program) -> bool:
     return not any(type(x) in (Send, Recv, Wait) for instrs in program.ranks for x in instrs)
 
 
+def needs_lowering(program: Program) -> bool:
+    """A compute-only program of several ranks (a torch CSV without comm actions): its sends,
+    receives and waits are placed before anything runs it (DESIGN §1, §5)."""
+    return program.num_ranks > 1 and is_compute_only(program)
+
+
+class Loaded(NamedTuple):
+    """A loaded program and the notes its reader left (ignored CSV cells, ...)."""
+
+    program: Program
+    notes: tuple[str, ...]
+
+
 def load(
     path: str,
     *,
     ranks: int | None = None,
     microbatches: int | None = None,
     defines: Mapping[str, int] | None = None,
-) -> tuple[Program, tuple[str, ...]]:
-    """A program from .sched (needs the sizes), .json or torch .csv, chosen by extension."""
+    lowering: Lowering | None = DEFAULT_LOWERING,
+) -> Loaded:
+    """The one entry point to a Program from any input, chosen by extension: a .sched file
+    (which needs the sizes) compiled with `lowering`, a compiled program (.json) or a torch
+    action CSV (.csv). A compute-only .json or .csv is lowered with `lowering`; a lowered one
+    gets its comm ops placed again only if `lowering` asks for an alignment or another policy
+    (`place_again`). `lowering=None` returns a .json or .csv as it was read (the verifier
+    checks a compute-only one before lowering it)."""
     if path.endswith(".csv"):
-        loaded = torch_csv.loads(read_text(Path(path)), path)
-        return loaded.program, loaded.notes
-    if path.endswith(".json"):
-        return load_program(path), ()
+        program, notes = _read_csv(path)
+    elif path.endswith(".json"):
+        program, notes = load_program(path), ()
+    else:
+        p, m = _sizes(path, ranks, microbatches)
+        lower = DEFAULT_LOWERING if lowering is None else lowering
+        program = compile_schedule(path, ranks=p, microbatches=m, defines=defines, lowering=lower)
+        return Loaded(program, ())
+    if lowering is None:
+        return Loaded(program, notes)
+    if needs_lowering(program):
+        return Loaded(lower_program(program, lowering), notes)
+    return Loaded(place_again(program, lowering), notes)
+
+
+def _read_csv(path: str) -> tuple[Program, tuple[str, ...]]:
+    loaded = torch_csv.loads(read_text(Path(path)), path)
+    return loaded.program, loaded.notes
+
+
+def _sizes(path: str, ranks: int | None, microbatches: int | None) -> tuple[int, int]:
+    """-P and -M, which a .sched file needs."""
     if ranks is None or microbatches is None:
         missing = " and ".join(
             flag
@@ -48,5 +92,4 @@ def load(
             if v is None
         )
         raise InputError(f"{path}: a .sched file needs {missing}")
-    program = compile_schedule(path, ranks=ranks, microbatches=microbatches, defines=defines)
-    return program, ()
+    return ranks, microbatches

@@ -19,6 +19,7 @@ from pipecc.diagnostics import InputError, SourceFile, Span
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.placement import Placement, PlacementError, StageSlot
 from pipecc.ir.program import Program
+from pipecc.passes.comm.placement import backend_of
 
 FORMAT = "pipecc.program/1"
 
@@ -181,15 +182,17 @@ def loads(text: str, path: str = "<program>") -> Program:
         )
         for rank in range(num_ranks)
     )
+    comm = str(data.get("comm", "unknown"))
     return Program(
         schedule=str(data.get("schedule", Path(path).stem)),
         source=source,
         num_ranks=num_ranks,
         num_microbatches=microbatches,
         params=tuple(sorted((str(k), int(v)) for k, v in params.items())),
-        comm=str(data.get("comm", "unknown")),
+        comm=comm,
         placement=placement,
         ranks=ranks,
+        backend=backend_of(comm),
     )
 
 

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from pipecc.ir.ops import Instr
 from pipecc.ir.placement import Placement
 
-# Lowering policies whose programs only a backend with independent progress (gloo: DESIGN §5's
-# `rendezvous` model) can run: under NCCL's ordered streams they deadlock (docs/compile.md).
-RENDEZVOUS_ONLY = frozenset({"early-recv"})
+
+class Backend(enum.Enum):
+    """What a program needs of the backend that carries its messages (DESIGN §5)."""
+
+    ANY = "any"  # runs to completion under every comm model
+    # needs every posted op to progress on its own (gloo: the `rendezvous` model); under
+    # NCCL's ordered streams it deadlocks by design (the early-recv policy, docs/compile.md)
+    INDEPENDENT_PROGRESS = "independent-progress"
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +23,8 @@ class Program:
     """A schedule compiled for P ranks and M microbatches (DESIGN §4).
 
     `ranks[r]` is rank r's instruction list in execution order. `comm` names the lowering
-    policy that placed the communication ops ("none" for a compute-only program).
+    policy that placed the communication ops ("none" for a compute-only program); `backend`
+    is what that policy needs of the backend, which the verifier and the runtime read.
     """
 
     schedule: str
@@ -28,6 +35,7 @@ class Program:
     comm: str
     placement: Placement
     ranks: tuple[tuple[Instr, ...], ...]
+    backend: Backend = Backend.ANY
 
     def num_instructions(self) -> int:
         return sum(len(instrs) for instrs in self.ranks)

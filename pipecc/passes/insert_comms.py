@@ -33,7 +33,7 @@ its sender posts. It is for gloo: there every posted op progresses on its own (D
 `rendezvous` model), and a receive posted late delays a transfer that could already have
 happened. Under NCCL's ordered streams the early receives sit in front of the sends behind
 them and the program deadlocks: it passes `verify --comm rendezvous` and `eager` only, and
-the runtime refuses to run it on NCCL (`pipecc.ir.program.RENDEZVOUS_ONLY`).
+the runtime refuses to run it on NCCL (the program's `backend`, `Backend.INDEPENDENT_PROGRESS`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import replace
 from pipecc.diagnostics import ScheduleError
 from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send
-from pipecc.ir.program import Program
+from pipecc.ir.program import Backend, Program
 from pipecc.passes.comm.emission import Emitter, emit_rank, hand_waited
 from pipecc.passes.comm.order import (
     MessageKeys,
@@ -93,7 +93,7 @@ def strip_comms(prog: Program) -> Program:
         tuple(instr for instr in instrs if type(instr) is Compute or type(instr) is Fused)
         for instrs in prog.ranks
     )
-    return replace(prog, ranks=ranks, comm="none")
+    return replace(prog, ranks=ranks, comm="none", backend=Backend.ANY)
 
 
 def lower(prog: Program, placement: CommPlacement) -> Program:
@@ -141,6 +141,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
         comm=placement.policy,
         placement=prog.placement,
         ranks=tuple(lowered),
+        backend=placement.backend,
     )
 
 

@@ -8,9 +8,10 @@ from collections import defaultdict
 import pytest
 from helpers import compile_bundled
 
+from pipecc.interop import json_program
 from pipecc.ir.dataflow import Dataflow
 from pipecc.ir.ops import Compute, Fused, Recv, Send, Wait, computations
-from pipecc.ir.program import RENDEZVOUS_ONLY, Program
+from pipecc.ir.program import Backend, Program
 from pipecc.passes.insert_comms import DEFAULT, EARLY_RECV, POLICIES, insert_comms, strip_comms
 from pipecc.semantics import CommModel
 from pipecc.verify import Options, verify
@@ -104,7 +105,8 @@ def test_early_recv_posts_every_receive_first_and_is_for_gloo_only(schedule: str
     for ranks, microbatches in SIZES[schedule]:
         default = compile_bundled(schedule, ranks, microbatches)
         early = insert_comms(strip_comms(default), placement=EARLY_RECV)
-        assert early.comm == "early-recv" and early.comm in RENDEZVOUS_ONLY
+        assert early.comm == "early-recv" and early.backend is Backend.INDEPENDENT_PROGRESS
+        assert default.backend is Backend.ANY
         check_lowering(early)
         for rank, instrs in enumerate(early.ranks):
             computes = [i for i in instrs if isinstance(i, Compute | Fused)]
@@ -121,5 +123,15 @@ def test_early_recv_posts_every_receive_first_and_is_for_gloo_only(schedule: str
 
 def test_policies() -> None:
     assert POLICIES == {"default": DEFAULT, "early-recv": EARLY_RECV}
-    assert RENDEZVOUS_ONLY == {EARLY_RECV.policy}
-    assert DEFAULT.policy not in RENDEZVOUS_ONLY
+    assert EARLY_RECV.backend is Backend.INDEPENDENT_PROGRESS
+    assert DEFAULT.backend is Backend.ANY
+
+
+def test_the_backend_a_policy_needs_survives_json() -> None:
+    """The runtime reads `Program.backend`: a compiled .json must keep it (derived from the
+    policy name the JSON records, so the format is unchanged)."""
+    for placement in (DEFAULT, EARLY_RECV):
+        program = insert_comms(strip_comms(compile_bundled("zb_h1", 4, 8)), placement=placement)
+        loaded = json_program.loads(json_program.dumps(program), "p.json")
+        assert loaded.backend is placement.backend
+        assert loaded == program

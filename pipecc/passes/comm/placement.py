@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipecc.ir.ops import Compute, Fused, Kind
+from pipecc.ir.program import Backend
 
 UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
@@ -56,6 +57,7 @@ class CommPlacement:
     latency: Callable[[int], float] = no_latency  # by receiving stage
     recv_posting: RecvPosting = RecvPosting.WHEN_MADE
     grouping: Grouping = Grouping.PER_GAP
+    backend: Backend = Backend.ANY  # what the placed program needs of the backend
 
     @property
     def unit_time(self) -> bool:
@@ -65,5 +67,14 @@ class CommPlacement:
 
 DEFAULT = CommPlacement("default")
 POLICY = DEFAULT.policy
-EARLY_RECV = CommPlacement("early-recv", recv_posting=RecvPosting.AT_START)
+EARLY_RECV = CommPlacement(
+    "early-recv", recv_posting=RecvPosting.AT_START, backend=Backend.INDEPENDENT_PROGRESS
+)
 POLICIES = {placement.policy: placement for placement in (DEFAULT, EARLY_RECV)}
+
+
+def backend_of(policy: str) -> Backend:
+    """What a program placed by the named policy needs of the backend (ANY for a name that is
+    not a policy of `POLICIES`: aligned, torch-csv, none)."""
+    found = POLICIES.get(policy)
+    return Backend.ANY if found is None else found.backend
