@@ -101,7 +101,7 @@ class PipelineRuntime:
             if (hook := find_hook(fc.module, bc.module)) is not None
         }
         cuda = self.device.type == "cuda"
-        self.side = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        self.side = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
     # ---- public API ------------------------------------------------------------------------
 

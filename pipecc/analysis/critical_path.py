@@ -1,6 +1,6 @@
 """Why does an instruction start when it does? The critical path back to time 0.
 
-`critical_path(timeline, rank, index)` walks the causes the replay engine recorded: each
+`critical_path(run, rank, index)` walks the causes the replay engine recorded: each
 instruction starts when the previous one on its rank ends, or when the receive it needs
 completes; a receive completes when its transfer ends, and a transfer starts when both sides
 are ready (posted, and under nccl at the head of their streams). Each link of the chain says
@@ -9,12 +9,13 @@ which of these it was, with its time.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
 from pipecc.ir.printer import describe
 from pipecc.semantics import CauseKind, Replay
-from pipecc.simulate.timeline import Timeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,27 +31,42 @@ class Link:
         return {"rank": self.rank, "index": self.index, "time": self.time, "reason": self.reason}
 
 
-def critical_path(timeline: Timeline, rank: int, index: int) -> list[Link]:
+class Moment(enum.Enum):
+    """The moment of an instruction that a link of the path explains."""
+
+    START = "start"  # a compute op, post or wait begins
+    DONE = "done"  # a send or receive completes
+    READY = "ready"  # a send or receive can transfer (posted; under nccl, at its streams' head)
+
+
+class Node(NamedTuple):
+    """A moment of instruction `at` on `rank`, still to be explained."""
+
+    moment: Moment
+    rank: int
+    at: int
+
+
+def critical_path(run: Replay, rank: int, index: int) -> list[Link]:
     """The chain of program-order and message edges that sets the start of `index` on
-    `rank`, from that instruction back to time 0."""
-    run = timeline.replay
-    program = timeline.program
+    `rank`, from that instruction back to time 0 (`run` is a timed replay)."""
+    ranks = run.program.ranks
     links: list[Link] = []
-    node: tuple[str, int, int] | None = ("start", rank, index)
+    node: Node | None = Node(Moment.START, rank, index)
     while node is not None:
-        kind, r, i = node
-        if kind == "start":
-            node = _explain_start(run, program.ranks[r], r, i, links)
-        elif kind == "done":
-            node = _explain_done(run, program.ranks, r, i, links)
+        moment, r, i = node
+        if moment is Moment.START:
+            node = _explain_start(run, ranks[r], r, i, links)
+        elif moment is Moment.DONE:
+            node = _explain_done(run, ranks, r, i, links)
         else:
-            node = _explain_ready(run, program.ranks, r, i, links)
+            node = _explain_ready(run, ranks, r, i, links)
     return links
 
 
 def _explain_start(
     run: Replay, instrs: tuple[Instr, ...], r: int, i: int, links: list[Link]
-) -> tuple[str, int, int] | None:
+) -> Node | None:
     at = run.start_time(r, i) or 0.0
     cause = run.cause(r, i)
     here = describe(instrs[i])
@@ -58,7 +74,7 @@ def _explain_start(
         links.append(Link(r, i, at, f"{here}: the first instruction of rank {r}"))
         return None
     if cause.kind is CauseKind.PROGRAM and _is_post(instrs[i]) and _is_post(instrs[i - 1]):
-        return ("start", r, i - 1)  # a run of posts at one moment: one link is enough
+        return Node(Moment.START, r, i - 1)  # a run of posts at one moment: one link is enough
     if cause.kind is CauseKind.PROGRAM:
         prev = instrs[i - 1]
         verb = (
@@ -74,18 +90,18 @@ def _explain_start(
                 f"{_inputs_slack(run, instrs, r, i, at)}",
             )
         )
-        return ("start", r, i - 1)
+        return Node(Moment.START, r, i - 1)
     op = instrs[cause.index]
     what = "waits for" if cause.kind is CauseKind.WAIT else "needs the data of"
     links.append(
         Link(r, i, at, f"{here}: {what} [{cause.index}] {describe(op)}, which completes at {at:g}")
     )
-    return ("done", r, cause.index)
+    return Node(Moment.DONE, r, cause.index)
 
 
 def _explain_done(
     run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int, links: list[Link]
-) -> tuple[str, int, int] | None:
+) -> Node | None:
     done = run.done_time(r, i) or 0.0
     cause = run.completion_cause(r, i)
     op = ranks[r][i]
@@ -106,7 +122,7 @@ def _explain_done(
                 f"{done:g}",
             )
         )
-        return ("ready", pr, pi)
+        return Node(Moment.READY, pr, pi)
     if cause.kind is CauseKind.POST:
         if type(op) is Recv or type(op) is Send:
             posted = run.post_time(r, i) or 0.0
@@ -119,13 +135,13 @@ def _explain_done(
                     f"{posted:g}, its transfer was bound by its own post",
                 )
             )
-        return ("start", r, i)
-    return ("ready", r, i)
+        return Node(Moment.START, r, i)
+    return Node(Moment.READY, r, i)
 
 
 def _explain_ready(
     run: Replay, ranks: tuple[tuple[Instr, ...], ...], r: int, i: int, links: list[Link]
-) -> tuple[str, int, int] | None:
+) -> Node | None:
     cause = run.ready_cause(r, i)
     ready = run.ready_time(r, i) or 0.0
     if cause.kind is CauseKind.STREAM:
@@ -140,8 +156,8 @@ def _explain_ready(
                 f"completes at {ready:g}",
             )
         )
-        return ("done", cause.rank, cause.index)
-    return ("start", r, i)
+        return Node(Moment.DONE, cause.rank, cause.index)
+    return Node(Moment.START, r, i)
 
 
 def _inputs_slack(run: Replay, instrs: tuple[Instr, ...], r: int, i: int, at: float) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipecc.ir.dataflow import Dataflow
-from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait, computations
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.semantics import CauseKind, Replay
@@ -123,7 +123,7 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
     post, _ = costs.overhead()
     computes = [
         [
-            (index, (instr,) if type(instr) is Compute else (instr[0], instr[1]))
+            (index, computations(instr))
             for index, instr in enumerate(instrs)
             if type(instr) is Compute or type(instr) is Fused
         ]
@@ -137,12 +137,14 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
         for index, parts in ops:
             latest = 0.0
             for op in parts:
-                needed = inputs_of[op[0]][op[2]][op[3]]
-                at = made_at.get(op[4] * stride + needed[0]) if needed is not None else None
+                needed = inputs_of[op.kind][op.pipe][op.stage]
+                if needed is None:
+                    continue
+                at = made_at.get(op.mb * stride + needed.base)
                 if at is None:
                     continue
-                if needed[1] != needed[2]:  # from another rank: posted, then in flight
-                    at += post + costs.latency(op[3])
+                if needed.src != needed.dst:  # from another rank: posted, then in flight
+                    at += post + costs.latency(op.stage)
                 latest = max(latest, at)
             if latest:
                 ready[base + index] = latest
@@ -159,9 +161,9 @@ def _made_at(
         base = offsets[rank]
         for index, parts in ops:
             for op in parts:
-                out = outputs_of[op[0]][op[2]][op[3]]
+                out = outputs_of[op.kind][op.pipe][op.stage]
                 if out is not None:
-                    made_at[op[4] * stride + out[0]] = ends[base + index] or 0.0
+                    made_at[op.mb * stride + out.base] = ends[base + index] or 0.0
     return made_at
 
 

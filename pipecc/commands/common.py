@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from pipecc.diagnostics import InputError
 from pipecc.driver.compile import Alignment, Lowering
@@ -19,7 +19,7 @@ from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
 class Parser(argparse.ArgumentParser):
     """argparse, with bad flags reported as one line and exit code 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
 
 

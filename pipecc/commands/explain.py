@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     timeline = simulate(program, load_costs(args), model=CommModel(args.comm))
-    links = critical_path(timeline, rank, index)
+    links = critical_path(timeline.replay, rank, index)
     if args.json:
         print(json.dumps([link.to_json() for link in links]))
         return 0

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--timeout must be positive")
     program = _program(args)
     try:
-        from pipecc.runtime.launcher import RunJob, run_job  # type: ignore[import-not-found]
+        from pipecc.runtime.launcher import RunJob, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}") from None
     batch = args.batch_size or 8 * program.num_microbatches

@@ -239,7 +239,7 @@ def _render_sweeps(results: list[SweepResult], fmt: str) -> str:
                 r.failed.report, r.failed.label
             )
             out.append(body)
-        status = "ok" if r.ok else f"FAILED at {r.failed.label}"  # type: ignore[union-attr]
+        status = "ok" if r.failed is None else f"FAILED at {r.failed.label}"
         lines = [
             f"{r.path}: {status}: {r.verified} size(s) verified, {len(r.skipped)} skipped",
             *_skips(r),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pipecc.diagnostics import InputError, SourceFile, Span
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait, computations
 from pipecc.ir.placement import Placement, StageSlot, loop_placement, vshape_placement
 from pipecc.ir.program import Program
 
@@ -262,12 +262,13 @@ class _RowBuilder:
     def _compute(self, rank: int, cell: Cell) -> Compute | Fused:
         if cell.parts:
             forward, backward = (self._compute(rank, c) for c in cell.parts)
-            return Fused(forward, backward, cell.span)  # type: ignore[arg-type]
+            assert type(forward) is Compute and type(backward) is Compute  # a part is one op
+            return Fused(forward, backward, cell.span)
         holder = self.placement.holder(0, cell.stage)
         return Compute(_COMPUTE[cell.action], holder.chunk, 0, cell.stage, cell.mb or 0, cell.span)
 
     def _inputs(self, instr: Compute | Fused) -> list[tuple[Msg, int, int]]:
-        parts = (instr,) if type(instr) is Compute else (instr.forward, instr.backward)  # type: ignore[union-attr]
+        parts = computations(instr)
         keys = []
         for op in parts:
             if op.kind is Kind.F:

@@ -115,8 +115,10 @@ class _RankAssigner:
         forward = self._place(item.forward)
         if forward is not None and backward is not None:
             self.out.append(_new(Fused, (forward, backward, item.span)))
-        elif forward is not None or backward is not None:
-            self.out.append(forward if forward is not None else backward)  # type: ignore[arg-type]
+        elif forward is not None:
+            self.out.append(forward)
+        elif backward is not None:
+            self.out.append(backward)
         if self.manual:
             for op in (forward, backward):
                 if op is not None:

@@ -53,8 +53,8 @@ def render_svg(
 def _svg_box(box: Box, scale: float) -> str:
     x = LEFT + box.start * scale
     w = max(0.5, (box.end - box.start) * scale - 0.6)
-    y = TOP + box.rank * ROW + 1
-    h = ROW - 2
+    y: float = TOP + box.rank * ROW + 1
+    h: float = ROW - 2
     if box.band:
         h = (ROW - 2) / 2
         y += (box.band - 1) * h

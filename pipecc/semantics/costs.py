@@ -30,7 +30,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pipecc.diagnostics import CostModelError
 from pipecc.ir.ops import Compute, Fused, Kind, Send
@@ -222,10 +222,12 @@ def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
     if I is None and W is None:
         I = W = B / 2  # noqa: E741
     elif I is None:
-        I = B - W  # type: ignore[operator]  # noqa: E741
+        assert W is not None  # the first branch took both None
+        I = B - W  # noqa: E741
     elif W is None:
         W = B - I
-    if I < 0 or W < 0:  # type: ignore[operator]
+    assert I is not None and W is not None  # every branch above set both
+    if I < 0 or W < 0:
         raise CostModelError(f"B={B:g} is less than its given half (I={I:g}, W={W:g})")
     comm = cost.comm or 0.0
     if cost.bytes is not None and bandwidth:
@@ -238,7 +240,7 @@ def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
         cost.FB,
         cost.FI,
         comm,
-        cost.bytes,  # type: ignore[arg-type]
+        cost.bytes,
         cost.act_bytes,
     )
 
@@ -258,16 +260,17 @@ class CostTiming:
 
     def op_duration(self, instr: Compute | Fused) -> float:
         if type(instr) is Compute:
-            key: tuple[object, ...] = (instr[0], instr[3])
-        else:
-            key = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
+            key: tuple[object, ...] = (instr.kind, instr.stage)
+            value = self._known.get(key)
+            if value is None:
+                value = self._known[key] = self.costs.compute(instr)
+            return value
+        fused = cast(Fused, instr)
+        f, b = fused.forward, fused.backward
+        key = (f.kind, f.stage, b.kind, b.stage)
         value = self._known.get(key)
         if value is None:
-            value = self._known[key] = (
-                self.costs.compute(instr)  # type: ignore[arg-type]
-                if type(instr) is Compute
-                else self.costs.fused(instr)  # type: ignore[arg-type]
-            )
+            value = self._known[key] = self.costs.fused(fused)
         return value
 
     def latency(self, rank: int, index: int, send: Send) -> float:

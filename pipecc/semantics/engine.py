@@ -9,7 +9,9 @@ times, and the same blocked state when the program deadlocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
+from pipecc.ir.ops import Compute, Fused, Send
 from pipecc.ir.program import Program
 from pipecc.semantics.model import ZERO_TIMING, CommModel, Timing
 from pipecc.semantics.result import Block, Replay, Stuck
@@ -238,8 +240,8 @@ class _StreamRun(_Run):
                 u = unit_of[g]
                 if unit_last[u] == g:  # a group is posted with its last op
                     unit_post[u] = t
-                    for s in streams_of[u]:
-                        if units_on[s][head[s]] != u:
+                    for stream in streams_of[u]:
+                        if units_on[stream][head[stream]] != u:
                             break
                     else:
                         self._activate(u)
@@ -282,7 +284,8 @@ class _StreamRun(_Run):
         while active:
             u = active.pop()
             post, ahead = unit_post[u], unit_ready[u]
-            a = unit_act[u] = post if post >= ahead else ahead  # type: ignore[operator]
+            assert post is not None  # a unit is activated once its last op is posted
+            a = unit_act[u] = post if post >= ahead else ahead
             for o in range(unit_first[u], unit_last[u] + 1):
                 p = partner[o]
                 if p < 0:
@@ -350,9 +353,9 @@ def _costs(wiring: Wiring, timing: Timing) -> tuple[Sequence[float], Sequence[fl
         for index, instr in enumerate(instrs):
             g = base + index
             if code[g] == COMPUTE:
-                dur[g] = timing.duration(rank, index, instr)  # type: ignore[arg-type]
+                dur[g] = timing.duration(rank, index, cast("Compute | Fused", instr))
             elif code[g] == SEND:
-                lat[g] = timing.latency(rank, index, instr)  # type: ignore[arg-type]
+                lat[g] = timing.latency(rank, index, cast("Send", instr))
                 if partner[g] >= 0:
                     lat[partner[g]] = lat[g]
         post, wait = timing.overhead(rank)

@@ -29,7 +29,7 @@ class Cause(NamedTuple):
 
     kind: CauseKind
     rank: int
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index by design: read by name
 
 
 class Block(enum.Enum):
@@ -46,7 +46,7 @@ class Stuck(NamedTuple):
     """One edge of the blocked state: (rank, index) cannot proceed because of `on`."""
 
     rank: int
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index by design: read by name
     why: Block
     on: tuple[int, int] | None  # the (rank, index) it depends on; None for NO_PARTNER
 
@@ -136,10 +136,10 @@ class Replay:
         if self.model is CommModel.EAGER:
             if w.code[g] == SEND:
                 return Cause(CauseKind.POST, rank, index)
-            if self.posted(p) + self.latency[p] >= self.posted(g):  # type: ignore[operator]
+            if _known(self.posted(p)) + self.latency[p] >= _known(self.posted(g)):
                 return Cause(CauseKind.TRANSFER, *w.locate(p))
             return Cause(CauseKind.POST, rank, index)
-        if self._ready(p) >= self._ready(g):
+        if _known(self._ready(p)) >= _known(self._ready(g)):
             return Cause(CauseKind.TRANSFER, *w.locate(p))
         return self.ready_cause(rank, index)
 
@@ -176,3 +176,9 @@ class Replay:
         if self.model.has_streams:
             return self.unit_act[self.wiring.unit[g]]
         return self.posted(g)
+
+
+def _known(time: float | None) -> float:
+    """A time the replay has set (the caller checked the op completed)."""
+    assert time is not None
+    return time

@@ -14,8 +14,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from pipecc.ir.ops import Compute, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.semantics.model import CommModel
 
@@ -256,7 +257,7 @@ class _Builder:
                 else:
                     computes.append(g)
                 continue
-            what, peer, pipe, stage, mb, this_group, _ = instr  # type: ignore[misc]
+            what, peer, pipe, stage, mb, this_group, _ = cast("Send | Recv", instr)
             if 0 <= pipe < pipes and 0 <= stage < stages[pipe] and mb >= 0:
                 key = (((mb * pipes + pipe) * stride + stage) << 1) | (what is _GRAD)
             else:
@@ -326,7 +327,7 @@ class _Builder:
             else:
                 both = [
                     posted[k] if k in posted else self._later(c, k)
-                    for op in (instr.forward, instr.backward)  # type: ignore[union-attr]
+                    for op in cast("Fused", instr)[:2]
                     if (k := input_key(op, rank)) >= 0
                 ]
                 deps[c] = tuple(sorted(d for d in both if d >= 0))  # as _bind_unique: latest last
@@ -360,7 +361,7 @@ class _Builder:
         deps, unreceived = self.deps, self.unreceived
         for g in computes:
             x = instrs[g - base]
-            parts = (x,) if type(x) is Compute else (x.forward, x.backward)  # type: ignore[union-attr]
+            parts = (x,) if type(x) is Compute else cast("Fused", x)[:2]
             found: tuple[int, ...] = ()
             for kind, _, pipe, stage, mb, _ in parts:
                 if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
@@ -385,7 +386,7 @@ class _Builder:
             return
         count = len(instrs)
         code, deps = self.code, self.deps
-        listed = [instrs[g - base][0] for g in waits]  # Wait.ops
+        listed = [cast("Wait", instrs[g - base]).ops for g in waits]
         flat = [base + i for ops in listed for i in ops]
         if (
             flat

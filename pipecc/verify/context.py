@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pipecc.diagnostics import Note, Span, Violation
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
 from pipecc.semantics import Wiring
 from pipecc.semantics.wiring import MessageKeys
@@ -102,7 +102,7 @@ def message_words(op: Send | Recv, pipes: bool) -> str:
 
 def compute_words(instr: Compute | Fused, pipes: bool) -> str:
     """`F0.2 (stage 3, mb 2)`; a fused op names both halves."""
-    parts = (instr,) if type(instr) is Compute else (instr.forward, instr.backward)  # type: ignore[union-attr]
+    parts = computations(instr)
     where = "; ".join(
         (f"pipe {op.pipe} " if pipes else "") + f"stage {op.stage} mb {op.mb}" for op in parts
     )

@@ -8,7 +8,7 @@ so a correct program is confirmed with whole-list operations.
 from __future__ import annotations
 
 from pipecc.diagnostics import CoverageError
-from pipecc.ir.ops import Compute, Fused, Instr, Kind
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, computations
 from pipecc.verify.context import Context
 
 _OK_B, _OK_IW, _NONE = (1, 1, 0, 0), (1, 0, 1, 1), (0, 0, 0, 0)
@@ -44,9 +44,7 @@ def check_coverage(ctx: Context) -> None:
 
 
 def _parts(instr: Instr) -> tuple[Compute, ...]:
-    if type(instr) is Compute:
-        return (instr,)
-    return (instr.forward, instr.backward)  # type: ignore[union-attr]
+    return computations(instr)
 
 
 def _count(ctx: Context) -> tuple[list[int], list[tuple[int, int, Compute]]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import cast
 
 import networkx as nx
 
@@ -104,18 +105,18 @@ def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -
     for rank, _ in path:
         if rank not in ranks:
             ranks.append(rank)
-    model = run.model.value
+    name = run.model.value
     if closed:
         who = " → ".join(str(r) for r in [*ranks, ranks[0]])
         head = (
-            f"deadlock under {model}: rank {ranks[0]} waits for itself"
+            f"deadlock under {name}: rank {ranks[0]} waits for itself"
             if len(ranks) == 1
-            else f"deadlock under {model}: ranks {who} wait for each other in a cycle"
+            else f"deadlock under {name}: ranks {who} wait for each other in a cycle"
         )
     else:
         last = path[-1]
         head = (
-            f"deadlock under {model}: rank {path[0][0]} waits forever for "
+            f"deadlock under {name}: rank {path[0][0]} waits forever for "
             f"{ctx.describe(*last)}, which nothing matches"
         )
     if status is Status.NEEDS_BUFFERING:
@@ -175,8 +176,8 @@ def _witness(run: Replay, edges: dict[Node, Stuck]) -> tuple[list[Node], bool]:
         return cycle[entry:] + cycle[:entry], True
     node = (starts or list(edges))[0]
     path = [node]
-    while edges[node].on is not None and edges[node].on not in path:
-        node = edges[node].on  # type: ignore[assignment]
+    while (on := edges[node].on) is not None and on not in path:
+        node = on
         path.append(node)
     return path, False
 
@@ -200,9 +201,9 @@ def _reason(ctx: Context, run: Replay, stuck: Stuck) -> str:
             assert on is not None
             return f"not posted: rank {rank} is stuck at @{on[1]}, before it"
         case Block.NO_PARTNER:
-            instr = ctx.instr(rank, index)
+            instr = cast("Send | Recv", ctx.instr(rank, index))  # only comm ops have partners
             other = "receive" if type(instr) is Send else "send"
-            return f"no {other} on rank {instr.peer} matches it: it never completes"  # type: ignore[union-attr]
+            return f"no {other} on rank {instr.peer} matches it: it never completes"
         case Block.PARTNER:
             assert on is not None
             return f"completes with its partner, rank {on[0]} @{on[1]} ({_rule(run.model)})"
@@ -229,7 +230,7 @@ def _stream_rule(ctx: Context, model: CommModel, stuck: Stuck) -> str:
     if model is CommModel.NCCL_SINGLE:
         return f"nccl-single: rank {stuck.rank}'s ops run in posting order on one stream"
     instr = ctx.instr(stuck.rank, stuck.index)
-    peer = instr.peer if type(instr) in (Send, Recv) else "?"  # type: ignore[union-attr]
+    peer = instr.peer if type(instr) is Send or type(instr) is Recv else "?"
     return f"nccl: rank {stuck.rank}'s ops toward rank {peer} run in posting order"
 
 

@@ -25,7 +25,7 @@ from pipecc.diagnostics import (
     UnrunnableOrderError,
     WeightBeforeInputGradError,
 )
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Send, computations
 from pipecc.semantics.wiring import MessageKeys
 from pipecc.verify.context import Context
 
@@ -35,9 +35,7 @@ _KF, _KW, _KI = Kind.F, Kind.W, Kind.I
 
 
 def _parts(instr: Instr) -> tuple[Compute, ...]:
-    if type(instr) is Compute:
-        return (instr,)
-    return (instr.forward, instr.backward)  # type: ignore[union-attr]
+    return computations(instr)
 
 
 def _fact(keys: MessageKeys, pipe: int, stage: int, mb: int, what: int) -> int:
@@ -56,7 +54,7 @@ def _made_at(ctx: Context, rank: int) -> dict[int, int]:
     setdefault = made.setdefault
     for g in w.computes[rank]:
         instr = instrs[g - base]
-        parts = (instr,) if type(instr) is Compute else (instr.forward, instr.backward)  # type: ignore[union-attr]
+        parts = computations(instr)
         for kind, _, pipe, stage, mb, _ in parts:
             if kind is _KW or not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                 continue
@@ -90,7 +88,7 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
     for g in w.computes[rank]:
         index = g - base
         instr = instrs[index]
-        parts = (instr,) if type(instr) is Compute else (instr.forward, instr.backward)  # type: ignore[union-attr]
+        parts = computations(instr)
         for op in parts:
             kind, _, pipe, stage, mb, _ = op
             if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
@@ -177,11 +175,12 @@ def _check_sends(ctx: Context, rank: int, made: dict[int, int]) -> None:
 
 def _report_send(ctx: Context, rank: int, index: int) -> None:
     send = ctx.instr(rank, index)
-    act = send.what is Msg.ACT  # type: ignore[union-attr]
-    producer = send.stage - 1 if act else send.stage + 1  # type: ignore[union-attr]
+    assert type(send) is Send  # the caller found a send here
+    act = send.what is Msg.ACT
+    producer = send.stage - 1 if act else send.stage + 1
     made = f"F of stage {producer}" if act else f"the backward of stage {producer}"
     text = (
-        f"{ctx.describe(rank, index)} is posted before {made} mb {send.mb}, which "  # type: ignore[union-attr]
+        f"{ctx.describe(rank, index)} is posted before {made} mb {send.mb}, which "
         "makes the tensor it sends"
     )
     ctx.report(SendBeforeComputeError(text, ctx.span(rank, index), rank=rank, index=index))

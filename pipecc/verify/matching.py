@@ -7,8 +7,10 @@ without hanging; an op with no k-th partner never completes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pipecc.diagnostics import MismatchError, OrphanError
-from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send
+from pipecc.ir.ops import Kind, Msg, Recv, Send, computations
 from pipecc.verify.context import Context, message_words, torch_name
 
 
@@ -23,10 +25,12 @@ def check_matching(ctx: Context) -> None:
             _check_pair(ctx, src, dst, sends, recvs)
 
 
-def _check_pair(ctx: Context, src: int, dst: int, sends: object, recvs: object) -> None:
+def _check_pair(
+    ctx: Context, src: int, dst: int, sends: Iterable[int], recvs: Iterable[int]
+) -> None:
     w = ctx.wiring
     message = w.message
-    sends_, recvs_ = list(sends), list(recvs)  # type: ignore[call-overload]
+    sends_, recvs_ = list(sends), list(recvs)
     bad = [
         k for k, (s, r) in enumerate(zip(sends_, recvs_, strict=False)) if message[s] != message[r]
     ]
@@ -127,24 +131,15 @@ def _torch_comm(ctx: Context, op: Send | Recv) -> str:
 
 def _producer(ctx: Context, rank: int, send: Send) -> str:
     """torch's name of the computation on `rank` that makes the tensor `send` carries."""
+    kinds: tuple[Kind, ...]
     if send.what is Msg.ACT:
         kinds, stage = (Kind.F,), send.stage - 1
     else:
         kinds, stage = (Kind.B, Kind.I), send.stage + 1
     for instr in ctx.program.ranks[rank]:
-        parts = (
-            (instr,)
-            if type(instr) is Compute
-            else ((instr.forward, instr.backward) if type(instr) is Fused else ())
-        )
-        for op in parts:
-            if (
-                op.kind in kinds
-                and op.pipe == send.pipe
-                and op.stage == stage  # type: ignore[union-attr]
-                and op.mb == send.mb
-            ):  # type: ignore[union-attr]
-                return torch_name(op)  # type: ignore[arg-type]
+        for op in computations(instr):
+            if op.kind in kinds and op.pipe == send.pipe and op.stage == stage and op.mb == send.mb:
+                return torch_name(op)
     return ""
 
 

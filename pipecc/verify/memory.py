@@ -7,10 +7,10 @@ With these units the peaks are P for 1F1B and ZB-H1 and 2P-1 for ZB-H2, on rank 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from pipecc.diagnostics import ActivationLimitError
-from pipecc.ir.ops import Fused, Kind
+from pipecc.ir.ops import Compute, Fused, Kind
 from pipecc.verify.context import Context
 
 DELTA = {Kind.F: 1, Kind.B: -1, Kind.I: 0, Kind.W: -1}
@@ -23,7 +23,7 @@ class Peak(NamedTuple):
 
     rank: int
     peak: int
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index by design: read by name
 
 
 def peaks(ctx: Context) -> tuple[Peak, ...]:
@@ -41,7 +41,7 @@ def peaks(ctx: Context) -> tuple[Peak, ...]:
                     top, at = live, g - base
                 live += _delta(instr.backward.kind)
                 continue
-            live += _delta(instr.kind)  # type: ignore[union-attr]
+            live += _delta(cast(Compute, instr).kind)
             if live > top:
                 top, at = live, g - base
         found.append(Peak(rank, top, at))

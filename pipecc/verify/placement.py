@@ -8,8 +8,10 @@ named placements better, the report says which.
 
 from __future__ import annotations
 
+from typing import cast
+
 from pipecc.diagnostics import MisplacedOpError, RouteError
-from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send
+from pipecc.ir.ops import Compute, Instr, Msg, Recv, Send, computations
 from pipecc.ir.placement import (
     Placement,
     bidirectional_placement,
@@ -50,9 +52,7 @@ def check_placement(ctx: Context) -> int:
 
 
 def _parts(instr: Instr) -> tuple[Compute, ...]:
-    if type(instr) is Compute:
-        return (instr,)
-    return (instr.forward, instr.backward)  # type: ignore[union-attr]
+    return computations(instr)
 
 
 def _table(placement: Placement) -> list[list[tuple[int, int]]]:
@@ -108,18 +108,11 @@ def _fits(ctx: Context, placement: Placement) -> bool:
     table = _table(placement)
     for rank, instrs in enumerate(ctx.program.ranks):
         for instr in instrs:
-            parts = (
-                (instr,)
-                if type(instr) is Compute
-                else (instr.forward, instr.backward)
-                if type(instr) is Fused
-                else ()
-            )
-            for op in parts:
-                chunk = op.chunk  # type: ignore[union-attr]
+            for op in computations(instr):
+                chunk = op.chunk
                 if not (
                     0 <= chunk < len(table[rank]) and table[rank][chunk] == (op.pipe, op.stage)
-                ):  # type: ignore[union-attr]
+                ):
                     return False
     return True
 
@@ -145,7 +138,7 @@ def check_routes(ctx: Context) -> None:
     placement = ctx.program.placement
     for g in sorted(suspects):
         rank, index = w.locate(g)
-        problem = _route_problem(placement, rank, ctx.instr(rank, index))  # type: ignore[arg-type]
+        problem = _route_problem(placement, rank, cast("Send | Recv", ctx.instr(rank, index)))
         if problem:
             text = f"{ctx.describe(rank, index)}: {problem}"
             ctx.report(RouteError(text, ctx.span(rank, index), rank=rank, index=index))

@@ -8,6 +8,8 @@ the transfer still runs.
 
 from __future__ import annotations
 
+from typing import cast
+
 from pipecc.diagnostics import (
     BufferReuseError,
     DoubleWaitError,
@@ -28,7 +30,7 @@ def check_waits(ctx: Context) -> None:
         base = w.offsets[rank]
         waited_by = [-1] * len(instrs)  # index of the first wait listing each op
         for g in w.waits[rank]:
-            _check_one_wait(ctx, rank, g - base, instrs[g - base], waited_by)  # type: ignore[arg-type]
+            _check_one_wait(ctx, rank, g - base, cast(Wait, instrs[g - base]), waited_by)
         _check_unwaited(ctx, rank, waited_by)
         _check_reuse(ctx, rank, waited_by)
 
@@ -42,7 +44,7 @@ def _all_waited_once(ctx: Context) -> bool:
     for rank, waits in enumerate(w.waits):
         instrs = ctx.program.ranks[rank]
         base = w.offsets[rank]
-        listed += sum(len(instrs[g - base].ops) for g in waits)  # type: ignore[union-attr]
+        listed += sum(len(cast(Wait, instrs[g - base]).ops) for g in waits)
         for g in waits:
             targets.extend(w.deps[g])
     return listed == len(targets) == len(set(targets)) == w.num_comm

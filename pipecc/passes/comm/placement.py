@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from pipecc.ir.ops import Compute, Fused, Kind
 from pipecc.ir.program import Backend
@@ -35,9 +36,9 @@ class Grouping(enum.Enum):
 
 def unit_duration(instr: Compute | Fused) -> float:
     """The default policy's durations: `UNIT_COST`, a fused op the sum of its halves."""
-    if type(instr) is Compute:
-        return UNIT_COST[instr.kind]
-    return UNIT_COST[instr.forward.kind] + UNIT_COST[instr.backward.kind]  # type: ignore[union-attr]
+    if type(instr) is Fused:
+        return UNIT_COST[instr.forward.kind] + UNIT_COST[instr.backward.kind]
+    return UNIT_COST[cast(Compute, instr).kind]
 
 
 def no_latency(stage: int) -> float:
