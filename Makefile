@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= out
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,12 +29,18 @@ demo: $(STAMP)
 	$(BIN)/pipecc run $(OUT)/zb_h1.json --nproc 4 --model examples/mlp.py --check
 	@echo "wrote $(OUT)/zb_h1.json and $(OUT)/zb_h1.svg"
 
-test: $(STAMP)
+# What CI gates (.ci/run runs `make test`): lint, format, types, then the tests.
+test: lint typecheck
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check pipecc runtime tests benchmarks
-	$(BIN)/ruff format --check pipecc runtime tests benchmarks
+	$(BIN)/ruff check pipecc runtime tests benchmarks examples
+	$(BIN)/ruff format --check pipecc runtime tests benchmarks examples
+
+# mypy --strict with no errors, and at most 10 `# type: ignore` (each with its reason on the
+# line): tests/test_typing.py checks the count and the reasons
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict pipecc runtime
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compile_scale.py

@@ -1,8 +1,10 @@
-"""The import rules of DESIGN §1 and STYLE §1: no import runs against an arrow.
+"""The import rules of DESIGN §1 and STYLE §1: each folder is a layer, imports go down.
 
-Module-level imports are parsed from the sources (imports inside functions are allowed only
-for optional heavy dependencies, and are checked separately: never torch outside the runtime
-and `pipecc run`).
+`LAYERS` lists, for every layer, exactly the pipecc layers and third-party packages it may
+import; the tests check that every module of pipecc and the runtime falls under a rule, that
+no import (at module level, inside `if`/`try` blocks such as TYPE_CHECKING, or inside a
+function) breaks one, that a function-local import is one of the few optional heavy ones of
+`LAZY`, and that every allowance is used (so the list shows what the layers need, no more).
 """
 
 from __future__ import annotations
@@ -17,74 +19,85 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"pipecc": ROOT / "pipecc", "pipecc.runtime": ROOT / "runtime"}
 
-# module prefix -> pipecc prefixes it may import (besides itself, the standard library and
-# the third-party packages listed in THIRD_PARTY)
-ALLOWED = {
+# layer -> the other layers and the third-party packages its modules may import (a module
+# may always import the standard library and its own layer). The longest matching prefix
+# names a module's layer.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "pipecc": (),  # the package itself: its version
     "pipecc.diagnostics": (),
     "pipecc.perf": (),
     "pipecc.ir": ("pipecc.diagnostics",),
-    "pipecc.frontend": ("pipecc.diagnostics", "pipecc.ir"),
+    "pipecc.frontend": ("pipecc.diagnostics", "pipecc.ir", "lark"),
+    "pipecc.semantics": ("pipecc.ir",),
+    "pipecc.semantics.costs": ("pipecc.diagnostics", "pipecc.ir"),
+    "pipecc.analysis": ("pipecc.ir", "pipecc.semantics"),
     "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir"),
     # the alignment pass asks the replay engine how its candidates run (DESIGN §1)
     "pipecc.passes.align_comms": (
-        "pipecc.diagnostics",
         "pipecc.ir",
-        "pipecc.passes",
-        "pipecc.semantics.costs",
+        "pipecc.passes.insert_comms",
+        "pipecc.perf",
         "pipecc.semantics",
         "pipecc.analysis.gaps",
-        "pipecc.perf",
     ),
-    "pipecc.interop": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes", "pipecc.perf"),
-    "pipecc.semantics.costs": ("pipecc.diagnostics", "pipecc.ir"),
-    "pipecc.semantics": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),
+    # a .json names its comm policy; what that policy needs of the backend is the passes' word
+    "pipecc.interop": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes.comm.placement"),
     "pipecc.verify": (
         "pipecc.diagnostics",
         "pipecc.ir",
-        "pipecc.semantics",
         "pipecc.perf",
-        "pipecc.semantics.costs",
-        "pipecc.analysis.gaps",
-    ),
-    "pipecc.analysis": (
-        "pipecc.diagnostics",
-        "pipecc.ir",
         "pipecc.semantics",
-    ),
-    # explain's critical path reads a simulated Timeline (until it takes a Replay)
-    "pipecc.analysis.critical_path": (
-        "pipecc.diagnostics",
-        "pipecc.ir",
-        "pipecc.semantics",
-        "pipecc.simulate",
+        "pipecc.analysis",
+        "networkx",
     ),
     "pipecc.simulate": (
         "pipecc.diagnostics",
         "pipecc.ir",
-        "pipecc.semantics",
         "pipecc.perf",
-        "pipecc.analysis.gaps",
-    ),
-    "pipecc.render": (
-        "pipecc.diagnostics",
-        "pipecc.ir",
-        "pipecc.simulate",
         "pipecc.semantics",
+        "pipecc.analysis",
     ),
-    "pipecc.runtime": ("pipecc.diagnostics", "pipecc.ir", "pipecc.semantics.costs"),
-    "pipecc.runtime.launcher": (
+    "pipecc.render": ("pipecc.ir", "pipecc.simulate", "matplotlib"),
+    "pipecc.driver": (
         "pipecc.diagnostics",
+        "pipecc.frontend",
+        "pipecc.interop",
         "pipecc.ir",
-        "pipecc.api",
-        "pipecc.semantics.costs",
-        "pipecc.runtime",
+        "pipecc.passes",
+        "pipecc.perf",
+        "pipecc.semantics",
+        "pipecc.verify",
     ),
+    "pipecc.api": ("pipecc.driver",),
+    "pipecc.commands": (
+        "pipecc.analysis",
+        "pipecc.api",
+        "pipecc.diagnostics",
+        "pipecc.driver",
+        "pipecc.frontend",
+        "pipecc.interop",
+        "pipecc.ir",
+        "pipecc.passes",
+        "pipecc.render",
+        "pipecc.runtime",  # `pipecc run` only, inside the function (LAZY)
+        "pipecc.semantics",
+        "pipecc.simulate",
+        "pipecc.verify",
+    ),
+    "pipecc.cli": ("pipecc", "pipecc.commands", "pipecc.diagnostics"),
+    "pipecc.pytest_plugin": (
+        "pipecc.diagnostics",
+        "pipecc.driver",
+        "pipecc.semantics",
+        "pipecc.verify",
+        "pytest",
+    ),
+    "pipecc.runtime": ("pipecc.diagnostics", "pipecc.ir", "torch"),
 }
-THIRD_PARTY = {
-    "pipecc.frontend": {"lark"},
-    "pipecc.semantics": {"networkx"},
-    "pipecc.verify": {"networkx"},
-    "pipecc.runtime": {"torch"},
+# function-local imports: optional heavy dependencies only (STYLE §1)
+LAZY = {
+    ("pipecc.render.png", "matplotlib"),
+    ("pipecc.commands.run", "pipecc.runtime"),
 }
 STDLIB = set(sys.stdlib_module_names)
 
@@ -96,60 +109,104 @@ def _modules() -> list[tuple[str, Path]]:
             parts = path.relative_to(folder).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            name = ".".join((package, *parts))
-            if package == "pipecc" and name.startswith("pipecc.runtime"):
-                continue
-            found.append((name, path))
+            found.append((".".join((package, *parts)), path))
     return found
 
 
-def _module_level_imports(path: Path) -> list[str]:
+def _imports(path: Path, module: str = "") -> list[tuple[str, bool]]:
+    """(imported module, inside a function) for every import of the file, wherever it is
+    (a relative import resolved against `module`)."""
     tree = ast.parse(path.read_text())
-    names = []
-    for node in tree.body:
+    local = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for inner in ast.walk(node)
+    }
+    found = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-        elif isinstance(node, ast.If | ast.Try):  # TYPE_CHECKING blocks, optional imports
-            continue
-    return names
+            found += [(alias.name, id(node) in local) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((_absolute(node, module, path.name == "__init__.py"), id(node) in local))
+    return found
 
 
-def _rule(module: str) -> str | None:
-    matches = [prefix for prefix in ALLOWED if module == prefix or module.startswith(prefix + ".")]
+def _absolute(node: ast.ImportFrom, module: str, package: bool) -> str:
+    if node.level == 0:
+        assert node.module
+        return node.module
+    parts = module.split(".")
+    base = parts if package else parts[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join((*base, *([node.module] if node.module else [])))
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _layer(module: str) -> str | None:
+    matches = [prefix for prefix in LAYERS if _within(module, prefix)]
     return max(matches, key=len) if matches else None
 
 
-def _allowed(module: str, imported: str) -> bool:
+def _target(module: str, imported: str) -> str | None:
+    """The allowance of `module`'s layer that permits importing `imported` (the layer itself
+    for its own modules, "" for the standard library), or None: a broken rule."""
     top = imported.split(".")[0]
     if top in STDLIB or top == "__future__":
-        return True
-    if imported == module or imported.startswith(module + "."):
-        return True
-    rule = _rule(module)
-    if top != "pipecc":
-        extra = {
-            lib
-            for prefix, libs in THIRD_PARTY.items()
-            if module == prefix or module.startswith(prefix + ".")
-            for lib in libs
-        }
-        return top in extra
-    if rule is None:  # the top layer (cli, commands, api, pytest plugin) may import pipecc
-        return True
-    own_package = rule
-    allowed = (*ALLOWED[rule], own_package)
-    return any(imported == p or imported.startswith(p + ".") for p in allowed)
+        return ""
+    layer = _layer(module)
+    assert layer is not None
+    if _within(imported, layer) and (layer != "pipecc" or imported == "pipecc"):
+        return layer
+    allowed = [p for p in LAYERS[layer] if _within(imported, p)]
+    return max(allowed, key=len) if allowed else None
 
 
-@pytest.mark.parametrize(("module", "path"), _modules(), ids=lambda v: str(v))
-def test_imports_follow_the_arrows(module: str, path: Path) -> None:
-    bad = [name for name in _module_level_imports(path) if not _allowed(module, name)]
-    top = _rule(module) is None
-    if top:  # the CLI layer: anything in pipecc, but torch only inside `pipecc run`
-        bad = [name for name in _module_level_imports(path) if name.split(".")[0] == "torch"]
+MODULES = _modules()
+
+
+@pytest.mark.parametrize(("module", "path"), MODULES, ids=[m for m, _ in MODULES])
+def test_imports_follow_the_layers(module: str, path: Path) -> None:
+    assert _layer(module) is not None, f"{module} belongs to no layer of LAYERS"
+    bad = [name for name, _ in _imports(path, module) if _target(module, name) is None]
     assert not bad, f"{module} imports {bad} against the layering rules"
+    lazy = [name for name, local in _imports(path, module) if local]
+    unlisted = [n for n in lazy if not any(_within(module, m) and _within(n, t) for m, t in LAZY)]
+    assert not unlisted, f"{module} imports {unlisted} inside a function"
+
+
+def test_every_allowance_is_used() -> None:
+    used = {
+        (_layer(module), _target(module, name))
+        for module, path in MODULES
+        for name, _ in _imports(path, module)
+    }
+    unused = [
+        f"{layer} -> {target}"
+        for layer, targets in LAYERS.items()
+        for target in targets
+        if (layer, target) not in used
+    ]
+    assert not unused, f"allowed but never imported (remove them from LAYERS): {unused}"
+
+
+def test_the_rules_see_imports_in_blocks_and_functions(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import pipecc.passes\n"
+        "try:\n    import lark\nexcept ImportError:\n    pass\n"
+        "def f():\n    import torch\n"
+    )
+    found = _imports(source)
+    assert ("pipecc.passes", False) in found and ("lark", False) in found
+    assert ("torch", True) in found
+    assert _target("pipecc.ir.ops", "pipecc.passes") is None
+    assert _target("pipecc.ir.ops", "lark") is None
+    assert _target("pipecc.semantics.engine", "pipecc.semantics.costs") == "pipecc.semantics"
 
 
 def test_compiler_verifier_simulator_run_without_torch() -> None:

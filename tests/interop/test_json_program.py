@@ -26,12 +26,6 @@ def test_round_trip_is_equal(schedule: str, ranks: int, microbatches: int) -> No
     assert json_program.dumps(again) == text  # same bytes after a round trip
 
 
-def test_output_is_deterministic() -> None:
-    first = json_program.dumps(compile_bundled("dualpipev", 4, 10))
-    second = json_program.dumps(compile_bundled("dualpipev", 4, 10))
-    assert first == second
-
-
 def test_contract_fields() -> None:
     data = json.loads(json_program.dumps(compile_bundled("dualpipe", 4, 8)))
     assert data["format"] == "pipecc.program/1"
