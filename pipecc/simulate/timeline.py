@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pipecc.analysis.gaps import Gap, classify, clean
+from pipecc.analysis.memory import peak_activations, peak_bytes
 from pipecc.diagnostics import ProgramError
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait, computations
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, Replay, replay
@@ -237,7 +238,13 @@ def _rank_stats(
     waits = len(run.wiring.waits[rank])
     host = post * (len(instrs) - len(run.wiring.computes[rank]) - waits) + wait * waits
     first = first if first is not None else 0.0
-    peak, peak_index, peak_bytes = _peak_memory(instrs, costs)
+    peak, at = peak_activations(instrs)
+    peak_index = max(at, 0)
+    in_bytes = (
+        peak_bytes(instrs, lambda stage: costs.stage(stage).act_bytes or 0.0)
+        if costs.has_bytes()
+        else None
+    )
     peak_time = run.start_time(rank, peak_index) or 0.0 if instrs else 0.0
     return RankStats(
         rank=rank,
@@ -250,39 +257,9 @@ def _rank_stats(
         peak_activations=peak,
         peak_index=peak_index,
         peak_time=peak_time,
-        peak_bytes=peak_bytes,
+        peak_bytes=in_bytes,
         stalls=tuple(_stalls(rank, instrs, run, threshold, post=post)),
     )
-
-
-def _peak_memory(instrs: tuple[Instr, ...], costs: CostModel) -> tuple[int, int, float | None]:
-    """Peak live activations (DESIGN §2: F +1, B −1, I 0, W −1; a fused op allocates before
-    it frees) and where it first occurs; and the peak in bytes when `act_bytes` is given."""
-    live = peak = peak_index = 0
-    step = {Kind.F: 1, Kind.B: -1, Kind.I: 0, Kind.W: -1}
-    for index, instr in enumerate(instrs):
-        if type(instr) is Compute:
-            live += step[instr[0]]
-        elif type(instr) is Fused:
-            live += 1  # the forward allocates before the backward frees
-            if live > peak:
-                peak, peak_index = live, index
-            live += step[instr[1][0]] - 1
-        else:
-            continue
-        if live > peak:
-            peak, peak_index = live, index
-    return peak, peak_index, _peak_bytes(instrs, costs) if costs.has_bytes() else None
-
-
-def _peak_bytes(instrs: tuple[Instr, ...], costs: CostModel) -> float:
-    live = peak = 0.0
-    for instr in instrs:
-        for op in computations(instr):
-            size = costs.stage(op.stage).act_bytes or 0.0
-            live += size if op.kind is Kind.F else (0.0 if op.kind is Kind.I else -size)
-            peak = max(peak, live)
-    return peak
 
 
 def _stalls(
