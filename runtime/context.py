@@ -14,7 +14,9 @@ from typing import NamedTuple
 import torch
 
 from pipecc.diagnostics import InputError
+from pipecc.ir.keys import Message
 from pipecc.ir.ops import Msg, Recv, Send
+from pipecc.ir.printer import message
 
 from .comm import Posted
 from .profile import Recorder
@@ -70,7 +72,7 @@ class StepContext:
         if self.weights:
             found.append(f"I without its W: (chunk, mb) {sorted(self.weights)}")
         if self.mail:
-            names = sorted(f"{w.value} pipe {p} stage {s} mb {m}" for w, p, s, m in self.mail)
+            names = sorted(message(Message(*key)) for key in self.mail)
             found.append("tensors produced but never consumed: " + "; ".join(names))
         return found
 

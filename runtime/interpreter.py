@@ -31,8 +31,9 @@ from pipecc.diagnostics import (
     RecvTimeoutError,
     SetupError,
 )
+from pipecc.ir.keys import Message
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
-from pipecc.ir.printer import describe
+from pipecc.ir.printer import describe, message
 from pipecc.ir.program import Program
 
 from . import setup
@@ -371,9 +372,8 @@ class PipelineRuntime:
     def _take(self, ctx: StepContext, key: tuple[Msg, int, int, int]) -> Tensors:
         found = ctx.mail.pop(key, None)
         if found is None:
-            what, pipe, stage, mb = key
             raise ProgramError(
-                f"{what.value} pipe {pipe} stage {stage} mb {mb} is not here: it was neither "
+                f"{message(Message(*key))} is not here: it was neither "
                 "produced on this rank nor received by a completed wait before this instruction"
             )
         return found

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecc.ir.dataflow import Dataflow
+from pipecc.ir.keys import MessageKeys
 from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait, computations
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
@@ -119,7 +119,7 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
     """For each compute op (by global instruction id): when its last input could have been
     there — its producers' end in this replay plus, for a message, the host time of its post
     and its latency."""
-    flow = Dataflow(program.placement)
+    flow = run.wiring.keys
     post, _ = costs.overhead()
     computes = [
         [
@@ -152,7 +152,7 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
 
 
 def _made_at(
-    computes: list[list[tuple[int, tuple[Compute, ...]]]], flow: Dataflow, run: Replay
+    computes: list[list[tuple[int, tuple[Compute, ...]]]], flow: MessageKeys, run: Replay
 ) -> dict[int, float]:
     """When each message's producer ended in this replay (by message key)."""
     stride, outputs_of, ends, offsets = flow.mb_stride, flow.outputs, run.end, run.wiring.offsets

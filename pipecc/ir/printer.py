@@ -1,13 +1,20 @@
-"""Text forms of a program: the per-rank grid of compute ops, and the full listing.
+"""The one formatter of instructions, and the text forms of a program built on it.
+
+An instruction has a short form, its `label()` (`F0.3` = forward of chunk 0 on microbatch
+3, `F0.4&B1.1` = a fused pair, `send act s2.3→r1`), for grids and pictures; and a long form,
+`describe` (`send act stage 2 mb 3 to rank 1 [group 0]`, with the pipe when the program has
+two), for listings, diagnostics, the simulator's and explain's reasons and the runtime's
+errors. `message` names a tensor that crosses a stage boundary the same way.
 
 The grid reads like the papers' figures: one row per rank, one column per compute
-instruction, `F0.3` = forward of chunk 0 on microbatch 3, `F0.4&B1.1` = a fused pair.
-The listing shows every instruction of every rank with its index, comm ops and waits included.
+instruction. The listing shows every instruction of every rank with its index.
 """
 
 from __future__ import annotations
 
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
+from typing import Protocol
+
+from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
 
 
@@ -36,23 +43,51 @@ def format_grid(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe(instr: Instr) -> str:
-    """A one-line description of an instruction, as the listing and diagnostics show it."""
+class Named(Protocol):
+    """Anything that names a message: a Send, a Recv, a `Message`."""
+
+    @property
+    def what(self) -> Msg: ...
+    @property
+    def pipe(self) -> int: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def mb(self) -> int: ...
+
+
+def message(op: Named, *, pipes: bool = True) -> str:
+    """`act pipe 0 stage 1 mb 2`: a message by its receiving stage (the pipe when `pipes`)."""
+    pipe = f"pipe {op.pipe} " if pipes else ""
+    return f"{op.what.value} {pipe}stage {op.stage} mb {op.mb}"
+
+
+def describe(instr: Instr, *, pipes: bool = True, places: bool = False, groups: bool = True) -> str:
+    """The long form of an instruction. `pipes`: name the pipe (a program with two pipes);
+    `places`: give a computation's stage and microbatch too (`F0.2 (stage 3 mb 2)`);
+    `groups`: a comm op's posting group."""
     match instr:
         case Compute() | Fused():
-            return instr.label()
-        case Send() | Recv():
-            verb = "send" if type(instr) is Send else "recv"
-            arrow = "to" if type(instr) is Send else "from"
-            group = f" [group {instr.group}]" if instr.group is not None else ""
-            return (
-                f"{verb} {instr.what.value} pipe {instr.pipe} stage {instr.stage} mb {instr.mb} "
-                f"{arrow} rank {instr.peer}{group}"
+            if not places:
+                return instr.label()
+            where = "; ".join(
+                (f"pipe {op.pipe} " if pipes else "") + f"stage {op.stage} mb {op.mb}"
+                for op in computations(instr)
             )
+            return f"{instr.label()} ({where})"
+        case Send() | Recv():
+            verb, arrow = ("send", "to") if type(instr) is Send else ("recv", "from")
+            group = f" [group {instr.group}]" if groups and instr.group is not None else ""
+            return f"{verb} {message(instr, pipes=pipes)} {arrow} rank {instr.peer}{group}"
         case Wait(ops=ops):
             return "wait " + " ".join(str(i) for i in ops)
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
+
+
+def has_pipes(program: Program) -> bool:
+    """The program has two pipes (bidirectional placement): the long forms name the pipe."""
+    return program.placement.num_pipes > 1
 
 
 def format_listing(program: Program) -> str:

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipecc.diagnostics import ScheduleError, Span
-from pipecc.ir.dataflow import Dataflow, Message
+from pipecc.ir.keys import Message, MessageKeys
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
 from pipecc.ir.streams import CommSpec, FusedSpec, OpSpec, StreamItem, Streams, WaitSpec
@@ -65,14 +65,14 @@ class _RankAssigner:
     posted: list[int] = field(default_factory=list)
     manual_recvs: list[tuple[int, CommSpec]] = field(default_factory=list)
     groups: dict[int, int] = field(default_factory=dict)
-    flow: Dataflow = field(init=False)
+    flow: MessageKeys = field(init=False)
     slots: list[tuple[int, int]] = field(default_factory=list)  # chunk -> (pipe, stage)
     manual: bool = False  # the stream has hand-placed comm ops
     count: int = 0  # microbatches M: ops on higher ones (padding) are dropped
 
     def __post_init__(self) -> None:
         placement = self.streams.placement
-        self.flow = Dataflow(placement)
+        self.flow = MessageKeys(placement)
         generated = self.streams.generated_microbatches
         for slot in placement.chunks(self.rank):
             mbs = placement.microbatches(slot.pipe, generated)

@@ -41,12 +41,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipecc.diagnostics import ScheduleError
-from pipecc.ir.dataflow import Dataflow
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send
+from pipecc.ir.keys import MessageKeys
+from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send
+from pipecc.ir.printer import message
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.comm.emission import Emitter, emit_rank, hand_waited
 from pipecc.passes.comm.order import (
-    MessageKeys,
     collect,
     integer_times,
     manual_messages,
@@ -99,8 +99,7 @@ def strip_comms(prog: Program) -> Program:
 def lower(prog: Program, placement: CommPlacement) -> Program:
     """Place the comm ops of `prog` as `placement` says (the module docstring describes the
     default; `align_comms` passes the real costs)."""
-    flow = Dataflow(prog.placement)
-    keys = MessageKeys(flow, prog.num_microbatches)
+    keys = MessageKeys(prog.placement).by_stage(prog.num_microbatches)
     table = op_table(keys, placement)
     ranks = [collect(instrs, keys, placement, table) for instrs in prog.ranks]
     consumed = order_replay(ranks, prog, keys)
@@ -158,16 +157,20 @@ def _check_hand_placed_order(ranks: tuple[tuple[Instr, ...], ...]) -> None:
                 recvs.setdefault((instr.peer, rank), []).append(instr)
     for (src, dst), posted in sorted(sends.items()):
         for k, (send, recv) in enumerate(zip(posted, recvs.get((src, dst), []), strict=False)):
-            if send.what is not recv.what or send[2:5] != recv[2:5]:
-                raise ScheduleError(
-                    f"rank {src}'s send #{k} to rank {dst} carries {_name(send)} but rank "
-                    f"{dst}'s receive #{k} from rank {src} expects {_name(recv)}: messages "
-                    "between two ranks match in posting order, so this would deliver the "
-                    "wrong tensor (check the order of the hand-placed sends and recvs)",
-                    send.span or recv.span,
-                    notes=((recv.span, "the receive"),) if send.span and recv.span else (),
-                )
+            if _name(send) != _name(recv):
+                raise _mismatch(src, dst, k, send, recv)
 
 
-def _name(op: Send | Recv) -> str:
-    return f"{op.what.value} stage {op.stage} mb {op.mb}"
+def _name(op: Send | Recv) -> tuple[Msg, int, int, int]:
+    return (op.what, op.pipe, op.stage, op.mb)
+
+
+def _mismatch(src: int, dst: int, k: int, send: Send, recv: Recv) -> ScheduleError:
+    return ScheduleError(
+        f"rank {src}'s send #{k} to rank {dst} carries {message(send, pipes=False)} but rank "
+        f"{dst}'s receive #{k} from rank {src} expects {message(recv, pipes=False)}: messages "
+        "between two ranks match in posting order, so this would deliver the "
+        "wrong tensor (check the order of the hand-placed sends and recvs)",
+        send.span or recv.span,
+        notes=((recv.span, "the receive"),) if send.span and recv.span else (),
+    )

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from pipecc.ir.ops import Compute, Fused, Kind, Recv, Send
+from pipecc.ir.ops import Compute, Fused, Kind, Send
+from pipecc.ir.printer import has_pipes, message
 from pipecc.simulate.timeline import Timeline
 
 COLOURS = {  # (chunk 0, chunk 1+)
@@ -44,10 +46,21 @@ def boxes(timeline: Timeline) -> list[Box]:
     return found
 
 
-def messages(timeline: Timeline) -> list[tuple[int, float, int, float, str]]:
-    """(src rank, send post time, dst rank, recv completion time, label) per message."""
+class Arrow(NamedTuple):
+    """A message drawn as an arrow: from the send's post to the receive's completion."""
+
+    src: int
+    sent: float
+    dst: int
+    arrived: float
+    label: str  # the message (`act stage 2 mb 3`)
+
+
+def messages(timeline: Timeline) -> list[Arrow]:
+    """Every message of the timeline that was delivered."""
     run = timeline.replay
-    found = []
+    pipes = has_pipes(run.program)
+    found: list[Arrow] = []
     for rank, index, instr, _, _ in timeline.ops():
         if type(instr) is not Send:
             continue
@@ -57,12 +70,8 @@ def messages(timeline: Timeline) -> list[tuple[int, float, int, float, str]]:
         done = run.done_time(*partner)
         if done is not None:
             posted = run.post_time(rank, index) or 0.0
-            found.append((rank, posted, partner[0], done, message_label(instr)))
+            found.append(Arrow(rank, posted, partner[0], done, message(instr, pipes=pipes)))
     return found
-
-
-def message_label(instr: Send | Recv) -> str:
-    return f"{instr.what.value} s{instr.stage} mb{instr.mb}"
 
 
 def colour(box: Box) -> str:

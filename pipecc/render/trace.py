@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send
-from pipecc.render.boxes import message_label, messages
+from pipecc.ir.ops import Compute, Fused
+from pipecc.ir.printer import describe, has_pipes
+from pipecc.render.boxes import messages
 from pipecc.simulate.timeline import Timeline
 
 
@@ -25,11 +26,12 @@ def render_trace(timeline: Timeline) -> str:
         events.append(
             {"ph": "M", "pid": rank, "tid": 1, "name": "thread_name", "args": {"name": "comm"}}
         )
+    pipes = has_pipes(timeline.program)
     for rank, index, instr, start, end in timeline.ops():
         if type(instr) is Compute or type(instr) is Fused:
             tid, name = 0, instr.label()
         else:
-            tid, name = 1, _trace_name(instr)
+            tid, name = 1, describe(instr, pipes=pipes)
         events.append(
             {
                 "ph": "X",
@@ -66,10 +68,3 @@ def render_trace(timeline: Timeline) -> str:
             }
         )
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=0) + "\n"
-
-
-def _trace_name(instr: Instr) -> str:
-    if type(instr) is Send or type(instr) is Recv:
-        verb = "send" if type(instr) is Send else "recv"
-        return f"{verb} {message_label(instr)} r{instr.peer}"
-    return "wait"

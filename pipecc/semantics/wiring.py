@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.keys import MessageKeys
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.semantics.model import CommModel
 
 # instruction codes
 COMPUTE, SEND, RECV, WAIT = 0, 1, 2, 3
 _EMPTY: tuple[int, ...] = ()
-_GRAD = Msg.GRAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,7 @@ class Wiring:
     """
 
     program: Program
+    keys: MessageKeys  # the message keys of the program's placement
     offsets: tuple[int, ...]  # P + 1 entries; rank r's ids are offsets[r]..offsets[r+1]-1
     code: Sequence[int]  # COMPUTE, SEND, RECV or WAIT
     deps: Sequence[tuple[int, ...]]  # recvs a compute consumes; comm ops a Wait lists
@@ -104,70 +105,6 @@ class Wiring:
         return Streams(CommModel.NCCL, self.peer_streams, self.unit_peer_streams)
 
 
-class MessageKeys:
-    """Dense integer keys for message names (what, pipe, stage, mb) of one placement.
-
-    Names outside the placement (a bad pipe or stage) get negative keys of their own, so a
-    malformed program still replays.
-    """
-
-    def __init__(self, program: Program) -> None:
-        placement = program.placement
-        self.pipes = placement.num_pipes
-        self.stages = tuple(placement.num_stages(p) for p in range(self.pipes))
-        self.stride = max(self.stages)
-        self.ranks_of = tuple(
-            tuple(placement.holder(p, s).rank for s in range(self.stages[p]))
-            for p in range(self.pipes)
-        )
-        self._odd: dict[tuple[Msg, int, int, int], int] = {}
-
-    def key(self, what: Msg, pipe: int, stage: int, mb: int) -> int:
-        if 0 <= pipe < self.pipes and 0 <= stage < self.stages[pipe] and mb >= 0:
-            return (((mb * self.pipes + pipe) * self.stride + stage) << 1) | (what is _GRAD)
-        name = (what, pipe, stage, mb)
-        return self._odd.setdefault(name, -2 - len(self._odd))
-
-    def input_key(self, op: Compute, rank: int) -> int:
-        """The key of the message `op` receives from another rank, or -1 (none, or local)."""
-        kind, _, pipe, stage, mb, _ = op
-        if not (0 <= pipe < self.pipes and 0 <= stage < self.stages[pipe]) or mb < 0:
-            return -1
-        ranks = self.ranks_of[pipe]
-        if kind is Kind.F:
-            if stage == 0 or ranks[stage - 1] == rank:
-                return -1
-            return ((mb * self.pipes + pipe) * self.stride + stage) << 1
-        if kind is Kind.W or stage == len(ranks) - 1 or ranks[stage + 1] == rank:
-            return -1
-        return (((mb * self.pipes + pipe) * self.stride + stage) << 1) | 1
-
-    def input_table(self) -> list[list[list[tuple[int, int]]]]:
-        """table[kind][pipe][stage] = (key - mb·period, sending rank) of the message a
-        Compute of that kind (F, B, I, W in that order) receives, or (-1, -1) for none;
-        the op receives it from another rank when the sending rank is not its own."""
-        table = []
-        for kind in (Kind.F, Kind.B, Kind.I, Kind.W):
-            rows = []
-            for pipe in range(self.pipes):
-                ranks = self.ranks_of[pipe]
-                row = []
-                for stage in range(self.stages[pipe]):
-                    src = (
-                        -1
-                        if kind is Kind.W
-                        else (ranks[stage - 1] if stage > 0 else -1)
-                        if kind is Kind.F
-                        else (ranks[stage + 1] if stage + 1 < len(ranks) else -1)
-                    )
-                    # input_key with an impossible rank: the key whenever a message exists
-                    key = self.input_key(Compute(kind, 0, pipe, stage, 0), -1)
-                    row.append((key, src) if src >= 0 else (-1, -1))
-                rows.append(row)
-            table.append(rows)
-        return table
-
-
 _F, _B, _I = Kind.F, Kind.B, Kind.I
 
 
@@ -178,6 +115,7 @@ def wire(program: Program) -> Wiring:
         builder.scan(rank, instrs)
     return Wiring(
         program=program,
+        keys=builder.keys,
         offsets=tuple(builder.offsets),
         code=builder.code,
         deps=builder.deps,
@@ -207,7 +145,7 @@ class _Builder:
     def __init__(self, program: Program) -> None:
         n = program.num_instructions()
         self.num_ranks = program.num_ranks
-        self.keys = MessageKeys(program)
+        self.keys = MessageKeys(program.placement)
         self.table = self.keys.input_table()
         self.offsets = [0]
         self.unit_offsets = [0]
@@ -237,8 +175,7 @@ class _Builder:
         base = self.offsets[-1]
         code, message, peers, unit_of = self.code, self.message, self.peer, self.unit
         first, last, unit_streams = self.unit_first, self.unit_last, self.unit_streams
-        keys = self.keys
-        pipes, stages, stride = keys.pipes, keys.stages, keys.stride
+        name_key = self.keys.name_key
         sends, recvs, streams = self.sends[rank], self.recvs[rank], self.streams[rank]
         num_ranks = self.num_ranks
         computes: list[int] = []
@@ -258,11 +195,7 @@ class _Builder:
                     computes.append(g)
                 continue
             what, peer, pipe, stage, mb, this_group, _ = cast("Send | Recv", instr)
-            if 0 <= pipe < pipes and 0 <= stage < stages[pipe] and mb >= 0:
-                key = (((mb * pipes + pipe) * stride + stage) << 1) | (what is _GRAD)
-            else:
-                key = keys.key(what, pipe, stage, mb)
-            message[g] = key
+            message[g] = key = name_key(what, pipe, stage, mb)
             if this_group is None or this_group != group:
                 first.append(g)
                 last.append(g)
@@ -357,7 +290,7 @@ class _Builder:
         compute consumes that recv, wherever it is (after it, it waits for it forever)."""
         keys = self.keys
         table = self.table
-        period, pipes, stages = keys.pipes * keys.stride * 2, keys.pipes, keys.stages
+        period, pipes, stages = keys.mb_stride, keys.pipes, keys.stages
         deps, unreceived = self.deps, self.unreceived
         for g in computes:
             x = instrs[g - base]

@@ -19,6 +19,7 @@ from pipecc.analysis.gaps import Gap, classify, clean
 from pipecc.analysis.memory import peak_activations, peak_bytes
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
+from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, Replay, replay
@@ -258,18 +259,17 @@ def _rank_stats(
         peak_index=peak_index,
         peak_time=peak_time,
         peak_bytes=in_bytes,
-        stalls=tuple(_stalls(rank, instrs, run, threshold, post=post)),
+        stalls=tuple(_stalls(rank, run, threshold, post=post)),
     )
 
 
-def _stalls(
-    rank: int, instrs: tuple[Instr, ...], run: Replay, threshold: float, *, post: float
-) -> list[Stall]:
+def _stalls(rank: int, run: Replay, threshold: float, *, post: float) -> list[Stall]:
     """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv):
     from the end of the previous instruction to the start (the release) of this one. A post
     never blocks: it ends `post` after the previous instruction."""
     found = []
     starts, ends, base = run.start, run.end, run.wiring.offsets[rank]
+    instrs = run.program.ranks[rank]
     previous_end = 0.0
     for index, instr in enumerate(instrs):
         kind = type(instr)
@@ -284,16 +284,14 @@ def _stalls(
             continue
         cause = run.cause(rank, index)
         released = cause.index if cause.rank == rank and cause.index >= 0 else None
-        message = _describe(instrs[released]) if released is not None else "previous op"
+        message = "previous op" if released is None else _released_by(instrs[released])
         found.append(Stall(rank, index, blocked_from, length, released, message))
     return found
 
 
-def _describe(instr: Instr) -> str:
+def _released_by(instr: Instr) -> str:
+    """What released a stall (DESIGN §6's `message`): a comm op in its long form without pipe
+    or group, anything else by its `op` name."""
     if type(instr) is Send or type(instr) is Recv:
-        arrow = "to" if type(instr) is Send else "from"
-        verb = "send" if type(instr) is Send else "recv"
-        return (
-            f"{verb} {instr.what.value} stage {instr.stage} mb {instr.mb} {arrow} rank {instr.peer}"
-        )
+        return describe(instr, pipes=False, groups=False)
     return op_name(instr)

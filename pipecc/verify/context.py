@@ -11,10 +11,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pipecc.diagnostics import Note, Span, Violation
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait, computations
+from pipecc.ir.keys import MessageKeys
+from pipecc.ir.ops import Compute, Fused, Instr, Send
+from pipecc.ir.printer import describe, has_pipes
 from pipecc.ir.program import Program
 from pipecc.semantics import Wiring
-from pipecc.semantics.wiring import MessageKeys
 
 DEFAULT_LIMIT = 5
 
@@ -29,10 +30,11 @@ class Context:
     violations: list[Violation] = field(default_factory=list)
     kept: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
-    keys: MessageKeys = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.keys = MessageKeys(self.program)
+    @property
+    def keys(self) -> MessageKeys:
+        """The message keys the wiring numbered the program's messages with."""
+        return self.wiring.keys
 
     def report(self, violation: Violation) -> None:
         code = violation.code
@@ -73,40 +75,14 @@ class Context:
 
     def what(self, instr: Instr) -> str:
         """An instruction in words, with pipe numbers only when the program has two pipes."""
-        match instr:
-            case Compute() | Fused():
-                return compute_words(instr, self._pipes)
-            case Send() | Recv():
-                verb, arrow = ("send", "to") if type(instr) is Send else ("recv", "from")
-                group = f" [group {instr.group}]" if instr.group is not None else ""
-                return (
-                    f"{verb} {message_words(instr, self._pipes)} {arrow} rank {instr.peer}{group}"
-                )
-            case Wait(ops=ops):
-                return "wait " + " ".join(str(i) for i in ops)
-            case _:
-                raise AssertionError(f"unknown instruction {instr!r}")
+        return describe(instr, pipes=self._pipes, places=True)
 
     @property
     def _pipes(self) -> bool:
-        return self.program.placement.num_pipes > 1
+        return has_pipes(self.program)
 
     def note(self, rank: int, index: int, text: str) -> Note:
         return (self.span(rank, index), text)
-
-
-def message_words(op: Send | Recv, pipes: bool) -> str:
-    pipe = f"pipe {op.pipe} " if pipes else ""
-    return f"{op.what.value} {pipe}stage {op.stage} mb {op.mb}"
-
-
-def compute_words(instr: Compute | Fused, pipes: bool) -> str:
-    """`F0.2 (stage 3, mb 2)`; a fused op names both halves."""
-    parts = computations(instr)
-    where = "; ".join(
-        (f"pipe {op.pipe} " if pipes else "") + f"stage {op.stage} mb {op.mb}" for op in parts
-    )
-    return f"{instr.label()} ({where})"
 
 
 def torch_name(op: Compute) -> str:

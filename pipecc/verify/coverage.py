@@ -50,9 +50,9 @@ def _parts(instr: Instr) -> tuple[Compute, ...]:
 def _count(ctx: Context) -> tuple[list[int], list[tuple[int, int, Compute]]]:
     """Counts of (F, B, I, W) per (pipe, stage, mb) position, and the ops outside the grid."""
     keys, w = ctx.keys, ctx.wiring
-    pipes, stages, stride = keys.pipes, keys.stages, keys.stride
+    pipes, stages, slot = keys.pipes, keys.stages, keys.slot
     microbatches = ctx.program.num_microbatches
-    counts = [0] * (microbatches * pipes * stride * 4)
+    counts = [0] * (microbatches * pipes * keys.stride * 4)
     outside: list[tuple[int, int, Compute]] = []
     for rank, instrs in enumerate(ctx.program.ranks):
         base = w.offsets[rank]
@@ -63,7 +63,7 @@ def _count(ctx: Context) -> tuple[list[int], list[tuple[int, int, Compute]]]:
                     outside.append((rank, g - base, op))
                     continue
                 k = 0 if kind is _F else 1 if kind is _B else 2 if kind is _I else 3
-                counts[(((mb * pipes + pipe) * stride + stage) << 2) | k] += 1
+                counts[(slot(pipe, stage, mb) << 2) | k] += 1
     return counts, outside
 
 
@@ -76,16 +76,13 @@ def _valid_positions(ctx: Context) -> list[bool] | None:
     valid = [False] * (microbatches * keys.pipes * keys.stride)
     for pipe in range(keys.pipes):
         for mb in placement.microbatches(pipe, microbatches):
-            start = (mb * keys.pipes + pipe) * keys.stride
+            start = keys.slot(pipe, 0, mb)
             valid[start : start + keys.stages[pipe]] = [True] * keys.stages[pipe]
     return valid
 
 
 def _decode(ctx: Context, position: int) -> tuple[int, int, int]:
-    keys = ctx.keys
-    stage = position % keys.stride
-    rest = position // keys.stride
-    return rest % keys.pipes, stage, rest // keys.pipes
+    return ctx.keys.place(position)
 
 
 def _first_ops(ctx: Context) -> dict[tuple[int, int, int], tuple[int, int]]:

@@ -25,8 +25,8 @@ from pipecc.diagnostics import (
     UnrunnableOrderError,
     WeightBeforeInputGradError,
 )
+from pipecc.ir.keys import MessageKeys
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Send, computations
-from pipecc.semantics.wiring import MessageKeys
 from pipecc.verify.context import Context
 
 # A fact is "F / a backward / an I of (pipe, stage, mb) has run": (position << 2) | one of
@@ -40,15 +40,15 @@ def _parts(instr: Instr) -> tuple[Compute, ...]:
 
 def _fact(keys: MessageKeys, pipe: int, stage: int, mb: int, what: int) -> int:
     """The fact id, or -1 when (pipe, stage, mb) is outside the placement."""
-    if not (0 <= pipe < keys.pipes and 0 <= stage < keys.stages[pipe]) or mb < 0:
+    if not keys.inside(pipe, stage, mb):
         return -1
-    return (((mb * keys.pipes + pipe) * keys.stride + stage) << 2) | what
+    return (keys.slot(pipe, stage, mb) << 2) | what
 
 
 def _made_at(ctx: Context, rank: int) -> dict[int, int]:
     """fact -> index of the first instruction of `rank` that makes it."""
     keys, w = ctx.keys, ctx.wiring
-    pipes, stages, stride = keys.pipes, keys.stages, keys.stride
+    pipes, stages, slot = keys.pipes, keys.stages, keys.slot
     instrs, base = ctx.program.ranks[rank], w.offsets[rank]
     made: dict[int, int] = {}
     setdefault = made.setdefault
@@ -58,7 +58,7 @@ def _made_at(ctx: Context, rank: int) -> dict[int, int]:
         for kind, _, pipe, stage, mb, _ in parts:
             if kind is _KW or not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                 continue
-            fact = ((mb * pipes + pipe) * stride + stage) << 2
+            fact = slot(pipe, stage, mb) << 2
             if kind is _KF:
                 setdefault(fact, g - base)
                 continue
@@ -81,7 +81,7 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
     """Each computation after what it needs on its own rank: facts are compared by the
     index of the first instruction that makes them (stage ± 1 is fact ± 4)."""
     keys, w = ctx.keys, ctx.wiring
-    pipes, stages, stride, ranks_of = keys.pipes, keys.stages, keys.stride, keys.ranks_of
+    pipes, stages, slot, ranks_of = keys.pipes, keys.stages, keys.slot, keys.ranks_of
     instrs, base = ctx.program.ranks[rank], w.offsets[rank]
     never = len(instrs)
     get = made.get
@@ -93,7 +93,7 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
             kind, _, pipe, stage, mb, _ = op
             if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                 continue  # reported by the coverage check
-            fact = ((mb * pipes + pipe) * stride + stage) << 2
+            fact = slot(pipe, stage, mb) << 2
             holders = ranks_of[pipe]
             if kind is _KW:
                 if get(fact | _I, get(fact | _BACKWARD, never)) >= index:
@@ -163,8 +163,7 @@ def _check_sends(ctx: Context, rank: int, made: dict[int, int]) -> None:
             position = key >> 1
             grad = key & 1
             producer = position + 1 if grad else position - 1
-            stage = position % keys.stride
-            pipe = (position // keys.stride) % keys.pipes
+            pipe, stage, _ = keys.place(position)
             if not 0 <= (stage + 1 if grad else stage - 1) < keys.stages[pipe]:
                 continue
             if keys.ranks_of[pipe][stage + 1 if grad else stage - 1] != rank:

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 from pipecc.diagnostics import MismatchError, OrphanError
 from pipecc.ir.ops import Kind, Msg, Recv, Send, computations
-from pipecc.verify.context import Context, message_words, torch_name
+from pipecc.ir.printer import has_pipes, message
+from pipecc.verify.context import Context, torch_name
 
 
 def check_matching(ctx: Context) -> None:
@@ -104,23 +105,23 @@ def _sent(ctx: Context, rank: int, index: int) -> str:
     """`act stage 1 mb 2 (@5, output of 0F2)`."""
     send = ctx.instr(rank, index)
     assert type(send) is Send
-    pipes = ctx.program.placement.num_pipes > 1
+    pipes = has_pipes(ctx.program)
     producer = _producer(ctx, rank, send)
     made = f", output of {producer}" if producer else ""
-    return f"{message_words(send, pipes)} (@{index}{_torch_comm(ctx, send)}{made})"
+    return f"{message(send, pipes=pipes)} (@{index}{_torch_comm(ctx, send)}{made})"
 
 
 def _received(ctx: Context, rank: int, index: int) -> str:
     recv = ctx.instr(rank, index)
     assert type(recv) is Recv
-    pipes = ctx.program.placement.num_pipes > 1
-    return f"{message_words(recv, pipes)} (@{index}{_torch_comm(ctx, recv)})"
+    pipes = has_pipes(ctx.program)
+    return f"{message(recv, pipes=pipes)} (@{index}{_torch_comm(ctx, recv)})"
 
 
 def _torch_comm(ctx: Context, op: Send | Recv) -> str:
     """` 0SEND_F2`: torch's name of a comm op (one-pipe programs only), which names the
     sending stage on a send and the receiving stage on a recv."""
-    if ctx.program.placement.num_pipes > 1:
+    if has_pipes(ctx.program):
         return ""
     letter = "F" if op.what is Msg.ACT else "B"
     if type(op) is Recv:

@@ -152,11 +152,12 @@ def _route_table(ctx: Context) -> list[int]:
     for pipe in range(keys.pipes):
         ranks = keys.ranks_of[pipe]
         for stage in range(keys.stages[pipe]):
-            base = (pipe * keys.stride + stage) << 1
             if stage > 0:
-                table[base] = ranks[stage - 1] * placement.num_ranks + ranks[stage]
+                act = keys.key(Msg.ACT, pipe, stage, 0)
+                table[act] = ranks[stage - 1] * placement.num_ranks + ranks[stage]
             if stage + 1 < len(ranks):
-                table[base | 1] = ranks[stage + 1] * placement.num_ranks + ranks[stage]
+                grad = keys.key(Msg.GRAD, pipe, stage, 0)
+                table[grad] = ranks[stage + 1] * placement.num_ranks + ranks[stage]
     return table
 
 

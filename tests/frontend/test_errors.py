@@ -102,8 +102,8 @@ CASES = {
         ("-P", "2", "-M", "2"),
         "bad.sched:2:36: error: the compute order cannot run: every rank that has ops left waits "
         "for data that only comes after it\n"
-        "  rank 0 at B0.0 waits for grad(pipe 0, stage 0, mb 0)\n"
-        "  rank 1 at F0.1 waits for act(pipe 0, stage 1, mb 1)\n"
+        "  rank 0 at B0.0 waits for grad pipe 0 stage 0 mb 0\n"
+        "  rank 1 at F0.1 waits for act pipe 0 stage 1 mb 1\n"
         "    2 | phase a { if r == 0 { repeat M { F B } } else "
         "{ repeat M { F } repeat M { B } } }\n"
         "      |                                    ^\n",

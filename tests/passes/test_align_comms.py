@@ -11,7 +11,7 @@ from helpers import ROOT, compile_bundled, compute_order
 from test_insert_comms import check_lowering
 
 from pipecc.api import compile_schedule, compile_source
-from pipecc.ir.dataflow import Dataflow
+from pipecc.ir.keys import MessageKeys
 from pipecc.ir.ops import Instr, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
 from pipecc.passes.align_comms import align_comms
@@ -235,7 +235,7 @@ def _legal(program: Program) -> bool:
         check_lowering(program)
     except (AssertionError, KeyError):
         return False
-    flow = Dataflow(program.placement)
+    flow = MessageKeys(program.placement)
     for instrs in program.ranks:
         made: set[int] = set()
         for instr in instrs:

@@ -9,7 +9,7 @@ import pytest
 from helpers import compile_bundled
 
 from pipecc.interop import json_program
-from pipecc.ir.dataflow import Dataflow
+from pipecc.ir.keys import MessageKeys
 from pipecc.ir.ops import Compute, Fused, Recv, Send, Wait, computations
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.insert_comms import DEFAULT, EARLY_RECV, POLICIES, insert_comms, strip_comms
@@ -32,7 +32,7 @@ SIZES = {
 
 def check_lowering(program: Program) -> None:
     """Structural invariants of a lowered program (assertion messages name rank and index)."""
-    flow = Dataflow(program.placement)
+    flow = MessageKeys(program.placement)
     sends: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # type: ignore[type-arg]
     recvs: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # type: ignore[type-arg]
     for rank, instrs in enumerate(program.ranks):
@@ -57,7 +57,7 @@ def _check_recvs_before_use(
     rank: int,
     instrs: tuple,
     waited_at: dict[int, int],  # type: ignore[type-arg]
-    flow: Dataflow,
+    flow: MessageKeys,
 ) -> None:
     recv_index = {}
     for index, instr in enumerate(instrs):

@@ -7,8 +7,9 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pipecc.ir.keys import StageMajorKeys
 from pipecc.ir.ops import Instr, Recv, Send, Wait
-from pipecc.passes.comm.order import Event, MessageKeys, RankOps
+from pipecc.passes.comm.order import Event, RankOps
 from pipecc.passes.comm.placement import Grouping
 
 _new = tuple.__new__
@@ -18,7 +19,7 @@ _new = tuple.__new__
 class Emitter:
     """Builds one rank's lowered list: posts, waits and computes in order."""
 
-    keys: MessageKeys
+    keys: StageMajorKeys
     starts: list[float]  # start of each compute op of the rank in the ordering replay
     consumed: list[float]  # message key -> start of the op consuming it, likewise
     grouping: Grouping = Grouping.PER_GAP

@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipecc.diagnostics import ScheduleError
-from pipecc.ir.dataflow import Dataflow, Message
+from pipecc.ir.keys import StageMajorKeys
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send
+from pipecc.ir.printer import message
 from pipecc.ir.program import Program
 from pipecc.passes.comm.placement import CommPlacement, RecvPosting
 
@@ -39,33 +40,15 @@ class RankOps:
     publish: list[list[tuple[int, float]]] | None = None
 
 
-class MessageKeys:
-    """The message keys of this pass: `Dataflow`'s (what, pipe, stage) base times M, plus the
-    microbatch. A rank's ops go through the microbatches of a few stages in order, so their
-    look-ups in the tables indexed by key (`order_replay`, the emission) walk memory in order: with
-    Dataflow's microbatch-major keys every look-up of a large program was a cache miss."""
-
-    def __init__(self, flow: Dataflow, microbatches: int) -> None:
-        self.flow, self.count = flow, microbatches
-        self.size = microbatches * flow.mb_stride  # every key is below this
-
-    def key(self, what: Msg, pipe: int, stage: int, mb: int) -> int:
-        return self.flow.key(what, pipe, stage, 0) * self.count + mb
-
-    def message(self, key: int) -> Message:
-        base, mb = divmod(key, self.count)
-        return self.flow.message(base)._replace(mb=mb)
-
-
 # What a computation of one (kind, pipe, stage) consumes and produces, for any microbatch:
 # (base of the key of its input message, or -1; (base, src, dst, what, receiving stage,
 # latency) of its output message, or None; its duration).
 _OpInfo = tuple[int, tuple[int, int, int, Msg, int, float] | None, float]
 
 
-def op_table(keys: MessageKeys, placement: CommPlacement) -> dict[Kind, list[list[_OpInfo]]]:
+def op_table(keys: StageMajorKeys, placement: CommPlacement) -> dict[Kind, list[list[_OpInfo]]]:
     """`_OpInfo` by kind, pipe and stage: one look-up per compute op in `collect`. The key
-    bases are `MessageKeys`' (a message's key is its base plus its microbatch)."""
+    bases are `StageMajorKeys`' (a message's key is its base plus its microbatch)."""
     flow, count = keys.flow, keys.count
     stages = max(flow.placement.num_stages(p) for p in range(flow.placement.num_pipes))
     latency_of = [placement.latency(stage) for stage in range(stages)]
@@ -101,7 +84,7 @@ def _ordering(duration: float) -> float:
 
 def collect(
     instrs: Sequence[Instr],
-    keys: MessageKeys,
+    keys: StageMajorKeys,
     placement: CommPlacement,
     table: dict[Kind, list[list[_OpInfo]]],
 ) -> RankOps:
@@ -169,7 +152,7 @@ def collect(
     return ops
 
 
-def _anchor_manual_sends(ops: RankOps, instrs: Sequence[Instr], keys: MessageKeys) -> None:
+def _anchor_manual_sends(ops: RankOps, instrs: Sequence[Instr], keys: StageMajorKeys) -> None:
     """Publish each hand-sent message at the end of the compute op just before its send."""
     manual = {
         keys.key(i.what, i.pipe, i.stage, i.mb): position
@@ -190,7 +173,7 @@ def _anchor_manual_sends(ops: RankOps, instrs: Sequence[Instr], keys: MessageKey
 
 
 def manual_messages(
-    prog: Program, ranks: list[RankOps], keys: MessageKeys, span: int
+    prog: Program, ranks: list[RankOps], keys: StageMajorKeys, span: int
 ) -> tuple[dict[int, int], dict[int, int]]:
     """The messages the schedule sends by hand, with the global order of their posts, and the
     messages it receives by hand (their orders, -1 here, are filled in by `message_events`).
@@ -216,11 +199,11 @@ def manual_messages(
     return sends, recvs
 
 
-def order_replay(ranks: list[RankOps], prog: Program, keys: MessageKeys) -> list[float]:
+def order_replay(ranks: list[RankOps], prog: Program, keys: StageMajorKeys) -> list[float]:
     """Run every rank's computes as soon as their inputs exist (the placement's durations and
     latencies); return when each message is consumed (0 for a message nothing consumes).
 
-    Both tables are lists indexed by message key: the keys are dense (`MessageKeys`), and a
+    Both tables are lists indexed by message key: the keys are dense (`StageMajorKeys`), and a
     list index is cheaper than a hash look-up in this loop over every op."""
     available: list[float | None] = [None] * keys.size
     consumed: list[float] = [0] * keys.size
@@ -271,7 +254,7 @@ def order_replay(ranks: list[RankOps], prog: Program, keys: MessageKeys) -> list
 
 
 def _stuck(
-    ranks: list[RankOps], cursor: list[int], available: list[float | None], keys: MessageKeys
+    ranks: list[RankOps], cursor: list[int], available: list[float | None], keys: StageMajorKeys
 ) -> ScheduleError:
     lines = []
     first_span = None
@@ -280,7 +263,7 @@ def _stuck(
         if k >= len(ops.computes):
             continue
         instr = ops.computes[k]
-        missing = [keys.message(key).label() for key in ops.inputs[k] if available[key] is None]
+        missing = [message(keys.message(key)) for key in ops.inputs[k] if available[key] is None]
         lines.append(f"rank {rank} at {instr.label()} waits for {', '.join(missing)}")
         first_span = first_span or instr.span
     return ScheduleError(
