@@ -124,7 +124,7 @@ def write_output(text: str, output: str | None) -> None:
         raise InputError(f"{output}: cannot write: {err.strerror or err}") from None
 
 
-COMM_MODELS = ("nccl", "nccl-single", "rendezvous", "eager")
+COMM_MODELS = tuple(model.value for model in CommModel)
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:

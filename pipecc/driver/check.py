@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pipecc.driver.compile import lower_program
 from pipecc.driver.load import load, needs_lowering
 from pipecc.ir.program import Backend, Program
-from pipecc.verify import DEFAULT, Options, Report, check_order, verify
+from pipecc.verify import DEFAULT_OPTIONS, Options, Report, check_order, verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class Outcome:
 
 
 def verify_program(
-    program: Program, options: Options = DEFAULT, notes: tuple[str, ...] = ()
+    program: Program, options: Options = DEFAULT_OPTIONS, notes: tuple[str, ...] = ()
 ) -> tuple[Report, tuple[str, ...]]:
     """Verify a program; a compute-only one is first checked for a runnable compute order,
     then lowered with the default comm policy (DESIGN §5)."""
@@ -59,7 +59,7 @@ def verify_file(
     ranks: int | None = None,
     microbatches: int | None = None,
     defines: Mapping[str, int] | None = None,
-    options: Options = DEFAULT,
+    options: Options = DEFAULT_OPTIONS,
 ) -> Outcome:
     """Load and verify one input (module docstring)."""
     program, notes = load(

@@ -18,7 +18,7 @@ from pipecc.driver.files import read_text, resolve_schedule
 from pipecc.frontend.ast import ScheduleFile
 from pipecc.frontend.parser import parse
 from pipecc.ir.program import Program
-from pipecc.verify import DEFAULT, Options, verify
+from pipecc.verify import DEFAULT_OPTIONS, Options, verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +130,7 @@ def sweep_file(
     ranks: Sequence[int],
     microbatches: Sequence[int],
     defines: Mapping[str, int] | None = None,
-    options: Options = DEFAULT,
+    options: Options = DEFAULT_OPTIONS,
 ) -> SweepResult:
     """Verify every size of `path` in the ranges, in order; stop at the first failing size."""
     found = _sweep_part(path, tuple(sizes(ranks, microbatches)), dict(defines or {}), options)
@@ -143,7 +143,7 @@ def sweep_files(
     ranks: Sequence[int],
     microbatches: Sequence[int],
     defines: Mapping[str, int] | None = None,
-    options: Options = DEFAULT,
+    options: Options = DEFAULT_OPTIONS,
     jobs: int = 1,
 ) -> list[SweepResult]:
     """`sweep_file` for several files, the sizes of each rank count being one task spread

@@ -40,11 +40,21 @@ class Type(enum.Enum):
     BOOL = "true/false"
 
 
+class NameKind(enum.Enum):
+    """What kind of name a binding is (its value is how errors say it)."""
+
+    SIZE = "size"  # P, M
+    RANK = "rank"
+    PARAM = "param"
+    LET = "let"
+    LOOP = "loop variable"
+
+
 @dataclass(frozen=True, slots=True)
 class Binding:
     slot: int
     type: Type
-    kind: str  # "size", "param", "let", "loop variable"
+    kind: NameKind
 
 
 @dataclass
@@ -85,14 +95,14 @@ class Scope:
     def child(self) -> Scope:
         return Scope(self.slots, self)
 
-    def define(self, name: str, type_: Type, kind: str, span: Span | None) -> Binding:
+    def define(self, name: str, type_: Type, kind: NameKind, span: Span | None) -> Binding:
         """Bind `name` in this scope. Redefining a name visible here is an error, except that
         a `let` in a loop body is re-evaluated, not redefined, at each iteration."""
         if _OP_NAME.fullmatch(name):
             raise ScheduleError(f"'{name}' is an op and cannot name a value", span)
         existing = self.lookup(name)
         if existing is not None:
-            raise ScheduleError(f"'{name}' is already defined (as a {existing.kind})", span)
+            raise ScheduleError(f"'{name}' is already defined (as a {existing.kind.value})", span)
         binding = Binding(self.slots.new(), type_, kind)
         self.names[name] = binding
         return binding
@@ -101,7 +111,9 @@ class Scope:
 def root_scope() -> Scope:
     scope = Scope(Slots())
     for name, slot in BUILTIN_NAMES.items():
-        scope.names[name] = Binding(slot, Type.INT, "size" if name != "rank" else "rank")
+        scope.names[name] = Binding(
+            slot, Type.INT, NameKind.SIZE if name != "rank" else NameKind.RANK
+        )
     return scope
 
 
@@ -306,7 +318,7 @@ def _compile_stmt(stmt: ast.Stmt, scope: Scope) -> StmtFn:
 
 def _compile_let(name: str, value: ast.Expr, span: Span | None, scope: Scope) -> StmtFn:
     typed = compile_expr(value, scope)
-    slot = scope.define(name, typed.type, "let", span).slot
+    slot = scope.define(name, typed.type, NameKind.LET, span).slot
     fn = typed.fn
 
     def bind(env: Env, out: list[StreamItem]) -> None:
@@ -341,7 +353,7 @@ def _compile_for(stmt: ast.For, scope: Scope) -> StmtFn:
     start = expect(stmt.start, scope, Type.INT).fn
     stop = expect(stmt.stop, scope, Type.INT).fn
     loop_scope = scope.child()
-    slot = loop_scope.define(stmt.var, Type.INT, "loop variable", stmt.span).slot
+    slot = loop_scope.define(stmt.var, Type.INT, NameKind.LOOP, stmt.span).slot
     steps = [_compile_stmt(body_stmt, loop_scope) for body_stmt in stmt.body]
     span = stmt.span
 

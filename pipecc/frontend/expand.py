@@ -18,6 +18,7 @@ from pipecc.frontend import ast
 from pipecc.frontend.evaluate import (
     SLOT_RANK,
     Env,
+    NameKind,
     Scope,
     StmtFn,
     Type,
@@ -230,7 +231,7 @@ def _check_defines(defines: dict[str, int], names: list[str]) -> None:
 
 def _param_step(decl: ast.Param, scope: Scope, defines: dict[str, int]) -> Step:
     default = expect(decl.default, scope, Type.INT).fn
-    slot = scope.define(decl.name, Type.INT, "param", decl.span).slot
+    slot = scope.define(decl.name, Type.INT, NameKind.PARAM, decl.span).slot
     name, override = decl.name, defines.get(decl.name)
 
     def bind(env: Env, state: _RankState) -> None:
@@ -242,7 +243,7 @@ def _param_step(decl: ast.Param, scope: Scope, defines: dict[str, int]) -> Step:
 
 def _let_step(decl: ast.Let, scope: Scope) -> Step:
     typed = compile_expr(decl.value, scope)
-    slot = scope.define(decl.name, typed.type, "let", decl.span).slot
+    slot = scope.define(decl.name, typed.type, NameKind.LET, decl.span).slot
     fn = typed.fn
 
     def bind(env: Env, state: _RankState) -> None:

@@ -27,7 +27,7 @@ _EMPTY: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class Streams:
+class CommStreams:
     """The FIFO streams of one model: `units[s]` lists the units on stream s in posting
     order. Stream ids: rank * P + peer under nccl, rank under nccl-single."""
 
@@ -92,7 +92,7 @@ class Wiring:
         rank, index = self.locate(gid)
         return self.program.ranks[rank][index]
 
-    def streams(self, model: CommModel) -> Streams:
+    def streams(self, model: CommModel) -> CommStreams:
         """The streams of nccl (one per rank and peer) or nccl-single (one per rank)."""
         if model is CommModel.NCCL_SINGLE:
             offsets = self.unit_offsets
@@ -101,8 +101,8 @@ class Wiring:
             of_unit: list[tuple[int, ...]] = []
             for r in ranks:
                 of_unit.extend([(r,)] * (offsets[r + 1] - offsets[r]))
-            return Streams(model, units, of_unit)
-        return Streams(CommModel.NCCL, self.peer_streams, self.unit_peer_streams)
+            return CommStreams(model, units, of_unit)
+        return CommStreams(CommModel.NCCL, self.peer_streams, self.unit_peer_streams)
 
 
 _F, _B, _I = Kind.F, Kind.B, Kind.I

@@ -13,7 +13,7 @@ interval, stalls (every wait on a recv or a rendezvous send) and peak memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipecc.analysis.gaps import Gap, classify, clean
 from pipecc.analysis.memory import peak_activations, peak_bytes
@@ -99,6 +99,16 @@ class RankStats:
         }
 
 
+class TimedOp(NamedTuple):
+    """An instruction of the simulated step, with when it ran."""
+
+    rank: int
+    at: int  # its index in the rank's list
+    instr: Instr
+    start: float
+    end: float
+
+
 @dataclass(frozen=True, slots=True)
 class Timeline:
     """The simulated step: the replay itself, and the figures derived from it.
@@ -108,9 +118,7 @@ class Timeline:
     program in every training step (DESIGN §7).
     """
 
-    program: Program
     costs: CostModel
-    model: CommModel
     replay: Replay
     makespan: float
     bubble_ratio: float
@@ -118,17 +126,25 @@ class Timeline:
     sync: float = 0.0
 
     @property
+    def program(self) -> Program:
+        return self.replay.program
+
+    @property
+    def model(self) -> CommModel:
+        return self.replay.model
+
+    @property
     def step(self) -> float:
         return self.makespan + self.sync
 
-    def ops(self) -> list[tuple[int, int, Instr, float, float]]:
-        """(rank, index, instruction, start, end) of every instruction, rank by rank."""
+    def ops(self) -> list[TimedOp]:
+        """Every instruction with its start and end, rank by rank."""
         found = []
         for rank, instrs in enumerate(self.program.ranks):
             for index, instr in enumerate(instrs):
                 start = self.replay.start_time(rank, index)
                 end = self.replay.end_time(rank, index)
-                found.append((rank, index, instr, start or 0.0, end or 0.0))
+                found.append(TimedOp(rank, index, instr, start or 0.0, end or 0.0))
         return found
 
     def to_json(self) -> dict[str, Any]:
@@ -209,7 +225,7 @@ def _simulate(
     busy = sum(stats.busy for stats in ranks)
     bubble = 1.0 - busy / (program.num_ranks * makespan) if makespan > 0 else 0.0
     sync = costs.sync if has_duplicated_stages(program) else 0.0
-    return Timeline(program, costs, model, run, makespan, bubble, ranks, sync)
+    return Timeline(costs, run, makespan, bubble, ranks, sync)
 
 
 def has_duplicated_stages(program: Program) -> bool:

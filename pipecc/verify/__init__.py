@@ -40,7 +40,7 @@ ALL_MODELS = (CommModel.NCCL, CommModel.NCCL_SINGLE, CommModel.RENDEZVOUS, CommM
 
 __all__ = [
     "ALL_MODELS",
-    "DEFAULT",
+    "DEFAULT_OPTIONS",
     "Options",
     "Peak",
     "Report",
@@ -86,10 +86,10 @@ class Report:
         return not self.violations
 
 
-DEFAULT = Options()
+DEFAULT_OPTIONS = Options()
 
 
-def verify(program: Program, options: Options = DEFAULT) -> Report:
+def verify(program: Program, options: Options = DEFAULT_OPTIONS) -> Report:
     """Run every check on `program` (module docstring)."""
     with paused_gc():
         return _verify(program, options)
@@ -141,7 +141,7 @@ def _check_waits(
     return tuple(found)
 
 
-def check_order(program: Program, options: Options = DEFAULT) -> Report | None:
+def check_order(program: Program, options: Options = DEFAULT_OPTIONS) -> Report | None:
     """For a compute-only program: None when its compute order can run (lower it, then
     `verify`); otherwise a Report whose violations say why it cannot (coverage, placement,
     or the dependency cycle)."""
@@ -157,7 +157,7 @@ def check_order(program: Program, options: Options = DEFAULT) -> Report | None:
     )
 
 
-def check(program: Program, options: Options = DEFAULT) -> None:
+def check(program: Program, options: Options = DEFAULT_OPTIONS) -> None:
     """Raise the first violation `verify` finds (for code that wants an exception)."""
     report = verify(program, options)
     if report.violations:

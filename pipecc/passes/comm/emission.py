@@ -53,7 +53,8 @@ class Emitter:
             self.next_group += 1
         tail = (group, None)
         out = self.out
-        for _, _, payload, key, send, _ in batch:
+        for event in batch:
+            payload, key, send = event.payload, event.key, event.send
             if send:
                 self._due(key, len(out))
                 out.append(_new(Send, payload + tail))
@@ -127,11 +128,11 @@ def emit_rank(  # noqa: C901
     group = emitter.next_group
     inputs = ops.inputs
     cursor, count = 0, len(events)
-    next_gap = events[0][0] if events else len(ops.computes)
+    next_gap = events[0].gap if events else len(ops.computes)
     for k, instr in enumerate(ops.computes):
         if next_gap <= k:
             stop = cursor + 1
-            while stop < count and events[stop][0] <= k:
+            while stop < count and events[stop].gap <= k:
                 stop += 1
             if stop - cursor > 1:
                 tail: tuple[int | None, None] = (group, None)
@@ -139,8 +140,8 @@ def emit_rank(  # noqa: C901
             else:
                 tail = (None, None)
             for event in events[cursor:stop]:
-                payload, key = event[2], event[3]
-                if event[4]:  # a send: completed when due (`Emitter._due`)
+                payload, key = event.payload, event.key
+                if event.send:  # completed when due (`Emitter._due`)
                     at = bisect_left(starts, consumed[key])
                     waits = due.get(at)
                     if waits is None:
@@ -152,7 +153,7 @@ def emit_rank(  # noqa: C901
                     recv_at[key] = len(out)
                     append(_new(Recv, payload + tail))
             cursor = stop
-            next_gap = events[stop][0] if stop < count else len(ops.computes)
+            next_gap = events[stop].gap if stop < count else len(ops.computes)
         targets = pop_due(k, None)  # the Wait before op k (`Emitter.wait_before`)
         for key in inputs[k]:
             index = pop_recv(key, None)
@@ -182,7 +183,7 @@ def _emit_rank_general(
     count = len(events)
     for k, instr in enumerate(ops.computes):
         stop = cursor
-        while stop < count and events[stop][0] <= k:
+        while stop < count and events[stop].gap <= k:
             stop += 1
         position = _post_gap(emitter, instrs, (position, ops.positions[k]), events[cursor:stop])
         cursor = stop
