@@ -128,6 +128,22 @@ class RequirementError(ScheduleError):
         self.requirement = requirement
 
 
+class RefusedProgramError(InputError):
+    """A compiled program or torch CSV that fails the verifier's input checks, given to a
+    command that needs a well-formed program (`verify` reports the same defects as
+    violations). Shown as the violations, then one line that names the input."""
+
+    def __init__(self, label: str, violations: tuple[Violation, ...], counts: str) -> None:
+        super().__init__(
+            f"{label}: pipecc cannot use this program: it fails the verifier's input checks "
+            f"({counts}; 'pipecc verify {label}' shows every check)"
+        )
+        self.violations = violations
+
+    def __str__(self) -> str:
+        return "\n\n".join([*(str(v) for v in self.violations), f"error: {self.message}"])
+
+
 class CostModelError(InputError):
     """A cost model that cannot be used (unknown key, negative duration, bad TOML)."""
 

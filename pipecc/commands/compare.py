@@ -7,7 +7,13 @@ import json
 from dataclasses import dataclass
 
 from pipecc.api import compile_schedule, resolve_schedule, schedule_parameters
-from pipecc.commands.common import SubParsers, add_cost_args, add_size_args, load_costs
+from pipecc.commands.common import (
+    SubParsers,
+    add_cost_args,
+    add_size_args,
+    load_costs,
+    load_input,
+)
 from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
@@ -41,7 +47,12 @@ def register(commands: SubParsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("files", metavar="FILE", nargs="+", help=".sched files or bundled names")
+    cmd.add_argument(
+        "files",
+        metavar="FILE",
+        nargs="+",
+        help=".sched files, bundled names, compiled programs (.json) or torch action CSVs",
+    )
     add_size_args(cmd)
     add_cost_args(cmd)
     cmd.add_argument(
@@ -73,15 +84,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
-    path = resolve_schedule(name)
-    declared = schedule_parameters(path)
-    defines = {k: v for k, v in args.defines if k in declared}
-    try:
-        program = compile_schedule(
-            path, ranks=args.ranks, microbatches=args.microbatches, defines=defines
-        )
-    except RequirementError as err:  # not defined at these sizes; any other error is one
-        return Row(path.stem, None, err.message)
+    if name.endswith((".json", ".csv")):
+        program = load_input(name, args)  # checked and lowered as every command does
+        if (program.num_ranks, program.num_microbatches) != (args.ranks, args.microbatches):
+            raise InputError(
+                f"{name}: the program is for P={program.num_ranks} "
+                f"M={program.num_microbatches}, not -P {args.ranks} -M {args.microbatches}"
+            )
+    else:
+        path = resolve_schedule(name)
+        declared = schedule_parameters(path)
+        defines = {k: v for k, v in args.defines if k in declared}
+        try:
+            program = compile_schedule(
+                path, ranks=args.ranks, microbatches=args.microbatches, defines=defines
+            )
+        except RequirementError as err:  # not defined at these sizes; any other error is one
+            return Row(path.stem, None, err.message)
     if not args.per_stage:
         costs = costs.scaled(program.num_ranks / program.placement.num_stages(0))
     return Row(program.schedule, simulate(program, costs, model=CommModel(args.comm)))

@@ -60,9 +60,14 @@ def place_again(program: Program, lowering: Lowering) -> Program:
     """A lowered program (a .json, a torch CSV with comms) with its comm ops placed again from
     its compute order, when the lowering asks for an alignment or another policy than the
     program's; otherwise the program as it is."""
-    if lowering.align is None and lowering.policy in (None, program.comm):
+    if not places_again(program, lowering):
         return program
     return lower_program(strip_comms(program), lowering)
+
+
+def places_again(program: Program, lowering: Lowering) -> bool:
+    """`place_again` discards the comm ops of `program` and places them afresh."""
+    return lowering.align is not None or lowering.policy not in (None, program.comm)
 
 
 def compile_source(

@@ -7,19 +7,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from pipecc.diagnostics import InputError
+from pipecc.diagnostics import InputError, RefusedProgramError
 from pipecc.driver.compile import (
     DEFAULT_LOWERING,
     Lowering,
     compile_schedule,
     lower_program,
     place_again,
+    places_again,
 )
 from pipecc.driver.files import read_text
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Program
+from pipecc.passes.insert_comms import strip_comms
 from pipecc.perf import paused_gc
+from pipecc.verify import check_input, check_order
 
 
 def load_program(path: str | Path) -> Program:
@@ -60,8 +63,10 @@ def load(
     (which needs the sizes) compiled with `lowering`, a compiled program (.json) or a torch
     action CSV (.csv). A compute-only .json or .csv is lowered with `lowering`; a lowered one
     gets its comm ops placed again only if `lowering` asks for an alignment or another policy
-    (`place_again`). `lowering=None` returns a .json or .csv as it was read (the verifier
-    checks a compute-only one before lowering it)."""
+    (`place_again`). Either is first put through the verifier's input checks and refused
+    (`RefusedProgramError`, exit 2) when it fails them: a command never runs a program with
+    a missing computation, a misplaced op or an op before its data. `lowering=None` returns a
+    .json or .csv as it was read, unchecked (`pipecc verify` reports its defects itself)."""
     if path.endswith(".csv"):
         program, notes = _read_csv(path)
     elif path.endswith(".json"):
@@ -74,8 +79,23 @@ def load(
     if lowering is None:
         return Loaded(program, notes)
     if needs_lowering(program):
+        refuse_invalid(path, program)
         return Loaded(lower_program(program, lowering), notes)
+    # a program whose comm ops are placed again is checked for its compute order; one kept,
+    # in full
+    refuse_invalid(path, strip_comms(program) if places_again(program, lowering) else program)
     return Loaded(place_again(program, lowering), notes)
+
+
+def refuse_invalid(label: str, program: Program) -> None:
+    """Raise `RefusedProgramError` when `program` fails the verifier's input checks: those of
+    a compute order (`check_order`) for a compute-only program, else `check_input`."""
+    check = check_order if is_compute_only(program) else check_input
+    report = check(program)
+    if report is None:
+        return
+    found = ", ".join(f"{code} {n}" for code, n in report.counts().items())
+    raise RefusedProgramError(label, report.violations, found)
 
 
 def _read_csv(path: str) -> tuple[Program, tuple[str, ...]]:

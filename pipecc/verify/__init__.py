@@ -49,6 +49,7 @@ __all__ = [
     "WaitTotals",
     "Verdict",
     "check",
+    "check_input",
     "check_order",
     "verify",
 ]
@@ -85,6 +86,16 @@ class Report:
     def ok(self) -> bool:
         return not self.violations
 
+    def counts(self) -> dict[str, int]:
+        """How many violations of each code, those beyond the limit included, by first
+        appearance."""
+        found: dict[str, int] = {}
+        for violation in self.violations:
+            found[violation.code] = found.get(violation.code, 0) + 1
+        for code, more in self.dropped:
+            found[code] = found.get(code, 0) + more
+        return found
+
 
 DEFAULT_OPTIONS = Options()
 
@@ -97,18 +108,7 @@ def verify(program: Program, options: Options = DEFAULT_OPTIONS) -> Report:
 
 def _verify(program: Program, options: Options) -> Report:
     ctx = Context(program, wire(program), limit=options.limit)
-    notes: tuple[str, ...] = ()
-    check_waits(ctx)
-    check_matching(ctx)
-    misplaced = check_placement(ctx)
-    check_coverage(ctx)
-    if misplaced:  # every route and data dependency follows the placement: all would fail
-        notes = (
-            "route and data-dependency checks skipped: the ops do not fit the program's placement",
-        )
-    else:
-        check_routes(ctx)
-        check_dataflow(ctx)
+    notes = _check_structure(ctx)
     verdicts = check_deadlock(ctx, options.models)
     found = peaks(ctx)
     if options.max_activations is not None:
@@ -139,6 +139,36 @@ def _check_waits(
             if totals is not None:
                 found.append(totals)
     return tuple(found)
+
+
+def _check_structure(ctx: Context) -> tuple[str, ...]:
+    """The checks that need no replay: waits, matching, placement, coverage, routes and data
+    dependencies. Returns the notes of the report."""
+    check_waits(ctx)
+    check_matching(ctx)
+    misplaced = check_placement(ctx)
+    check_coverage(ctx)
+    if misplaced:  # every route and data dependency follows the placement: all would fail
+        return (
+            "route and data-dependency checks skipped: the ops do not fit the program's placement",
+        )
+    check_routes(ctx)
+    check_dataflow(ctx)
+    return ()
+
+
+def check_input(program: Program, options: Options = DEFAULT_OPTIONS) -> Report | None:
+    """The input checks every command runs on a lowered program it is given (DESIGN §8;
+    `check_order` is the compute-only program's): None when the program is well formed
+    (every op on its stage's rank, every (stage, microbatch) covered, every route, wait and
+    message pair right, every op after its data); otherwise a Report of what is wrong. The
+    replay's verdicts (deadlock, needs-buffering) are `verify`'s alone."""
+    ctx = Context(program, wire(program), limit=options.limit)
+    notes = _check_structure(ctx)
+    if not ctx.violations:
+        return None
+    dropped = tuple(sorted(ctx.dropped.items()))
+    return Report(program, options, tuple(ctx.violations), (), peaks(ctx), dropped, notes)
 
 
 def check_order(program: Program, options: Options = DEFAULT_OPTIONS) -> Report | None:

@@ -17,11 +17,7 @@ def summary(report: Report, label: str) -> str:
         head = f"{label}: ok ({size}"
         head += f"; {verdicts})" if verdicts else ")"
     else:
-        counts: dict[str, int] = {}
-        for v in report.violations:
-            counts[v.code] = counts.get(v.code, 0) + 1
-        for code, more in report.dropped:
-            counts[code] = counts.get(code, 0) + more
+        counts = report.counts()
         kinds = ", ".join(f"{code} {n}" for code, n in counts.items())
         head = f"{label}: {sum(counts.values())} violation(s) ({kinds})"
         if verdicts:
