@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pipecc.ir.keys import StageMajorKeys
 from pipecc.ir.ops import Instr, Recv, Send, Wait
-from pipecc.passes.comm.order import Event, RankOps
+from pipecc.passes.comm.order import GAP, Event, RankOps
 from pipecc.passes.comm.placement import Grouping
 
 _new = tuple.__new__
@@ -53,8 +53,7 @@ class Emitter:
             self.next_group += 1
         tail = (group, None)
         out = self.out
-        for event in batch:
-            payload, key, send = event.payload, event.key, event.send
+        for _, _, payload, key, send, _ in batch:
             if send:
                 self._due(key, len(out))
                 out.append(_new(Send, payload + tail))
@@ -128,20 +127,19 @@ def emit_rank(  # noqa: C901
     group = emitter.next_group
     inputs = ops.inputs
     cursor, count = 0, len(events)
-    next_gap = events[0].gap if events else len(ops.computes)
+    next_gap = events[0][GAP] if events else len(ops.computes)
     for k, instr in enumerate(ops.computes):
         if next_gap <= k:
             stop = cursor + 1
-            while stop < count and events[stop].gap <= k:
+            while stop < count and events[stop][GAP] <= k:
                 stop += 1
             if stop - cursor > 1:
                 tail: tuple[int | None, None] = (group, None)
                 group += 1
             else:
                 tail = (None, None)
-            for event in events[cursor:stop]:
-                payload, key = event.payload, event.key
-                if event.send:  # completed when due (`Emitter._due`)
+            for _, _, payload, key, send, _ in events[cursor:stop]:
+                if send:  # completed when due (`Emitter._due`)
                     at = bisect_left(starts, consumed[key])
                     waits = due.get(at)
                     if waits is None:
@@ -153,7 +151,7 @@ def emit_rank(  # noqa: C901
                     recv_at[key] = len(out)
                     append(_new(Recv, payload + tail))
             cursor = stop
-            next_gap = events[stop].gap if stop < count else len(ops.computes)
+            next_gap = events[stop][GAP] if stop < count else len(ops.computes)
         targets = pop_due(k, None)  # the Wait before op k (`Emitter.wait_before`)
         for key in inputs[k]:
             index = pop_recv(key, None)
@@ -183,7 +181,7 @@ def _emit_rank_general(
     count = len(events)
     for k, instr in enumerate(ops.computes):
         stop = cursor
-        while stop < count and events[stop].gap <= k:
+        while stop < count and events[stop][GAP] <= k:
             stop += 1
         position = _post_gap(emitter, instrs, (position, ops.positions[k]), events[cursor:stop])
         cursor = stop

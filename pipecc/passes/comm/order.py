@@ -6,7 +6,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final
 
 from pipecc.diagnostics import ScheduleError
 from pipecc.ir.keys import StageMajorKeys
@@ -15,22 +15,16 @@ from pipecc.ir.printer import message
 from pipecc.ir.program import Program
 from pipecc.passes.comm.placement import CommPlacement, RecvPosting
 
-
-class Event(NamedTuple):
-    """A post of a send or a receive, sorted by (gap, order). Built with `tuple.__new__`
-    (there are two per message of a program of 10⁶ instructions)."""
-
-    gap: int  # posted before compute op `gap` of its rank
-    # sorts every message into one global order (`_message_order`: by the time the message
-    # comes to exist, then rank, then position in the rank's list, the same on every rank)
-    order: int
-    payload: tuple[object, ...]  # the Send/Recv fields up to the group: what, peer, pipe, ...
-    key: int  # the message's key
-    send: bool  # a send (else a receive)
-    made: int  # the moment the message comes to exist, for grouping
-
-
-_new = tuple.__new__
+# A message event, the post of a send or a receive: (gap, order, payload, key, is_send, made).
+# It is posted before compute op `gap` of its rank; `order` sorts every message into one
+# global order (`_message_order`: by the time the message comes to exist, then rank, then
+# position in the rank's list, the same on every rank); `payload` is the Send/Recv fields up to
+# the group (what, peer, pipe, stage, mb); `key` the message's; `made` the moment it comes to
+# exist, for grouping. A plain tuple, unpacked by name where it is read (`GAP` indexes the
+# one field the emission's scan reads alone): there are two per message, and as a NamedTuple
+# they cost 5% of a compile of 10⁶ instructions.
+Event = tuple[int, int, tuple[object, ...], int, bool, int]
+GAP: Final = 0
 
 
 @dataclass
@@ -343,10 +337,10 @@ def message_events(
                     )
                     continue
                 order = base + sub
-                own.append(_new(Event, (k + 1, order, send, key, True, made)))
+                own.append((k + 1, order, send, key, True, made))
                 # found by the time as the replay left it: a float compares faster with floats
                 gap = find(times[dst], ends[k])
-                events[dst].append(_new(Event, (gap, order, recv, key, False, made)))
+                events[dst].append((gap, order, recv, key, False, made))
     for rank_events in events:
         rank_events.sort()
     return events
@@ -367,12 +361,12 @@ def _manual_events(
     if key in manual_sends:
         order = manual_sends[key]
     else:
-        events[src].append(_new(Event, (k + 1, order, send, key, True, made)))
+        events[src].append((k + 1, order, send, key, True, made))
     if key in manual_recvs:
         manual_recvs[key] = order
     else:
         gap = find(times, order // unit)
-        events[dst].append(_new(Event, (gap, order, recv, key, False, made)))
+        events[dst].append((gap, order, recv, key, False, made))
 
 
 def _first_gap(times: Sequence[float], time: float) -> int:
