@@ -3,10 +3,10 @@
     program = compile_schedule("schedules/zb_h1.sched", ranks=4, microbatches=8)
     program = compile_schedule("dualpipe", ranks=8, microbatches=20)   # a bundled schedule
     program = load_program("prog.json")
-    program, notes = load("actions.csv", lowering=Lowering(policy="early-recv"))  # any input
 
 They live in `pipecc.driver`; this module names the ones a user (and the runtime's
-launcher) imports.
+launcher) imports. Any input (.sched, .json, .csv), checked and lowered as the commands do,
+is `pipecc.driver.load.load` (it imports the verifier, which compiling does not need).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from pipecc.driver.compile import (
     compile_tree,
     schedule_parameters,
 )
-from pipecc.driver.files import bundled_schedules, read_text, resolve_schedule
-from pipecc.driver.load import load, load_program
+from pipecc.driver.files import bundled_schedules, load_program, read_text, resolve_schedule
 
 __all__ = [
     "Alignment",
@@ -29,7 +28,6 @@ __all__ = [
     "compile_schedule",
     "compile_source",
     "compile_tree",
-    "load",
     "load_program",
     "read_text",
     "resolve_schedule",

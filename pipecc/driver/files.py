@@ -1,4 +1,5 @@
-"""Reading a user's input files, and the schedules bundled with pipecc."""
+"""Reading a user's input files (text, a compiled program), and the schedules bundled with
+pipecc."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from importlib import resources
 from pathlib import Path
 
 from pipecc.diagnostics import InputError
+from pipecc.interop import json_program
+from pipecc.ir.program import Program
+from pipecc.perf import paused_gc
 
 SCHEDULE_SUFFIX = ".sched"
 
@@ -50,3 +54,11 @@ def read_text(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text (byte {err.start} cannot be decoded)") from None
+
+
+def load_program(path: str | Path) -> Program:
+    """Load a compiled program written by `pipecc compile` (JSON)."""
+    path = Path(path)
+    text = read_text(path)
+    with paused_gc():
+        return json_program.loads(text, str(path))

@@ -16,21 +16,12 @@ from pipecc.driver.compile import (
     place_again,
     places_again,
 )
-from pipecc.driver.files import read_text
-from pipecc.interop import json_program, torch_csv
+from pipecc.driver.files import load_program, read_text
+from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import strip_comms
-from pipecc.perf import paused_gc
 from pipecc.verify import check_input, check_order
-
-
-def load_program(path: str | Path) -> Program:
-    """Load a compiled program written by `pipecc compile` (JSON)."""
-    path = Path(path)
-    text = read_text(path)
-    with paused_gc():
-        return json_program.loads(text, str(path))
 
 
 def is_compute_only(program: Program) -> bool:
