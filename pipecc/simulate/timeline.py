@@ -31,9 +31,10 @@ class DeadlockedError(ProgramError):
 
 
 @dataclass(frozen=True, slots=True)
-class Stall:
-    """A wait longer than the threshold: rank `rank` sat blocked at instruction `index` from
-    `since` for `length`, until `released_by` (an op of this rank) completed."""
+class Blocked:
+    """A time a rank sat blocked, longer than the threshold: rank `rank` at instruction
+    `index`, from `since` for `length`, until `released_by` (an op of this rank) completed.
+    DESIGN §6 lists them as a rank's `stalls`."""
 
     rank: int
     index: int
@@ -67,7 +68,7 @@ class RankStats:
     peak_index: int
     peak_time: float
     peak_bytes: float | None
-    stalls: tuple[Stall, ...]
+    stalls: tuple[Blocked, ...]
     gaps: tuple[Gap, ...] = ()
 
     @property
@@ -279,7 +280,7 @@ def _rank_stats(
     )
 
 
-def _stalls(rank: int, run: Replay, threshold: float, *, post: float) -> list[Stall]:
+def _stalls(rank: int, run: Replay, threshold: float, *, post: float) -> list[Blocked]:
     """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv):
     from the end of the previous instruction to the start (the release) of this one. A post
     never blocks: it ends `post` after the previous instruction."""
@@ -301,7 +302,7 @@ def _stalls(rank: int, run: Replay, threshold: float, *, post: float) -> list[St
         cause = run.cause(rank, index)
         released = cause.index if cause.rank == rank and cause.index >= 0 else None
         message = "previous op" if released is None else _released_by(instrs[released])
-        found.append(Stall(rank, index, blocked_from, length, released, message))
+        found.append(Blocked(rank, index, blocked_from, length, released, message))
     return found
 
 
