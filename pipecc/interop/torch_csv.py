@@ -18,22 +18,31 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pipecc.diagnostics import InputError, SourceFile, Span
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait, computations
+from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, Wait
 from pipecc.ir.placement import Placement, StageSlot, loop_placement, vshape_placement
 from pipecc.ir.program import Program
+from pipecc.passes.torch_actions import (
+    Action,
+    ActionKind,
+    RowBuilder,
+    compute_actions,
+    of_compute,
+    of_instr,
+    overlap,
+    peer_stage,
+)
+from pipecc.passes.torch_lowering import stage_op_slots
 
 
 def action(op: Compute) -> str:
     """torch's string for one computation: stage, type letter, microbatch."""
-    return f"{op.stage}{op.kind.value}{op.mb}"
+    return str(of_compute(op))
 
 
 def _cell(instr: Instr, with_comms: bool) -> str | None:
     match instr:
-        case Compute():
-            return action(instr)
-        case Fused(forward=f, backward=b):
-            return f"({action(f)};{action(b)})OVERLAP_F_B"
+        case Compute() | Fused():
+            return str(of_instr(instr))
         case Send(what=what, stage=stage, mb=mb) if with_comms:
             # torch names the sending stage on a send; pipecc names the receiving stage
             sender = stage - 1 if what is Msg.ACT else stage + 1
@@ -46,8 +55,33 @@ def _cell(instr: Instr, with_comms: bool) -> str | None:
             raise AssertionError(f"unknown instruction {instr!r}")
 
 
+def _comms_row(program: Program, instrs: tuple[Instr, ...], actions: list[Action]) -> list[str]:
+    """One rank's cells with comms, and UNSHARD/RESHARD/REDUCE_GRAD where torch's lowering
+    puts them around the compute (torch adds nothing to a compute_comms CSV itself, and
+    scales gradients by 1/M only in REDUCE_GRAD). An UNSHARD or RESHARD goes just before its
+    compute; a REDUCE_GRAD after the backward that completes its stage and the sends that
+    directly follow it, as torch's own lowering orders them."""
+    slots = stage_op_slots(actions, program.num_microbatches)
+    cells: list[str] = []
+    after: tuple[Action, ...] = ()
+    k = 0
+    for instr in instrs:
+        if after and type(instr) is not Send:
+            cells += map(str, after)
+            after = ()
+        if type(instr) is Compute or type(instr) is Fused:
+            cells += map(str, slots.before[k])
+            after = slots.after[k]
+            k += 1
+        cell = _cell(instr, True)
+        if cell is not None:
+            cells.append(cell)
+    return cells + [str(a) for a in after + slots.tail]
+
+
 def dumps(program: Program, *, with_comms: bool = False) -> str:
-    """The program as torch action CSV (compute only, or with SEND/RECV cells).
+    """The program as torch action CSV (compute only, or with SEND/RECV cells and torch's
+    UNSHARD/RESHARD/REDUCE_GRAD cells).
 
     Raises InputError for a placement with more than one pipe.
     """
@@ -59,9 +93,11 @@ def dumps(program: Program, *, with_comms: bool = False) -> str:
         )
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    for instrs in program.ranks:
-        row = [_cell(instr, with_comms) for instr in instrs]
-        writer.writerow([cell for cell in row if cell is not None])
+    for instrs, actions in zip(program.ranks, compute_actions(program), strict=True):
+        if with_comms:
+            writer.writerow(_comms_row(program, instrs, actions))
+        else:
+            writer.writerow([str(a) for a in actions])
     return buffer.getvalue()
 
 
@@ -69,19 +105,7 @@ def dumps(program: Program, *, with_comms: bool = False) -> str:
 
 _ACTION = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
-_COMPUTE = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
-_IGNORED = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-
-
-class Cell(NamedTuple):
-    """One parsed action: stage, torch type name, microbatch (None for UNSHARD & co.), span;
-    `parts` holds the two sub-actions of an OVERLAP_F_B cell."""
-
-    stage: int
-    action: str
-    mb: int | None
-    span: Span
-    parts: tuple[Cell, ...] = ()
+_IGNORED = (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD)
 
 
 class Loaded(NamedTuple):
@@ -103,18 +127,19 @@ def loads(text: str, path: str = "<csv>") -> Loaded:
     rows = [_parse_row(source, line_no, line) for line_no, line in enumerate(text.splitlines(), 1)]
     if not rows:
         raise InputError(f"{path}: empty CSV: expected one row of actions per rank")
-    ignored = sum(1 for row in rows for cell in row if cell.action in _IGNORED)
-    rows = [[cell for cell in row if cell.action not in _IGNORED] for row in rows]
+    ignored = sum(1 for row in rows for cell in row if cell.kind in _IGNORED)
+    rows = [[cell for cell in row if cell.kind not in _IGNORED] for row in rows]
     placement = _placement(rows, path)
     microbatches = 1 + max(
-        (c.mb for row in rows for cell in row for c in (cell.parts or (cell,)) if c.mb is not None),
+        (c.mb for row in rows for cell in row for c in cell.leaves() if c.mb is not None),
         default=-1,
     )
     if microbatches < 1:
         raise InputError(f"{path}: no compute actions: nothing to verify")
-    with_comms = any(cell.action.startswith(("SEND", "RECV")) for row in rows for cell in row)
-    builder = _RowBuilder(placement, with_comms)
-    ranks = tuple(builder.build(rank, row) for rank, row in enumerate(rows))
+    with_comms = any(cell.kind.is_comm for row in rows for cell in row)
+    _check_peers(rows, placement.num_stages(0) - 1)
+    builder = RowBuilder(placement)
+    ranks = tuple(builder.build(row) for row in rows)
     notes: tuple[str, ...] = ()
     if ignored:
         notes = (
@@ -144,7 +169,7 @@ def _split_cells(line: str) -> list[tuple[int, str]]:
     return cells
 
 
-def _parse_row(source: SourceFile, line_no: int, line: str) -> list[Cell]:
+def _parse_row(source: SourceFile, line_no: int, line: str) -> list[Action]:
     row = []
     for col, raw in _split_cells(line):
         text = raw.strip()
@@ -156,17 +181,16 @@ def _parse_row(source: SourceFile, line_no: int, line: str) -> list[Cell]:
     return row
 
 
-def _parse_cell(text: str, span: Span) -> Cell:
-    overlap = _OVERLAP.fullmatch(text)
-    if overlap:
-        subs = [s.strip() for s in overlap.group(1).split(";")]
-        parts = tuple(_parse_cell(s, span) for s in subs)
-        kinds = sorted(p.action for p in parts)
+def _parse_cell(text: str, span: Span) -> Action:
+    found = _OVERLAP.fullmatch(text)
+    if found:
+        parts = tuple(_parse_cell(s.strip(), span) for s in found.group(1).split(";"))
+        kinds = sorted(p.kind.value for p in parts)
         if len(parts) != 2 or kinds[1] != "F" or kinds[0] not in ("B", "I"):
             raise InputError(f"an OVERLAP_F_B cell holds one F and one B or I, got {text!r}", span)
-        forward = parts[0] if parts[0].action == "F" else parts[1]
+        forward = parts[0] if parts[0].kind is ActionKind.F else parts[1]
         backward = parts[1] if forward is parts[0] else parts[0]
-        return Cell(-1, "OVERLAP_F_B", None, span, (forward, backward))
+        return overlap((forward, backward), span)
     match = _ACTION.fullmatch(text)
     if not match:
         raise InputError(
@@ -174,23 +198,24 @@ def _parse_cell(text: str, span: Span) -> Cell:
             "(0F7;7B3)OVERLAP_F_B)",
             span,
         )
-    stage, action, mb = match.groups()
-    if action not in _IGNORED and not mb:
+    stage, name, mb = match.groups()
+    kind = ActionKind(name)
+    if not kind.is_stage_op and not mb:
         raise InputError(f"{text!r} needs a microbatch number", span)
-    return Cell(int(stage), action, int(mb) if mb else None, span)
+    return Action(int(stage), kind, int(mb) if mb else None, (), span)
 
 
-def _placement(rows: list[list[Cell]], path: str) -> Placement:
-    """Each stage on the row that holds it; a rank's chunks are its stages in order."""
-    holder: dict[int, tuple[int, Cell]] = {}
+def _placement(rows: list[list[Action]], path: str) -> Placement:
+    """Each stage on the row that holds it (a SEND names the sender, a RECV the receiver, as
+    torch does); a rank's chunks are its stages in order."""
+    holder: dict[int, tuple[int, Action]] = {}
     for rank, row in enumerate(rows):
         for cell in row:
-            for c in cell.parts or (cell,):
-                stage = _own_stage(c)
-                seen = holder.setdefault(stage, (rank, c))
+            for c in cell.leaves():
+                seen = holder.setdefault(c.stage, (rank, c))
                 if seen[0] != rank:
                     raise InputError(
-                        f"stage {stage} appears on rank {seen[0]} and rank {rank}: "
+                        f"stage {c.stage} appears on rank {seen[0]} and rank {rank}: "
                         "each stage lives on one rank",
                         c.span,
                     )
@@ -210,12 +235,6 @@ def _placement(rows: list[list[Cell]], path: str) -> Placement:
     return Placement(_placement_name(slots, len(rows)), tuple(slots))
 
 
-def _own_stage(cell: Cell) -> int:
-    """The stage a cell's row holds: the stage itself (a SEND names the sender, a RECV the
-    receiver, as torch does)."""
-    return cell.stage
-
-
 def _placement_name(slots: list[StageSlot], num_ranks: int) -> str:
     chunks = len(slots) // num_ranks
     for named in (loop_placement(num_ranks, chunks), vshape_placement(num_ranks)):
@@ -228,72 +247,13 @@ def _slot_key(slot: StageSlot) -> tuple[int, int]:
     return slot.rank, slot.chunk
 
 
-class _RowBuilder:
-    """Turns one row of cells into instructions: comm ops at their positions, a wait before
-    each compute for the recvs it consumes, a final wait for the sends."""
-
-    def __init__(self, placement: Placement, with_comms: bool) -> None:
-        self.placement = placement
-        self.with_comms = with_comms
-        self.last = placement.num_stages(0) - 1
-
-    def build(self, rank: int, row: list[Cell]) -> tuple[Instr, ...]:
-        out: list[Instr] = []
-        recvs: dict[tuple[Msg, int, int], int] = {}  # posted, not yet waited
-        sends: list[int] = []
-        for cell in row:
-            if cell.action in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
-                op = self._comm(cell)
-                if type(op) is Recv:
-                    recvs[(op.what, op.stage, op.mb)] = len(out)
-                else:
-                    sends.append(len(out))
-                out.append(op)
-                continue
-            instr = self._compute(rank, cell)
-            consumed = [recvs.pop(key) for key in self._inputs(instr) if key in recvs]
-            if consumed:
-                out.append(Wait(tuple(sorted(consumed)), cell.span))
-            out.append(instr)
-        if sends:
-            out.append(Wait(tuple(sends), None))
-        return tuple(out)
-
-    def _compute(self, rank: int, cell: Cell) -> Compute | Fused:
-        if cell.parts:
-            forward, backward = (self._compute(rank, c) for c in cell.parts)
-            assert type(forward) is Compute and type(backward) is Compute  # a part is one op
-            return Fused(forward, backward, cell.span)
-        holder = self.placement.holder(0, cell.stage)
-        return Compute(_COMPUTE[cell.action], holder.chunk, 0, cell.stage, cell.mb or 0, cell.span)
-
-    def _inputs(self, instr: Compute | Fused) -> list[tuple[Msg, int, int]]:
-        parts = computations(instr)
-        keys = []
-        for op in parts:
-            if op.kind is Kind.F:
-                keys.append((Msg.ACT, op.stage, op.mb))
-            elif op.kind is not Kind.W:
-                keys.append((Msg.GRAD, op.stage, op.mb))
-        return keys
-
-    def _comm(self, cell: Cell) -> Send | Recv:
-        stage, mb, action = cell.stage, cell.mb or 0, cell.action
-        forward = action.endswith("_F")
-        if action.startswith("SEND"):
-            to = stage + 1 if forward else stage - 1
-            self._check_stage(to, cell)
-            peer = self.placement.holder(0, to).rank
-            return Send(Msg.ACT if forward else Msg.GRAD, peer, 0, to, mb, None, cell.span)
-        source = stage - 1 if forward else stage + 1
-        self._check_stage(source, cell)
-        peer = self.placement.holder(0, source).rank
-        return Recv(Msg.ACT if forward else Msg.GRAD, peer, 0, stage, mb, None, cell.span)
-
-    def _check_stage(self, stage: int, cell: Cell) -> None:
-        if not 0 <= stage <= self.last:
+def _check_peers(rows: list[list[Action]], last: int) -> None:
+    """Every comm cell's peer stage exists."""
+    for cell in (c for row in rows for c in row if c.kind.is_comm):
+        other = peer_stage(cell)
+        if not 0 <= other <= last:
             raise InputError(
-                f"{cell.action} of stage {cell.stage}: there is no stage {stage} "
-                f"(stages are 0..{self.last})",
+                f"{cell.kind.value} of stage {cell.stage}: there is no stage {other} "
+                f"(stages are 0..{last})",
                 cell.span,
             )

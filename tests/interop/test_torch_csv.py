@@ -47,7 +47,10 @@ def test_comms_cells_name_sending_and_receiving_stage() -> None:
     rows = list(
         csv.reader(io.StringIO(torch_csv.dumps(compile_bundled("1f1b", 2, 1), with_comms=True)))
     )
-    assert rows == [["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]]
+    assert rows == [
+        ["0UNSHARD", "0F0", "0SEND_F0", "0RECV_B0", "0B0", "0REDUCE_GRAD", "0RESHARD"],
+        ["1RECV_F0", "1UNSHARD", "1F0", "1B0", "1SEND_B0", "1REDUCE_GRAD", "1RESHARD"],
+    ]
 
 
 def test_two_pipes_cannot_be_written() -> None:
