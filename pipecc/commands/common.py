@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, NoReturn
 from pipecc.diagnostics import InputError
 from pipecc.driver.compile import Alignment, Lowering
 from pipecc.driver.load import load
+from pipecc.driver.lowering import requested_style
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
+from pipecc.passes.torch_program import LoweringStyle
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
 
@@ -94,6 +96,9 @@ def load_input(path: str, args: argparse.Namespace) -> Program:
 def lowering(args: argparse.Namespace) -> Lowering:
     """How the command's flags ask for the comm ops to be placed."""
     policy = getattr(args, "comm_policy", None)
+    style = requested_style(args)  # --lowering torch|torch-defer (docs/interop.md)
+    if style is not LoweringStyle.PIPECC:
+        return Lowering(style=style)
     if not getattr(args, "align", False):
         return Lowering(policy=policy)
     if policy is not None:

@@ -13,6 +13,7 @@ from pipecc.commands.common import (
     write_output,
 )
 from pipecc.diagnostics import InputError
+from pipecc.driver.lowering import add_lowering_arg
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
 
@@ -58,6 +59,7 @@ def register(commands: SubParsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_input_args(cmd)
+    add_lowering_arg(cmd)
     cmd.add_argument(
         "--format", choices=FORMATS, default="json", help="output format (default: json)"
     )

@@ -15,6 +15,7 @@ from pipecc.commands.common import (
     write_output,
 )
 from pipecc.diagnostics import InputError
+from pipecc.driver.lowering import add_lowering_arg
 from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
 from pipecc.render.svg import render_svg
@@ -50,6 +51,7 @@ def register(commands: SubParsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_input_args(cmd)
+    add_lowering_arg(cmd)
     add_cost_args(cmd)
     cmd.add_argument(
         "--stall-threshold",

@@ -10,7 +10,9 @@ import os
 from pipecc.commands.common import SubParsers, add_size_args, load_costs, positive
 from pipecc.diagnostics import InputError
 from pipecc.driver.check import Outcome, verify_file
+from pipecc.driver.lowering import add_lowering_arg, requested_style
 from pipecc.driver.sweep import CompileFailure, SweepResult, parse_sizes, sweep_files
+from pipecc.passes.torch_program import LoweringStyle
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
 from pipecc.verify import ALL_MODELS, Options, StallBudget, report
@@ -97,6 +99,7 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--format", choices=FORMATS, default="text", help="output format (default: text)"
     )
+    add_lowering_arg(cmd)
     cmd.add_argument(
         "--limit",
         type=positive,
@@ -118,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         stall_budget=budget,
     )
     defines = dict(args.defines)
+    style = requested_style(args)
+    if args.sweep and style is not LoweringStyle.PIPECC:
+        raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
     if args.sweep:
         ranks, microbatches = parse_sweep(args.sweep, args)
         jobs = args.jobs or os.cpu_count() or 1
@@ -133,7 +139,12 @@ def run(args: argparse.Namespace) -> int:
         return 0 if all(r.ok for r in results) else 1
     outcomes = [
         verify_file(
-            path, ranks=args.ranks, microbatches=args.microbatches, defines=defines, options=options
+            path,
+            ranks=args.ranks,
+            microbatches=args.microbatches,
+            defines=defines,
+            options=options,
+            style=style,
         )
         for path in args.files
     ]

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from pipecc.driver.compile import lower_program
 from pipecc.driver.load import load, needs_lowering
+from pipecc.driver.lowering import compute_order, lower_torch
 from pipecc.ir.program import Backend, Program
+from pipecc.passes.torch_lowering import MalformedSchedule
+from pipecc.passes.torch_program import LoweringStyle
 from pipecc.verify import DEFAULT_OPTIONS, Options, Report, check_order, verify
 
 
@@ -27,11 +30,21 @@ class Outcome:
     notes: tuple[str, ...] = ()
 
 
+UNRUNNABLE = "unrunnable-order"  # the compute order's own dependency cycle
+
+
 def verify_program(
-    program: Program, options: Options = DEFAULT_OPTIONS, notes: tuple[str, ...] = ()
+    program: Program,
+    options: Options = DEFAULT_OPTIONS,
+    notes: tuple[str, ...] = (),
+    style: LoweringStyle = LoweringStyle.PIPECC,
+    path: str = "",
 ) -> tuple[Report, tuple[str, ...]]:
     """Verify a program; a compute-only one is first checked for a runnable compute order,
-    then lowered with the default comm policy (DESIGN §5)."""
+    then lowered with the default comm policy (DESIGN §5), or with torch's rules (`style`,
+    where a .sched file's program is first reduced to its compute order)."""
+    if style is not LoweringStyle.PIPECC:
+        return _verify_torch_lowering(compute_order(program, path, style), options, notes, style)
     if needs_lowering(program):
         refused = check_order(program, options)
         if refused is not None:
@@ -53,6 +66,25 @@ def verify_program(
     return verify(program, options), notes
 
 
+def _verify_torch_lowering(
+    compute: Program, options: Options, notes: tuple[str, ...], style: LoweringStyle
+) -> tuple[Report, tuple[str, ...]]:
+    """--lowering torch|torch-defer: the compute order's own checks, then torch's lowering
+    (a violation where torch raises), then every check on what torch would run."""
+    refused = check_order(compute, options)
+    if refused is not None and any(v.code != UNRUNNABLE for v in refused.violations):
+        return refused, notes  # coverage or placement: nothing to lower
+    try:
+        lowered, note = lower_torch(compute, style)
+    except MalformedSchedule as err:  # with pipecc's witness of the cycle, if it found one
+        found = (err, *(refused.violations if refused else ()))
+        peaks = refused.peaks if refused is not None else ()
+        return Report(compute, options, found, (), peaks, ()), notes
+    if refused is not None:
+        return refused, notes
+    return verify(lowered, options), (*notes, note)
+
+
 def verify_file(
     path: str,
     *,
@@ -60,12 +92,13 @@ def verify_file(
     microbatches: int | None = None,
     defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT_OPTIONS,
+    style: LoweringStyle = LoweringStyle.PIPECC,
 ) -> Outcome:
     """Load and verify one input (module docstring)."""
     program, notes = load(
         path, ranks=ranks, microbatches=microbatches, defines=defines, lowering=None
     )
-    report, notes = verify_program(program, options, notes)
+    report, notes = verify_program(program, options, notes, style, path)
     label = (
         path
         if ranks is None or path.endswith((".json", ".csv"))

@@ -20,6 +20,7 @@ from pipecc.ir.program import Program
 from pipecc.passes.align_comms import align_comms
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import DEFAULT, POLICIES, insert_comms, strip_comms
+from pipecc.passes.torch_program import LoweringStyle, lower_in_style
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
@@ -42,6 +43,7 @@ class Lowering:
 
     policy: str | None = None
     align: Alignment | None = None
+    style: LoweringStyle = LoweringStyle.PIPECC  # --lowering torch|torch-defer: torch's rules
 
 
 DEFAULT_LOWERING = Lowering()
@@ -49,6 +51,8 @@ DEFAULT_LOWERING = Lowering()
 
 def lower_program(program: Program, lowering: Lowering = DEFAULT_LOWERING) -> Program:
     """Place the comm ops of a compute-only program (hand-placed ones may be present)."""
+    if lowering.style is not LoweringStyle.PIPECC:
+        return lower_in_style(program, lowering.style)
     if lowering.align is not None:
         return align_comms(program, costs=lowering.align.costs, model=lowering.align.model)
     if lowering.policy is None or lowering.policy == DEFAULT.policy:

@@ -21,6 +21,7 @@ from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import strip_comms
+from pipecc.passes.torch_program import LoweringStyle
 from pipecc.verify import check_input, check_order
 
 
@@ -72,6 +73,7 @@ def load(
     if needs_lowering(program):
         refuse_invalid(path, program)
         return Loaded(lower_program(program, lowering), notes)
+    refuse_torch_lowering(path, program, lowering.style)
     # a program whose comm ops are placed again is checked for its compute order; one kept,
     # in full
     refuse_invalid(path, strip_comms(program) if places_again(program, lowering) else program)
@@ -87,6 +89,16 @@ def refuse_invalid(label: str, program: Program) -> None:
         return
     found = ", ".join(f"{code} {n}" for code, n in report.counts().items())
     raise RefusedProgramError(label, report.violations, found)
+
+
+def refuse_torch_lowering(path: str, program: Program, style: LoweringStyle) -> None:
+    """--lowering torch* lowers a compute order: an input with comm ops is bad input."""
+    if style is not LoweringStyle.PIPECC and not is_compute_only(program):
+        raise InputError(
+            f"{path}: --lowering {style.value} lowers a compute-only schedule, and this input "
+            "already has its sends and receives (torch runs them as written: check it without "
+            "--lowering)"
+        )
 
 
 def _read_csv(path: str) -> tuple[Program, tuple[str, ...]]:

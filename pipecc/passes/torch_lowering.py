@@ -17,19 +17,31 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from pipecc.diagnostics import PipeccError
+from pipecc.diagnostics import Note, Span, Violation
 from pipecc.passes.torch_actions import Action, ActionKind, Key
 
 MAX_ACTIVE_STAGES = 3  # torch's default prefetch window for UNSHARD
 _BACKWARDS = (ActionKind.B, ActionKind.I)
 
 
-class MalformedSchedule(PipeccError):
-    """torch would refuse to lower this schedule: `stuck` maps each rank that could not
-    proceed to the action it was waiting to place (None for a leftover receive)."""
+class MalformedSchedule(Violation):
+    """torch would refuse to lower this schedule (torch: "Malformed compute schedule"):
+    `stuck` maps each rank that could not proceed to the action it could not place (for a
+    leftover receive, that receive)."""
 
-    def __init__(self, message: str, stuck: Mapping[int, Action]) -> None:
-        super().__init__(message)
+    code = "torch-lowering"
+
+    def __init__(
+        self,
+        message: str,
+        stuck: Mapping[int, Action],
+        *,
+        span: Span | None = None,
+        notes: tuple[Note, ...] = (),
+        rank: int | None = None,
+        index: int | None = None,
+    ) -> None:
+        super().__init__(message, span, notes=notes, rank=rank, index=index)
         self.stuck = dict(stuck)
 
 

@@ -30,6 +30,7 @@ class TorchCase:
     torch_format: str  # "compute_only" or "compute_comms"
     microbatches: int
     num_stages: int
+    defer: bool = False  # defer_pp_recv=True (torch lowers compute_only CSVs with it)
 
 
 def build(num_stages: int) -> list[nn.Module]:
@@ -86,7 +87,10 @@ def run_case(rank: int, world: int, case: TorchCase) -> dict[str, Any]:
     mine = held_stages(case.csv_text, rank)
     stages = [PipelineStage(modules[s], s, case.num_stages, torch.device("cpu")) for s in mine]
     schedule = _PipelineScheduleRuntime(
-        stages, n_microbatches=case.microbatches, loss_fn=nn.functional.mse_loss
+        stages,
+        n_microbatches=case.microbatches,
+        loss_fn=nn.functional.mse_loss,
+        defer_pp_recv=case.defer,
     )
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "schedule.csv")
