@@ -32,7 +32,7 @@ from pipecc.diagnostics import (
     SetupError,
 )
 from pipecc.ir.keys import Message
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, StageOp, Wait
 from pipecc.ir.printer import describe, message
 from pipecc.ir.program import Program
 
@@ -47,6 +47,7 @@ from .plan import Plan, build_plan, forward_only
 from .profile import Recorder
 from .specs import Boundaries, TensorSpec, as_tuple, describe_specs, normalise_boundaries
 from .split_backward import full_backward, input_backward
+from .stage_ops import run_stage_op
 
 
 class PipelineRuntime:
@@ -202,6 +203,8 @@ class PipelineRuntime:
                         self._post(ctx, index, instr, commit)
                     case Wait():
                         self._wait(ctx, index, instr)
+                    case StageOp():  # torch's UNSHARD & co.: FSDP stages only (stage_ops.py)
+                        run_stage_op(self.modules.get(instr.chunk), instr)
                     case _:
                         raise AssertionError(f"unknown instruction {instr!r}")
             except PipeccError:

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, StageOp, Wait
 from pipecc.ir.printer import describe
 from pipecc.semantics import CauseKind, Replay
 
@@ -78,7 +78,9 @@ def _explain_start(
     if cause.kind is CauseKind.PROGRAM:
         prev = instrs[i - 1]
         verb = (
-            "ends" if _is_compute(prev) else ("is released" if type(prev) is Wait else "is posted")
+            "ends"
+            if _is_compute(prev) or type(prev) is StageOp
+            else ("is released" if type(prev) is Wait else "is posted")
         )
         links.append(
             Link(

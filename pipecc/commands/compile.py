@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pipecc.commands.common import (
     SubParsers,
@@ -16,6 +17,7 @@ from pipecc.diagnostics import InputError
 from pipecc.driver.lowering import add_lowering_arg
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
+from pipecc.ir.program import Program
 
 FORMATS = ("json", "text", "listing", "torch-csv", "torch-csv-comms")
 
@@ -92,4 +94,18 @@ def run(args: argparse.Namespace) -> int:
         case _:
             raise AssertionError(args.format)
     write_output(text, args.output)
+    for note in _format_notes(program, args.format):
+        print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def _format_notes(program: Program, fmt: str) -> tuple[str, ...]:
+    """What an output format cannot hold of this program (torch's UNSHARD & co.)."""
+    if fmt == "text" and torch_csv.has_stage_ops(program):
+        return (
+            "the text grid shows compute ops only: this program's UNSHARD/RESHARD/REDUCE_GRAD "
+            "are not in it (--format listing or json shows them)",
+        )
+    if fmt == "torch-csv":
+        return torch_csv.dump_notes(program, with_comms=False)
+    return ()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.diagnostics import InputError, SourceFile, Span
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, StageAction, StageOp, Wait
 from pipecc.ir.placement import Placement, PlacementError, StageSlot
 from pipecc.ir.program import Program
 from pipecc.passes.comm.placement import backend_of
@@ -91,6 +91,9 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
             return _with_span(entry, instr.span)
         case Wait():
             return _with_span({"op": "wait", "ops": list(instr.ops)}, instr.span)
+        case StageOp(kind=kind, chunk=chunk, pipe=pipe, stage=stage):
+            entry = {"op": kind.value, "chunk": chunk, "pipe": pipe, "stage": stage}
+            return _with_span(entry, instr.span)
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
 
@@ -235,6 +238,7 @@ def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
 
 _KINDS = {kind.value: kind for kind in Kind}
 _MSGS = {msg.value: msg for msg in Msg}
+_STAGE_ACTIONS = {action.value: action for action in StageAction}
 
 
 def _read_compute(obj: Any, where: str, reader: _Reader, kind: Kind | None = None) -> Compute:
@@ -278,6 +282,11 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
             "a non-empty list of instruction indices",
         )
         return Wait(tuple(ops), reader.span(obj))
+    if op in _STAGE_ACTIONS:
+        chunk, pipe, stage = (reader.integer(obj, key, where) for key in ("chunk", "pipe", "stage"))
+        return StageOp(_STAGE_ACTIONS[op], chunk, pipe, stage, reader.span(obj))
     raise reader.fail(
-        where, f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, send, recv or wait)"
+        where,
+        f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, send, recv, wait, "
+        "UNSHARD, RESHARD or REDUCE_GRAD)",
     )

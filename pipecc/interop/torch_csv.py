@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pipecc.diagnostics import InputError, SourceFile, Span
-from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, StageOp, Wait
 from pipecc.ir.placement import Placement, StageSlot, loop_placement, vshape_placement
 from pipecc.ir.program import Program
 from pipecc.passes.torch_actions import (
@@ -43,6 +43,10 @@ def _cell(instr: Instr, with_comms: bool) -> str | None:
     match instr:
         case Compute() | Fused():
             return str(of_instr(instr))
+        case StageOp() if with_comms:
+            return str(of_instr(instr))
+        case StageOp():
+            return None
         case Send(what=what, stage=stage, mb=mb) if with_comms:
             # torch names the sending stage on a send; pipecc names the receiving stage
             sender = stage - 1 if what is Msg.ACT else stage + 1
@@ -93,19 +97,36 @@ def dumps(program: Program, *, with_comms: bool = False) -> str:
         )
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
+    kept = has_stage_ops(program)  # a torch CSV's own: written where they are
     for instrs, actions in zip(program.ranks, compute_actions(program), strict=True):
-        if with_comms:
+        if with_comms and not kept:
             writer.writerow(_comms_row(program, instrs, actions))
         else:
-            writer.writerow([str(a) for a in actions])
+            row = (_cell(instr, with_comms) for instr in instrs)
+            writer.writerow([cell for cell in row if cell is not None])
     return buffer.getvalue()
+
+
+def has_stage_ops(program: Program) -> bool:
+    return any(type(i) is StageOp for instrs in program.ranks for i in instrs)
+
+
+def dump_notes(program: Program, *, with_comms: bool) -> tuple[str, ...]:
+    """What `dumps` leaves out: a compute-only CSV holds no UNSHARD/RESHARD/REDUCE_GRAD
+    (torch's compute_only loader refuses them and adds its own)."""
+    if with_comms or not has_stage_ops(program):
+        return ()
+    return (
+        "torch-csv (compute only) holds no UNSHARD/RESHARD/REDUCE_GRAD: the program's were "
+        "left out, and torch adds its own when it lowers the file (use torch-csv-comms to "
+        "keep them)",
+    )
 
 
 # ---- reading (DESIGN §5, "Torch CSV input") ---------------------------------------------------
 
 _ACTION = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
-_IGNORED = (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD)
 
 
 class Loaded(NamedTuple):
@@ -121,14 +142,13 @@ def loads(text: str, path: str = "<csv>") -> Loaded:
     P is the number of rows; each stage belongs to the row that holds it; M is the largest
     microbatch + 1; each comm cell is its own op posted at its position; a compute op waits
     for the recvs it consumes; sends are waited at the end. UNSHARD, RESHARD and REDUCE_GRAD
-    are ignored (noted). Raises InputError, pointing at the cell, for anything malformed.
+    are kept as StageOps where they stand. Raises InputError, pointing at the cell, for
+    anything malformed.
     """
     source = SourceFile(path, text)
     rows = [_parse_row(source, line_no, line) for line_no, line in enumerate(text.splitlines(), 1)]
     if not rows:
         raise InputError(f"{path}: empty CSV: expected one row of actions per rank")
-    ignored = sum(1 for row in rows for cell in row if cell.kind in _IGNORED)
-    rows = [[cell for cell in row if cell.kind not in _IGNORED] for row in rows]
     placement = _placement(rows, path)
     microbatches = 1 + max(
         (c.mb for row in rows for cell in row for c in cell.leaves() if c.mb is not None),
@@ -140,11 +160,6 @@ def loads(text: str, path: str = "<csv>") -> Loaded:
     _check_peers(rows, placement.num_stages(0) - 1)
     builder = RowBuilder(placement)
     ranks = tuple(builder.build(row) for row in rows)
-    notes: tuple[str, ...] = ()
-    if ignored:
-        notes = (
-            f"ignored {ignored} UNSHARD/RESHARD/REDUCE_GRAD cell(s): they move no pipeline data",
-        )
     program = Program(
         schedule=Path(path).stem,
         source=path,
@@ -155,7 +170,7 @@ def loads(text: str, path: str = "<csv>") -> Loaded:
         placement=placement,
         ranks=ranks,
     )
-    return Loaded(program, notes)
+    return Loaded(program, ())
 
 
 def _split_cells(line: str) -> list[tuple[int, str]]:

@@ -6,7 +6,7 @@ They keep the properties the house style asks of IR nodes: immutable, typed fiel
 for every opcode, and a source span that takes no part in equality or hashing. Equality also
 compares the class, so a `Send` never equals a `Recv` with the same fields.
 
-    Instr = Compute | Fused | Send | Recv | Wait
+    Instr = Compute | Fused | Send | Recv | Wait | StageOp
 """
 
 from __future__ import annotations
@@ -159,8 +159,43 @@ class Wait(NamedTuple):
         return "wait " + ",".join(str(i) for i in self.ops)
 
 
+class StageAction(enum.Enum):
+    """torch's per-stage actions (FSDP): fetch a stage's sharded parameters, release them,
+    and reduce its gradients once after its last backward (which also scales them by 1/M)."""
+
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
+
+    __hash__ = object.__hash__
+
+
+class StageOp(NamedTuple):
+    """One of torch's UNSHARD, RESHARD, REDUCE_GRAD on one stage: no microbatch, no data
+    between ranks. Programs compiled from .sched files hold none; torch CSVs may."""
+
+    kind: StageAction
+    chunk: int
+    pipe: int
+    stage: int
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is StageOp and self[:4] == other[:4]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("StageOp", *self[:4]))
+
+    def label(self) -> str:
+        """`UNSHARD1` is chunk 1's UNSHARD."""
+        return f"{self.kind.value}{self.chunk}"
+
+
 Comm = Send | Recv
-Instr = Compute | Fused | Send | Recv | Wait
+Instr = Compute | Fused | Send | Recv | Wait | StageOp
 
 
 def computations(instr: Instr) -> tuple[Compute, ...]:
@@ -170,7 +205,7 @@ def computations(instr: Instr) -> tuple[Compute, ...]:
             return (instr,)
         case Fused():
             return (instr.forward, instr.backward)
-        case Send() | Recv() | Wait():
+        case Send() | Recv() | Wait() | StageOp():
             return ()
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, Wait, computations
+from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, StageOp, Wait, computations
 from pipecc.ir.program import Program
 
 
@@ -81,6 +81,8 @@ def describe(instr: Instr, *, pipes: bool = True, places: bool = False, groups: 
             return f"{verb} {message(instr, pipes=pipes)} {arrow} rank {instr.peer}{group}"
         case Wait(ops=ops):
             return "wait " + " ".join(str(i) for i in ops)
+        case StageOp(kind=kind, stage=stage):
+            return f"{kind.value} stage {stage}"
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
 

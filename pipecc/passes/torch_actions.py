@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from pipecc.diagnostics import Span
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, StageAction, StageOp, Wait
 from pipecc.ir.placement import Placement
 from pipecc.ir.program import Program
 
@@ -105,6 +105,8 @@ def of_instr(instr: Instr) -> Action | None:
             return of_compute(instr)
         case Fused(forward=f, backward=b):
             return overlap((of_compute(f), of_compute(b)), instr.span)
+        case StageOp(kind=kind, stage=stage):
+            return Action(stage, ActionKind(kind.value), None, (), instr.span)
         case Send() | Recv() | Wait():
             return None
         case _:
@@ -112,8 +114,11 @@ def of_instr(instr: Instr) -> Action | None:
 
 
 def compute_actions(program: Program) -> list[list[Action]]:
-    """Each rank's compute order as torch actions (comm ops and waits left out)."""
-    return [[a for a in map(of_instr, instrs) if a is not None] for instrs in program.ranks]
+    """Each rank's compute order as torch actions (comm ops, waits and StageOps left out)."""
+    return [
+        [a for a in map(of_instr, instrs) if a is not None and not a.kind.is_stage_op]
+        for instrs in program.ranks
+    ]
 
 
 def stage_ranks(program: Program) -> dict[int, int]:
@@ -144,6 +149,7 @@ class RowBuilder:
                 out.append(op)
                 continue
             if action.kind.is_stage_op:
+                out.append(self.stage_op(action))
                 continue
             instr = self.compute(action)
             consumed = [recvs.pop(key) for key in _inputs(action) if key in recvs]
@@ -162,6 +168,11 @@ class RowBuilder:
         holder = self.placement.holder(0, action.stage)
         mb = action.mb or 0
         return Compute(KIND_OF[action.kind], holder.chunk, 0, action.stage, mb, action.span)
+
+    def stage_op(self, action: Action) -> StageOp:
+        holder = self.placement.holder(0, action.stage)
+        kind = StageAction(action.kind.value)
+        return StageOp(kind, holder.chunk, 0, action.stage, action.span)
 
     def comm(self, action: Action) -> Send | Recv:
         """A comm cell as an op; the peer stage must exist (checked by the caller)."""

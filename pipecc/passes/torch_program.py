@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from pipecc.diagnostics import InputError, Note
-from pipecc.ir.ops import Instr, Recv, Send, Wait
+from pipecc.ir.ops import Instr, Recv, Send, StageOp, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.torch_actions import (
     Action,
@@ -45,6 +45,11 @@ def lower_as_torch(program: Program, *, defer: bool) -> Program:
         raise InputError(
             f"torch.distributed.pipelining cannot run placement '{program.placement.name}' "
             f"({program.placement.num_pipes} pipes): there is no torch lowering to verify"
+        )
+    if any(type(i) is StageOp for instrs in program.ranks for i in instrs):
+        raise InputError(
+            "--lowering torch lowers a compute-only schedule, and torch's compute_only loader "
+            "refuses UNSHARD/RESHARD/REDUCE_GRAD (it adds its own): this input holds some"
         )
     compute = compute_actions(program)
     stage_rank = stage_ranks(program)

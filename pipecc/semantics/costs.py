@@ -11,6 +11,9 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
     bytes         size of one message (with `bandwidth`, adds bytes / bandwidth to `comm`)
     bandwidth     bytes per time unit (global only)
     act_bytes     bytes of one microbatch's activations of a stage (for peak memory in bytes)
+    UNSHARD, RESHARD, REDUCE_GRAD
+                  durations of torch's per-stage actions, where a program holds them (a torch
+                  CSV's; docs/interop.md); 0 unless given
     post          host time a rank spends posting one send or receive (global only; 0)
     wait          host time a rank spends in a wait after it is released (global only; 0)
     sync          time of the duplicated-stage gradient sum at the end of a step, for
@@ -33,9 +36,12 @@ from pathlib import Path
 from typing import Any, cast
 
 from pipecc.diagnostics import CostModelError
-from pipecc.ir.ops import Compute, Fused, Kind, Send
+from pipecc.ir.ops import Compute, Fused, Kind, Send, StageOp
 
-DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes")
+# torch's per-stage actions (docs/interop.md): 0 unless given
+STAGE_OP_KEYS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+
+DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes", *STAGE_OP_KEYS)
 HOST_KEYS = ("post", "wait", "sync")  # global only: a rank's host time, a step's sync
 GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "unit")
 
@@ -53,6 +59,9 @@ class StageCost:
     comm: float | None = None
     bytes: float | None = None
     act_bytes: float | None = None
+    UNSHARD: float | None = None
+    RESHARD: float | None = None
+    REDUCE_GRAD: float | None = None
 
     def over(self, base: StageCost) -> StageCost:
         """This stage's values where given, `base`'s elsewhere."""
@@ -73,6 +82,9 @@ class ResolvedCost:
     comm: float
     bytes: float | None
     act_bytes: float | None
+    UNSHARD: float = 0.0
+    RESHARD: float = 0.0
+    REDUCE_GRAD: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +138,11 @@ class CostModel:
         if kind is Kind.B:
             return cost.B
         return cost.I if kind is Kind.I else cost.W
+
+    def stage_op(self, op: StageOp) -> float:
+        """UNSHARD, RESHARD, REDUCE_GRAD: their given duration on the stage, else 0."""
+        value: float = getattr(self.stage(op.stage), op.kind.value)
+        return value
 
     def has_bytes(self) -> bool:
         """Whether activation sizes are given (for peak memory in bytes)."""
@@ -242,6 +259,9 @@ def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
         comm,
         cost.bytes,
         cost.act_bytes,
+        cost.UNSHARD or 0.0,
+        cost.RESHARD or 0.0,
+        cost.REDUCE_GRAD or 0.0,
     )
 
 
@@ -255,10 +275,15 @@ class CostTiming:
     # has a few dozen distinct ones
     _known: dict[tuple[object, ...], float] = field(default_factory=dict, compare=False)
 
-    def duration(self, rank: int, index: int, instr: Compute | Fused) -> float:
+    def duration(self, rank: int, index: int, instr: Compute | Fused | StageOp) -> float:
         return self.op_duration(instr)
 
-    def op_duration(self, instr: Compute | Fused) -> float:
+    def op_duration(self, instr: Compute | Fused | StageOp) -> float:
+        if type(instr) is StageOp:
+            return self.costs.stage_op(instr)
+        return self._compute_duration(instr)  # type: ignore[arg-type]  # StageOp ruled out
+
+    def _compute_duration(self, instr: Compute | Fused) -> float:
         if type(instr) is Compute:
             key: tuple[object, ...] = (instr.kind, instr.stage)
             value = self._known.get(key)

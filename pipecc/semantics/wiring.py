@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from pipecc.ir.keys import MessageKeys
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, StageOp, Wait
 from pipecc.ir.program import Program
 from pipecc.semantics.model import CommModel
 
@@ -191,7 +191,7 @@ class _Builder:
                 if t is Wait:
                     code[g] = WAIT
                     waits.append(g)
-                else:
+                elif t is not StageOp:  # a StageOp runs as a compute with no inputs
                     computes.append(g)
                 continue
             what, peer, pipe, stage, mb, this_group, _ = cast("Send | Recv", instr)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from pipecc.analysis.gaps import Gap, classify, clean
 from pipecc.analysis.memory import peak_activations, peak_bytes
 from pipecc.diagnostics import ProgramError
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, StageOp, Wait
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
@@ -177,7 +177,7 @@ class Timeline:
 def op_name(instr: Instr) -> str:
     """The short name of an instruction in timelines: `F0.3`, `F0.4&B1.1`, `send`, ..."""
     match instr:
-        case Compute() | Fused():
+        case Compute() | Fused() | StageOp():
             return instr.label()
         case Send():
             return "send"
@@ -252,9 +252,13 @@ def _rank_stats(
         busy += end - start
         first = start if first is None else first
         last = end
+    base = run.wiring.offsets[rank]
+    stage_ops = [base + i for i, instr in enumerate(instrs) if type(instr) is StageOp]
+    busy += sum((ends[g] or 0.0) - (starts[g] or 0.0) for g in stage_ops)  # 0 unless costed
     post, wait = costs.overhead()  # every post and every Wait takes exactly this much
     waits = len(run.wiring.waits[rank])
-    host = post * (len(instrs) - len(run.wiring.computes[rank]) - waits) + wait * waits
+    posts = len(instrs) - len(run.wiring.computes[rank]) - waits - len(stage_ops)
+    host = post * posts + wait * waits
     first = first if first is not None else 0.0
     peak, at = peak_activations(instrs)
     peak_index = max(at, 0)

@@ -6,7 +6,8 @@
 
 Checks (docs/verify.md), each with its own `Violation` subclass in pipecc.diagnostics:
 waits (bad-wait, double-wait, unwaited, buffer-reuse), matching (orphan, mismatch), routes
-and placement (route, placement), coverage, data dependencies (forward-before-input,
+and placement (route, placement), coverage, torch's stage actions (unshard-reshard,
+reduce-grad: pipecc.verify.stage_ops), data dependencies (forward-before-input,
 backward-before-gradient, backward-before-forward, weight-before-input-grad,
 send-before-compute, recv-after-use, missing-recv), deadlock and needs-buffering under each
 comm model (replayed by pipecc.semantics), memory (--max-activations), and stalls
@@ -33,6 +34,7 @@ from pipecc.verify.dependencies import check_compute_order, check_dataflow
 from pipecc.verify.matching import check_matching
 from pipecc.verify.memory import Peak, check_memory, peaks
 from pipecc.verify.placement import check_placement, check_routes
+from pipecc.verify.stage_ops import check_stage_ops
 from pipecc.verify.stall_budget import StallBudget, WaitTotals, check_stalls
 from pipecc.verify.waits import check_waits
 
@@ -148,6 +150,7 @@ def _check_structure(ctx: Context) -> tuple[str, ...]:
     check_matching(ctx)
     misplaced = check_placement(ctx)
     check_coverage(ctx)
+    check_stage_ops(ctx)  # torch's UNSHARD/RESHARD/REDUCE_GRAD, where the program has them
     if misplaced:  # every route and data dependency follows the placement: all would fail
         return (
             "route and data-dependency checks skipped: the ops do not fit the program's placement",

@@ -18,10 +18,12 @@ import pytest
 
 pytest.importorskip("torch.distributed.pipelining")
 
+from csv_mutants import mutated, reduce_first  # noqa: E402
 from torch_runtime_cases import TorchCase, run_cases  # noqa: E402
 
 from pipecc.api import bundled_schedules, compile_schedule  # noqa: E402
 from pipecc.interop import torch_csv  # noqa: E402
+from pipecc.verify import verify  # noqa: E402
 
 MICROBATCHES = 8
 TOLERANCE = 1e-5
@@ -48,11 +50,23 @@ def export(schedule: str, ranks: int, form: str) -> TorchCase:
     )
 
 
+MUTANT_SCHEDULES = ("zb_h1", "zbv", "interleaved_1f1b")
+
+
+def mutant(schedule: str, ranks: int) -> TorchCase:
+    """The comms export with the last rank's first REDUCE_GRAD before its stage's last
+    backward: verify reports it (reduce-grad), and torch trains it wrong."""
+    case = export(schedule, ranks, "torch-csv-comms")
+    text = mutated(case.csv_text, ranks - 1, reduce_first)
+    return case._replace(name=f"{schedule}-P{ranks}-reduce-early", csv_text=text)
+
+
 @functools.cache
 def results(ranks: int) -> list[dict[str, dict[str, Any]]]:
     from pipecc.runtime.spawn import spawn
 
     cases = [export(s, ranks, form) for s in SCHEDULES for form in TORCH_FORMAT]
+    cases += [mutant(s, ranks) for s in MUTANT_SCHEDULES]
     return spawn(run_cases, ranks, cases, timeout=60.0)
 
 
@@ -91,7 +105,7 @@ def test_torch_defer_on_gloo_is_what_verify_predicts(schedule: str, ranks: int) 
     from pipecc.passes.insert_comms import strip_comms
     from pipecc.passes.torch_program import lower_as_torch
     from pipecc.semantics import CommModel
-    from pipecc.verify import Options, verify
+    from pipecc.verify import Options
 
     program = compile_schedule(schedule, ranks=ranks, microbatches=MICROBATCHES)
     lowered = lower_as_torch(strip_comms(program), defer=True)
@@ -102,3 +116,14 @@ def test_torch_defer_on_gloo_is_what_verify_predicts(schedule: str, ranks: int) 
     assert (relative > TOLERANCE) == mismatched, (
         f"verify: {'mismatch' if mismatched else 'ok'}; torch: max_rel_grad_diff {relative:.3g}"
     )
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("schedule", MUTANT_SCHEDULES)
+def test_reduce_grad_too_early_is_reported_and_trains_wrong(schedule: str, ranks: int) -> None:
+    case = mutant(schedule, ranks)
+    report = verify(torch_csv.loads(case.csv_text).program)
+    assert [v.code for v in report.violations] == ["reduce-grad"]
+    errors, relative = _outcome(schedule, ranks, "reduce-early")
+    assert not errors, errors
+    assert relative > TOLERANCE

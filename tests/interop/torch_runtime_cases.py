@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,8 +20,7 @@ HIDDEN = 6
 ROWS = 2  # rows per microbatch
 
 
-@dataclass(frozen=True)
-class TorchCase:
+class TorchCase(NamedTuple):
     """One export: its CSV text, the format torch loads it as, the pipeline's sizes."""
 
     name: str

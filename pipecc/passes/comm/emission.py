@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipecc.ir.keys import StageMajorKeys
-from pipecc.ir.ops import Instr, Recv, Send, Wait
+from pipecc.ir.ops import Instr, Recv, Send, StageOp, Wait
 from pipecc.passes.comm.order import GAP, Event, RankOps
 from pipecc.passes.comm.placement import Grouping
 
@@ -65,6 +65,9 @@ class Emitter:
         """Copy a hand-placed Send/Recv/Wait, renumbering its group and wait indices."""
         index = len(self.out)
         self.moved[position] = index
+        if type(instr) is StageOp:  # torch's UNSHARD & co. stay where they were written
+            self.out.append(instr)
+            return
         if type(instr) is Wait:
             self.out.append(Wait(tuple(self.moved[i] for i in instr.ops), instr.span))
             return

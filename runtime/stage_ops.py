@@ -1,0 +1,61 @@
+"""torch's per-stage actions (UNSHARD, RESHARD, REDUCE_GRAD) in pipecc's runtime.
+
+A program read from a torch CSV may hold them (docs/interop.md). They act only on a stage
+module that is an FSDP module (`torch.distributed.fsdp.fully_shard`), as torch's
+`_PipelineScheduleRuntime` does; on any other module they do nothing.
+
+- UNSHARD: every FSDP module inside the stage gathers its parameters. torch starts the
+  gathers asynchronously and waits for them at the stage's next compute; here each gather
+  completes before the next instruction.
+- RESHARD: every FSDP module inside the stage frees its gathered parameters.
+- REDUCE_GRAD: the stage module's FSDP post-backward (reduce-scatter of the gradients), once
+  after the stage's last backward. torch also divides the gradients by M here; pipecc's
+  runtime has already scaled each microbatch's loss by 1/M, so it does not scale again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipecc.ir.ops import StageAction, StageOp
+
+
+def _fsdp_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2: no module can be an FSDP module
+        return None
+    return FSDPModule  # type: ignore[no-any-return]
+
+
+def run_stage_op(module: torch.nn.Module | None, op: StageOp) -> None:
+    """Run `op` on the stage module of its chunk (module docstring)."""
+    fsdp = _fsdp_class()
+    if module is None or fsdp is None or not isinstance(module, fsdp):
+        return
+    if op.kind is StageAction.UNSHARD:
+        for sub in module.modules():
+            if isinstance(sub, fsdp):
+                sub.unshard()
+    elif op.kind is StageAction.RESHARD:
+        for sub in module.modules():
+            if isinstance(sub, fsdp):
+                sub.reshard()
+    else:
+        _post_backward(module)
+
+
+def _post_backward(module: Any) -> None:
+    """FSDP's post-backward for every parameter group of the stage module, as torch's
+    `PipelineStage.perform_reduce_grad` runs it for an FSDP stage."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
