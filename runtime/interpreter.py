@@ -32,7 +32,7 @@ from pipecc.diagnostics import (
     SetupError,
 )
 from pipecc.ir.keys import Message
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, StageOp, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Sequential, StageOp, Wait
 from pipecc.ir.printer import describe, message
 from pipecc.ir.program import Program
 
@@ -191,9 +191,9 @@ class PipelineRuntime:
         for index, instr, commit in plan:
             try:
                 match instr:
-                    case Compute() | Fused() if ctx.recorder is not None:
+                    case Compute() | Fused() | Sequential() if ctx.recorder is not None:
                         self._timed(ctx, instr)
-                    case Compute() | Fused():
+                    case Compute() | Fused() | Sequential():
                         self._compute(ctx, instr)
                     case Send() | Recv() if ctx.recorder is not None:
                         start = time.perf_counter()
@@ -214,7 +214,7 @@ class PipelineRuntime:
                     self._where(index, instr) + f": {type(err).__name__}: {err}"
                 ) from err
 
-    def _compute(self, ctx: StepContext, instr: Compute | Fused) -> None:
+    def _compute(self, ctx: StepContext, instr: Compute | Fused | Sequential) -> None:
         match instr:
             case Compute(kind=Kind.F):
                 self._forward(ctx, instr)
@@ -226,9 +226,16 @@ class PipelineRuntime:
                 self._weight(ctx, instr)
             case Fused():
                 self._fused(ctx, instr)
+            case Sequential():  # torch's OVERLAP_F_B: its parts in the order written
+                for part in instr.parts:
+                    self._compute(ctx, part)
 
-    def _timed(self, ctx: StepContext, instr: Compute | Fused) -> None:
+    def _timed(self, ctx: StepContext, instr: Compute | Fused | Sequential) -> None:
         assert ctx.recorder is not None
+        if type(instr) is Sequential:  # each part timed as the op it is
+            for part in instr.parts:
+                self._timed(ctx, part)
+            return
         if self.side is not None:
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -240,7 +247,7 @@ class PipelineRuntime:
             kind = "FB" if instr.backward.kind is Kind.B else "FI"
             ctx.recorder.compute(kind, instr.forward.stage, seconds)
         else:
-            ctx.recorder.compute(instr.kind.value, instr.stage, seconds)
+            ctx.recorder.compute(instr.kind.value, instr.stage, seconds)  # type: ignore[union-attr]  # a Sequential returned above
 
     def _finish(self, ctx: StepContext) -> None:
         left = ctx.leftovers()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Sequential, Wait
 
 Plan = tuple[tuple[int, Instr, bool], ...]  # (index in the rank's list, instruction, commit)
 
@@ -39,6 +39,8 @@ def forward_only(instrs: Sequence[Instr]) -> list[tuple[int, Instr]]:
                 kept.append((index, instr))
             case Fused():
                 kept.append((index, instr.forward))
+            case Sequential():
+                kept.extend((index, op) for op in instr.parts if op.kind is Kind.F)
             case Send() | Recv() if instr.what is Msg.ACT:
                 kept.append((index, instr))
                 posted.add(index)

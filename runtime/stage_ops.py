@@ -18,30 +18,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pipecc.ir.ops import StageAction, StageOp
 
 
-def _fsdp_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2: no module can be an FSDP module
-        return None
-    return FSDPModule  # type: ignore[no-any-return]
-
-
 def run_stage_op(module: torch.nn.Module | None, op: StageOp) -> None:
     """Run `op` on the stage module of its chunk (module docstring)."""
-    fsdp = _fsdp_class()
-    if module is None or fsdp is None or not isinstance(module, fsdp):
+    if not isinstance(module, FSDPModule):
         return
     if op.kind is StageAction.UNSHARD:
         for sub in module.modules():
-            if isinstance(sub, fsdp):
+            if isinstance(sub, FSDPModule):
                 sub.unshard()
     elif op.kind is StageAction.RESHARD:
         for sub in module.modules():
-            if isinstance(sub, fsdp):
+            if isinstance(sub, FSDPModule):
                 sub.reshard()
     else:
         _post_backward(module)
@@ -50,12 +42,10 @@ def run_stage_op(module: torch.nn.Module | None, op: StageOp) -> None:
 def _post_backward(module: Any) -> None:
     """FSDP's post-backward for every parameter group of the stage module, as torch's
     `PipelineStage.perform_reduce_grad` runs it for an FSDP stage."""
-    from torch.distributed.fsdp import fully_shard
-
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
-    state = fully_shard.state(module)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]  # added by torch's contract decorator
     for each in state._state_ctx.all_states:
         for group in each._fsdp_param_groups:
             group.post_backward()

@@ -40,8 +40,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.semantics",
         "pipecc.analysis.gaps",
     ),
-    # a .json names its comm policy; what that policy needs of the backend is the passes' word
-    "pipecc.interop": ("pipecc.diagnostics", "pipecc.ir", "pipecc.passes.comm.placement"),
+    # a .json names its comm policy; what that policy needs of the backend is the passes' word;
+    # a torch CSV is torch's actions, and a comms export carries torch's own UNSHARD/RESHARD/
+    # REDUCE_GRAD placement (docs/interop.md)
+    "pipecc.interop": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "pipecc.passes.comm.placement",
+        "pipecc.passes.torch_actions",
+        "pipecc.passes.torch_lowering",
+    ),
     "pipecc.verify": (
         "pipecc.diagnostics",
         "pipecc.ir",

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, StageOp, Wait
+from pipecc.ir.ops import Instr, Recv, Send, StageOp, Wait, is_compute
 from pipecc.ir.printer import describe
 from pipecc.semantics import CauseKind, Replay
 
@@ -183,4 +183,4 @@ def _is_post(instr: Instr) -> bool:
 
 
 def _is_compute(instr: Instr) -> bool:
-    return type(instr) is Compute or type(instr) is Fused
+    return is_compute(instr)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipecc.ir.keys import MessageKeys
-from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait, computations
+from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait, computations, is_compute
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.semantics import CauseKind, Replay
@@ -122,11 +122,7 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
     flow = run.wiring.keys
     post, _ = costs.overhead()
     computes = [
-        [
-            (index, computations(instr))
-            for index, instr in enumerate(instrs)
-            if type(instr) is Compute or type(instr) is Fused
-        ]
+        [(index, computations(instr)) for index, instr in enumerate(instrs) if is_compute(instr)]
         for instrs in program.ranks
     ]
     made_at = _made_at(computes, flow, run)

@@ -2,7 +2,8 @@
 instruction.
 
 One unit is one stage's activations for one microbatch: F allocates 1; B frees 1; I frees 0
-(what W needs stays); W frees 1; a fused op allocates its forward before its backward frees.
+(what W needs stays); W frees 1; a fused op allocates its forward before its backward frees;
+a sequential op (torch's OVERLAP_F_B) applies its parts in the order written.
 With these units the peaks are P for 1F1B and ZB-H1 and 2P-1 for ZB-H2, on rank 0. The
 verifier's --max-activations and the simulator's peaks (in units and, with `act_bytes`, in
 bytes) both read them here.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pipecc.ir.ops import Compute, Fused, Instr, Kind
+from pipecc.ir.ops import Compute, Fused, Instr, Kind, Sequential, computations
 
 _F, _I = Kind.F, Kind.I
 
@@ -43,6 +44,12 @@ def peak_activations(instrs: Sequence[Instr]) -> RankPeak:
             if live > top:  # the forward allocates before the backward frees
                 top, at = live, index
             live += activation_delta(instr.backward.kind)
+        elif type(instr) is Sequential:  # torch's OVERLAP_F_B: its parts in the order written
+            for op in instr.parts:
+                live += activation_delta(op.kind)
+                if live > top:
+                    top, at = live, index
+            continue
         else:
             continue
         if live > top:
@@ -56,8 +63,8 @@ def peak_bytes(instrs: Sequence[Instr], size: Callable[[int], float]) -> float:
     for instr in instrs:
         if type(instr) is Compute:
             parts: tuple[Compute, ...] = (instr,)
-        elif type(instr) is Fused:
-            parts = (instr.forward, instr.backward)
+        elif type(instr) is Fused or type(instr) is Sequential:
+            parts = computations(instr)
         else:
             continue
         for op in parts:

@@ -16,7 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.diagnostics import InputError, SourceFile, Span
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, StageAction, StageOp, Wait
+from pipecc.ir.ops import (
+    Compute,
+    Fused,
+    Instr,
+    Kind,
+    Msg,
+    Recv,
+    Send,
+    Sequential,
+    StageAction,
+    StageOp,
+    Wait,
+)
 from pipecc.ir.placement import Placement, PlacementError, StageSlot
 from pipecc.ir.program import Program
 from pipecc.passes.comm.placement import backend_of
@@ -78,6 +90,9 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
             return _with_span(
                 {"op": name, "f": _compute_dict(f), "b": _compute_dict(b)}, instr.span
             )
+        case Sequential(parts=parts):  # torch's OVERLAP_F_B: the parts run in this order
+            ops = [_compute_dict(op) for op in parts]
+            return _with_span({"op": "OVERLAP_F_B", "sequential": True, "ops": ops}, instr.span)
         case Send() | Recv():
             entry = {
                 "op": "send" if type(instr) is Send else "recv",
@@ -251,6 +266,16 @@ def _read_compute(obj: Any, where: str, reader: _Reader, kind: Kind | None = Non
     return Compute(kind, chunk, pipe, stage, mb, reader.span(obj))
 
 
+def _read_sequential(obj: dict[str, Any], where: str, reader: _Reader) -> Sequential:
+    """`{"op": "OVERLAP_F_B", "sequential": true, "ops": [...]}`: torch's OVERLAP_F_B."""
+    reader.field(obj, "sequential", where, lambda v: v is True, "true")
+    ops = reader.field(
+        obj, "ops", where, lambda v: isinstance(v, list) and bool(v), "a non-empty list"
+    )
+    parts = tuple(_read_compute(item, f"{where}.ops[{i}]", reader) for i, item in enumerate(ops))
+    return Sequential(parts, reader.span(obj))
+
+
 def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
     op = reader.field(obj, "op", where, lambda v: isinstance(v, str), "an op name")
     if op in _KINDS:
@@ -261,6 +286,8 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
         if forward.kind is not Kind.F or backward.kind.value != op[-1]:
             raise reader.fail(where, f"a {op} holds an F in 'f' and a {op[-1]} in 'b'")
         return Fused(forward, backward, reader.span(obj))
+    if op == "OVERLAP_F_B":
+        return _read_sequential(obj, where, reader)
     if op in ("send", "recv"):
         what = _MSGS[reader.field(obj, "what", where, lambda v: v in _MSGS, '"act" or "grad"')]
         peer, pipe, stage, mb = (
@@ -287,6 +314,6 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
         return StageOp(_STAGE_ACTIONS[op], chunk, pipe, stage, reader.span(obj))
     raise reader.fail(
         where,
-        f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, send, recv, wait, "
-        "UNSHARD, RESHARD or REDUCE_GRAD)",
+        f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, send, "
+        "recv, wait, UNSHARD, RESHARD or REDUCE_GRAD)",
     )

@@ -18,7 +18,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pipecc.diagnostics import InputError, SourceFile, Span
-from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, StageOp, Wait
+from pipecc.ir.ops import (
+    Compute,
+    Fused,
+    Instr,
+    Msg,
+    Recv,
+    Send,
+    Sequential,
+    StageOp,
+    Wait,
+    is_compute,
+)
 from pipecc.ir.placement import Placement, StageSlot, loop_placement, vshape_placement
 from pipecc.ir.program import Program
 from pipecc.passes.torch_actions import (
@@ -41,7 +52,7 @@ def action(op: Compute) -> str:
 
 def _cell(instr: Instr, with_comms: bool) -> str | None:
     match instr:
-        case Compute() | Fused():
+        case Compute() | Fused() | Sequential():
             return str(of_instr(instr))
         case StageOp() if with_comms:
             return str(of_instr(instr))
@@ -73,7 +84,7 @@ def _comms_row(program: Program, instrs: tuple[Instr, ...], actions: list[Action
         if after and type(instr) is not Send:
             cells += map(str, after)
             after = ()
-        if type(instr) is Compute or type(instr) is Fused:
+        if is_compute(instr):
             cells += map(str, slots.before[k])
             after = slots.after[k]
             k += 1
@@ -127,6 +138,7 @@ def dump_notes(program: Program, *, with_comms: bool) -> tuple[str, ...]:
 
 _ACTION = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+_COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 
 
 class Loaded(NamedTuple):
@@ -198,14 +210,16 @@ def _parse_row(source: SourceFile, line_no: int, line: str) -> list[Action]:
 
 def _parse_cell(text: str, span: Span) -> Action:
     found = _OVERLAP.fullmatch(text)
-    if found:
-        parts = tuple(_parse_cell(s.strip(), span) for s in found.group(1).split(";"))
-        kinds = sorted(p.kind.value for p in parts)
-        if len(parts) != 2 or kinds[1] != "F" or kinds[0] not in ("B", "I"):
-            raise InputError(f"an OVERLAP_F_B cell holds one F and one B or I, got {text!r}", span)
-        forward = parts[0] if parts[0].kind is ActionKind.F else parts[1]
-        backward = parts[1] if forward is parts[0] else parts[0]
-        return overlap((forward, backward), span)
+    if found:  # any non-empty list of computations, kept in the order written
+        subs = [s.strip() for s in found.group(1).split(";")]
+        if not all(subs):
+            raise InputError(f"an OVERLAP_F_B cell lists computations, got {text!r}", span)
+        parts = tuple(_parse_cell(s, span) for s in subs)
+        if any(p.kind not in _COMPUTE_KINDS for p in parts):
+            raise InputError(
+                f"an OVERLAP_F_B cell holds only F, B, I and W actions, got {text!r}", span
+            )
+        return overlap(parts, span)
     match = _ACTION.fullmatch(text)
     if not match:
         raise InputError(

@@ -6,7 +6,7 @@ They keep the properties the house style asks of IR nodes: immutable, typed fiel
 for every opcode, and a source span that takes no part in equality or hashing. Equality also
 compares the class, so a `Send` never equals a `Recv` with the same fields.
 
-    Instr = Compute | Fused | Send | Recv | Wait | StageOp
+    Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp
 """
 
 from __future__ import annotations
@@ -86,6 +86,28 @@ class Fused(NamedTuple):
 
     def label(self) -> str:
         return f"{self.forward.label()}&{self.backward.label()}"
+
+
+class Sequential(NamedTuple):
+    """torch's OVERLAP_F_B as torch's runtime runs it: any non-empty list of computations,
+    one after another in the order written, as one instruction. Read from torch CSVs; a
+    .sched file's `F&B` is a `Fused` (overlapped) instead."""
+
+    parts: tuple[Compute, ...]
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Sequential and self[0] == other[0]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Sequential", self[0]))
+
+    def label(self) -> str:
+        """`(B0.0;F0.2)`: the parts in the order they run."""
+        return "(" + ";".join(part.label() for part in self.parts) + ")"
 
 
 class Send(NamedTuple):
@@ -195,7 +217,14 @@ class StageOp(NamedTuple):
 
 
 Comm = Send | Recv
-Instr = Compute | Fused | Send | Recv | Wait | StageOp
+Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp
+COMPUTE_TYPES = (Compute, Fused, Sequential)  # the instructions that compute
+
+
+def is_compute(instr: Instr) -> bool:
+    """A Compute, a Fused or a Sequential."""
+    t = type(instr)
+    return t is Compute or t is Fused or t is Sequential
 
 
 def computations(instr: Instr) -> tuple[Compute, ...]:
@@ -205,6 +234,8 @@ def computations(instr: Instr) -> tuple[Compute, ...]:
             return (instr,)
         case Fused():
             return (instr.forward, instr.backward)
+        case Sequential():
+            return instr.parts
         case Send() | Recv() | Wait() | StageOp():
             return ()
         case _:

@@ -14,7 +14,19 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, StageOp, Wait, computations
+from pipecc.ir.ops import (
+    Compute,
+    Fused,
+    Instr,
+    Msg,
+    Recv,
+    Send,
+    Sequential,
+    StageOp,
+    Wait,
+    computations,
+    is_compute,
+)
 from pipecc.ir.program import Program
 
 
@@ -29,10 +41,7 @@ def header(program: Program) -> str:
 
 def format_grid(program: Program) -> str:
     """One row per rank, one column per compute instruction, columns aligned."""
-    rows = [
-        [instr.label() for instr in instrs if type(instr) is Compute or type(instr) is Fused]
-        for instrs in program.ranks
-    ]
+    rows = [[instr.label() for instr in instrs if is_compute(instr)] for instrs in program.ranks]
     width = max((len(row) for row in rows), default=0)
     columns = [max((len(row[j]) for row in rows if j < len(row)), default=0) for j in range(width)]
     name = len(f"rank {program.num_ranks - 1}")
@@ -67,7 +76,7 @@ def describe(instr: Instr, *, pipes: bool = True, places: bool = False, groups: 
     `places`: give a computation's stage and microbatch too (`F0.2 (stage 3 mb 2)`);
     `groups`: a comm op's posting group."""
     match instr:
-        case Compute() | Fused():
+        case Compute() | Fused() | Sequential():
             if not places:
                 return instr.label()
             where = "; ".join(

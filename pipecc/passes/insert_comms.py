@@ -42,7 +42,7 @@ from dataclasses import replace
 
 from pipecc.diagnostics import ScheduleError
 from pipecc.ir.keys import MessageKeys
-from pipecc.ir.ops import Compute, Fused, Instr, Msg, Recv, Send, StageOp
+from pipecc.ir.ops import Instr, Msg, Recv, Send, StageOp, is_compute
 from pipecc.ir.printer import message
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.comm.emission import Emitter, emit_rank, hand_waited
@@ -90,8 +90,7 @@ def strip_comms(prog: Program) -> Program:
     """`prog` with every send, receive and wait removed, hand-placed ones included: the
     compute-only program a lowering starts from (torch's per-stage StageOps stay)."""
     ranks = tuple(
-        tuple(i for i in instrs if type(i) is Compute or type(i) is Fused or type(i) is StageOp)
-        for instrs in prog.ranks
+        tuple(i for i in instrs if is_compute(i) or type(i) is StageOp) for instrs in prog.ranks
     )
     return replace(prog, ranks=ranks, comm="none", backend=Backend.ANY)
 

@@ -19,7 +19,19 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from pipecc.diagnostics import Span
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, StageAction, StageOp, Wait
+from pipecc.ir.ops import (
+    Compute,
+    Fused,
+    Instr,
+    Kind,
+    Msg,
+    Recv,
+    Send,
+    Sequential,
+    StageAction,
+    StageOp,
+    Wait,
+)
 from pipecc.ir.placement import Placement
 from pipecc.ir.program import Program
 
@@ -105,6 +117,8 @@ def of_instr(instr: Instr) -> Action | None:
             return of_compute(instr)
         case Fused(forward=f, backward=b):
             return overlap((of_compute(f), of_compute(b)), instr.span)
+        case Sequential(parts=parts):
+            return overlap(tuple(map(of_compute, parts)), instr.span)
         case StageOp(kind=kind, stage=stage):
             return Action(stage, ActionKind(kind.value), None, (), instr.span)
         case Send() | Recv() | Wait():
@@ -160,11 +174,13 @@ class RowBuilder:
             out.append(Wait(tuple(sends), None))
         return tuple(out)
 
-    def compute(self, action: Action) -> Compute | Fused:
+    def compute(self, action: Action) -> Compute | Sequential:
+        """A compute action; an OVERLAP_F_B is a Sequential: its parts run in the order
+        written, as torch's runtime runs them."""
         if action.kind is ActionKind.OVERLAP_F_B:
-            forward, backward = (self.compute(p) for p in action.parts)
-            assert type(forward) is Compute and type(backward) is Compute
-            return Fused(forward, backward, action.span)
+            parts = tuple(self.compute(p) for p in action.parts)
+            assert all(type(p) is Compute for p in parts)
+            return Sequential(parts, action.span)  # type: ignore[arg-type]  # Computes, asserted
         holder = self.placement.holder(0, action.stage)
         mb = action.mb or 0
         return Compute(KIND_OF[action.kind], holder.chunk, 0, action.stage, mb, action.span)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipecc.ir.ops import Compute, Fused, Kind, Send
+from pipecc.ir.ops import Compute, Fused, Kind, Send, Sequential, computations
 from pipecc.ir.printer import has_pipes, message
 from pipecc.simulate.timeline import Timeline
 
@@ -40,8 +40,8 @@ def boxes(timeline: Timeline) -> list[Box]:
     for rank, _, instr, start, end in timeline.ops():
         if type(instr) is Compute:
             found.append(Box(rank, start, end, instr.kind, instr.chunk, instr.mb, 0))
-        elif type(instr) is Fused:
-            for band, op in enumerate((instr.forward, instr.backward), start=1):
+        elif type(instr) is Fused or type(instr) is Sequential:
+            for band, op in enumerate(computations(instr), start=1):
                 found.append(Box(rank, start, end, op.kind, op.chunk, op.mb, band))
     return found
 

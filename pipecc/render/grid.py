@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from pipecc.ir.ops import Compute, Fused, Instr
+from pipecc.ir.ops import Instr, is_compute
 from pipecc.render.boxes import tick_step
 from pipecc.simulate.timeline import Timeline
 
@@ -25,7 +25,7 @@ def format_timeline(timeline: Timeline, *, width: int = 120) -> str:
     name_width = len(f"rank {timeline.program.num_ranks - 1}")
     rows = [[_EMPTY] * columns for _ in range(timeline.program.num_ranks)]
     for rank, _, instr, start, end in timeline.ops():
-        if type(instr) is Compute or type(instr) is Fused:
+        if is_compute(instr):
             _paint(rows[rank], round(start * scale), round(end * scale), _cell(instr))
     for row in rows:
         _mark_idle(row)
@@ -42,11 +42,7 @@ def _scale(timeline: Timeline, span: float, width: int) -> float:
     """Characters per time unit: the largest whole number that fits (at least 4 characters
     for the shortest op when possible), else a fraction."""
     shortest = min(
-        (
-            end - start
-            for _, _, i, start, end in timeline.ops()
-            if (type(i) is Compute or type(i) is Fused) and end > start
-        ),
+        (end - start for _, _, i, start, end in timeline.ops() if is_compute(i) and end > start),
         default=1.0,
     )
     fit = width / span
@@ -56,7 +52,7 @@ def _scale(timeline: Timeline, span: float, width: int) -> float:
 
 
 def _cell(instr: Instr) -> str:
-    assert type(instr) is Compute or type(instr) is Fused
+    assert is_compute(instr)
     return instr.label()
 
 

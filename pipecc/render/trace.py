@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipecc.ir.ops import Compute, Fused
+from pipecc.ir.ops import is_compute
 from pipecc.ir.printer import describe, has_pipes
 from pipecc.render.boxes import messages
 from pipecc.simulate.timeline import Timeline
@@ -28,7 +28,7 @@ def render_trace(timeline: Timeline) -> str:
         )
     pipes = has_pipes(timeline.program)
     for rank, index, instr, start, end in timeline.ops():
-        if type(instr) is Compute or type(instr) is Fused:
+        if is_compute(instr):
             tid, name = 0, instr.label()
         else:
             tid, name = 1, describe(instr, pipes=pipes)

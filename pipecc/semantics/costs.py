@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from pipecc.diagnostics import CostModelError
-from pipecc.ir.ops import Compute, Fused, Kind, Send, StageOp
+from pipecc.ir.ops import Compute, Fused, Kind, Send, Sequential, StageOp
 
 # torch's per-stage actions (docs/interop.md): 0 unless given
 STAGE_OP_KEYS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
@@ -275,12 +275,16 @@ class CostTiming:
     # has a few dozen distinct ones
     _known: dict[tuple[object, ...], float] = field(default_factory=dict, compare=False)
 
-    def duration(self, rank: int, index: int, instr: Compute | Fused | StageOp) -> float:
+    def duration(
+        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp
+    ) -> float:
         return self.op_duration(instr)
 
-    def op_duration(self, instr: Compute | Fused | StageOp) -> float:
+    def op_duration(self, instr: Compute | Fused | Sequential | StageOp) -> float:
         if type(instr) is StageOp:
             return self.costs.stage_op(instr)
+        if type(instr) is Sequential:  # its parts one after another
+            return sum(self._compute_duration(op) for op in instr.parts)
         return self._compute_duration(instr)  # type: ignore[arg-type]  # StageOp ruled out
 
     def _compute_duration(self, instr: Compute | Fused) -> float:

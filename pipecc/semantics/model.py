@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Protocol
 
-from pipecc.ir.ops import Compute, Fused, Send, StageOp
+from pipecc.ir.ops import Compute, Fused, Send, Sequential, StageOp
 
 
 class CommModel(enum.Enum):
@@ -36,7 +36,9 @@ class Timing(Protocol):
     """Durations, latencies and host overheads for a timed replay (the simulator's cost
     model)."""
 
-    def duration(self, rank: int, index: int, instr: Compute | Fused | StageOp) -> float:
+    def duration(
+        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp
+    ) -> float:
         """How long compute instruction `index` of `rank` runs."""
         ...
 
@@ -54,7 +56,9 @@ class Timing(Protocol):
 class ZeroTiming:
     """Every duration, latency and overhead is 0: the untimed replay."""
 
-    def duration(self, rank: int, index: int, instr: Compute | Fused | StageOp) -> float:
+    def duration(
+        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp
+    ) -> float:
         return 0.0
 
     def latency(self, rank: int, index: int, send: Send) -> float:

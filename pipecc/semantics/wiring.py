@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from pipecc.ir.keys import MessageKeys
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, StageOp, Wait
+from pipecc.ir.ops import Compute, Instr, Kind, Recv, Send, StageOp, Wait, computations
 from pipecc.ir.program import Program
 from pipecc.semantics.model import CommModel
 
@@ -260,7 +260,7 @@ class _Builder:
             else:
                 both = [
                     posted[k] if k in posted else self._later(c, k)
-                    for op in cast("Fused", instr)[:2]
+                    for op in computations(instr)
                     if (k := input_key(op, rank)) >= 0
                 ]
                 deps[c] = tuple(sorted(d for d in both if d >= 0))  # as _bind_unique: latest last
@@ -294,7 +294,7 @@ class _Builder:
         deps, unreceived = self.deps, self.unreceived
         for g in computes:
             x = instrs[g - base]
-            parts = (x,) if type(x) is Compute else cast("Fused", x)[:2]
+            parts = (x,) if type(x) is Compute else computations(x)
             found: tuple[int, ...] = ()
             for kind, _, pipe, stage, mb, _ in parts:
                 if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:

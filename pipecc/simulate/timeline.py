@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from pipecc.analysis.gaps import Gap, classify, clean
 from pipecc.analysis.memory import peak_activations, peak_bytes
 from pipecc.diagnostics import ProgramError
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, StageOp, Wait
+from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
@@ -177,7 +177,7 @@ class Timeline:
 def op_name(instr: Instr) -> str:
     """The short name of an instruction in timelines: `F0.3`, `F0.4&B1.1`, `send`, ..."""
     match instr:
-        case Compute() | Fused() | StageOp():
+        case Compute() | Fused() | Sequential() | StageOp():
             return instr.label()
         case Send():
             return "send"

@@ -26,7 +26,7 @@ from pipecc.diagnostics import (
     WeightBeforeInputGradError,
 )
 from pipecc.ir.keys import MessageKeys
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Send, computations
+from pipecc.ir.ops import Compute, Instr, Kind, Msg, Send, Sequential, computations, is_compute
 from pipecc.verify.context import Context
 
 # A fact is "F / a backward / an I of (pipe, stage, mb) has run": (position << 2) | one of
@@ -45,26 +45,28 @@ def _fact(keys: MessageKeys, pipe: int, stage: int, mb: int, what: int) -> int:
     return (keys.slot(pipe, stage, mb) << 2) | what
 
 
-def _made_at(ctx: Context, rank: int) -> dict[int, int]:
-    """fact -> index of the first instruction of `rank` that makes it."""
+def _made_at(ctx: Context, rank: int) -> dict[int, float]:
+    """fact -> index of the first instruction of `rank` that makes it (plus k/n for the
+    k-th of the n parts of a Sequential, which run in order)."""
     keys, w = ctx.keys, ctx.wiring
     pipes, stages, slot = keys.pipes, keys.stages, keys.slot
     instrs, base = ctx.program.ranks[rank], w.offsets[rank]
-    made: dict[int, int] = {}
+    made: dict[int, float] = {}
     setdefault = made.setdefault
     for g in w.computes[rank]:
         instr = instrs[g - base]
         parts = computations(instr)
-        for kind, _, pipe, stage, mb, _ in parts:
+        for k, (kind, _, pipe, stage, mb, _) in enumerate(parts):
             if kind is _KW or not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                 continue
             fact = slot(pipe, stage, mb) << 2
+            at = g - base + (k / len(parts) if type(instr) is Sequential else 0)
             if kind is _KF:
-                setdefault(fact, g - base)
+                setdefault(fact, at)
                 continue
-            setdefault(fact | _BACKWARD, g - base)
+            setdefault(fact | _BACKWARD, at)
             if kind is _KI:
-                setdefault(fact | _I, g - base)
+                setdefault(fact | _I, at)
     return made
 
 
@@ -77,7 +79,7 @@ def check_dataflow(ctx: Context) -> None:
     _check_received(ctx)
 
 
-def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
+def _check_computes(ctx: Context, rank: int, made: dict[int, float]) -> None:
     """Each computation after what it needs on its own rank: facts are compared by the
     index of the first instruction that makes them (stage ± 1 is fact ± 4)."""
     keys, w = ctx.keys, ctx.wiring
@@ -89,14 +91,15 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
         index = g - base
         instr = instrs[index]
         parts = computations(instr)
-        for op in parts:
+        for k, op in enumerate(parts):
             kind, _, pipe, stage, mb, _ = op
             if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:
                 continue  # reported by the coverage check
+            here = index + (k / len(parts) if type(instr) is Sequential else 0)
             fact = slot(pipe, stage, mb) << 2
             holders = ranks_of[pipe]
             if kind is _KW:
-                if get(fact | _I, get(fact | _BACKWARD, never)) >= index:
+                if get(fact | _I, get(fact | _BACKWARD, never)) >= here:
                     _report(
                         ctx,
                         WeightBeforeInputGradError,
@@ -106,10 +109,10 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
                         f"runs before I{op.chunk}.{mb}, the input-gradient backward it completes",
                     )
             elif kind is _KF:
-                if stage and holders[stage - 1] == rank and get(fact - 4, never) >= index:
+                if stage and holders[stage - 1] == rank and get(fact - 4, never) >= here:
                     _report_local(ctx, rank, index, op, stage - 1)
             else:
-                if holders[stage] == rank and get(fact, never) >= index:
+                if holders[stage] == rank and get(fact, never) >= here:
                     _report(
                         ctx,
                         BackwardBeforeForwardError,
@@ -121,7 +124,7 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, int]) -> None:
                 if (
                     stage + 1 < len(holders)
                     and holders[stage + 1] == rank
-                    and get((fact + 4) | _BACKWARD, never) >= index
+                    and get((fact + 4) | _BACKWARD, never) >= here
                 ):
                     _report_local(ctx, rank, index, op, stage + 1)
 
@@ -149,7 +152,7 @@ def _report_local(ctx: Context, rank: int, index: int, op: Compute, upstream: in
         )
 
 
-def _check_sends(ctx: Context, rank: int, made: dict[int, int]) -> None:
+def _check_sends(ctx: Context, rank: int, made: dict[int, float]) -> None:
     """A send is posted after the computation on its rank that makes its tensor (sends of
     a tensor made on another rank are reported by the route check)."""
     keys, w = ctx.keys, ctx.wiring
@@ -235,7 +238,7 @@ class _Needs:
         for rank, instrs in enumerate(ctx.program.ranks):
             row = []
             for index, instr in enumerate(instrs):
-                if type(instr) is Compute or type(instr) is Fused:
+                if is_compute(instr):
                     parts = _parts(instr)
                     made = tuple(f for op in parts for f in self._makes(op) if f >= 0)
                     needs = tuple(

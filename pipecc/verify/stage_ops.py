@@ -18,7 +18,7 @@ Witnesses are in torch's notation (`1UNSHARD`, `1B7`).
 from __future__ import annotations
 
 from pipecc.diagnostics import Violation
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, StageAction, StageOp
+from pipecc.ir.ops import Compute, Instr, Kind, StageAction, StageOp, computations
 from pipecc.verify.context import Context
 
 
@@ -44,9 +44,7 @@ def _torch(op: Compute | StageOp) -> str:
 def _parts(instr: Instr) -> tuple[Compute, ...]:
     if type(instr) is Compute:
         return (instr,)
-    if type(instr) is Fused:
-        return (instr.forward, instr.backward)
-    return ()
+    return computations(instr)
 
 
 def check_stage_ops(ctx: Context) -> None:

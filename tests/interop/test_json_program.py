@@ -60,8 +60,8 @@ def test_schema_validates_output() -> None:
         ),
         (
             lambda d: d["programs"][0].__setitem__(0, {"op": "X"}),
-            'p.json: programs[0][0]: unknown op "X" (expected F, B, I, W, F&B, F&I, send, recv, '
-            "wait, UNSHARD, RESHARD or REDUCE_GRAD)",
+            'p.json: programs[0][0]: unknown op "X" (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, '
+            "send, recv, wait, UNSHARD, RESHARD or REDUCE_GRAD)",
         ),
         (
             lambda d: d["programs"][0][1].__setitem__("mb", -1),

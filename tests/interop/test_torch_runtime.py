@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch.distributed.pipelining")
 
-from csv_mutants import mutated, reduce_first  # noqa: E402
+from csv_mutants import OVERLAPS, merge, mutated, reduce_first  # noqa: E402
 from torch_runtime_cases import TorchCase, run_cases  # noqa: E402
 
 from pipecc.api import bundled_schedules, compile_schedule  # noqa: E402
@@ -61,12 +61,25 @@ def mutant(schedule: str, ranks: int) -> TorchCase:
     return case._replace(name=f"{schedule}-P{ranks}-reduce-early", csv_text=text)
 
 
+def overlap_case(name: str) -> TorchCase:
+    """A compute-only export with some of a rank's cells merged into one OVERLAP_F_B (W;F,
+    I;W;F, B;F), which torch runs one after another: written back by pipecc unchanged."""
+    schedule, ranks, microbatches, rank, start, count = OVERLAPS[name]
+    program = compile_schedule(schedule, ranks=ranks, microbatches=microbatches)
+    merged = merge(torch_csv.dumps(program), rank, start, count)
+    written = torch_csv.dumps(torch_csv.loads(merged).program)
+    assert written == merged
+    stages = program.placement.num_stages(0)
+    return TorchCase(f"overlap-{name}", written, "compute_only", microbatches, stages)
+
+
 @functools.cache
 def results(ranks: int) -> list[dict[str, dict[str, Any]]]:
     from pipecc.runtime.spawn import spawn
 
     cases = [export(s, ranks, form) for s in SCHEDULES for form in TORCH_FORMAT]
     cases += [mutant(s, ranks) for s in MUTANT_SCHEDULES]
+    cases += [overlap_case(name) for name in OVERLAPS if OVERLAPS[name][1] == ranks]
     return spawn(run_cases, ranks, cases, timeout=60.0)
 
 
@@ -127,3 +140,12 @@ def test_reduce_grad_too_early_is_reported_and_trains_wrong(schedule: str, ranks
     errors, relative = _outcome(schedule, ranks, "reduce-early")
     assert not errors, errors
     assert relative > TOLERANCE
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAPS))
+def test_sequential_overlap_trains_in_torch(name: str) -> None:
+    ranks = OVERLAPS[name][1]
+    per_rank = [by_case[f"overlap-{name}"] for by_case in results(ranks)]
+    assert not [r["error"] for r in per_rank if "error" in r]
+    relative = max(r["diff"] for r in per_rank) / max(r["scale"] for r in per_rank)
+    assert relative <= TOLERANCE

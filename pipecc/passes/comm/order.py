@@ -10,7 +10,18 @@ from typing import Final
 
 from pipecc.diagnostics import ScheduleError
 from pipecc.ir.keys import StageMajorKeys
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send
+from pipecc.ir.ops import (
+    Compute,
+    Fused,
+    Instr,
+    Kind,
+    Msg,
+    Recv,
+    Send,
+    Sequential,
+    computations,
+    is_compute,
+)
 from pipecc.ir.printer import message
 from pipecc.ir.program import Program
 from pipecc.passes.comm.placement import CommPlacement, RecvPosting
@@ -31,7 +42,7 @@ GAP: Final = 0
 class RankOps:
     """The compute ops of one rank, with what each consumes and produces."""
 
-    computes: list[Compute | Fused] = field(default_factory=list)
+    computes: list[Compute | Fused | Sequential] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index in the input list
     inputs: list[tuple[int, ...]] = field(default_factory=list)  # message keys needed
     outputs: list[tuple[tuple[int, int, tuple[object, ...], tuple[object, ...], float], ...]] = (
@@ -123,10 +134,10 @@ def collect(
                         ),
                     )
                 )
-        elif type(instr) is Fused:
+        elif type(instr) is Fused or type(instr) is Sequential:
             inputs = []
             outputs = []
-            for kind, _, pipe, stage, mb, _ in instr[:2]:
+            for kind, _, pipe, stage, mb, _ in computations(instr):
                 needed, made, _ = table[kind][pipe][stage]
                 if needed >= 0:
                     inputs.append(needed + mb)
@@ -143,7 +154,7 @@ def collect(
                     )
             add_inputs(tuple(inputs))
             add_outputs(tuple(outputs))
-            signature = (instr[0][0], instr[0][3], instr[1][0], instr[1][3])
+            signature = (type(instr), *((op[0], op[3]) for op in computations(instr)))
             if signature not in fused_durations:
                 fused_durations[signature] = _ordering(placement.duration(instr))
             duration = fused_durations[signature]
@@ -170,7 +181,7 @@ def _anchor_manual_sends(ops: RankOps, instrs: Sequence[Instr], keys: StageMajor
     ]
     k = -1
     for instr in instrs:
-        if type(instr) is Compute or type(instr) is Fused:
+        if is_compute(instr):
             k += 1
         elif type(instr) is Send:
             key = keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
@@ -193,7 +204,7 @@ def manual_messages(
     for rank, instrs in enumerate(prog.ranks):
         ends, computes = ranks[rank].end, -1
         for position, instr in enumerate(instrs):
-            if type(instr) is Compute or type(instr) is Fused:
+            if is_compute(instr):
                 computes += 1
             elif type(instr) is Send:
                 key = keys.key(instr.what, instr.pipe, instr.stage, instr.mb)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
-from pipecc.ir.ops import Compute, Fused, Kind
+from pipecc.ir.ops import Compute, Fused, Kind, Sequential, computations
 from pipecc.ir.program import Backend
 
 UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
@@ -34,11 +33,12 @@ class Grouping(enum.Enum):
     NONE = "none"  # each alone
 
 
-def unit_duration(instr: Compute | Fused) -> float:
-    """The default policy's durations: `UNIT_COST`, a fused op the sum of its halves."""
-    if type(instr) is Fused:
-        return UNIT_COST[instr.forward.kind] + UNIT_COST[instr.backward.kind]
-    return UNIT_COST[cast(Compute, instr).kind]
+def unit_duration(instr: Compute | Fused | Sequential) -> float:
+    """The default policy's durations: `UNIT_COST`, a fused or sequential op the sum of its
+    parts."""
+    if type(instr) is Compute:
+        return UNIT_COST[instr.kind]
+    return sum(UNIT_COST[op.kind] for op in computations(instr))
 
 
 def no_latency(stage: int) -> float:
@@ -54,7 +54,7 @@ class CommPlacement:
     on its kind and stage only: it is asked once per (kind, pipe, stage), not per op."""
 
     policy: str
-    duration: Callable[[Compute | Fused], float] = unit_duration
+    duration: Callable[[Compute | Fused | Sequential], float] = unit_duration
     latency: Callable[[int], float] = no_latency  # by receiving stage
     recv_posting: RecvPosting = RecvPosting.WHEN_MADE
     grouping: Grouping = Grouping.PER_GAP
