@@ -246,8 +246,8 @@ class PipelineRuntime:
         if isinstance(instr, Fused):
             kind = "FB" if instr.backward.kind is Kind.B else "FI"
             ctx.recorder.compute(kind, instr.forward.stage, seconds)
-        else:
-            ctx.recorder.compute(instr.kind.value, instr.stage, seconds)  # type: ignore[union-attr]  # a Sequential returned above
+        elif isinstance(instr, Compute):
+            ctx.recorder.compute(instr.kind.value, instr.stage, seconds)
 
     def _finish(self, ctx: StepContext) -> None:
         left = ctx.leftovers()

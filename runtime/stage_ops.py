@@ -15,7 +15,7 @@ module that is an FSDP module (`torch.distributed.fsdp.fully_shard`), as torch's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -45,7 +45,7 @@ def _post_backward(module: Any) -> None:
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
-    state = fully_shard.state(module)  # type: ignore[attr-defined]  # added by torch's contract decorator
+    state = cast(Any, fully_shard).state(module)  # `state` is added by torch's decorator
     for each in state._state_ctx.all_states:
         for group in each._fsdp_param_groups:
             group.post_backward()

@@ -178,9 +178,10 @@ class RowBuilder:
         """A compute action; an OVERLAP_F_B is a Sequential: its parts run in the order
         written, as torch's runtime runs them."""
         if action.kind is ActionKind.OVERLAP_F_B:
-            parts = tuple(self.compute(p) for p in action.parts)
-            assert all(type(p) is Compute for p in parts)
-            return Sequential(parts, action.span)  # type: ignore[arg-type]  # Computes, asserted
+            return Sequential(tuple(self._one(p) for p in action.parts), action.span)
+        return self._one(action)
+
+    def _one(self, action: Action) -> Compute:
         holder = self.placement.holder(0, action.stage)
         mb = action.mb or 0
         return Compute(KIND_OF[action.kind], holder.chunk, 0, action.stage, mb, action.span)

@@ -281,11 +281,11 @@ class CostTiming:
         return self.op_duration(instr)
 
     def op_duration(self, instr: Compute | Fused | Sequential | StageOp) -> float:
-        if type(instr) is StageOp:
+        if isinstance(instr, StageOp):
             return self.costs.stage_op(instr)
-        if type(instr) is Sequential:  # its parts one after another
+        if isinstance(instr, Sequential):  # its parts one after another
             return sum(self._compute_duration(op) for op in instr.parts)
-        return self._compute_duration(instr)  # type: ignore[arg-type]  # StageOp ruled out
+        return self._compute_duration(instr)
 
     def _compute_duration(self, instr: Compute | Fused) -> float:
         if type(instr) is Compute:

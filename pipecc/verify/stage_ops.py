@@ -36,9 +36,9 @@ class ReduceGradError(Violation):
 
 def _torch(op: Compute | StageOp) -> str:
     """torch's notation: `1B7`, `1UNSHARD`."""
-    if type(op) is StageOp:
+    if isinstance(op, StageOp):
         return f"{op.stage}{op.kind.value}"
-    return f"{op.stage}{op.kind.value}{op.mb}"  # type: ignore[union-attr]
+    return f"{op.stage}{op.kind.value}{op.mb}"
 
 
 def _parts(instr: Instr) -> tuple[Compute, ...]:
