@@ -1,0 +1,317 @@
+"""The search problem: ranks, stages, per-stage costs and memory, and the reference replay.
+
+A `Problem` is what `pipecc search` optimises: P ranks, M microbatches, a placement of the
+stages on the ranks, per-stage durations of the three split ops (F forward, I input
+gradient, W weight gradient), the message latency `comm`, per-stage memory changes, a
+per-rank memory cap and the objective. An `Order` is one sequence of `SearchOp`s per rank.
+`evaluate` replays an order in the latency model and is the reference every faster
+evaluator of the search is tested against:
+
+- every rank starts at time 0 and runs its ops in its order, one at a time;
+- an op starts when its rank is free and its inputs have arrived: F(s, m) needs F(s-1, m);
+  I(s, m) needs F(s, m) and I(s+1, m) (the last stage's I needs only its F); W(s, m) needs
+  I(s, m) on the same rank;
+- a result produced on another rank arrives `comm` after its producer ends; between
+  consecutive stages on one rank (the V shape's turn) it is passed locally, without latency;
+- each op changes its rank's memory when it runs: F by `mem_f`, I by `mem_i`, W by `mem_w`
+  of its stage; a rank's peak is the largest running total (from 0) along its order.
+
+Costs are given for one rank's share (1/P) of the model (`[cost]` and `[cost.stage.N]`,
+N < P, as `pipecc run --profile` writes them for a loop schedule). A placement with S stages
+runs stage s at P/S of share ⌊s·P/S⌋'s duration and memory, so that loop and V placements
+are compared on the same model and the same memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pipecc.costs import CostModel
+from pipecc.diagnostics import CostModelError
+
+
+class Placement(enum.Enum):
+    """How stages map to ranks."""
+
+    LOOP = "loop"  # S = P stages, stage s on rank s
+    VSHAPE = "vshape"  # S = 2P stages, stage s on rank s for s < P, on rank 2P-1-s otherwise
+
+
+class Objective(enum.Enum):
+    """What the search minimises."""
+
+    MAKESPAN = "makespan"  # the step: the last end over all ranks, every rank starting at 0
+    SPAN = "span"  # the largest, over ranks, of a rank's last end minus its first start
+
+
+class OpKind(enum.Enum):
+    """The three ops of the zero-bubble split."""
+
+    F = "F"
+    I = "I"  # noqa: E741
+    W = "W"
+
+
+class SearchOp(NamedTuple):
+    """One op of the search: its kind, stage and microbatch."""
+
+    kind: OpKind
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.stage}.{self.mb}"
+
+
+Order = tuple[tuple[SearchOp, ...], ...]
+"""One tuple of ops per rank, in the order the rank runs them."""
+
+
+class MemDeltas(NamedTuple):
+    """Memory change of each op kind for one rank's share of the model (`--mem`)."""
+
+    F: float = 1.0
+    I: float = 0.0  # noqa: E741
+    W: float = -1.0
+
+
+DEFAULT_MEM = MemDeltas()
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One search problem; per-stage values are already scaled to the placement's cut."""
+
+    ranks: int
+    microbatches: int
+    placement: Placement
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: float
+    mem_f: tuple[float, ...]
+    mem_i: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    cap: float
+    objective: Objective = Objective.MAKESPAN
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.microbatches < 1:
+            raise ValueError(f"need P ≥ 1 and M ≥ 1, got P={self.ranks} M={self.microbatches}")
+        stages = self.num_stages
+        for name in ("f", "i", "w", "mem_f", "mem_i", "mem_w"):
+            if len(getattr(self, name)) != stages:
+                raise ValueError(f"{name} has {len(getattr(self, name))} values, need {stages}")
+        if self.comm < 0:
+            raise ValueError(f"comm must be ≥ 0, got {self.comm}")
+
+    @property
+    def num_stages(self) -> int:
+        """S: P for the loop placement, 2P for the V shape."""
+        return self.ranks if self.placement is Placement.LOOP else 2 * self.ranks
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs `stage`."""
+        if self.placement is Placement.LOOP or stage < self.ranks:
+            return stage
+        return 2 * self.ranks - 1 - stage
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages `rank` runs, in increasing order."""
+        if self.placement is Placement.LOOP:
+            return (rank,)
+        return (rank, 2 * self.ranks - 1 - rank)
+
+    def duration(self, op: SearchOp) -> float:
+        """How long `op` runs."""
+        table = self.f if op.kind is OpKind.F else self.i if op.kind is OpKind.I else self.w
+        return table[op.stage]
+
+    def mem_delta(self, op: SearchOp) -> float:
+        """How much `op` changes its rank's memory."""
+        kind = op.kind
+        table = self.mem_f if kind is OpKind.F else self.mem_i if kind is OpKind.I else self.mem_w
+        return table[op.stage]
+
+    def ops_of(self, rank: int) -> tuple[SearchOp, ...]:
+        """Every op `rank` must run (in no particular order)."""
+        return tuple(
+            SearchOp(kind, stage, mb)
+            for stage in self.stages_of(rank)
+            for mb in range(self.microbatches)
+            for kind in OpKind
+        )
+
+    @classmethod
+    def from_costs(
+        cls,
+        costs: CostModel,
+        *,
+        ranks: int,
+        microbatches: int,
+        placement: Placement,
+        cap: float,
+        mem: MemDeltas = DEFAULT_MEM,
+        objective: Objective = Objective.MAKESPAN,
+    ) -> Problem:
+        """The problem for per-share costs (`[cost]` + `[cost.stage.N]`, N < P).
+
+        Raises CostModelError for an override of a share N ≥ P or per-share message
+        latencies that differ (the search's latency model has one `comm`)."""
+        shares = share_costs(costs, ranks)
+        stages = ranks if placement is Placement.LOOP else 2 * ranks
+        scale = ranks / stages
+        share_of = [s * ranks // stages for s in range(stages)]
+
+        def per_stage(values: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(values[share_of[s]] * scale for s in range(stages))
+
+        return cls(
+            ranks=ranks,
+            microbatches=microbatches,
+            placement=placement,
+            f=per_stage(shares.f),
+            i=per_stage(shares.i),
+            w=per_stage(shares.w),
+            comm=shares.comm,
+            mem_f=(mem.F * scale,) * stages,
+            mem_i=(mem.I * scale,) * stages,
+            mem_w=(mem.W * scale,) * stages,
+            cap=cap,
+            objective=objective,
+        )
+
+
+class ShareCosts(NamedTuple):
+    """Durations per share (index = share, one rank's 1/P of the model) and the latency."""
+
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: float
+
+
+def share_costs(costs: CostModel, ranks: int) -> ShareCosts:
+    """Resolve per-share durations from a cost model given for one rank's share."""
+    for stage, _ in costs.stages:
+        if stage >= ranks:
+            raise CostModelError(
+                f"[cost.stage.{stage}]: costs are per share (1/P) of the model, N must be"
+                f" < P={ranks}; a V-shape profile has 2P stages: share N is its stages 2N"
+                " and 2N+1 together (add their durations)"
+            )
+    resolved = [costs.stage(s) for s in range(ranks)]
+    latencies = {cost.comm for cost in resolved}
+    if len(latencies) > 1:
+        raise CostModelError(
+            f"comm differs between shares ({', '.join(f'{c:g}' for c in sorted(latencies))}):"
+            " the search's latency model has one message latency; give comm under [cost] only"
+        )
+    return ShareCosts(
+        tuple(c.F for c in resolved),
+        tuple(c.I for c in resolved),
+        tuple(c.W for c in resolved),
+        resolved[0].comm,
+    )
+
+
+class Evaluation(NamedTuple):
+    """The replay of one order: objective figures, peaks and every op's start and end."""
+
+    makespan: float
+    span: float
+    peak: tuple[float, ...]  # per rank
+    start: tuple[tuple[float, ...], ...]  # per rank, aligned with the order
+    end: tuple[tuple[float, ...], ...]
+
+    def score(self, objective: Objective) -> float:
+        """The figure `objective` minimises."""
+        return self.makespan if objective is Objective.MAKESPAN else self.span
+
+
+class OrderError(ValueError):
+    """An order that does not hold each of its ranks' ops exactly once."""
+
+
+def check_order(problem: Problem, order: Order) -> None:
+    """Raise OrderError unless each rank's sequence holds exactly that rank's ops once."""
+    if len(order) != problem.ranks:
+        raise OrderError(f"order has {len(order)} ranks, the problem {problem.ranks}")
+    for rank, ops in enumerate(order):
+        expected = set(problem.ops_of(rank))
+        seen = set(ops)
+        if len(seen) != len(ops) or seen != expected:
+            missing = sorted(map(str, expected - seen))[:3]
+            extra = sorted(map(str, seen - expected))[:3]
+            raise OrderError(
+                f"rank {rank}: {len(ops)} ops, {len(seen)} distinct, need {len(expected)}"
+                f" (missing {missing}, not this rank's {extra})"
+            )
+
+
+def _inputs(problem: Problem, op: SearchOp) -> tuple[SearchOp, ...]:
+    kind, stage, mb = op
+    if kind is OpKind.F:
+        return (SearchOp(OpKind.F, stage - 1, mb),) if stage > 0 else ()
+    if kind is OpKind.W:
+        return (SearchOp(OpKind.I, stage, mb),)
+    if stage == problem.num_stages - 1:
+        return (SearchOp(OpKind.F, stage, mb),)
+    return (SearchOp(OpKind.F, stage, mb), SearchOp(OpKind.I, stage + 1, mb))
+
+
+def _arrival(problem: Problem, producer: SearchOp, consumer: SearchOp, end: float) -> float:
+    same = problem.rank_of(producer.stage) == problem.rank_of(consumer.stage)
+    return end if same else end + problem.comm
+
+
+def evaluate(problem: Problem, order: Order) -> Evaluation | None:
+    """Replay `order`; None when it cannot run to the end (a rank waits forever).
+
+    Raises OrderError for an order that does not hold each rank's ops exactly once."""
+    check_order(problem, order)
+    done: dict[SearchOp, float] = {}
+    heads = [0] * problem.ranks
+    free = [0.0] * problem.ranks
+    starts: list[list[float]] = [[] for _ in order]
+    ends: list[list[float]] = [[] for _ in order]
+    progress = True
+    while progress:
+        progress = False
+        for rank, ops in enumerate(order):
+            while heads[rank] < len(ops):
+                op = ops[heads[rank]]
+                needs = _inputs(problem, op)
+                if any(need not in done for need in needs):
+                    break
+                ready = max((_arrival(problem, n, op, done[n]) for n in needs), default=0.0)
+                start = max(free[rank], ready)
+                free[rank] = done[op] = start + problem.duration(op)
+                starts[rank].append(start)
+                ends[rank].append(free[rank])
+                heads[rank] += 1
+                progress = True
+    if any(heads[rank] < len(ops) for rank, ops in enumerate(order)):
+        return None
+    return Evaluation(
+        makespan=max(free),
+        span=max(e[-1] - s[0] for s, e in zip(starts, ends, strict=True)),
+        peak=tuple(_peak(problem, ops) for ops in order),
+        start=tuple(map(tuple, starts)),
+        end=tuple(map(tuple, ends)),
+    )
+
+
+def _peak(problem: Problem, ops: tuple[SearchOp, ...]) -> float:
+    total = peak = 0.0
+    for op in ops:
+        total += problem.mem_delta(op)
+        peak = max(peak, total)
+    return peak
+
+
+def fits(problem: Problem, evaluation: Evaluation, *, tolerance: float = 1e-9) -> bool:
+    """Whether every rank's peak is within the cap."""
+    return all(peak <= problem.cap + tolerance for peak in evaluation.peak)
