@@ -1,0 +1,65 @@
+"""The bundled schedules as search orders: the baseline a search result is compared with.
+
+Every bundled schedule whose placement is the problem's (loop or vshape) and which compiles
+for the problem's P and M without fused ops is turned into an `Order` (a full backward B is
+an I followed at once by its W: the same durations, B = I + W, and the same memory, B's
+change being I's plus W's). Those that fit the memory cap are candidates of the search and
+the `baseline` of its report.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pipecc.api import bundled_schedules, compile_schedule
+from pipecc.diagnostics import PipeccError
+from pipecc.ir.ops import Compute, Fused, Kind
+from pipecc.search.problem import OpKind, Order, Problem, SearchOp, evaluate, fits
+
+_SPLIT = {
+    Kind.F: (OpKind.F,),
+    Kind.I: (OpKind.I,),
+    Kind.W: (OpKind.W,),
+    Kind.B: (OpKind.I, OpKind.W),
+}
+
+
+class Bundled(NamedTuple):
+    """A bundled schedule's order for the problem and its latency-model makespan."""
+
+    name: str
+    order: Order
+    score: float
+
+
+def bundled_orders(problem: Problem) -> list[Bundled]:
+    """The bundled schedules of the problem's placement that compile, as orders that fit the
+    cap, best first."""
+    found = []
+    for name in bundled_schedules():
+        order = _order(name, problem)
+        if order is None:
+            continue
+        evaluation = evaluate(problem, order)
+        if evaluation is not None and fits(problem, evaluation):
+            found.append(Bundled(name, order, evaluation.score(problem.objective)))
+    return sorted(found, key=lambda b: (b.score, b.name))
+
+
+def _order(name: str, problem: Problem) -> Order | None:
+    try:
+        program = compile_schedule(name, ranks=problem.ranks, microbatches=problem.microbatches)
+    except PipeccError:  # the schedule does not support this size
+        return None
+    if program.placement.name != problem.placement.value:
+        return None
+    ranks = []
+    for instrs in program.ranks:
+        ops: list[SearchOp] = []
+        for instr in instrs:
+            if type(instr) is Compute:
+                ops += [SearchOp(kind, instr.stage, instr.mb) for kind in _SPLIT[instr.kind]]
+            elif type(instr) is Fused:  # two ops overlapped: not in the search's op set
+                return None
+        ranks.append(tuple(ops))
+    return tuple(ranks)

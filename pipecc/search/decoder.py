@@ -1,0 +1,214 @@
+"""List scheduling: a policy (per-rank knobs) → an order, timed as `evaluate` times it.
+
+The decoder replays the latency model of `pipecc.search.problem` event by event, in time
+order. Whenever a rank is free it picks one of the ops whose inputs have arrived, by its
+`RankPolicy`, and starts it at once (or idles until the next message). Ops of one kind and
+stage run in microbatch order (FIFO, as every published schedule does), so a rank's choice is
+only which (kind, stage) goes next. Because each op starts at max(rank free, inputs arrived),
+the times it produces are exactly those `evaluate` computes for the order it returns (a test
+checks this); the order is valid by construction and the memory cap holds at every step:
+
+- an F is started only if the rank's memory, after it and after the later forwards that the
+  microbatches already in flight on this rank still owe it (the V shape's second chunk),
+  stays within the cap: so a started microbatch can always finish its forwards here;
+- when nothing else may run, a pending W frees memory.
+
+A policy that cannot finish (a rank waits forever) decodes to None.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple
+
+from pipecc.search.problem import Evaluation, OpKind, Order, Problem, SearchOp
+
+EPS = 1e-9
+NO_LIMIT = 1 << 30
+
+
+class RankPolicy(NamedTuple):
+    """How one rank picks its next op.
+
+    `warmup`: while fewer microbatches than this are in flight on the rank (its first
+    stage's F done, its I not), a new microbatch's F goes before an I; `wlimit`: a W is
+    forced once more than this many are pending (0: each I is followed by its W, as 1F1B's
+    B); `gap_f`: a new microbatch's F may fill a gap where no I has
+    arrived (else the rank waits for the I, or runs a W); `late_first`: on the V shape, the
+    later stage's (chunk 1's) F goes before an I, and its I before the first stage's (else
+    after the I's, first stage first); `reserve`: a new microbatch's F keeps room for its
+    later forwards on this rank (without it a tight cap can stall the decoder: such a
+    policy decodes to None).
+    """
+
+    warmup: int
+    wlimit: int = NO_LIMIT
+    gap_f: bool = True
+    late_first: bool = True
+    reserve: bool = True
+
+
+Policy = tuple[RankPolicy, ...]
+
+
+class Decoded(NamedTuple):
+    """The order a policy produces and its evaluation."""
+
+    order: Order
+    evaluation: Evaluation
+
+
+class _Rank:
+    """A rank's state during decoding."""
+
+    __slots__ = ("stages", "nf", "ni", "nw", "mem", "free", "ops", "starts", "ends", "peak")
+
+    def __init__(self, stages: tuple[int, ...]) -> None:
+        self.stages = stages
+        self.nf = [0] * len(stages)  # next microbatch of each of the rank's stages, per kind
+        self.ni = [0] * len(stages)
+        self.nw = [0] * len(stages)
+        self.mem = 0.0
+        self.peak = 0.0
+        self.free = 0.0
+        self.ops: list[SearchOp] = []
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+
+class _Decoder:
+    """One decoding run (the state of all ranks and the finished ops' end times)."""
+
+    def __init__(self, problem: Problem, policy: Policy) -> None:
+        self.p = problem
+        self.policy = policy
+        stages, m = problem.num_stages, problem.microbatches
+        self.m = m
+        self.last = stages - 1
+        self.rank_of = [problem.rank_of(s) for s in range(stages)]
+        self.fend = [-1.0] * (stages * m)  # end time of F(s, mb) at s·M + mb; -1: not yet
+        self.iend = [-1.0] * (stages * m)
+        self.ranks = [_Rank(problem.stages_of(r)) for r in range(problem.ranks)]
+        self.events: list[tuple[float, int]] = [(0.0, r) for r in range(problem.ranks)]
+
+    def arrival(self, ends: list[float], stage: int, mb: int, consumer: int) -> float:
+        """When the result of op (stage, mb) is usable on rank `consumer` (-1: not yet)."""
+        end = ends[stage * self.m + mb]
+        if end < 0 or self.rank_of[stage] == consumer:
+            return end
+        return end + self.p.comm
+
+    def run(self) -> Decoded | None:
+        events = self.events
+        while events:
+            time, r = heapq.heappop(events)
+            rank = self.ranks[r]
+            if time < rank.free - EPS:
+                continue
+            choice = self.choose(r, rank, max(time, rank.free))
+            if choice is not None:
+                self.start(r, rank, choice, max(time, rank.free))
+        return self.result()
+
+    def ready_f(self, r: int, rank: _Rank, c: int, now: float) -> bool:
+        stage, mb = rank.stages[c], rank.nf[c]
+        if mb >= self.m:
+            return False
+        if stage > 0:
+            arrived = self.arrival(self.fend, stage - 1, mb, r)
+            if arrived < 0 or arrived > now + EPS:
+                return False
+        if c > 0 or not self.policy[r].reserve:
+            return rank.mem + self.p.mem_f[stage] <= self.p.cap + EPS
+        reserve = sum(
+            self.p.mem_f[rank.stages[k]] * (rank.nf[c] + 1 - rank.nf[k])
+            for k in range(c + 1, len(rank.stages))
+        )
+        return rank.mem + self.p.mem_f[stage] + max(0.0, reserve) <= self.p.cap + EPS
+
+    def ready_i(self, r: int, rank: _Rank, c: int, now: float) -> bool:
+        stage, mb = rank.stages[c], rank.ni[c]
+        if mb >= rank.nf[c]:
+            return False
+        if stage < self.last:
+            arrived = self.arrival(self.iend, stage + 1, mb, r)
+            if arrived < 0 or arrived > now + EPS:
+                return False
+        return rank.mem + self.p.mem_i[stage] <= self.p.cap + EPS
+
+    def choose(self, r: int, rank: _Rank, now: float) -> tuple[OpKind, int] | None:
+        """The policy's pick among the ops that may start now (None: idle)."""
+        pol = self.policy[r]
+        pending = sum(rank.ni) - sum(rank.nw)
+        w_chunk = next((c for c in range(len(rank.stages)) if rank.nw[c] < rank.ni[c]), None)
+        if pending > pol.wlimit and w_chunk is not None:
+            return OpKind.W, w_chunk
+        new_f = self.ready_f(r, rank, 0, now)
+        if new_f and rank.nf[0] - rank.ni[0] < pol.warmup:
+            return OpKind.F, 0
+        late = len(rank.stages) - 1
+        more_f = late > 0 and self.ready_f(r, rank, late, now)
+        if more_f and pol.late_first:
+            return OpKind.F, late
+        order = (late, 0) if pol.late_first else (0, late)
+        i_chunk = next((c for c in order if self.ready_i(r, rank, c, now)), None)
+        if i_chunk is not None:
+            return OpKind.I, i_chunk
+        if more_f:
+            return OpKind.F, late
+        if new_f and pol.gap_f:
+            return OpKind.F, 0
+        if w_chunk is not None:
+            return OpKind.W, w_chunk
+        return None
+
+    def start(self, r: int, rank: _Rank, choice: tuple[OpKind, int], now: float) -> None:
+        kind, c = choice
+        stage = rank.stages[c]
+        p, m = self.p, self.m
+        if kind is OpKind.F:
+            mb, rank.nf[c] = rank.nf[c], rank.nf[c] + 1
+            end = now + p.f[stage]
+            rank.mem += p.mem_f[stage]
+            self.fend[stage * m + mb] = end
+            consumer = self.rank_of[stage + 1] if stage < self.last else r
+        elif kind is OpKind.I:
+            mb, rank.ni[c] = rank.ni[c], rank.ni[c] + 1
+            end = now + p.i[stage]
+            rank.mem += p.mem_i[stage]
+            self.iend[stage * m + mb] = end
+            consumer = self.rank_of[stage - 1] if stage > 0 else r
+        else:
+            mb, rank.nw[c] = rank.nw[c], rank.nw[c] + 1
+            end = now + p.w[stage]
+            rank.mem += p.mem_w[stage]
+            consumer = r
+        rank.peak = max(rank.peak, rank.mem)
+        rank.free = end
+        rank.ops.append(SearchOp(kind, stage, mb))
+        rank.starts.append(now)
+        rank.ends.append(end)
+        heapq.heappush(self.events, (end, r))
+        if consumer != r:
+            heapq.heappush(self.events, (end + p.comm, consumer))
+
+    def result(self) -> Decoded | None:
+        total = 3 * self.m
+        if any(len(rank.ops) != total * len(rank.stages) for rank in self.ranks):
+            return None
+        ranks = self.ranks
+        evaluation = Evaluation(
+            makespan=max(rank.free for rank in ranks),
+            span=max(rank.ends[-1] - rank.starts[0] for rank in ranks),
+            peak=tuple(rank.peak for rank in ranks),
+            start=tuple(tuple(rank.starts) for rank in ranks),
+            end=tuple(tuple(rank.ends) for rank in ranks),
+        )
+        return Decoded(tuple(tuple(rank.ops) for rank in ranks), evaluation)
+
+
+def decode(problem: Problem, policy: Policy) -> Decoded | None:
+    """The order `policy` produces for `problem`, with its evaluation; None if it stalls."""
+    if len(policy) != problem.ranks:
+        raise ValueError(f"policy has {len(policy)} ranks, the problem {problem.ranks}")
+    return _Decoder(problem, policy).run()

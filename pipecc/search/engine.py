@@ -1,0 +1,238 @@
+"""The search: structured starting policies, then hill climbing over the per-rank knobs.
+
+An order is found as the output of the list scheduler (`pipecc.search.decoder`) under a
+policy, one `RankPolicy` per rank. The search
+
+1. decodes a grid of structured policies (warm-up depth as 1F1B's, as deep as the memory cap
+   allows, or one; W right after its I or in the gaps; new forwards in gaps or not; the V
+   shape's chunk preference), and keeps the best few;
+2. climbs from them: each step changes one knob of one rank, or shifts the warm-up depth of
+   a run of ranks, decodes, and keeps the change if the order is not worse (ties are kept,
+   so the climb drifts along plateaus; the sum of the ranks' finishing times breaks ties);
+   after a while without improvement it restarts from another of the best policies;
+3. stops at the time limit, the evaluation budget, or when the order reaches the lower bound.
+
+Every decoded order is valid and fits the cap by construction; the same seed gives the same
+result whenever the evaluation budget or the bound, not the clock, ends the search.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import NamedTuple
+
+from pipecc.search.decoder import NO_LIMIT, Decoded, Policy, RankPolicy, decode
+from pipecc.search.problem import Evaluation, Order, Placement, Problem, evaluate, fits
+
+DEFAULT_BUDGET = 400  # decodes per placement
+KEEP = 4  # restart points kept from the structured grid
+PATIENCE = 40  # steps without improvement before a restart
+
+
+class SearchResult(NamedTuple):
+    """The best order found, its evaluation, the policy that produced it and the effort."""
+
+    problem: Problem
+    order: Order
+    evaluation: Evaluation
+    policy: Policy  # () when a given candidate won
+    seconds: float
+    evaluations: int
+
+    @property
+    def score(self) -> float:
+        return self.evaluation.score(self.problem.objective)
+
+
+Score = tuple[float, float]
+Bound = Callable[[Problem], float]
+
+
+def default_time_limit(ranks: int, microbatches: int) -> float:
+    """The default `--time-limit` in seconds: 0.9 s per 768 ops of the loop placement
+    (P=8, M=32), at least 0.3 s and at most 25 s."""
+    return min(25.0, max(0.3, 0.9 * 3 * ranks * microbatches / 768))
+
+
+def simple_bound(problem: Problem) -> float:
+    """Placeholder lower bound: the busiest rank's work (replaced by `bounds.lower_bound`)."""
+    return max(
+        problem.microbatches * sum(problem.f[s] + problem.i[s] + problem.w[s] for s in stages)
+        for stages in map(problem.stages_of, range(problem.ranks))
+    )
+
+
+def _score(problem: Problem, decoded: Decoded | None) -> Score:
+    if decoded is None:
+        return (math.inf, math.inf)
+    ev = decoded.evaluation
+    return (ev.score(problem.objective), sum(ends[-1] for ends in ev.end))
+
+
+def max_depth(problem: Problem, rank: int) -> int:
+    """How many microbatches the cap lets rank `rank` hold in flight (at least 1)."""
+    per_mb = sum(problem.mem_f[s] for s in problem.stages_of(rank))
+    if per_mb <= 0:
+        return problem.microbatches
+    return max(1, min(problem.microbatches, int(problem.cap / per_mb + 1e-9)))
+
+
+def structured_policies(problem: Problem) -> Iterator[Policy]:
+    """The starting grid: warm-up depth × W placement × gap forwards × chunk order."""
+    p = problem.ranks
+    per_chunk = len(problem.stages_of(0))
+    depths = [max_depth(problem, r) for r in range(p)]
+    shapes = (
+        [min(d, per_chunk * (p - r) - (per_chunk - 1)) for r, d in enumerate(depths)],
+        depths,
+        [min(d, max(1, (p - r + 1) // 2)) for r, d in enumerate(depths)],
+        [1] * p,
+    )
+    for warmup in shapes:
+        for wlimit in (NO_LIMIT, 0):
+            for gap_f in (True, False):
+                for late_first in (True, False) if per_chunk > 1 else (True,):
+                    yield tuple(RankPolicy(w, wlimit, gap_f, late_first) for w in warmup)
+
+
+def _mutate(problem: Problem, policy: Policy, rng: random.Random) -> Policy:
+    """One random step: a knob of one rank, or the warm-up depth of a run of ranks."""
+    p = problem.ranks
+    ranks = list(policy)
+    r = rng.randrange(p)
+    pol = ranks[r]
+    move = rng.randrange(7 if len(problem.stages_of(0)) > 1 else 5)
+    if move <= 1:
+        step = rng.choice((-1, 1))
+        lo, hi = sorted((r, rng.randrange(p))) if move == 1 else (r, r)
+        for k in range(lo, hi + 1):
+            depth = min(max_depth(problem, k), max(1, ranks[k].warmup + step))
+            ranks[k] = ranks[k]._replace(warmup=depth)
+    elif move == 2:
+        choices = (0, 1, 2, max(1, p - r), NO_LIMIT)
+        ranks[r] = pol._replace(wlimit=rng.choice([c for c in choices if c != pol.wlimit]))
+    elif move == 3:
+        ranks[r] = pol._replace(gap_f=not pol.gap_f)
+    elif move == 4:
+        wlimit = rng.choice((0, NO_LIMIT))
+        ranks = [rank._replace(wlimit=wlimit) for rank in ranks]
+    elif move == 5:
+        ranks[r] = pol._replace(late_first=not pol.late_first)
+    else:
+        ranks[r] = pol._replace(reserve=not pol.reserve)
+    return tuple(ranks)
+
+
+class _Search:
+    """The state of one search: the best so far, the budget and the clock."""
+
+    def __init__(self, problem: Problem, time_limit: float, budget: int, bound: float) -> None:
+        self.problem = problem
+        self.deadline = time.perf_counter() + time_limit
+        self.budget = budget
+        self.bound = bound
+        self.evaluations = 0
+        self.best: tuple[Score, Policy, Decoded] | None = None
+
+    def done(self) -> bool:
+        if self.evaluations >= self.budget or time.perf_counter() >= self.deadline:
+            return True
+        return self.best is not None and self.best[0][0] <= self.bound * (1 + 1e-9)
+
+    def try_policy(self, policy: Policy) -> Score:
+        decoded = decode(self.problem, policy)
+        self.evaluations += 1
+        score = _score(self.problem, decoded)
+        if decoded is not None and (self.best is None or score < self.best[0]):
+            self.best = (score, policy, decoded)
+        return score
+
+    def climb(self, start: Policy, score: Score, rng: random.Random) -> None:
+        current, current_score, stale = start, score, 0
+        while stale < PATIENCE and not self.done():
+            candidate = _mutate(self.problem, current, rng)
+            candidate_score = self.try_policy(candidate)
+            if candidate_score <= current_score:
+                stale = 0 if candidate_score < current_score else stale + 1
+                current, current_score = candidate, candidate_score
+            else:
+                stale += 1
+
+
+def search(
+    problem: Problem,
+    *,
+    time_limit: float,
+    seed: int = 0,
+    budget: int = DEFAULT_BUDGET,
+    bound: Bound = simple_bound,
+    candidates: Sequence[Order] = (),
+) -> SearchResult | None:
+    """The best order found within `time_limit` seconds and `budget` decodes; None when no
+    order fits the memory cap (see `smallest_cap`). `candidates` (orders that fit the cap,
+    such as the bundled schedules') are kept if no decoded order beats them."""
+    began = time.perf_counter()
+    state = _Search(problem, time_limit, budget, bound(problem))
+    rng = random.Random(seed)
+    given = _best_given(problem, candidates)
+    starts: list[tuple[Score, Policy]] = []
+    for policy in structured_policies(problem):
+        if state.done() and state.best is not None:
+            break
+        starts.append((state.try_policy(policy), policy))
+    starts = sorted((s for s in starts if math.isfinite(s[0][0])), key=lambda s: s[0])[:KEEP]
+    round_ = 0
+    while starts and not state.done():
+        score, policy = starts[round_ % len(starts)]
+        if round_ >= len(starts) and state.best is not None:  # later rounds: from the best
+            score, policy = state.best[0], state.best[1]
+        state.climb(policy, score, rng)
+        round_ += 1
+    if state.best is not None and (given is None or state.best[0] <= given[0]):
+        _, policy, decoded = state.best
+        found: Decoded = decoded
+    elif given is not None:
+        policy, found = (), given[1]
+    else:
+        return None
+    return SearchResult(
+        problem,
+        found.order,
+        found.evaluation,
+        policy,
+        time.perf_counter() - began,
+        state.evaluations,
+    )
+
+
+def _best_given(problem: Problem, orders: Sequence[Order]) -> tuple[Score, Decoded] | None:
+    best = None
+    for order in orders:
+        evaluation = evaluate(problem, order)
+        if evaluation is None or not fits(problem, evaluation):
+            continue
+        decoded = Decoded(order, evaluation)
+        score = _score(problem, decoded)
+        if best is None or score < best[0]:
+            best = (score, decoded)
+    return best
+
+
+def smallest_cap(problem: Problem) -> float:
+    """The smallest cap under which the decoder finds an order: one microbatch in flight at
+    a time (every rank's forwards of one microbatch held at once, its W right after its I)."""
+    one = problem.ranks * (RankPolicy(1, 0, False, True),)
+    decoded = decode(replace(problem, cap=math.inf), one)
+    assert decoded is not None  # one microbatch at a time always runs
+    return max(decoded.evaluation.peak)
+
+
+def placements(choice: str) -> tuple[Placement, ...]:
+    """`--placement`'s value → the placements to search."""
+    if choice == "auto":
+        return (Placement.LOOP, Placement.VSHAPE)
+    return (Placement(choice),)

@@ -1,0 +1,104 @@
+"""Write a found order as a .sched file that compiles back to the same compute order.
+
+Each rank's order is written as its op letters and chunks (`F0 I1 W1 ...`); where ops of one
+kind and stage run in microbatch order (the search always runs them so) the bare op takes
+the next microbatch of its counter, and a `W` the oldest pending `I` of its chunk, so no
+microbatch needs naming; an op out of that order names its microbatch (`I0[3]`, `W0[3]`).
+Periodic stretches become `repeat N { ... }` (the longest saving tandem repeat first); the
+ranks' listings are the branches of one `if rank == r` chain, since a searched order has no
+closed form in `rank`. A `require` line pins the file to the size it was searched for.
+"""
+
+from __future__ import annotations
+
+from pipecc.search.problem import OpKind, Order, Placement, Problem, SearchOp
+
+MAX_BLOCK = 12  # longest repeated block looked for
+WIDTH = 96
+
+
+def op_tokens(problem: Problem, ops: tuple[SearchOp, ...]) -> list[str]:
+    """The DSL spelling of one rank's ops (bare where the counter gives the microbatch)."""
+    loop = problem.placement is Placement.LOOP
+    nxt: dict[tuple[OpKind, int], int] = {}
+    pending: dict[int, list[int]] = {}  # stage -> microbatches whose I ran, W not yet
+    tokens = []
+    for op in ops:
+        chunk = "" if loop else str(0 if op.stage < problem.ranks else 1)
+        if op.kind is OpKind.W:
+            queue = pending[op.stage]
+            bare = queue[0] == op.mb
+            queue.remove(op.mb)
+        else:
+            counter = (op.kind, op.stage)
+            bare = nxt.get(counter, 0) == op.mb
+            if bare:
+                nxt[counter] = op.mb + 1
+            if op.kind is OpKind.I:
+                pending.setdefault(op.stage, []).append(op.mb)
+        if op.kind is not OpKind.W or bare:
+            tokens.append(f"{op.kind.value}{chunk}" + ("" if bare else f"[{op.mb}]"))
+        else:
+            tokens.append(f"W{chunk or '0'}[{op.mb}]")
+    return tokens
+
+
+def _best_repeat(tokens: list[str], i: int) -> tuple[int, int]:
+    """(block length, count) of the tandem repeat at `i` that saves most tokens (count 1:
+    none)."""
+    best = (1, 1)
+    saved = 0
+    for length in range(1, min(MAX_BLOCK, (len(tokens) - i) // 2) + 1):
+        block = tokens[i : i + length]
+        count = 1
+        while tokens[i + count * length : i + (count + 1) * length] == block:
+            count += 1
+        if length * (count - 1) >= 2 and length * (count - 1) > saved:
+            best, saved = (length, count), length * (count - 1)
+    return best
+
+
+def compress(tokens: list[str]) -> list[str]:
+    """Tokens with tandem repeats folded into `repeat N { ... }` (nested blocks are not
+    folded again)."""
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        length, count = _best_repeat(tokens, i)
+        if count == 1:
+            out.append(tokens[i])
+            i += 1
+        else:
+            out.append(f"repeat {count} {{ {' '.join(tokens[i : i + length])} }}")
+            i += length * count
+    return out
+
+
+def _wrap(items: list[str], indent: str) -> list[str]:
+    lines, line = [], indent
+    for item in items:
+        if len(line) + len(item) + 1 > WIDTH and line.strip():
+            lines.append(line.rstrip())
+            line = indent
+        line += item + " "
+    if line.strip():
+        lines.append(line.rstrip())
+    return lines
+
+
+def write_sched(problem: Problem, order: Order, name: str, header: str = "") -> str:
+    """The .sched text of `order` (module docstring)."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += [
+        f"schedule {name}",
+        f"placement {problem.placement.value}",
+        f"require P == {problem.ranks}, M == {problem.microbatches}",
+        "",
+        "phase searched {",
+    ]
+    for rank, ops in enumerate(order):
+        keyword = "if" if rank == 0 else "} elif"
+        lines.append(f"  {keyword} rank == {rank} {{")
+        lines += _wrap(compress(op_tokens(problem, ops)), "    ")
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
