@@ -12,13 +12,22 @@ import sys
 from collections.abc import Sequence
 
 from pipecc import __version__
-from pipecc.commands import compare, explain, list_schedules, simulate, verify
+from pipecc.commands import compare, explain, list_schedules, search, simulate, verify
 from pipecc.commands import compile as compile_command
 from pipecc.commands import run as run_command
 from pipecc.commands.common import Parser
 from pipecc.diagnostics import PipeccError
 
-COMMANDS = (compile_command, verify, simulate, compare, explain, run_command, list_schedules)
+COMMANDS = (
+    compile_command,
+    verify,
+    simulate,
+    compare,
+    explain,
+    run_command,
+    search,
+    list_schedules,
+)
 
 EPILOG = """\
 examples:

@@ -1,0 +1,171 @@
+"""`pipecc search`: the fastest verified schedule for measured costs and a memory cap."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from pipecc.commands.common import SubParsers, positive, write_output
+from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
+from pipecc.diagnostics import InputError
+from pipecc.interop import json_program
+from pipecc.render import format_timeline
+from pipecc.search.run import (
+    Outcome,
+    Request,
+    parse_mem,
+    run_search,
+)
+from pipecc.search.sched import write_sched
+from pipecc.semantics import CommModel
+from pipecc.simulate import simulate
+
+DESCRIPTION = """\
+Search the op order (forwards F, input gradients I, weight gradients W) of every rank for
+the shortest step under the given per-stage costs and a per-rank memory cap, lower it to a
+program aligned for --comm, verify it under every comm model, and report it with a lower
+bound (docs/search.md). Costs and memory are for one rank's share (1/P) of the model:
+[cost] and [cost.stage.N] with N < P, as 'pipecc run --profile' writes them for a loop
+schedule; a V shape (--placement vshape) cuts each share in two stages of half the cost.
+"""
+
+EPILOG = """\
+output (--json: one object): makespan (of the written program under --comm; with
+--comm eager, the latency model the search optimises), lower_bound, gap, peak (per rank, in
+--mem units), placement, seconds (search time, from the parsed input to the chosen order),
+baseline ({name, makespan} of the best bundled schedule that fits the cap, or null).
+
+examples:
+  pipecc search -P 4 -M 16 --cost-file costs.toml --memory 6 -o best.json --sched best.sched
+  pipecc search -P 8 -M 32 --cost F=1,I=1,W=1,comm=1 --memory 4 --placement auto --json
+
+exit codes: 0 a schedule was found; 1 no schedule fits the cap (the message gives the
+smallest cap that has one); 2 input pipecc cannot use.
+"""
+
+
+def register(commands: SubParsers) -> None:
+    cmd = commands.add_parser(
+        "search",
+        help="search the fastest verified schedule for costs and a memory cap",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cmd.add_argument("-P", "--ranks", type=positive, required=True, help="pipeline ranks")
+    cmd.add_argument("-M", "--microbatches", type=positive, required=True, help="microbatches")
+    cmd.add_argument("--cost", metavar="K=V,...", help="per-share costs, e.g. F=1,I=1,W=1,comm=0.2")
+    cmd.add_argument(
+        "--cost-file", metavar="TOML", help="per-share cost file ([cost.stage.N], N < P)"
+    )
+    cmd.add_argument(
+        "--memory",
+        metavar="CAP",
+        type=float,
+        required=True,
+        help="per-rank memory cap (--mem units)",
+    )
+    cmd.add_argument(
+        "--mem",
+        metavar="F=1,B=-1,I=0,W=-1",
+        default="",
+        help="memory change of each op kind for one share (default F=1,B=-1,I=0,W=-1)",
+    )
+    cmd.add_argument("--placement", choices=("loop", "vshape", "auto"), default="loop")
+    cmd.add_argument("--objective", choices=("makespan", "span"), default="makespan")
+    cmd.add_argument(
+        "--comm",
+        choices=("nccl", "nccl-single", "rendezvous", "eager"),
+        default="nccl",
+        help="the comm model the program is aligned for (default nccl)",
+    )
+    cmd.add_argument(
+        "--time-limit",
+        metavar="SECONDS",
+        type=float,
+        help="search time per placement (default: 0.9 s per 768 ops at P=8 M=32 scale, "
+        "0.3 s to 25 s; docs/search.md)",
+    )
+    cmd.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    cmd.add_argument(
+        "-o", "--output", metavar="OUT.json", help="write the program (and OUT.costs.toml)"
+    )
+    cmd.add_argument("--sched", metavar="OUT.sched", help="write the order as a .sched file")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object")
+    cmd.set_defaults(run=run)
+
+
+def _costs(args: argparse.Namespace) -> CostModel:
+    if args.cost is None and args.cost_file is None:
+        raise InputError("give the costs: --cost K=V,... or --cost-file FILE")
+    model = load_cost_file(args.cost_file) if args.cost_file else CostModel()
+    if args.cost:
+        model = model.overridden_by(parse_cost_flag(args.cost))
+    return model
+
+
+def _request(args: argparse.Namespace) -> Request:
+    if not math.isfinite(args.memory) or args.memory <= 0:
+        raise InputError(f"--memory must be a positive number, got {args.memory:g}")
+    if args.time_limit is not None and not (0 < args.time_limit < math.inf):
+        raise InputError(
+            f"--time-limit must be a positive number of seconds, got {args.time_limit}"
+        )
+    return Request(
+        ranks=args.ranks,
+        microbatches=args.microbatches,
+        costs=_costs(args),
+        cap=args.memory,
+        mem=parse_mem(args.mem),
+        placement=args.placement,
+        objective=args.objective,
+        comm=CommModel(args.comm),
+        time_limit=args.time_limit,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    began = time.perf_counter()
+    outcome = run_search(_request(args))
+    _write(args, outcome)
+    total = time.perf_counter() - began
+    if args.json:
+        print(json.dumps(outcome.to_json()))
+    else:
+        print(_table(outcome, total), end="")
+        timeline = simulate(outcome.lowered.program, outcome.lowered.costs, model=outcome.comm)
+        print(format_timeline(timeline, width=120), end="")
+    return 0
+
+
+def _write(args: argparse.Namespace, outcome: Outcome) -> None:
+    lowered = outcome.lowered
+    if args.output:
+        write_output(json_program.dumps(lowered.program), args.output)
+        costs_path = Path(args.output).with_suffix(".costs.toml")
+        write_output(outcome.costs_text, str(costs_path))
+    if args.sched:
+        name = Path(args.sched).stem.replace(" ", "_") or "search"
+        text = write_sched(outcome.problem, outcome.order, name, outcome.header())
+        write_output(text, args.sched)
+
+
+def _table(outcome: Outcome, total: float) -> str:
+    problem = outcome.problem
+    base = outcome.baseline
+    baseline = f"{base.name} {base.makespan:g}" if base is not None else "none fits the cap"
+    lines = [
+        outcome.header().splitlines()[0],
+        f"makespan     {outcome.makespan:g} ({outcome.comm.value})   "
+        f"latency model {outcome.lowered.eager_makespan:g}",
+        f"lower bound  {outcome.lower_bound:g}   gap {outcome.gap:.2%}",
+        f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g})",
+        f"baseline     {baseline}",
+        f"placement    {problem.placement.value}   chosen by {outcome.chosen_by}",
+        f"seconds      {outcome.seconds:.3f} search, {total:.3f} in all",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,224 @@
+"""One `pipecc search` request from parsed input to a lowered, checked result.
+
+`seconds` (the search time of the report) runs from the parsed request to the chosen
+compute order: building the problems, the bundled candidates, and the search of every
+placement; lowering, alignment, verification, the baselines' simulation and writing are
+outside it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, NamedTuple
+
+from pipecc.costs import CostModel
+from pipecc.diagnostics import InputError, PipeccError
+from pipecc.search.baseline import Bundled, bundled_orders
+from pipecc.search.engine import (
+    SearchResult,
+    default_time_limit,
+    placements,
+    search,
+    simple_bound,
+    smallest_cap,
+)
+from pipecc.search.lower import Lowered, costs_toml, lower
+from pipecc.search.problem import MemDeltas, Objective, Order, Placement, Problem, evaluate
+from pipecc.semantics import CommModel
+
+lower_bound = simple_bound  # until the full bound (warm-up chain, cap) lands
+
+
+class Request(NamedTuple):
+    """The parsed command line."""
+
+    ranks: int
+    microbatches: int
+    costs: CostModel
+    cap: float
+    mem: MemDeltas
+    placement: str  # loop | vshape | auto
+    objective: str
+    comm: CommModel
+    time_limit: float | None
+    seed: int = 0
+
+
+class Baseline(NamedTuple):
+    """The best bundled schedule that fits the cap, simulated like the result."""
+
+    name: str
+    makespan: float
+    order: Order
+    problem: Problem
+    lowered: Lowered
+
+
+class NoScheduleError(PipeccError):
+    """No order fits the memory cap (exit 1); the message gives the smallest cap that has one."""
+
+    exit_code = 1
+
+
+class Outcome(NamedTuple):
+    """What the command reports and writes."""
+
+    result: SearchResult
+    problem: Problem
+    order: Order
+    lowered: Lowered
+    comm: CommModel
+    lower_bound: float
+    seconds: float
+    baseline: Baseline | None
+    chosen_by: str
+    costs_text: str
+
+    @property
+    def makespan(self) -> float:
+        return self.lowered.makespan
+
+    @property
+    def gap(self) -> float:
+        return self.makespan / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
+
+    @property
+    def peak(self) -> tuple[float, ...]:
+        evaluation = evaluate(self.problem, self.order)
+        assert evaluation is not None
+        return evaluation.peak
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` object: exactly the keys of the command-line contract."""
+        base = self.baseline
+        return {
+            "makespan": self.makespan,
+            "lower_bound": self.lower_bound,
+            "gap": self.gap,
+            "peak": list(self.peak),
+            "placement": self.problem.placement.value,
+            "seconds": self.seconds,
+            "baseline": None if base is None else {"name": base.name, "makespan": base.makespan},
+        }
+
+    def header(self) -> str:
+        """A comment header for the written files."""
+        p = self.problem
+        return (
+            f"pipecc search  P={p.ranks} M={p.microbatches}  placement {p.placement.value}  "
+            f"objective {p.objective.value}  comm {self.comm.value}  cap {p.cap:g}\n"
+            f"per-stage costs: the .costs.toml written beside the program"
+        )
+
+
+def parse_mem(text: str) -> MemDeltas:
+    """`--mem F=1,B=-1,I=0,W=-1` → the memory change of F, I and W (B = I + W)."""
+    values: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in ("F", "B", "I", "W"):
+            raise InputError(f"--mem: expected F=, B=, I= or W= with a number, got {item!r}")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise InputError(f"--mem: {key} must be a number, got {value.strip()!r}") from None
+        if not math.isfinite(values[key]):
+            raise InputError(f"--mem: {key} must be finite, got {value.strip()}")
+    f = values.get("F", 1.0)
+    if "B" in values and "I" in values and "W" in values:
+        if abs(values["B"] - values["I"] - values["W"]) > 1e-12:
+            raise InputError(
+                f"--mem: B={values['B']:g} is not I + W = {values['I'] + values['W']:g}"
+            )
+    if "B" in values:
+        i = values.get("I", values["B"] - values["W"] if "W" in values else 0.0)
+        return MemDeltas(f, i, values.get("W", values["B"] - i))
+    return MemDeltas(f, values.get("I", 0.0), values.get("W", -1.0))
+
+
+def run_search(req: Request) -> Outcome:
+    """Search every requested placement, keep the best, lower and check it."""
+    began = time.perf_counter()
+    problems = [
+        Problem.from_costs(
+            req.costs,
+            ranks=req.ranks,
+            microbatches=req.microbatches,
+            placement=placement,
+            cap=req.cap,
+            mem=req.mem,
+            objective=Objective(req.objective),
+        )
+        for placement in placements(req.placement)
+    ]
+    limit = req.time_limit or default_time_limit(req.ranks, req.microbatches)
+    results, bundled, smallest, searched = [], {}, [], []
+    for problem in problems:
+        need = smallest_cap(problem)
+        smallest.append((need, problem.placement.value))
+        if problem.cap < need - 1e-9:
+            continue
+        searched.append(problem)
+        bundled[problem.placement] = bundled_orders(problem)
+        found = search(
+            problem,
+            time_limit=limit,
+            seed=req.seed,
+            bound=lower_bound,
+            candidates=[b.order for b in bundled[problem.placement]],
+        )
+        if found is not None:
+            results.append(found)
+    seconds = time.perf_counter() - began
+    if not results:
+        need, placement = min(smallest)
+        raise NoScheduleError(
+            f"no schedule fits --memory {req.cap:g}: the smallest cap that has one is {need:g}"
+            f" ({placement} placement, one microbatch in flight at a time)"
+        )
+    best = min(results, key=lambda r: (r.score, r.problem.placement.value))
+    return _finish(req, best, bundled, searched, seconds)
+
+
+def _finish(
+    req: Request,
+    best: SearchResult,
+    bundled: dict[Placement, list[Bundled]],
+    searched: list[Problem],
+    seconds: float,
+) -> Outcome:
+    unit = req.costs.unit
+    lowered = lower(best.problem, best.order, model=req.comm, unit=unit)
+    baseline = _baseline(req, bundled, searched)
+    problem, order, chosen = best.problem, best.order, "search"
+    if best.policy == ():
+        chosen = "search (a bundled schedule was best)"
+    if baseline is not None and baseline.makespan < lowered.makespan - 1e-9:
+        problem, order, lowered = baseline.problem, baseline.order, baseline.lowered
+        chosen = f"the bundled {baseline.name} (faster under {req.comm.value})"
+    return Outcome(
+        result=best,
+        problem=problem,
+        order=order,
+        lowered=lowered,
+        comm=req.comm,
+        lower_bound=lower_bound(problem),
+        seconds=seconds,
+        baseline=baseline,
+        chosen_by=chosen,
+        costs_text=costs_toml(problem, unit),
+    )
+
+
+def _baseline(
+    req: Request, bundled: dict[Placement, list[Bundled]], problems: list[Problem]
+) -> Baseline | None:
+    best = None
+    for problem in problems:
+        for entry in bundled.get(problem.placement, []):
+            lowered = lower(problem, entry.order, model=req.comm, unit=req.costs.unit)
+            if best is None or lowered.makespan < best.makespan:
+                best = Baseline(entry.name, lowered.makespan, entry.order, problem, lowered)
+    return best
