@@ -1,0 +1,76 @@
+"""The decoder's timing equals the reference replay's, and its orders fit the cap."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from profiles import random_problem
+
+from pipecc.search.decoder import NO_LIMIT, RankPolicy, decode
+from pipecc.search.engine import smallest_cap, structured_policies
+from pipecc.search.problem import OpKind, evaluate, fits
+
+
+def _random_policy(rng: random.Random, ranks: int) -> tuple[RankPolicy, ...]:
+    return tuple(
+        RankPolicy(
+            warmup=rng.randint(1, 2 * ranks),
+            wlimit=rng.choice((0, 1, 3, NO_LIMIT)),
+            gap_f=rng.random() < 0.5,
+            late_first=rng.random() < 0.5,
+            reserve=rng.random() < 0.8,
+        )
+        for _ in range(ranks)
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decoded_times_equal_the_reference_replay(seed: int) -> None:
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(40):
+        problem = random_problem(rng)
+        decoded = decode(problem, _random_policy(rng, problem.ranks))
+        if decoded is None:
+            continue
+        reference = evaluate(problem, decoded.order)
+        assert reference is not None
+        mine = decoded.evaluation
+        for ours, theirs in ((mine.start, reference.start), (mine.end, reference.end)):
+            assert [len(r) for r in ours] == [len(r) for r in theirs]
+            flat = [t for r in theirs for t in r]
+            assert [t for r in ours for t in r] == pytest.approx(flat, abs=1e-6)
+        assert mine.peak == pytest.approx(reference.peak)
+        assert mine.makespan == pytest.approx(reference.makespan, abs=1e-6)
+        assert mine.span == pytest.approx(reference.span, abs=1e-6)
+        assert fits(problem, reference), (reference.peak, problem.cap)
+        checked += 1
+    assert checked >= 25
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_structured_policies_always_finish_at_the_smallest_cap(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    for _ in range(15):
+        problem = random_problem(rng)
+        tight = replace(problem, cap=smallest_cap(problem))
+        results = [decode(tight, policy) for policy in structured_policies(tight)]
+        assert any(r is not None for r in results)
+        for result in filter(None, results):
+            assert fits(tight, result.evaluation)
+
+
+def test_ops_of_one_kind_and_stage_run_in_microbatch_order() -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        problem = random_problem(rng)
+        decoded = decode(problem, _random_policy(rng, problem.ranks))
+        if decoded is None:
+            continue
+        for ops in decoded.order:
+            for kind in OpKind:
+                for stage in {op.stage for op in ops}:
+                    mbs = [op.mb for op in ops if op.kind is kind and op.stage == stage]
+                    assert mbs == sorted(mbs)
