@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 from pipecc.commands.common import SubParsers, positive, write_output
-from pipecc.costs import CostModel, load_cost_file, parse_cost_flag
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
-from pipecc.render import format_timeline
+from pipecc.render.grid import format_timeline
 from pipecc.search.run import (
     Outcome,
     Request,
@@ -21,7 +20,8 @@ from pipecc.search.run import (
 )
 from pipecc.search.sched import write_sched
 from pipecc.semantics import CommModel
-from pipecc.simulate import simulate
+from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
+from pipecc.simulate.timeline import simulate
 
 DESCRIPTION = """\
 Search the op order (forwards F, input gradients I, weight gradients W) of every rank for

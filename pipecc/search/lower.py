@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pipecc.costs import CostModel, StageCost
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import Compute, Kind
 from pipecc.ir.placement import loop_placement, vshape_placement
@@ -28,7 +27,8 @@ from pipecc.search.problem import (
     fits,
 )
 from pipecc.semantics import CommModel
-from pipecc.simulate import simulate
+from pipecc.semantics.costs import CostModel, StageCost
+from pipecc.simulate.timeline import simulate
 from pipecc.verify import ALL_MODELS, Options, verify
 
 SOURCE = "pipecc search"

@@ -28,8 +28,8 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipecc.costs import CostModel
 from pipecc.diagnostics import CostModelError
+from pipecc.semantics.costs import CostModel
 
 
 class Placement(enum.Enum):

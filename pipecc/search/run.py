@@ -12,7 +12,6 @@ import math
 import time
 from typing import Any, NamedTuple
 
-from pipecc.costs import CostModel
 from pipecc.diagnostics import InputError, PipeccError
 from pipecc.search.baseline import Bundled, bundled_orders
 from pipecc.search.engine import (
@@ -26,6 +25,7 @@ from pipecc.search.engine import (
 from pipecc.search.lower import Lowered, costs_toml, lower
 from pipecc.search.problem import MemDeltas, Objective, Order, Placement, Problem, evaluate
 from pipecc.semantics import CommModel
+from pipecc.semantics.costs import CostModel
 
 lower_bound = simple_bound  # until the full bound (warm-up chain, cap) lands
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from pipecc.costs import CostModel, StageCost
 from pipecc.search.problem import MemDeltas, Objective, Placement, Problem
+from pipecc.semantics.costs import CostModel, StageCost
 
 
 def random_costs(rng: random.Random, ranks: int) -> CostModel:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pipecc.costs import load_cost_file, parse_cost_flag
 from pipecc.diagnostics import CostModelError
 from pipecc.search.problem import (
     OpKind,
@@ -14,6 +13,7 @@ from pipecc.search.problem import (
     SearchOp,
     evaluate,
 )
+from pipecc.semantics.costs import load_cost_file, parse_cost_flag
 
 F, I, W = OpKind  # noqa: E741
 

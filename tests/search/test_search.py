@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from profiles import random_costs
 
 from pipecc.api import compile_source
-from pipecc.costs import load_cost_file
 from pipecc.search.engine import search, smallest_cap
 from pipecc.search.lower import compute_order
 from pipecc.search.problem import MemDeltas, Placement, Problem, evaluate, fits
 from pipecc.search.run import NoScheduleError, Request, run_search
 from pipecc.search.sched import write_sched
 from pipecc.semantics import CommModel
-from pipecc.simulate import simulate
+from pipecc.semantics.costs import load_cost_file, parse_cost_flag
+from pipecc.simulate.timeline import simulate
 from pipecc.verify import ALL_MODELS, Options, verify
 
 F1 = "F=1,I=1,W=1,comm=1"
@@ -82,8 +83,6 @@ def test_results_on_random_profiles_are_valid(seed: int, tmp_path: Path) -> None
 def test_finds_the_known_optima_with_costly_messages(
     ranks: int, microbatches: int, cap: float, optimum: float
 ) -> None:
-    from pipecc.costs import parse_cost_flag
-
     problem = Problem.from_costs(parse_cost_flag(F1), ranks=ranks, microbatches=microbatches,
                                  placement=Placement.LOOP, cap=cap)  # fmt: skip
     result = search(problem, time_limit=5)
@@ -106,6 +105,4 @@ def test_below_the_smallest_cap_there_is_no_order() -> None:
     problem = Problem.from_costs(random_costs(rng, 3), ranks=3, microbatches=4,
                                  placement=Placement.VSHAPE, cap=1)  # fmt: skip
     assert smallest_cap(problem) == pytest.approx(1.0)  # two half-share forwards
-    from dataclasses import replace
-
     assert search(replace(problem, cap=0.9), time_limit=1) is None
