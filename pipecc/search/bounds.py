@@ -1,0 +1,294 @@
+"""A lower bound on the best order's objective (docs/search-bounds.md derives it).
+
+The bound relaxes the problem to one machine at a time. Every op gets a *head* (the earliest
+it can start) and a *tail* (the least time that must follow its end) from the longest paths
+of a precedence graph, and each rank is then a single machine with release dates and
+delivery times, whose preemptive optimum (Jackson's rule: run the released op with the
+longest tail) is a lower bound on any order of that rank. The graph holds:
+
+- data edges: F(s-1, m) → F(s, m), F(S-1, m) → I(S-1, m), I(s+1, m) → I(s, m),
+  F(s, m) → I(s, m), I(s, m) → W(s, m), with the latency `comm` between ranks;
+- FIFO edges per stage and kind, K(s, m-1) → K(s, m): microbatches have equal costs, so any
+  order is, up to renaming microbatches, one in which each kind runs in microbatch order;
+- memory edges: under the cap, F(s, m) can only run once enough earlier microbatches have
+  run their W (or I) on stage s to free the memory it needs.
+
+Beside it, a memory-time bound (Little's law): each microbatch holds its forward's memory
+at least from its F to its I, the round trip through the stages above, and all of it fits
+under the cap on its rank. The bound is the largest of these over the ranks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import NamedTuple
+
+from pipecc.search.problem import Objective, Problem
+
+_EPS = 1e-9
+
+
+class LowerBound(NamedTuple):
+    """The bound and its parts (each a valid bound on its own)."""
+
+    value: float
+    busy: float  # the busiest rank's work
+    machine: float  # the single-machine bound with heads, tails and memory edges
+    memory: float  # the memory-time bound (0 without a binding cap)
+
+
+class _Graph(NamedTuple):
+    """The precedence graph in a topological order; an op is `(kind * S + stage) * M + mb`."""
+
+    order: tuple[int, ...]
+    preds: tuple[tuple[tuple[int, float], ...], ...]  # (pred, latency after its end)
+    succs: tuple[tuple[tuple[int, float], ...], ...]
+    duration: tuple[float, ...]
+    rank: tuple[int, ...]
+
+
+def lower_bound(problem: Problem) -> float:
+    """A lower bound on `problem`'s objective over every order that fits its cap.
+
+    math.inf when no order fits the cap (a forward needs more memory than it can ever get)."""
+    return bound_parts(problem).value
+
+
+def bound_parts(problem: Problem) -> LowerBound:
+    """The lower bound with its parts."""
+    busy = max(_busy(problem, rank) for rank in range(problem.ranks))
+    graph = _graph(problem)
+    if graph is None:
+        return LowerBound(math.inf, busy, math.inf, math.inf)
+    if problem.objective is Objective.MAKESPAN:
+        machine = _machine_makespan(problem, graph)
+    else:
+        machine = max(_machine_span(problem, graph, rank) for rank in range(problem.ranks))
+    memory = max(_memory_time(problem, graph, rank) for rank in range(problem.ranks))
+    return LowerBound(max(busy, machine, memory), busy, machine, memory)
+
+
+def _busy(problem: Problem, rank: int) -> float:
+    return sum(problem.duration(op) for op in problem.ops_of(rank))
+
+
+def _op_id(problem: Problem, kind: int, stage: int, mb: int) -> int:
+    return (kind * problem.num_stages + stage) * problem.microbatches + mb
+
+
+def _latency(problem: Problem, a: int, b: int) -> float:
+    return 0.0 if problem.rank_of(a) == problem.rank_of(b) else problem.comm
+
+
+def _data_preds(problem: Problem, kind: int, stage: int, mb: int) -> list[tuple[int, float]]:
+    """Data and FIFO predecessors of one op (kinds 0, 1, 2 = F, I, W)."""
+    last = problem.num_stages - 1
+    preds: list[tuple[int, float]] = []
+    if mb > 0:
+        preds.append((_op_id(problem, kind, stage, mb - 1), 0.0))
+    if kind == 0 and stage > 0:
+        preds.append((_op_id(problem, 0, stage - 1, mb), _latency(problem, stage - 1, stage)))
+    if kind == 1:
+        preds.append((_op_id(problem, 0, stage, mb), 0.0))
+        if stage < last:
+            lat = _latency(problem, stage + 1, stage)
+            preds.append((_op_id(problem, 1, stage + 1, mb), lat))
+    if kind == 2:
+        preds.append((_op_id(problem, 1, stage, mb), 0.0))
+    return preds
+
+
+def _memory_preds(problem: Problem, stage: int, mb: int) -> list[tuple[int, float]] | None:
+    """The frees F(stage, mb) must wait for; None when it can never fit the cap.
+
+    Before F(s, m) runs, stage s holds (m+1)·a + n_I·b + n_W·d with a, b, d its F, I, W
+    deltas, n_W ≤ n_I ≤ m; the other stages on the rank hold ≥ 0. So n_W ≥ ((m+1)a + mb −
+    cap) / −d and n_I ≥ ((m+1)a − cap) / −(b+d): the first n microbatches' W (or I) come
+    first, by FIFO. Only for a > 0 ≥ b, d with every microbatch's running total ≥ 0."""
+    a, b, d = problem.mem_f[stage], problem.mem_i[stage], problem.mem_w[stage]
+    if not _memory_model_applies(a, b, d):
+        return []
+    preds: list[tuple[int, float]] = []
+    for kind, excess, free in ((2, (mb + 1) * a + mb * b, -d), (1, (mb + 1) * a, -(b + d))):
+        over = excess - problem.cap
+        if over <= _EPS:
+            continue
+        if free <= _EPS:
+            return None
+        needed = math.ceil(over / free - _EPS)
+        if needed > mb:
+            return None
+        preds.append((_op_id(problem, kind, stage, needed - 1), 0.0))
+    return preds
+
+
+def _memory_model_applies(a: float, b: float, d: float) -> bool:
+    return a > _EPS and b <= _EPS and d <= _EPS and a + b >= -_EPS and a + b + d >= -_EPS
+
+
+def _graph(problem: Problem) -> _Graph | None:
+    """The precedence graph, or None when the cap rules out every order."""
+    preds = _all_preds(problem)
+    if preds is None:
+        return None
+    succs: list[list[tuple[int, float]]] = [[] for _ in preds]
+    for op, incoming in enumerate(preds):
+        for pred, lat in incoming:
+            succs[pred].append((op, lat))
+    duration = [0.0] * len(preds)
+    rank = [0] * len(preds)
+    for kind, table in enumerate((problem.f, problem.i, problem.w)):
+        for stage in range(problem.num_stages):
+            for mb in range(problem.microbatches):
+                duration[_op_id(problem, kind, stage, mb)] = table[stage]
+                rank[_op_id(problem, kind, stage, mb)] = problem.rank_of(stage)
+    return _Graph(
+        _topological(problem),
+        tuple(map(tuple, preds)),
+        tuple(map(tuple, succs)),
+        tuple(duration),
+        tuple(rank),
+    )
+
+
+def _all_preds(problem: Problem) -> list[list[tuple[int, float]]] | None:
+    """Every op's predecessors (data, FIFO, memory), or None when the cap rules out all."""
+    preds: list[list[tuple[int, float]]] = [
+        [] for _ in range(3 * problem.num_stages * problem.microbatches)
+    ]
+    for kind in range(3):
+        for stage in range(problem.num_stages):
+            for mb in range(problem.microbatches):
+                op = _op_id(problem, kind, stage, mb)
+                preds[op] = _data_preds(problem, kind, stage, mb)
+                extra = _memory_preds(problem, stage, mb) if kind == 0 else []
+                if extra is None:
+                    return None
+                preds[op].extend(extra)
+    return preds
+
+
+def _topological(problem: Problem) -> tuple[int, ...]:
+    """Microbatch by microbatch: F up the stages, I down, then W (memory edges point from
+    an earlier microbatch's W or I, so this order respects every edge)."""
+    stages = range(problem.num_stages)
+    order: list[int] = []
+    for mb in range(problem.microbatches):
+        order.extend(_op_id(problem, 0, s, mb) for s in stages)
+        order.extend(_op_id(problem, 1, s, mb) for s in reversed(stages))
+        order.extend(_op_id(problem, 2, s, mb) for s in stages)
+    return tuple(order)
+
+
+def _heads(graph: _Graph, source: int | None = None) -> list[float]:
+    """Earliest starts: from time 0 for every op, or relative to `source`'s start (-inf for
+    ops that do not follow it)."""
+    heads = [0.0 if source is None else -math.inf] * len(graph.duration)
+    if source is not None:
+        heads[source] = 0.0
+    for op in graph.order:
+        for pred, lat in graph.preds[op]:
+            heads[op] = max(heads[op], heads[pred] + graph.duration[pred] + lat)
+    return heads
+
+
+def _tails(graph: _Graph, rank: int | None = None) -> list[float]:
+    """Least time after each op's end: to the end of the step, or to the end of `rank`'s
+    last op (-inf for ops with no path back to `rank`)."""
+    count = len(graph.duration)
+    if rank is None:
+        tails = [0.0] * count
+    else:
+        tails = [0.0 if graph.rank[op] == rank else -math.inf for op in range(count)]
+    for op in reversed(graph.order):
+        for succ, lat in graph.succs[op]:
+            tails[op] = max(tails[op], lat + graph.duration[succ] + tails[succ])
+    return tails
+
+
+def _jackson(jobs: list[tuple[float, float, float]]) -> float:
+    """Optimum of one machine with preemption: max over jobs of end + tail.
+
+    `jobs` are (release, duration, tail); at every release the machine runs the released
+    job with the longest tail (Jackson's rule, optimal for the preemptive relaxation)."""
+    jobs = sorted(jobs)
+    ready: list[tuple[float, float]] = []  # (-tail, remaining)
+    time, best, index = 0.0, 0.0, 0
+    while index < len(jobs) or ready:
+        if not ready:
+            time = max(time, jobs[index][0])
+        while index < len(jobs) and jobs[index][0] <= time + _EPS:
+            release, duration, tail = jobs[index]
+            heapq.heappush(ready, (-tail, duration))
+            index += 1
+        neg_tail, remaining = heapq.heappop(ready)
+        next_release = jobs[index][0] if index < len(jobs) else math.inf
+        run = min(remaining, next_release - time)
+        time += run
+        if remaining - run > _EPS:
+            heapq.heappush(ready, (neg_tail, remaining - run))
+        else:
+            best = max(best, time - neg_tail)
+    return best
+
+
+def _machine_makespan(problem: Problem, graph: _Graph) -> float:
+    heads, tails = _heads(graph), _tails(graph)
+    best = 0.0
+    for rank in range(problem.ranks):
+        jobs = [
+            (heads[op], graph.duration[op], tails[op])
+            for op in range(len(graph.duration))
+            if graph.rank[op] == rank
+        ]
+        best = max(best, _jackson(jobs))
+    return best
+
+
+def _machine_span(problem: Problem, graph: _Graph, rank: int) -> float:
+    """The single-machine bound on `rank`'s span: times are measured from its first op,
+    which is F of its lowest stage, microbatch 0 (every op of the rank follows it)."""
+    first = _op_id(problem, 0, problem.stages_of(rank)[0], 0)
+    heads, tails = _heads(graph, first), _tails(graph, rank)
+    jobs = [
+        (heads[op], graph.duration[op], tails[op])
+        for op in range(len(graph.duration))
+        if graph.rank[op] == rank
+    ]
+    return _jackson(jobs)
+
+
+def _memory_time(problem: Problem, graph: _Graph, rank: int) -> float:
+    """Little's law on `rank`: Σ over its microbatches of memory × holding time ≤ cap × the
+    window from its first op's start to its last W's start.
+
+    A microbatch of stage s holds a from its F's start to its I's start (at least F's
+    duration and the round trip through the stages above) and a + b from then to its W's
+    start (at least I's duration)."""
+    if problem.cap <= _EPS:
+        return 0.0
+    heads = _heads(graph)
+    area = 0.0
+    for stage in problem.stages_of(rank):
+        a, b, d = problem.mem_f[stage], problem.mem_i[stage], problem.mem_w[stage]
+        if not _memory_model_applies(a, b, d):
+            return 0.0
+        round_trip = _round_trip(problem, stage)
+        area += problem.microbatches * (
+            a * (problem.f[stage] + round_trip) + (a + b) * problem.i[stage]
+        )
+    start = min(heads[_op_id(problem, 0, s, 0)] for s in problem.stages_of(rank))
+    if problem.objective is Objective.SPAN:
+        start = 0.0
+    last_w = min(problem.w[s] for s in problem.stages_of(rank))
+    return start + area / problem.cap + last_w
+
+
+def _round_trip(problem: Problem, stage: int) -> float:
+    """Least time from the end of F(stage, m) to the start of I(stage, m)."""
+    total = 0.0
+    for above in range(stage + 1, problem.num_stages):
+        link = _latency(problem, above - 1, above)
+        total += 2 * link + problem.f[above] + problem.i[above]
+    return total
