@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
+from pipecc.search.bounds import lower_bound
 from pipecc.search.decoder import NO_LIMIT, Decoded, Policy, RankPolicy, decode
 from pipecc.search.problem import Evaluation, Order, Placement, Problem, evaluate, fits
 
@@ -56,14 +57,6 @@ def default_time_limit(ranks: int, microbatches: int) -> float:
     """The default `--time-limit` in seconds: 0.9 s per 768 ops of the loop placement
     (P=8, M=32), at least 0.3 s and at most 25 s."""
     return min(25.0, max(0.3, 0.9 * 3 * ranks * microbatches / 768))
-
-
-def simple_bound(problem: Problem) -> float:
-    """Placeholder lower bound: the busiest rank's work (replaced by `bounds.lower_bound`)."""
-    return max(
-        problem.microbatches * sum(problem.f[s] + problem.i[s] + problem.w[s] for s in stages)
-        for stages in map(problem.stages_of, range(problem.ranks))
-    )
 
 
 def _score(problem: Problem, decoded: Decoded | None) -> Score:
@@ -134,7 +127,7 @@ class _Search:
         self.problem = problem
         self.deadline = time.perf_counter() + time_limit
         self.budget = budget
-        self.bound = bound
+        self.bound = bound if math.isfinite(bound) else 0.0
         self.evaluations = 0
         self.best: tuple[Score, Policy, Decoded] | None = None
 
@@ -169,7 +162,7 @@ def search(
     time_limit: float,
     seed: int = 0,
     budget: int = DEFAULT_BUDGET,
-    bound: Bound = simple_bound,
+    bound: Bound = lower_bound,
     candidates: Sequence[Order] = (),
 ) -> SearchResult | None:
     """The best order found within `time_limit` seconds and `budget` decodes; None when no

@@ -14,20 +14,18 @@ from typing import Any, NamedTuple
 
 from pipecc.diagnostics import InputError, PipeccError
 from pipecc.search.baseline import Bundled, bundled_orders
+from pipecc.search.bounds import lower_bound
 from pipecc.search.engine import (
     SearchResult,
     default_time_limit,
     placements,
     search,
-    simple_bound,
     smallest_cap,
 )
 from pipecc.search.lower import Lowered, costs_toml, lower
 from pipecc.search.problem import MemDeltas, Objective, Order, Placement, Problem, evaluate
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
-
-lower_bound = simple_bound  # until the full bound (warm-up chain, cap) lands
 
 
 class Request(NamedTuple):
