@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
-from pipecc.costs import StageCost, parse_cost_flag
+from pipecc.semantics.costs import StageCost, parse_cost_flag
 from pipecc.search.problem import (
     Objective,
     OpKind,

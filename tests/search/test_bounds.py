@@ -8,7 +8,7 @@ import pytest
 from brute_force import CASES, Case, case_optimum
 from bundled import BUNDLED, bundled_order
 
-from pipecc.costs import parse_cost_flag
+from pipecc.semantics.costs import parse_cost_flag
 from pipecc.search.bounds import bound_parts, lower_bound
 from pipecc.search.problem import Objective, Placement, Problem, evaluate
 
