@@ -18,6 +18,7 @@ A policy that cannot finish (a rank waits forever) decodes to None.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from typing import NamedTuple
 
@@ -25,6 +26,14 @@ from pipecc.search.problem import Evaluation, OpKind, Order, Problem, SearchOp
 
 EPS = 1e-9
 NO_LIMIT = 1 << 30
+
+
+class Reserve(enum.Enum):
+    """How much memory a new microbatch's first forward on a V rank leaves free."""
+
+    ALL = "all"  # for the later forward of every microbatch in flight: never stalls
+    ONE = "one"  # for one later forward (the oldest microbatch's: W frees it again)
+    NONE = "none"  # nothing: a tight cap can stall (the policy then decodes to None)
 
 
 class RankPolicy(NamedTuple):
@@ -36,16 +45,15 @@ class RankPolicy(NamedTuple):
     B); `gap_f`: a new microbatch's F may fill a gap where no I has
     arrived (else the rank waits for the I, or runs a W); `late_first`: on the V shape, the
     later stage's (chunk 1's) F goes before an I, and its I before the first stage's (else
-    after the I's, first stage first); `reserve`: a new microbatch's F keeps room for its
-    later forwards on this rank (without it a tight cap can stall the decoder: such a
-    policy decodes to None).
+    after the I's, first stage first); `reserve`: the room a new microbatch's F keeps for
+    the later stage's forwards on this rank (the V shape).
     """
 
     warmup: int
     wlimit: int = NO_LIMIT
     gap_f: bool = True
     late_first: bool = True
-    reserve: bool = True
+    reserve: Reserve = Reserve.ALL
 
 
 Policy = tuple[RankPolicy, ...]
@@ -118,12 +126,14 @@ class _Decoder:
             arrived = self.arrival(self.fend, stage - 1, mb, r)
             if arrived < 0 or arrived > now + EPS:
                 return False
-        if c > 0 or not self.policy[r].reserve:
+        mode = self.policy[r].reserve
+        if c > 0 or mode is Reserve.NONE or len(rank.stages) == 1:
             return rank.mem + self.p.mem_f[stage] <= self.p.cap + EPS
-        reserve = sum(
-            self.p.mem_f[rank.stages[k]] * (rank.nf[c] + 1 - rank.nf[k])
-            for k in range(c + 1, len(rank.stages))
-        )
+        later = rank.stages[-1]
+        if mode is Reserve.ONE:
+            reserve = self.p.mem_f[later] + max(0.0, self.p.mem_i[later])
+        else:
+            reserve = self.p.mem_f[later] * (rank.nf[0] + 1 - rank.nf[-1])
         return rank.mem + self.p.mem_f[stage] + max(0.0, reserve) <= self.p.cap + EPS
 
     def ready_i(self, r: int, rank: _Rank, c: int, now: float) -> bool:

@@ -21,15 +21,22 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
 from pipecc.search.bounds import lower_bound
-from pipecc.search.decoder import NO_LIMIT, Decoded, Policy, RankPolicy, decode
+from pipecc.search.decoder import NO_LIMIT, Decoded, Policy, RankPolicy, Reserve, decode
+from pipecc.search.polish import Polisher
 from pipecc.search.problem import Evaluation, Order, Placement, Problem, evaluate, fits
 
-DEFAULT_BUDGET = 400  # decodes per placement
+POLICY_SHARE = 0.6  # of the time limit, for the policy search; the polish has the rest
+# The time limit becomes a number of decodes and moves by these per-op costs (measured on
+# the 2-core reference machine, loaded), so that a seed gives the same order on any machine;
+# the clock stops the search only where the machine is much slower (CLOCK_SLACK × limit).
+DECODE_SECONDS_PER_OP = 7e-6
+MOVE_SECONDS_PER_OP = 0.6e-6
+CLOCK_SLACK = 1.5
 KEEP = 4  # restart points kept from the structured grid
 PATIENCE = 40  # steps without improvement before a restart
 
@@ -40,9 +47,9 @@ class SearchResult(NamedTuple):
     problem: Problem
     order: Order
     evaluation: Evaluation
-    policy: Policy  # () when a given candidate won
+    policy: Policy  # () when the order is a given candidate's or was polished
     seconds: float
-    evaluations: int
+    evaluations: int  # decodes and polishing moves
 
     @property
     def score(self) -> float:
@@ -54,9 +61,9 @@ Bound = Callable[[Problem], float]
 
 
 def default_time_limit(ranks: int, microbatches: int) -> float:
-    """The default `--time-limit` in seconds: 0.9 s per 768 ops of the loop placement
-    (P=8, M=32), at least 0.3 s and at most 25 s."""
-    return min(25.0, max(0.3, 0.9 * 3 * ranks * microbatches / 768))
+    """The default `--time-limit` in seconds: 0.9 s up to P·M = 256 (P=8, M=32), then
+    growing with P·M (3.6 s at P=16, M=64; 14.4 s at P=32, M=128), at most 25 s."""
+    return min(25.0, 0.9 * max(1.0, ranks * microbatches / 256))
 
 
 def _score(problem: Problem, decoded: Decoded | None) -> Score:
@@ -68,28 +75,41 @@ def _score(problem: Problem, decoded: Decoded | None) -> Score:
 
 def max_depth(problem: Problem, rank: int) -> int:
     """How many microbatches the cap lets rank `rank` hold in flight (at least 1)."""
-    per_mb = sum(problem.mem_f[s] for s in problem.stages_of(rank))
+    per_mb = problem.mem_f[rank]  # the rank's first stage
     if per_mb <= 0:
         return problem.microbatches
     return max(1, min(problem.microbatches, int(problem.cap / per_mb + 1e-9)))
 
 
-def structured_policies(problem: Problem) -> Iterator[Policy]:
-    """The starting grid: warm-up depth × W placement × gap forwards × chunk order."""
+def structured_policies(problem: Problem, rng: random.Random | None = None) -> list[Policy]:
+    """The starting grid: warm-up depth × W placement × gap forwards × (V shape) chunk order
+    × reserve. The plain variant of each depth (W in the gaps, forwards in gaps, later
+    chunk first, one reserved forward) comes first, the rest in an order shuffled by `rng`
+    (so that a small budget samples all of the grid's corners)."""
     p = problem.ranks
-    per_chunk = len(problem.stages_of(0))
+    vee = len(problem.stages_of(0)) > 1
     depths = [max_depth(problem, r) for r in range(p)]
-    shapes = (
-        [min(d, per_chunk * (p - r) - (per_chunk - 1)) for r, d in enumerate(depths)],
+    shapes = [
+        [min(d, (2 if vee else 1) * (p - r) - (1 if vee else 0)) for r, d in enumerate(depths)],
         depths,
         [min(d, max(1, (p - r + 1) // 2)) for r, d in enumerate(depths)],
         [1] * p,
-    )
-    for warmup in shapes:
-        for wlimit in (NO_LIMIT, 0):
-            for gap_f in (True, False):
-                for late_first in (True, False) if per_chunk > 1 else (True,):
-                    yield tuple(RankPolicy(w, wlimit, gap_f, late_first) for w in warmup)
+    ]
+    if vee:
+        shapes.append([min(d, p - r) for r, d in enumerate(depths)])
+    plain = Reserve.ONE if vee else Reserve.ALL
+    first = [tuple(RankPolicy(w, NO_LIMIT, True, True, plain) for w in ws) for ws in shapes]
+    rest = [
+        tuple(RankPolicy(w, wlimit, gap_f, late_first, reserve) for w in ws)
+        for ws in shapes
+        for wlimit in (NO_LIMIT, 0)
+        for gap_f in (True, False)
+        for late_first in ((True, False) if vee else (True,))
+        for reserve in (tuple(Reserve) if vee else (Reserve.ALL,))
+    ]
+    rest = [policy for policy in rest if policy not in first]
+    (rng or random.Random(0)).shuffle(rest)
+    return first + rest
 
 
 def _mutate(problem: Problem, policy: Policy, rng: random.Random) -> Policy:
@@ -98,7 +118,7 @@ def _mutate(problem: Problem, policy: Policy, rng: random.Random) -> Policy:
     ranks = list(policy)
     r = rng.randrange(p)
     pol = ranks[r]
-    move = rng.randrange(7 if len(problem.stages_of(0)) > 1 else 5)
+    move = rng.randrange(8 if len(problem.stages_of(0)) > 1 else 5)
     if move <= 1:
         step = rng.choice((-1, 1))
         lo, hi = sorted((r, rng.randrange(p))) if move == 1 else (r, r)
@@ -115,8 +135,11 @@ def _mutate(problem: Problem, policy: Policy, rng: random.Random) -> Policy:
         ranks = [rank._replace(wlimit=wlimit) for rank in ranks]
     elif move == 5:
         ranks[r] = pol._replace(late_first=not pol.late_first)
+    elif move == 6:
+        ranks[r] = pol._replace(reserve=rng.choice([m for m in Reserve if m is not pol.reserve]))
     else:
-        ranks[r] = pol._replace(reserve=not pol.reserve)
+        reserve = rng.choice(tuple(Reserve))
+        ranks = [rank._replace(reserve=reserve) for rank in ranks]
     return tuple(ranks)
 
 
@@ -161,19 +184,61 @@ def search(
     *,
     time_limit: float,
     seed: int = 0,
-    budget: int = DEFAULT_BUDGET,
+    budget: int | None = None,
+    moves: int | None = None,
     bound: Bound = lower_bound,
     candidates: Sequence[Order] = (),
 ) -> SearchResult | None:
-    """The best order found within `time_limit` seconds and `budget` decodes; None when no
-    order fits the memory cap (see `smallest_cap`). `candidates` (orders that fit the cap,
-    such as the bundled schedules') are kept if no decoded order beats them."""
+    """The best order found with `budget` decodes and `moves` polishing moves (by default
+    what `time_limit` seconds allow at the reference per-op costs; the clock stops the
+    search at CLOCK_SLACK × `time_limit` in any case); None when no order fits the memory
+    cap (see `smallest_cap`). `candidates` (orders that fit the cap, such as the bundled
+    schedules') start the polish if no decoded order beats them."""
     began = time.perf_counter()
-    state = _Search(problem, time_limit, budget, bound(problem))
+    target = bound(problem)
+    ops = 3 * problem.num_stages * problem.microbatches
+    if budget is None:
+        budget = max(KEEP, int(POLICY_SHARE * time_limit / (DECODE_SECONDS_PER_OP * ops)))
+    if moves is None:
+        moves = int((1 - POLICY_SHARE) * time_limit / (MOVE_SECONDS_PER_OP * ops))
+    state = _Search(problem, CLOCK_SLACK * time_limit, budget, target)
     rng = random.Random(seed)
+    _climb_policies(state, rng)
     given = _best_given(problem, candidates)
+    policy: Policy = ()
+    if state.best is not None and (given is None or state.best[0] <= given[0]):
+        score, policy, decoded = state.best
+        order = decoded.order
+    elif given is not None:
+        score, order = given[0], given[1].order
+    else:
+        return None
+    deadline = began + CLOCK_SLACK * time_limit
+    polished, polished_score, tried = Polisher(problem).polish(
+        order, rng, moves, lambda s: s[0] <= state.bound * (1 + 1e-9) or _past(deadline)
+    )
+    if polished_score < score:
+        order, policy = polished, ()
+    evaluation = evaluate(problem, order)
+    assert evaluation is not None and fits(problem, evaluation)
+    return SearchResult(
+        problem,
+        order,
+        evaluation,
+        policy,
+        time.perf_counter() - began,
+        state.evaluations + tried,
+    )
+
+
+def _past(deadline: float) -> bool:
+    return time.perf_counter() >= deadline
+
+
+def _climb_policies(state: _Search, rng: random.Random) -> None:
+    """The structured grid, then hill climbing from its best few (module docstring)."""
     starts: list[tuple[Score, Policy]] = []
-    for policy in structured_policies(problem):
+    for policy in structured_policies(state.problem, rng):
         if state.done() and state.best is not None:
             break
         starts.append((state.try_policy(policy), policy))
@@ -185,21 +250,6 @@ def search(
             score, policy = state.best[0], state.best[1]
         state.climb(policy, score, rng)
         round_ += 1
-    if state.best is not None and (given is None or state.best[0] <= given[0]):
-        _, policy, decoded = state.best
-        found: Decoded = decoded
-    elif given is not None:
-        policy, found = (), given[1]
-    else:
-        return None
-    return SearchResult(
-        problem,
-        found.order,
-        found.evaluation,
-        policy,
-        time.perf_counter() - began,
-        state.evaluations,
-    )
 
 
 def _best_given(problem: Problem, orders: Sequence[Order]) -> tuple[Score, Decoded] | None:

@@ -152,6 +152,7 @@ def run_search(req: Request) -> Outcome:
         for placement in placements(req.placement)
     ]
     limit = req.time_limit or default_time_limit(req.ranks, req.microbatches)
+    limit /= len(problems)  # the time limit is the whole search's
     results, bundled, smallest, searched = [], {}, [], []
     for problem in problems:
         need = smallest_cap(problem)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from profiles import random_problem
 
-from pipecc.search.decoder import NO_LIMIT, RankPolicy, decode
+from pipecc.search.decoder import NO_LIMIT, RankPolicy, Reserve, decode
 from pipecc.search.engine import smallest_cap, structured_policies
 from pipecc.search.problem import OpKind, evaluate, fits
 
@@ -20,7 +20,7 @@ def _random_policy(rng: random.Random, ranks: int) -> tuple[RankPolicy, ...]:
             wlimit=rng.choice((0, 1, 3, NO_LIMIT)),
             gap_f=rng.random() < 0.5,
             late_first=rng.random() < 0.5,
-            reserve=rng.random() < 0.8,
+            reserve=rng.choice(tuple(Reserve)),
         )
         for _ in range(ranks)
     )
