@@ -9,9 +9,11 @@ the `baseline` of its report.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import NamedTuple
 
-from pipecc.api import bundled_schedules, compile_schedule
+from pipecc.api import bundled_schedules, compile_schedule, read_text
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import Compute, Fused, Kind
 from pipecc.search.problem import OpKind, Order, Problem, SearchOp, evaluate, fits
@@ -36,8 +38,8 @@ def bundled_orders(problem: Problem) -> list[Bundled]:
     """The bundled schedules of the problem's placement that compile, as orders that fit the
     cap, best first."""
     found = []
-    for name in bundled_schedules():
-        order = _order(name, problem)
+    for name, path in bundled_schedules().items():
+        order = _order(name, path, problem)
         if order is None:
             continue
         evaluation = evaluate(problem, order)
@@ -46,9 +48,17 @@ def bundled_orders(problem: Problem) -> list[Bundled]:
     return sorted(found, key=lambda b: (b.score, b.name))
 
 
-def _order(name: str, problem: Problem) -> Order | None:
+def _placement_line(path: Path) -> str | None:
+    """The `placement` declaration's value of a schedule file (`loop` without one)."""
+    found = re.search(r"^placement\s+(\S+)", read_text(path), re.MULTILINE)
+    return found[1] if found else "loop"
+
+
+def _order(name: str, path: Path, problem: Problem) -> Order | None:
+    if _placement_line(path) != problem.placement.value:  # spares compiling the others
+        return None
     try:
-        program = compile_schedule(name, ranks=problem.ranks, microbatches=problem.microbatches)
+        program = compile_schedule(path, ranks=problem.ranks, microbatches=problem.microbatches)
     except PipeccError:  # the schedule does not support this size
         return None
     if program.placement.name != problem.placement.value:

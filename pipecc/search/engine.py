@@ -34,7 +34,7 @@ POLICY_SHARE = 0.6  # of the time limit, for the policy search; the polish has t
 # The time limit becomes a number of decodes and moves by these per-op costs (measured on
 # the 2-core reference machine, loaded), so that a seed gives the same order on any machine;
 # the clock stops the search only where the machine is much slower (CLOCK_SLACK × limit).
-DECODE_SECONDS_PER_OP = 7e-6
+DECODE_SECONDS_PER_OP = 8e-6
 MOVE_SECONDS_PER_OP = 0.6e-6
 CLOCK_SLACK = 1.5
 KEEP = 4  # restart points kept from the structured grid
@@ -152,19 +152,29 @@ class _Search:
         self.budget = budget
         self.bound = bound if math.isfinite(bound) else 0.0
         self.evaluations = 0
-        self.best: tuple[Score, Policy, Decoded] | None = None
+        self.best: tuple[Score, Decoded] | None = None  # the best order, decoded or given
+        self.best_policy: tuple[Score, Policy] | None = None
+
+    def at_bound(self, score: Score) -> bool:
+        return score[0] <= self.bound * (1 + 1e-9)
 
     def done(self) -> bool:
         if self.evaluations >= self.budget or time.perf_counter() >= self.deadline:
             return True
-        return self.best is not None and self.best[0][0] <= self.bound * (1 + 1e-9)
+        return self.best is not None and self.at_bound(self.best[0])
+
+    def offer(self, score: Score, decoded: Decoded) -> None:
+        if self.best is None or score < self.best[0]:
+            self.best = (score, decoded)
 
     def try_policy(self, policy: Policy) -> Score:
         decoded = decode(self.problem, policy)
         self.evaluations += 1
         score = _score(self.problem, decoded)
-        if decoded is not None and (self.best is None or score < self.best[0]):
-            self.best = (score, policy, decoded)
+        if decoded is not None:
+            self.offer(score, decoded)
+            if self.best_policy is None or score < self.best_policy[0]:
+                self.best_policy = (score, policy)
         return score
 
     def climb(self, start: Policy, score: Score, rng: random.Random) -> None:
@@ -203,19 +213,18 @@ def search(
         moves = int((1 - POLICY_SHARE) * time_limit / (MOVE_SECONDS_PER_OP * ops))
     state = _Search(problem, CLOCK_SLACK * time_limit, budget, target)
     rng = random.Random(seed)
-    _climb_policies(state, rng)
     given = _best_given(problem, candidates)
-    policy: Policy = ()
-    if state.best is not None and (given is None or state.best[0] <= given[0]):
-        score, policy, decoded = state.best
-        order = decoded.order
-    elif given is not None:
-        score, order = given[0], given[1].order
-    else:
+    if given is not None:
+        state.offer(*given)
+    _climb_policies(state, rng)
+    if state.best is None:
         return None
+    score, decoded = state.best
+    order = decoded.order
+    policy = state.best_policy[1] if state.best_policy and state.best_policy[0] == score else ()
     deadline = began + CLOCK_SLACK * time_limit
     polished, polished_score, tried = Polisher(problem).polish(
-        order, rng, moves, lambda s: s[0] <= state.bound * (1 + 1e-9) or _past(deadline)
+        order, rng, moves, lambda s: state.at_bound(s) or _past(deadline)
     )
     if polished_score < score:
         order, policy = polished, ()
@@ -246,8 +255,8 @@ def _climb_policies(state: _Search, rng: random.Random) -> None:
     round_ = 0
     while starts and not state.done():
         score, policy = starts[round_ % len(starts)]
-        if round_ >= len(starts) and state.best is not None:  # later rounds: from the best
-            score, policy = state.best[0], state.best[1]
+        if round_ >= len(starts) and state.best_policy is not None:  # later: from the best
+            score, policy = state.best_policy
         state.climb(policy, score, rng)
         round_ += 1
 

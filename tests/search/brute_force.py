@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
-from pipecc.semantics.costs import StageCost, parse_cost_flag
 from pipecc.search.problem import (
     Objective,
     OpKind,
@@ -29,6 +28,7 @@ from pipecc.search.problem import (
     evaluate,
     fits,
 )
+from pipecc.semantics.costs import StageCost, parse_cost_flag
 
 _EPS = 1e-9
 

@@ -8,9 +8,9 @@ import pytest
 from brute_force import CASES, Case, case_optimum
 from bundled import BUNDLED, bundled_order
 
-from pipecc.semantics.costs import parse_cost_flag
 from pipecc.search.bounds import bound_parts, lower_bound
 from pipecc.search.problem import Objective, Placement, Problem, evaluate
+from pipecc.semantics.costs import parse_cost_flag
 
 _TOL = 1e-9
 

@@ -10,6 +10,7 @@ from profiles import random_problem
 
 from pipecc.search.decoder import NO_LIMIT, RankPolicy, Reserve, decode
 from pipecc.search.engine import smallest_cap, structured_policies
+from pipecc.search.polish import Polisher, Timer
 from pipecc.search.problem import OpKind, evaluate, fits
 
 
@@ -74,3 +75,47 @@ def test_ops_of_one_kind_and_stage_run_in_microbatch_order() -> None:
                 for stage in {op.stage for op in ops}:
                     mbs = [op.mb for op in ops if op.kind is kind and op.stage == stage]
                     assert mbs == sorted(mbs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_polish_timer_agrees_with_the_reference_replay(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    stalls = 0
+    for _ in range(30):
+        problem = random_problem(rng)
+        decoded = decode(problem, _random_policy(rng, problem.ranks))
+        if decoded is None:
+            continue
+        ranks = [list(ops) for ops in decoded.order]
+        for _ in range(3):  # random swaps: some orders stall, some run
+            r = rng.randrange(problem.ranks)
+            i, j = rng.randrange(len(ranks[r])), rng.randrange(len(ranks[r]))
+            ranks[r][i], ranks[r][j] = ranks[r][j], ranks[r][i]
+        order = tuple(tuple(ops) for ops in ranks)
+        timer = Timer(problem)
+        timed = timer.run([[timer.op_id(op) for op in ops] for ops in order])
+        reference = evaluate(problem, order)
+        if reference is None:
+            assert timed is None
+            stalls += 1
+            continue
+        assert timed is not None
+        assert timed[0] == pytest.approx(reference.makespan)
+        assert timed[1] == pytest.approx(reference.span)
+        assert timed[2] == pytest.approx(sum(ends[-1] for ends in reference.end))
+    assert stalls > 0
+
+
+def test_polish_keeps_the_order_valid_and_never_worse() -> None:
+    rng = random.Random(9)
+    for _ in range(10):
+        problem = random_problem(rng, max_mb=8)
+        decoded = decode(problem, _random_policy(rng, problem.ranks))
+        if decoded is None:
+            continue
+        before = decoded.evaluation.score(problem.objective)
+        order, score, _ = Polisher(problem).polish(decoded.order, rng, 300, lambda s: False)
+        after = evaluate(problem, order)
+        assert after is not None and fits(problem, after)
+        assert after.score(problem.objective) == pytest.approx(score[0])
+        assert score[0] <= before + 1e-9
