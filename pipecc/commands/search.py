@@ -86,8 +86,8 @@ def register(commands: SubParsers) -> None:
         "--time-limit",
         metavar="SECONDS",
         type=float,
-        help="search time per placement (default: 0.9 s per 768 ops at P=8 M=32 scale, "
-        "0.3 s to 25 s; docs/search.md)",
+        help="the search's time (default: 0.7 s up to P·M = 256, then 0.7 s × P·M / 256, "
+        "at most 25 s; docs/search.md)",
     )
     cmd.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     cmd.add_argument(
@@ -156,6 +156,7 @@ def _write(args: argparse.Namespace, outcome: Outcome) -> None:
 
 def _table(outcome: Outcome, total: float) -> str:
     problem = outcome.problem
+    span = problem.objective.value == "span"
     base = outcome.baseline
     baseline = f"{base.name} {base.makespan:g}" if base is not None else "none fits the cap"
     lines = [
@@ -163,6 +164,7 @@ def _table(outcome: Outcome, total: float) -> str:
         f"makespan     {outcome.makespan:g} ({outcome.comm.value})   "
         f"latency model {outcome.lowered.eager_makespan:g}",
         f"lower bound  {outcome.lower_bound:g}   gap {outcome.gap:.2%}",
+        *([f"span         {outcome.span:g} (the objective, latency model)"] if span else []),
         f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g})",
         f"baseline     {baseline}",
         f"placement    {problem.placement.value}   chosen by {outcome.chosen_by}",

@@ -61,9 +61,9 @@ Bound = Callable[[Problem], float]
 
 
 def default_time_limit(ranks: int, microbatches: int) -> float:
-    """The default `--time-limit` in seconds: 0.9 s up to P·M = 256 (P=8, M=32), then
-    growing with P·M (3.6 s at P=16, M=64; 14.4 s at P=32, M=128), at most 25 s."""
-    return min(25.0, 0.9 * max(1.0, ranks * microbatches / 256))
+    """The default `--time-limit` in seconds: 0.7 s up to P·M = 256 (P=8, M=32), then
+    growing with P·M (2.8 s at P=16, M=64; 11.2 s at P=32, M=128), at most 25 s."""
+    return min(25.0, 0.7 * max(1.0, ranks * microbatches / 256))
 
 
 def _score(problem: Problem, decoded: Decoded | None) -> Score:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from pipecc.diagnostics import InputError, PipeccError
@@ -23,7 +24,15 @@ from pipecc.search.engine import (
     smallest_cap,
 )
 from pipecc.search.lower import Lowered, costs_toml, lower
-from pipecc.search.problem import MemDeltas, Objective, Order, Placement, Problem, evaluate
+from pipecc.search.problem import (
+    Evaluation,
+    MemDeltas,
+    Objective,
+    Order,
+    Placement,
+    Problem,
+    evaluate,
+)
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
 
@@ -82,10 +91,19 @@ class Outcome(NamedTuple):
         return self.makespan / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
 
     @property
-    def peak(self) -> tuple[float, ...]:
+    def evaluation(self) -> Evaluation:
+        """The order's replay in the latency model."""
         evaluation = evaluate(self.problem, self.order)
         assert evaluation is not None
-        return evaluation.peak
+        return evaluation
+
+    @property
+    def peak(self) -> tuple[float, ...]:
+        return self.evaluation.peak
+
+    @property
+    def span(self) -> float:
+        return self.evaluation.span
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object: exactly the keys of the command-line contract."""
@@ -194,7 +212,8 @@ def _finish(
     problem, order, chosen = best.problem, best.order, "search"
     if best.policy == ():
         chosen = "search (a bundled schedule was best)"
-    if baseline is not None and baseline.makespan < lowered.makespan - 1e-9:
+    faster = baseline is not None and baseline.makespan < lowered.makespan - 1e-9
+    if faster and baseline is not None and best.problem.objective is Objective.MAKESPAN:
         problem, order, lowered = baseline.problem, baseline.order, baseline.lowered
         chosen = f"the bundled {baseline.name} (faster under {req.comm.value})"
     return Outcome(
@@ -203,7 +222,7 @@ def _finish(
         order=order,
         lowered=lowered,
         comm=req.comm,
-        lower_bound=lower_bound(problem),
+        lower_bound=lower_bound(replace(problem, objective=Objective.MAKESPAN)),
         seconds=seconds,
         baseline=baseline,
         chosen_by=chosen,
