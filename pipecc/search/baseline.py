@@ -9,6 +9,7 @@ the `baseline` of its report.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -34,7 +35,8 @@ class Bundled(NamedTuple):
     score: float
 
 
-def bundled_orders(problem: Problem) -> list[Bundled]:
+@functools.lru_cache(maxsize=8)
+def bundled_orders(problem: Problem) -> tuple[Bundled, ...]:
     """The bundled schedules of the problem's placement that compile, as orders that fit the
     cap, best first."""
     found = []
@@ -45,7 +47,7 @@ def bundled_orders(problem: Problem) -> list[Bundled]:
         evaluation = evaluate(problem, order)
         if evaluation is not None and fits(problem, evaluation):
             found.append(Bundled(name, order, evaluation.score(problem.objective)))
-    return sorted(found, key=lambda b: (b.score, b.name))
+    return tuple(sorted(found, key=lambda b: (b.score, b.name)))
 
 
 def _placement_line(path: Path) -> str | None:

@@ -54,6 +54,7 @@ class RankPolicy(NamedTuple):
     gap_f: bool = True
     late_first: bool = True
     reserve: Reserve = Reserve.ALL
+    gap_w: bool = True
 
 
 Policy = tuple[RankPolicy, ...]
@@ -168,9 +169,17 @@ class _Decoder:
             return OpKind.F, late
         if new_f and pol.gap_f:
             return OpKind.F, 0
-        if w_chunk is not None:
+        if w_chunk is not None and (pol.gap_w or self.w_due(rank)):
             return OpKind.W, w_chunk
         return None
+
+    def w_due(self, rank: _Rank) -> bool:
+        """A pending W must run even in a policy that keeps W's out of gaps: memory holds
+        the next forward back, or the rank has no F or I left."""
+        room = self.p.cap - rank.mem
+        if any(room < self.p.mem_f[s] - EPS for s in rank.stages):
+            return True
+        return all(n >= self.m for n in rank.ni)
 
     def start(self, r: int, rank: _Rank, choice: tuple[OpKind, int], now: float) -> None:
         kind, c = choice

@@ -34,8 +34,8 @@ POLICY_SHARE = 0.6  # of the time limit, for the policy search; the polish has t
 # The time limit becomes a number of decodes and moves by these per-op costs (measured on
 # the 2-core reference machine, loaded), so that a seed gives the same order on any machine;
 # the clock stops the search only where the machine is much slower (CLOCK_SLACK × limit).
-DECODE_SECONDS_PER_OP = 8e-6
-MOVE_SECONDS_PER_OP = 0.6e-6
+DECODE_SECONDS = (3e-4, 8e-6)  # per decode, per op
+MOVE_SECONDS = (2e-5, 0.6e-6)  # per move, per op
 CLOCK_SLACK = 1.5
 KEEP = 4  # restart points kept from the structured grid
 PATIENCE = 40  # steps without improvement before a restart
@@ -81,6 +81,25 @@ def max_depth(problem: Problem, rank: int) -> int:
     return max(1, min(problem.microbatches, int(problem.cap / per_mb + 1e-9)))
 
 
+def _policy(
+    warmups: list[int], wlimits: list[int], gap: bool, late_first: bool, reserve: Reserve
+) -> Policy:
+    return tuple(
+        RankPolicy(w, lim, gap, late_first, reserve, gap)
+        for w, lim in zip(warmups, wlimits, strict=True)
+    )
+
+
+def _policy(
+    warmups: list[int], wlimits: list[int], gap: bool, late_first: bool, reserve: Reserve
+) -> Policy:
+    """One policy for every rank: gap-filling forwards and W's both on or both off."""
+    return tuple(
+        RankPolicy(w, lim, gap, late_first, reserve, gap)
+        for w, lim in zip(warmups, wlimits, strict=True)
+    )
+
+
 def structured_policies(problem: Problem, rng: random.Random | None = None) -> list[Policy]:
     """The starting grid: warm-up depth × W placement × gap forwards × (V shape) chunk order
     × reserve. The plain variant of each depth (W in the gaps, forwards in gaps, later
@@ -98,12 +117,14 @@ def structured_policies(problem: Problem, rng: random.Random | None = None) -> l
     if vee:
         shapes.append([min(d, p - r) for r, d in enumerate(depths)])
     plain = Reserve.ONE if vee else Reserve.ALL
-    first = [tuple(RankPolicy(w, NO_LIMIT, True, True, plain) for w in ws) for ws in shapes]
+    first = [_policy(ws, [NO_LIMIT] * p, True, True, plain) for ws in shapes]
+    zb_h1 = list(range(p))  # rank r keeps r W's for the drain's bubbles, as ZB-H1
+    first.append(_policy(shapes[0], zb_h1, False, True, plain))
     rest = [
-        tuple(RankPolicy(w, wlimit, gap_f, late_first, reserve) for w in ws)
+        _policy(ws, wl, gap, late_first, reserve)
         for ws in shapes
-        for wlimit in (NO_LIMIT, 0)
-        for gap_f in (True, False)
+        for wl in ([NO_LIMIT] * p, [0] * p, zb_h1)
+        for gap in (True, False)
         for late_first in ((True, False) if vee else (True,))
         for reserve in (tuple(Reserve) if vee else (Reserve.ALL,))
     ]
@@ -126,10 +147,14 @@ def _mutate(problem: Problem, policy: Policy, rng: random.Random) -> Policy:
             depth = min(max_depth(problem, k), max(1, ranks[k].warmup + step))
             ranks[k] = ranks[k]._replace(warmup=depth)
     elif move == 2:
-        choices = (0, 1, 2, max(1, p - r), NO_LIMIT)
+        choices = (0, 1, 2, r, max(1, p - r), NO_LIMIT)
         ranks[r] = pol._replace(wlimit=rng.choice([c for c in choices if c != pol.wlimit]))
     elif move == 3:
-        ranks[r] = pol._replace(gap_f=not pol.gap_f)
+        ranks[r] = (
+            pol._replace(gap_f=not pol.gap_f)
+            if rng.random() < 0.5
+            else pol._replace(gap_w=not pol.gap_w)
+        )
     elif move == 4:
         wlimit = rng.choice((0, NO_LIMIT))
         ranks = [rank._replace(wlimit=wlimit) for rank in ranks]
@@ -197,26 +222,31 @@ def search(
     budget: int | None = None,
     moves: int | None = None,
     bound: Bound = lower_bound,
-    candidates: Sequence[Order] = (),
+    candidates: Sequence[Order] | Callable[[], Sequence[Order]] = (),
 ) -> SearchResult | None:
     """The best order found with `budget` decodes and `moves` polishing moves (by default
     what `time_limit` seconds allow at the reference per-op costs; the clock stops the
     search at CLOCK_SLACK × `time_limit` in any case); None when no order fits the memory
-    cap (see `smallest_cap`). `candidates` (orders that fit the cap, such as the bundled
-    schedules') start the polish if no decoded order beats them."""
+    cap (see `smallest_cap`). `candidates` (orders, such as the bundled schedules'; those
+    that fit the cap count) start the polish if no decoded order beats them; given as a
+    function, they are only made when the climb ends above the bound."""
     began = time.perf_counter()
     target = bound(problem)
     ops = 3 * problem.num_stages * problem.microbatches
     if budget is None:
-        budget = max(KEEP, int(POLICY_SHARE * time_limit / (DECODE_SECONDS_PER_OP * ops)))
+        each = DECODE_SECONDS[0] + DECODE_SECONDS[1] * ops
+        budget = max(KEEP, int(POLICY_SHARE * time_limit / each))
     if moves is None:
-        moves = int((1 - POLICY_SHARE) * time_limit / (MOVE_SECONDS_PER_OP * ops))
+        each = MOVE_SECONDS[0] + MOVE_SECONDS[1] * ops
+        moves = int((1 - POLICY_SHARE) * time_limit / each)
     state = _Search(problem, CLOCK_SLACK * time_limit, budget, target)
     rng = random.Random(seed)
-    given = _best_given(problem, candidates)
-    if given is not None:
-        state.offer(*given)
     _climb_policies(state, rng)
+    if not (state.best is not None and state.at_bound(state.best[0])):
+        orders = candidates() if callable(candidates) else candidates
+        given = _best_given(problem, orders)
+        if given is not None:
+            state.offer(*given)
     if state.best is None:
         return None
     score, decoded = state.best

@@ -1,13 +1,14 @@
 """One `pipecc search` request from parsed input to a lowered, checked result.
 
 `seconds` (the search time of the report) runs from the parsed request to the chosen
-compute order: building the problems, the bundled candidates, and the search of every
-placement; lowering, alignment, verification, the baselines' simulation and writing are
-outside it.
+compute order: building the problems, the search of every placement, and the bundled
+schedules' orders where the search uses them (when its climb ends above the lower bound);
+lowering, alignment, verification, the baselines and writing are outside it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import replace
@@ -171,24 +172,24 @@ def run_search(req: Request) -> Outcome:
     ]
     limit = req.time_limit or default_time_limit(req.ranks, req.microbatches)
     limit /= len(problems)  # the time limit is the whole search's
-    results, bundled, smallest, searched = [], {}, [], []
+    results, smallest, searched = [], [], []
     for problem in problems:
         need = smallest_cap(problem)
         smallest.append((need, problem.placement.value))
         if problem.cap < need - 1e-9:
             continue
         searched.append(problem)
-        bundled[problem.placement] = bundled_orders(problem)
         found = search(
             problem,
             time_limit=limit,
             seed=req.seed,
             bound=lower_bound,
-            candidates=[b.order for b in bundled[problem.placement]],
+            candidates=functools.partial(_bundled_candidates, problem),
         )
         if found is not None:
             results.append(found)
     seconds = time.perf_counter() - began
+    bundled = {problem.placement: bundled_orders(problem) for problem in searched}
     if not results:
         need, placement = min(smallest)
         raise NoScheduleError(
@@ -199,10 +200,14 @@ def run_search(req: Request) -> Outcome:
     return _finish(req, best, bundled, searched, seconds)
 
 
+def _bundled_candidates(problem: Problem) -> list[Order]:
+    return [entry.order for entry in bundled_orders(problem)]
+
+
 def _finish(
     req: Request,
     best: SearchResult,
-    bundled: dict[Placement, list[Bundled]],
+    bundled: dict[Placement, tuple[Bundled, ...]],
     searched: list[Problem],
     seconds: float,
 ) -> Outcome:
@@ -210,8 +215,9 @@ def _finish(
     lowered = lower(best.problem, best.order, model=req.comm, unit=unit)
     baseline = _baseline(req, bundled, searched)
     problem, order, chosen = best.problem, best.order, "search"
-    if best.policy == ():
-        chosen = "search (a bundled schedule was best)"
+    same = [b.name for b in bundled.get(problem.placement, []) if b.order == order]
+    if same:
+        chosen = f"search (the bundled {same[0]}'s order was the best found)"
     faster = baseline is not None and baseline.makespan < lowered.makespan - 1e-9
     if faster and baseline is not None and best.problem.objective is Objective.MAKESPAN:
         problem, order, lowered = baseline.problem, baseline.order, baseline.lowered
@@ -231,7 +237,7 @@ def _finish(
 
 
 def _baseline(
-    req: Request, bundled: dict[Placement, list[Bundled]], problems: list[Problem]
+    req: Request, bundled: dict[Placement, tuple[Bundled, ...]], problems: list[Problem]
 ) -> Baseline | None:
     best = None
     for problem in problems:
