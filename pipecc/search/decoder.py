@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from typing import NamedTuple
 
-from pipecc.search.problem import Evaluation, OpKind, Order, Problem, SearchOp
+from pipecc.search.problem import Evaluation, Objective, OpKind, Order, Problem, SearchOp
 
 EPS = 1e-9
 NO_LIMIT = 1 << 30
@@ -88,9 +89,12 @@ class _Rank:
 class _Decoder:
     """One decoding run (the state of all ranks and the finished ops' end times)."""
 
-    def __init__(self, problem: Problem, policy: Policy) -> None:
+    def __init__(self, problem: Problem, policy: Policy, cutoff: float) -> None:
         self.p = problem
         self.policy = policy
+        self.cutoff = cutoff + EPS
+        self.span = problem.objective is Objective.SPAN
+        self.over = False  # an op ended past the cutoff
         stages, m = problem.num_stages, problem.microbatches
         self.m = m
         self.last = stages - 1
@@ -117,6 +121,8 @@ class _Decoder:
             choice = self.choose(r, rank, max(time, rank.free))
             if choice is not None:
                 self.start(r, rank, choice, max(time, rank.free))
+                if self.over:
+                    return None
         return self.result()
 
     def ready_f(self, r: int, rank: _Rank, c: int, now: float) -> bool:
@@ -204,6 +210,8 @@ class _Decoder:
             consumer = r
         rank.peak = max(rank.peak, rank.mem)
         rank.free = end
+        if end - (rank.starts[0] if self.span and rank.starts else 0.0) > self.cutoff:
+            self.over = True
         rank.ops.append(SearchOp(kind, stage, mb))
         rank.starts.append(now)
         rank.ends.append(end)
@@ -226,8 +234,9 @@ class _Decoder:
         return Decoded(tuple(tuple(rank.ops) for rank in ranks), evaluation)
 
 
-def decode(problem: Problem, policy: Policy) -> Decoded | None:
-    """The order `policy` produces for `problem`, with its evaluation; None if it stalls."""
+def decode(problem: Problem, policy: Policy, cutoff: float = math.inf) -> Decoded | None:
+    """The order `policy` produces for `problem`, with its evaluation; None if it stalls,
+    or as soon as its objective is sure to exceed `cutoff` (an op ends past it)."""
     if len(policy) != problem.ranks:
         raise ValueError(f"policy has {len(policy)} ranks, the problem {problem.ranks}")
-    return _Decoder(problem, policy).run()
+    return _Decoder(problem, policy, cutoff).run()

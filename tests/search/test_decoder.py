@@ -119,3 +119,24 @@ def test_polish_keeps_the_order_valid_and_never_worse() -> None:
         assert after is not None and fits(problem, after)
         assert after.score(problem.objective) == pytest.approx(score[0])
         assert score[0] <= before + 1e-9
+
+
+def test_a_cutoff_drops_exactly_the_orders_worse_than_it() -> None:
+    rng = random.Random(11)
+    dropped = kept = 0
+    for _ in range(60):
+        problem = random_problem(rng)
+        policy = _random_policy(rng, problem.ranks)
+        full = decode(problem, policy)
+        if full is None:
+            continue
+        score = full.evaluation.score(problem.objective)
+        cutoff = score * rng.choice((0.9, 1.0, 1.1))
+        cut = decode(problem, policy, cutoff)
+        if score > cutoff + 1e-9:
+            assert cut is None
+            dropped += 1
+        else:
+            assert cut is not None and cut.order == full.order
+            kept += 1
+    assert dropped and kept
