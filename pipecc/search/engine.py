@@ -1,19 +1,25 @@
-"""The search: structured starting policies, then hill climbing over the per-rank knobs.
+"""The search: policies for the list scheduler, hill climbing over them, then a polish.
 
-An order is found as the output of the list scheduler (`pipecc.search.decoder`) under a
-policy, one `RankPolicy` per rank. The search
+An order is first found as the output of the list scheduler (`pipecc.search.decoder`) under
+a policy, one `RankPolicy` per rank. The search
 
-1. decodes a grid of structured policies (warm-up depth as 1F1B's, as deep as the memory cap
-   allows, or one; W right after its I or in the gaps; new forwards in gaps or not; the V
-   shape's chunk preference), and keeps the best few;
-2. climbs from them: each step changes one knob of one rank, or shifts the warm-up depth of
-   a run of ranks, decodes, and keeps the change if the order is not worse (ties are kept,
-   so the climb drifts along plateaus; the sum of the ranks' finishing times breaks ties);
-   after a while without improvement it restarts from another of the best policies;
-3. stops at the time limit, the evaluation budget, or when the order reaches the lower bound.
+1. decodes the plain policies of a grid (warm-up depth as 1F1B's or ZB-V's, as deep as the
+   cap allows, half, one; ZB-H1's W backlog) and a seeded sample of the rest of it (W right
+   after its I, or in the gaps; forwards and W's in gaps or not; the V shape's chunk order
+   and reserve), and keeps the best few;
+2. climbs from them: each step changes one knob of one rank, or of all, or the warm-up depth
+   of a run of ranks, decodes (stopping as soon as an op ends past the score to beat), and
+   keeps the change if the order is not worse (ties are kept, so the climb drifts along
+   plateaus; the sum of the ranks' finishing times breaks ties); after PATIENCE steps
+   without improvement it restarts from another start, later from the best policy;
+3. if the best order is above the lower bound, adds the given candidates (the bundled
+   schedules' orders that fit), then polishes the best with single-op moves
+   (`pipecc.search.polish`);
+4. stops at the evaluation budget, at the lower bound, or at the clock.
 
-Every decoded order is valid and fits the cap by construction; the same seed gives the same
-result whenever the evaluation budget or the bound, not the clock, ends the search.
+Every order is valid and fits the cap by construction. The default budget is what the time
+limit allows at the reference machine's costs, so the same seed gives the same order
+wherever the clock does not end the search first.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from pipecc.search.polish import Polisher
 from pipecc.search.problem import Evaluation, Order, Placement, Problem, evaluate, fits
 
 POLICY_SHARE = 0.6  # of the time limit, for the policy search; the polish has the rest
-# The time limit becomes a number of decodes and moves by these per-op costs (measured on
-# the 2-core reference machine, loaded), so that a seed gives the same order on any machine;
-# the clock stops the search only where the machine is much slower (CLOCK_SLACK × limit).
+# The time limit becomes a number of decodes and moves by these costs (measured on the
+# 2-core reference machine), so that a seed gives the same order on any machine that keeps
+# up; on a slower (or busier) one the clock ends the climb at CLIMB_CLOCK × the limit and
+# the polish at the limit.
 DECODE_SECONDS = (1.5e-4, 4e-6)  # per decode, per op (a climb cuts most off early)
 MOVE_SECONDS = (2e-5, 0.6e-6)  # per move, per op
-CLOCK_SLACK = 1.5
+CLIMB_CLOCK = 0.75
 KEEP = 4  # restart points kept from the structured grid
 GRID_FIRST = 6  # the grid's plain policies, always decoded
 GRID_SHARE = 0.1  # of the decode budget, at most, for the rest of the grid (shuffled)
@@ -227,8 +234,8 @@ def search(
     candidates: Sequence[Order] | Callable[[], Sequence[Order]] = (),
 ) -> SearchResult | None:
     """The best order found with `budget` decodes and `moves` polishing moves (by default
-    what `time_limit` seconds allow at the reference per-op costs; the clock stops the
-    search at CLOCK_SLACK × `time_limit` in any case); None when no order fits the memory
+    what `time_limit` seconds allow at the reference costs; the clock stops the search at
+    `time_limit` in any case); None when no order fits the memory
     cap (see `smallest_cap`). `candidates` (orders, such as the bundled schedules'; those
     that fit the cap count) start the polish if no decoded order beats them; given as a
     function, they are only made when the climb ends above the bound."""
@@ -241,7 +248,7 @@ def search(
     if moves is None:
         each = MOVE_SECONDS[0] + MOVE_SECONDS[1] * ops
         moves = int((1 - POLICY_SHARE) * time_limit / each)
-    state = _Search(problem, CLOCK_SLACK * time_limit, budget, target)
+    state = _Search(problem, CLIMB_CLOCK * time_limit, budget, target)
     rng = random.Random(seed)
     _climb_policies(state, rng)
     if not (state.best is not None and state.at_bound(state.best[0])):
@@ -254,7 +261,7 @@ def search(
     score, decoded = state.best
     order = decoded.order
     policy = state.best_policy[1] if state.best_policy and state.best_policy[0] == score else ()
-    deadline = began + CLOCK_SLACK * time_limit
+    deadline = began + time_limit
     polished, polished_score, tried = Polisher(problem).polish(
         order, rng, moves, lambda s: state.at_bound(s) or _past(deadline)
     )
