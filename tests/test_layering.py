@@ -88,6 +88,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.passes",
         "pipecc.render",
         "pipecc.runtime",  # `pipecc run` only, inside the function (LAZY)
+        "pipecc.search",
         "pipecc.semantics",
         "pipecc.simulate",
         "pipecc.verify",
@@ -101,6 +102,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pytest",
     ),
     "pipecc.runtime": ("pipecc.diagnostics", "pipecc.ir", "torch"),
+    "pipecc.search": (
+        "pipecc.api",  # search.baseline: the bundled schedules' orders
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "pipecc.passes",  # search.lower: alignment of the found order
+        "pipecc.semantics",
+        "pipecc.simulate",  # search.lower: the makespans of the result
+        "pipecc.verify",  # search.lower: the result verified under every comm model
+    ),
 }
 # function-local imports: optional heavy dependencies only (STYLE §1)
 LAZY = {

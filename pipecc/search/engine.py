@@ -93,15 +93,6 @@ def max_depth(problem: Problem, rank: int) -> int:
 def _policy(
     warmups: list[int], wlimits: list[int], gap: bool, late_first: bool, reserve: Reserve
 ) -> Policy:
-    return tuple(
-        RankPolicy(w, lim, gap, late_first, reserve, gap)
-        for w, lim in zip(warmups, wlimits, strict=True)
-    )
-
-
-def _policy(
-    warmups: list[int], wlimits: list[int], gap: bool, late_first: bool, reserve: Reserve
-) -> Policy:
     """One policy for every rank: gap-filling forwards and W's both on or both off."""
     return tuple(
         RankPolicy(w, lim, gap, late_first, reserve, gap)
