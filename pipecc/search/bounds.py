@@ -24,7 +24,9 @@ import heapq
 import math
 from typing import NamedTuple
 
-from pipecc.search.problem import Objective, Problem
+from pipecc.search.problem import Objective, OpKind, Problem, SearchOp
+
+_KINDS = (OpKind.F, OpKind.I, OpKind.W)
 
 _EPS = 1e-9
 
@@ -69,6 +71,35 @@ def bound_parts(problem: Problem) -> LowerBound:
     return LowerBound(max(busy, machine, memory), busy, machine, memory)
 
 
+def memory_precedences(problem: Problem) -> list[tuple[SearchOp, SearchOp]] | None:
+    """The memory edges of the bound's graph as (earlier, later) op pairs: every order
+    that fits the cap runs the first before the second. None when no order fits."""
+    pairs: list[tuple[SearchOp, SearchOp]] = []
+    for stage in range(problem.num_stages):
+        for mb in range(problem.microbatches):
+            preds = _memory_preds(problem, stage, mb)
+            if preds is None:
+                return None
+            later = SearchOp(OpKind.F, stage, mb)
+            pairs.extend((_search_op(problem, pred), later) for pred, _ in preds)
+    return pairs
+
+
+def earliest_starts(problem: Problem) -> dict[SearchOp, float] | None:
+    """Each op's head: no order that fits the cap starts it earlier. None when none fits."""
+    graph = _graph(problem)
+    if graph is None:
+        return None
+    heads = _heads(graph)
+    return {_search_op(problem, op): heads[op] for op in range(len(heads))}
+
+
+def _search_op(problem: Problem, op: int) -> SearchOp:
+    rest, mb = divmod(op, problem.microbatches)
+    kind, stage = divmod(rest, problem.num_stages)
+    return SearchOp(_KINDS[kind], stage, mb)
+
+
 def _busy(problem: Problem, rank: int) -> float:
     return sum(problem.duration(op) for op in problem.ops_of(rank))
 
@@ -102,16 +133,13 @@ def _data_preds(problem: Problem, kind: int, stage: int, mb: int) -> list[tuple[
 def _memory_preds(problem: Problem, stage: int, mb: int) -> list[tuple[int, float]] | None:
     """The frees F(stage, mb) must wait for; None when it can never fit the cap.
 
-    Before F(s, m) runs, stage s holds (m+1)·a + n_I·b + n_W·d with a, b, d its F, I, W
-    deltas, n_W ≤ n_I ≤ m; the other stages on the rank hold ≥ 0. So n_W ≥ ((m+1)a + mb −
-    cap) / −d and n_I ≥ ((m+1)a − cap) / −(b+d): the first n microbatches' W (or I) come
-    first, by FIFO. Only for a > 0 ≥ b, d with every microbatch's running total ≥ 0."""
-    a, b, d = problem.mem_f[stage], problem.mem_i[stage], problem.mem_w[stage]
-    if not _memory_model_applies(a, b, d):
-        return []
+    Each constraint (kind, freeing stage, held, free) says: just after F(stage, mb) the rank
+    holds at least `held` minus `free` for each op of that kind already run on the freeing
+    stage, and this must be ≤ cap; by FIFO, the op of microbatch n-1 comes first, where n is
+    the count needed. All counts are ≤ mb, so a larger n means that no order fits."""
     preds: list[tuple[int, float]] = []
-    for kind, excess, free in ((2, (mb + 1) * a + mb * b, -d), (1, (mb + 1) * a, -(b + d))):
-        over = excess - problem.cap
+    for kind, freeing, held, free in _memory_constraints(problem, stage, mb):
+        over = held - problem.cap
         if over <= _EPS:
             continue
         if free <= _EPS:
@@ -119,8 +147,40 @@ def _memory_preds(problem: Problem, stage: int, mb: int) -> list[tuple[int, floa
         needed = math.ceil(over / free - _EPS)
         if needed > mb:
             return None
-        preds.append((_op_id(problem, kind, stage, needed - 1), 0.0))
+        preds.append((_op_id(problem, kind, freeing, needed - 1), 0.0))
     return preds
+
+
+def _memory_constraints(
+    problem: Problem, stage: int, m: int
+) -> list[tuple[int, int, float, float]]:
+    """Lower bounds on the memory held just after F(stage, m), each linear in one count.
+
+    Stage s alone holds (m+1)·a + n_I·b + n_W·d (a, b, d: its F, I, W deltas; n_W ≤ n_I ≤ m
+    the I's and W's of its microbatches ≤ m run so far), and the rank's other stage ≥ 0.
+    On a V's upper stage h, the lower stage l of the same rank has also run F for
+    microbatches 0..m (they feed h), and its I's follow h's (n_I,l ≤ n_I,h): so together
+    (m+1)(a_l + a_h) + n_I,l·b_l + n_W,l·d_l + n_I,h·b_h + n_W,h·d_h, bounded through one
+    count at a time. Only where a > 0 ≥ b, d and each microbatch's running total is ≥ 0."""
+    deltas = {
+        s: (problem.mem_f[s], problem.mem_i[s], problem.mem_w[s]) for s in range(problem.num_stages)
+    }
+    a, b, d = deltas[stage]
+    if not _memory_model_applies(a, b, d):
+        return []
+    found = [(2, stage, (m + 1) * a + m * b, -d), (1, stage, (m + 1) * a, -(b + d))]
+    lower = problem.stages_of(problem.rank_of(stage))[0]
+    if lower == stage or not _memory_model_applies(*deltas[lower]):
+        return found
+    al, bl, dl = deltas[lower]
+    both = (m + 1) * (a + al)
+    found += [
+        (1, stage, both, -(bl + dl + b + d)),
+        (2, lower, both + m * (bl + b + d), -dl),
+        (1, lower, both + m * (b + d), -(bl + dl)),
+        (2, stage, both + m * (bl + dl + b), -d),
+    ]
+    return found
 
 
 def _memory_model_applies(a: float, b: float, d: float) -> bool:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
-from brute_force import CASES, Case, case_optimum
+from brute_force import CASES, Case, case_optimum, optimum
 from bundled import BUNDLED, bundled_order
 
 from pipecc.search.bounds import bound_parts, lower_bound
@@ -83,3 +84,36 @@ def _problem(
         cap=cap,
         objective=objective,
     )
+
+
+def _random_problem(seed: int) -> Problem:
+    """Per-stage durations drawn independently, a random latency, cap and objective."""
+    rng = random.Random(seed)
+    placement = Placement.LOOP if seed % 4 else Placement.VSHAPE
+    stages = 2 if placement is Placement.LOOP else 4
+    scale = 1.0 if placement is Placement.LOOP else 0.5
+
+    def draw() -> tuple[float, ...]:
+        return tuple(round(rng.uniform(0.5, 2.0), 2) for _ in range(stages))
+
+    caps = (1, 1.5, 2, 3) if placement is Placement.LOOP else (1, 1.5)
+    return Problem(
+        ranks=2,
+        microbatches=3 if placement is Placement.LOOP else 2,
+        placement=placement,
+        f=draw(),
+        i=draw(),
+        w=draw(),
+        comm=round(rng.uniform(0.0, 1.0), 2),
+        mem_f=(scale,) * stages,
+        mem_i=(0.0,) * stages,
+        mem_w=(-scale,) * stages,
+        cap=rng.choice(caps),
+        objective=rng.choice(list(Objective)),
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bound_is_at_most_the_optimum_with_random_stage_costs(seed: int) -> None:
+    problem = _random_problem(seed)
+    assert lower_bound(problem) <= optimum(problem).value + _TOL
