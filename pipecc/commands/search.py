@@ -74,11 +74,27 @@ def register(commands: SubParsers) -> None:
         default="",
         help="memory change of each op kind for one share (default F=1,B=-1,I=0,W=-1)",
     )
-    cmd.add_argument("--placement", choices=("loop", "vshape", "auto"), default="loop")
+    _add_choices(cmd)
+    cmd.add_argument(
+        "-o", "--output", metavar="OUT.json", help="write the program (and OUT.costs.toml)"
+    )
+    cmd.add_argument("--sched", metavar="OUT.sched", help="write the order as a .sched file")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object")
+    cmd.set_defaults(run=run)
+
+
+def _add_choices(cmd: argparse.ArgumentParser) -> None:
+    """The search's options: placement, objective, comm model, time limit, seed."""
+    cmd.add_argument(
+        "--placement",
+        choices=("loop", "vshape", "auto"),
+        default="loop",
+        help="loop (default), vshape, or auto: both, the faster wins",
+    )
     cmd.add_argument("--objective", choices=("makespan", "span"), default="makespan")
     cmd.add_argument(
         "--comm",
-        choices=("nccl", "nccl-single", "rendezvous", "eager"),
+        choices=[model.value for model in CommModel],
         default="nccl",
         help="the comm model the program is aligned for (default nccl)",
     )
@@ -90,12 +106,6 @@ def register(commands: SubParsers) -> None:
         "at most 25 s; docs/search.md)",
     )
     cmd.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    cmd.add_argument(
-        "-o", "--output", metavar="OUT.json", help="write the program (and OUT.costs.toml)"
-    )
-    cmd.add_argument("--sched", metavar="OUT.sched", help="write the order as a .sched file")
-    cmd.add_argument("--json", action="store_true", help="print one JSON object")
-    cmd.set_defaults(run=run)
 
 
 def _costs(args: argparse.Namespace) -> CostModel:

@@ -232,13 +232,9 @@ def search(
     function, they are only made when the climb ends above the bound."""
     began = time.perf_counter()
     target = bound(problem)
-    ops = 3 * problem.num_stages * problem.microbatches
-    if budget is None:
-        each = DECODE_SECONDS[0] + DECODE_SECONDS[1] * ops
-        budget = max(KEEP, int(POLICY_SHARE * time_limit / each))
-    if moves is None:
-        each = MOVE_SECONDS[0] + MOVE_SECONDS[1] * ops
-        moves = int((1 - POLICY_SHARE) * time_limit / each)
+    default_budget, default_moves = budgets(problem, time_limit)
+    budget = default_budget if budget is None else budget
+    moves = default_moves if moves is None else moves
     state = _Search(problem, CLIMB_CLOCK * time_limit, budget, target)
     rng = random.Random(seed)
     _climb_policies(state, rng)
@@ -267,6 +263,17 @@ def search(
         policy,
         time.perf_counter() - began,
         state.evaluations + tried,
+    )
+
+
+def budgets(problem: Problem, time_limit: float) -> tuple[int, int]:
+    """(decodes, polishing moves) that `time_limit` seconds allow at the reference costs."""
+    ops = 3 * problem.num_stages * problem.microbatches
+    decode_cost = DECODE_SECONDS[0] + DECODE_SECONDS[1] * ops
+    move_cost = MOVE_SECONDS[0] + MOVE_SECONDS[1] * ops
+    return (
+        max(KEEP, int(POLICY_SHARE * time_limit / decode_cost)),
+        int((1 - POLICY_SHARE) * time_limit / move_cost),
     )
 
 

@@ -158,18 +158,7 @@ def parse_mem(text: str) -> MemDeltas:
 def run_search(req: Request) -> Outcome:
     """Search every requested placement, keep the best, lower and check it."""
     began = time.perf_counter()
-    problems = [
-        Problem.from_costs(
-            req.costs,
-            ranks=req.ranks,
-            microbatches=req.microbatches,
-            placement=placement,
-            cap=req.cap,
-            mem=req.mem,
-            objective=Objective(req.objective),
-        )
-        for placement in placements(req.placement)
-    ]
+    problems = [_problem(req, placement) for placement in placements(req.placement)]
     limit = req.time_limit or default_time_limit(req.ranks, req.microbatches)
     limit /= len(problems)  # the time limit is the whole search's
     results, smallest, searched = [], [], []
@@ -198,6 +187,18 @@ def run_search(req: Request) -> Outcome:
         )
     best = min(results, key=lambda r: (r.score, r.problem.placement.value))
     return _finish(req, best, bundled, searched, seconds)
+
+
+def _problem(req: Request, placement: Placement) -> Problem:
+    return Problem.from_costs(
+        req.costs,
+        ranks=req.ranks,
+        microbatches=req.microbatches,
+        placement=placement,
+        cap=req.cap,
+        mem=req.mem,
+        objective=Objective(req.objective),
+    )
 
 
 def _bundled_candidates(problem: Problem) -> list[Order]:
