@@ -27,6 +27,7 @@ from pipecc.search.problem import Evaluation, Objective, OpKind, Order, Problem,
 
 EPS = 1e-9
 NO_LIMIT = 1 << 30
+F, I, W = OpKind.F, OpKind.I, OpKind.W  # noqa: E741
 
 
 class Reserve(enum.Enum):
@@ -71,13 +72,26 @@ class Decoded(NamedTuple):
 class _Rank:
     """A rank's state during decoding."""
 
-    __slots__ = ("stages", "nf", "ni", "nw", "mem", "free", "ops", "starts", "ends", "peak")
+    __slots__ = (
+        "stages",
+        "nf",
+        "ni",
+        "nw",
+        "pending",
+        "mem",
+        "free",
+        "ops",
+        "starts",
+        "ends",
+        "peak",
+    )
 
     def __init__(self, stages: tuple[int, ...]) -> None:
         self.stages = stages
         self.nf = [0] * len(stages)  # next microbatch of each of the rank's stages, per kind
         self.ni = [0] * len(stages)
         self.nw = [0] * len(stages)
+        self.pending = 0  # W's whose I has run
         self.mem = 0.0
         self.peak = 0.0
         self.free = 0.0
@@ -103,13 +117,18 @@ class _Decoder:
         self.iend = [-1.0] * (stages * m)
         self.ranks = [_Rank(problem.stages_of(r)) for r in range(problem.ranks)]
         self.events: list[tuple[float, int]] = [(0.0, r) for r in range(problem.ranks)]
-
-    def arrival(self, ends: list[float], stage: int, mb: int, consumer: int) -> float:
-        """When the result of op (stage, mb) is usable on rank `consumer` (-1: not yet)."""
-        end = ends[stage * self.m + mb]
-        if end < 0 or self.rank_of[stage] == consumer:
-            return end
-        return end + self.p.comm
+        self.cap = problem.cap + EPS
+        self.mem_f, self.mem_i = list(problem.mem_f), list(problem.mem_i)
+        cross = [  # the latency of the input of F(s) (from s-1) and of I(s) (from s+1)
+            problem.comm if a != b else 0.0
+            for a, b in zip(self.rank_of, self.rank_of[1:], strict=False)
+        ]
+        self.lat_f = [0.0, *cross]
+        self.lat_i = [*cross, 0.0]
+        self.reserve_one = [  # Reserve.ONE: room for one forward (and I) of the later stage
+            problem.mem_f[stages[-1]] + max(0.0, problem.mem_i[stages[-1]])
+            for stages in map(problem.stages_of, range(problem.ranks))
+        ]
 
     def run(self) -> Decoded | None:
         events = self.events
@@ -130,53 +149,54 @@ class _Decoder:
         if mb >= self.m:
             return False
         if stage > 0:
-            arrived = self.arrival(self.fend, stage - 1, mb, r)
-            if arrived < 0 or arrived > now + EPS:
+            end = self.fend[(stage - 1) * self.m + mb]
+            if end < 0 or end + self.lat_f[stage] > now + EPS:
                 return False
-        mode = self.policy[r].reserve
-        if c > 0 or mode is Reserve.NONE or len(rank.stages) == 1:
-            return rank.mem + self.p.mem_f[stage] <= self.p.cap + EPS
-        later = rank.stages[-1]
-        if mode is Reserve.ONE:
-            reserve = self.p.mem_f[later] + max(0.0, self.p.mem_i[later])
-        else:
-            reserve = self.p.mem_f[later] * (rank.nf[0] + 1 - rank.nf[-1])
-        return rank.mem + self.p.mem_f[stage] + max(0.0, reserve) <= self.p.cap + EPS
+        need = rank.mem + self.mem_f[stage]
+        if c == 0 and len(rank.stages) > 1:
+            mode = self.policy[r].reserve
+            if mode is Reserve.ONE:
+                need += self.reserve_one[r]
+            elif mode is Reserve.ALL:
+                need += max(0.0, self.mem_f[rank.stages[-1]] * (rank.nf[0] + 1 - rank.nf[-1]))
+        return need <= self.cap
 
     def ready_i(self, r: int, rank: _Rank, c: int, now: float) -> bool:
         stage, mb = rank.stages[c], rank.ni[c]
         if mb >= rank.nf[c]:
             return False
         if stage < self.last:
-            arrived = self.arrival(self.iend, stage + 1, mb, r)
-            if arrived < 0 or arrived > now + EPS:
+            end = self.iend[(stage + 1) * self.m + mb]
+            if end < 0 or end + self.lat_i[stage] > now + EPS:
                 return False
-        return rank.mem + self.p.mem_i[stage] <= self.p.cap + EPS
+        return rank.mem + self.mem_i[stage] <= self.cap
 
     def choose(self, r: int, rank: _Rank, now: float) -> tuple[OpKind, int] | None:
         """The policy's pick among the ops that may start now (None: idle)."""
         pol = self.policy[r]
-        pending = sum(rank.ni) - sum(rank.nw)
-        w_chunk = next((c for c in range(len(rank.stages)) if rank.nw[c] < rank.ni[c]), None)
-        if pending > pol.wlimit and w_chunk is not None:
-            return OpKind.W, w_chunk
+        nw, ni = rank.nw, rank.ni
+        two = len(ni) > 1
+        w_chunk = 0 if nw[0] < ni[0] else 1 if two and nw[1] < ni[1] else -1
+        if w_chunk >= 0 and rank.pending > pol.wlimit:
+            return W, w_chunk
         new_f = self.ready_f(r, rank, 0, now)
-        if new_f and rank.nf[0] - rank.ni[0] < pol.warmup:
-            return OpKind.F, 0
-        late = len(rank.stages) - 1
-        more_f = late > 0 and self.ready_f(r, rank, late, now)
+        if new_f and rank.nf[0] - ni[0] < pol.warmup:
+            return F, 0
+        more_f = two and self.ready_f(r, rank, 1, now)
         if more_f and pol.late_first:
-            return OpKind.F, late
-        order = (late, 0) if pol.late_first else (0, late)
-        i_chunk = next((c for c in order if self.ready_i(r, rank, c, now)), None)
-        if i_chunk is not None:
-            return OpKind.I, i_chunk
+            return F, 1
+        if two and pol.late_first and self.ready_i(r, rank, 1, now):
+            return I, 1
+        if self.ready_i(r, rank, 0, now):
+            return I, 0
+        if two and not pol.late_first and self.ready_i(r, rank, 1, now):
+            return I, 1
         if more_f:
-            return OpKind.F, late
+            return F, 1
         if new_f and pol.gap_f:
-            return OpKind.F, 0
-        if w_chunk is not None and (pol.gap_w or self.w_due(rank)):
-            return OpKind.W, w_chunk
+            return F, 0
+        if w_chunk >= 0 and (pol.gap_w or self.w_due(rank)):
+            return W, w_chunk
         return None
 
     def w_due(self, rank: _Rank) -> bool:
@@ -199,12 +219,14 @@ class _Decoder:
             consumer = self.rank_of[stage + 1] if stage < self.last else r
         elif kind is OpKind.I:
             mb, rank.ni[c] = rank.ni[c], rank.ni[c] + 1
+            rank.pending += 1
             end = now + p.i[stage]
             rank.mem += p.mem_i[stage]
             self.iend[stage * m + mb] = end
             consumer = self.rank_of[stage - 1] if stage > 0 else r
         else:
             mb, rank.nw[c] = rank.nw[c], rank.nw[c] + 1
+            rank.pending -= 1
             end = now + p.w[stage]
             rank.mem += p.mem_w[stage]
             consumer = r

@@ -45,7 +45,7 @@ DECODE_SECONDS = (1.5e-4, 4e-6)  # per decode, per op (a climb cuts most off ear
 MOVE_SECONDS = (2e-5, 0.6e-6)  # per move, per op
 CLIMB_CLOCK = 0.75
 KEEP = 4  # restart points kept from the structured grid
-GRID_FIRST = 6  # the grid's plain policies, always decoded
+GRID_FIRST = 14  # the grid's plain policies, always decoded
 GRID_SHARE = 0.1  # of the decode budget, at most, for the rest of the grid (shuffled)
 PATIENCE = 150  # steps without improvement before a restart
 
@@ -116,8 +116,12 @@ def structured_policies(problem: Problem, rng: random.Random | None = None) -> l
     ]
     if vee:
         shapes.append([min(d, p - r) for r, d in enumerate(depths)])
+        # from the cap's depth on rank 0 down to one on the last rank
+        shapes.append([round(d - (d - 1) * r / max(1, p - 1)) for r, d in enumerate(depths)])
     plain = Reserve.ONE if vee else Reserve.ALL
     first = [_policy(ws, [NO_LIMIT] * p, True, True, plain) for ws in shapes]
+    if vee:  # without reserve: tight caps need the room (the decoder drops a stall)
+        first += [_policy(ws, [NO_LIMIT] * p, True, True, Reserve.NONE) for ws in shapes]
     zb_h1 = list(range(p))  # rank r keeps r W's for the drain's bubbles, as ZB-H1
     first.append(_policy(shapes[0], zb_h1, False, True, plain))
     rest = [
