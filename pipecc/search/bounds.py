@@ -11,7 +11,8 @@ longest tail) is a lower bound on any order of that rank. The graph holds:
 - FIFO edges per stage and kind, K(s, m-1) → K(s, m): microbatches have equal costs, so any
   order is, up to renaming microbatches, one in which each kind runs in microbatch order;
 - memory edges: under the cap, F(s, m) can only run once enough earlier microbatches have
-  run their W (or I) on stage s to free the memory it needs.
+  run their W (or I) on stage s to free the memory it needs (on a V's upper stage, counting
+  what the rank's lower stage holds too).
 
 Beside it, a memory-time bound (Little's law): each microbatch holds its forward's memory
 at least from its F to its I, the round trip through the stages above, and all of it fits
@@ -67,7 +68,8 @@ def bound_parts(problem: Problem) -> LowerBound:
         machine = _machine_makespan(problem, graph)
     else:
         machine = max(_machine_span(problem, graph, rank) for rank in range(problem.ranks))
-    memory = max(_memory_time(problem, graph, rank) for rank in range(problem.ranks))
+    heads = _heads(graph)
+    memory = max(_memory_time(problem, heads, rank) for rank in range(problem.ranks))
     return LowerBound(max(busy, machine, memory), busy, machine, memory)
 
 
@@ -319,7 +321,7 @@ def _machine_span(problem: Problem, graph: _Graph, rank: int) -> float:
     return _jackson(jobs)
 
 
-def _memory_time(problem: Problem, graph: _Graph, rank: int) -> float:
+def _memory_time(problem: Problem, heads: list[float], rank: int) -> float:
     """Little's law on `rank`: Σ over its microbatches of memory × holding time ≤ cap × the
     window from its first op's start to its last W's start.
 
@@ -328,7 +330,6 @@ def _memory_time(problem: Problem, graph: _Graph, rank: int) -> float:
     start (at least I's duration)."""
     if problem.cap <= _EPS:
         return 0.0
-    heads = _heads(graph)
     area = 0.0
     for stage in problem.stages_of(rank):
         a, b, d = problem.mem_f[stage], problem.mem_i[stage], problem.mem_w[stage]
