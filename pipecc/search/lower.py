@@ -119,6 +119,14 @@ def costs_toml(problem: Problem, unit: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def aligned_makespan(problem: Problem, order: Order, *, model: CommModel) -> float:
+    """The step of `order` aligned for `model`, under `model` (no checks: for comparing
+    bundled schedules, which are verified where they are shipped)."""
+    costs = stage_costs(problem)
+    program = align_comms(to_program(problem, order), costs=costs, model=model)
+    return simulate(program, costs, model=model).makespan
+
+
 def lower(
     problem: Problem, order: Order, *, model: CommModel, name: str = "search", unit: str = ""
 ) -> Lowered:

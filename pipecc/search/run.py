@@ -24,7 +24,7 @@ from pipecc.search.engine import (
     search,
     smallest_cap,
 )
-from pipecc.search.lower import Lowered, costs_toml, lower
+from pipecc.search.lower import Lowered, aligned_makespan, costs_toml, lower
 from pipecc.search.problem import (
     Evaluation,
     MemDeltas,
@@ -60,7 +60,6 @@ class Baseline(NamedTuple):
     makespan: float
     order: Order
     problem: Problem
-    lowered: Lowered
 
 
 class NoScheduleError(PipeccError):
@@ -221,7 +220,8 @@ def _finish(
         chosen = f"search (the bundled {same[0]}'s order was the best found)"
     faster = baseline is not None and baseline.makespan < lowered.makespan - 1e-9
     if faster and baseline is not None and best.problem.objective is Objective.MAKESPAN:
-        problem, order, lowered = baseline.problem, baseline.order, baseline.lowered
+        problem, order = baseline.problem, baseline.order
+        lowered = lower(problem, order, model=req.comm, unit=unit)
         chosen = f"the bundled {baseline.name} (faster under {req.comm.value})"
     return Outcome(
         result=best,
@@ -240,10 +240,18 @@ def _finish(
 def _baseline(
     req: Request, bundled: dict[Placement, tuple[Bundled, ...]], problems: list[Problem]
 ) -> Baseline | None:
+    """The bundled schedules in latency-model order; each is aligned and simulated under
+    --comm until the next one's latency-model step (a floor for every comm model) cannot
+    beat the best so far."""
+    entries = sorted(
+        ((entry, problem) for problem in problems for entry in bundled.get(problem.placement, ())),
+        key=lambda pair: (pair[0].score, pair[0].name),
+    )
     best = None
-    for problem in problems:
-        for entry in bundled.get(problem.placement, []):
-            lowered = lower(problem, entry.order, model=req.comm, unit=req.costs.unit)
-            if best is None or lowered.makespan < best.makespan:
-                best = Baseline(entry.name, lowered.makespan, entry.order, problem, lowered)
+    for entry, problem in entries:
+        if best is not None and entry.score >= best.makespan - 1e-9:
+            break
+        makespan = aligned_makespan(problem, entry.order, model=req.comm)
+        if best is None or makespan < best.makespan:
+            best = Baseline(entry.name, makespan, entry.order, problem)
     return best
