@@ -88,7 +88,12 @@ class Outcome(NamedTuple):
 
     @property
     def gap(self) -> float:
-        return self.makespan / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
+        """makespan / lower_bound − 1; 0 where the two agree to rounding (the bound's sums
+        and the replay's add the same durations in other orders)."""
+        if self.lower_bound <= 0:
+            return 0.0
+        gap = self.makespan / self.lower_bound - 1
+        return 0.0 if abs(gap) < 1e-12 else gap
 
     @property
     def evaluation(self) -> Evaluation:
