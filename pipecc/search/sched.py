@@ -5,8 +5,10 @@ kind and stage run in microbatch order (the search always runs them so) the bare
 the next microbatch of its counter, and a `W` the oldest pending `I` of its chunk, so no
 microbatch needs naming; an op out of that order names its microbatch (`I0[3]`, `W0[3]`).
 Periodic stretches become `repeat N { ... }` (the longest saving tandem repeat first); the
-ranks' listings are the branches of one `if rank == r` chain, since a searched order has no
-closed form in `rank`. A `require` line pins the file to the size it was searched for.
+ranks' listings are the branches of `if rank == r` chains, since a searched order has no
+closed form in `rank`, in three phases: each rank's warm-up (before its first I), steady
+state (up to its last F) and cool-down (a phase whose ops are the same on every rank needs
+no chain). A `require` line pins the file to the size it was searched for.
 """
 
 from __future__ import annotations
@@ -86,6 +88,36 @@ def _wrap(items: list[str], indent: str) -> list[str]:
     return lines
 
 
+PHASES = ("warmup", "steady", "cooldown")
+
+
+def split_phases(tokens: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """A rank's tokens before its first I (warm-up), up to its last F (steady state), and
+    after it (cool-down)."""
+    first_i = next((k for k, t in enumerate(tokens) if t.startswith("I")), len(tokens))
+    last_f = max((k + 1 for k, t in enumerate(tokens) if t.startswith("F")), default=0)
+    middle = max(first_i, last_f)
+    return tokens[:first_i], tokens[first_i:middle], tokens[middle:]
+
+
+def _phase(name: str, per_rank: list[list[str]]) -> list[str]:
+    """One phase: the same ops on every rank, or an `if rank == r` chain over the ranks
+    that have ops in it."""
+    if all(not tokens for tokens in per_rank):
+        return []
+    lines = [f"phase {name} {{"]
+    if all(tokens == per_rank[0] for tokens in per_rank):
+        lines += _wrap(compress(per_rank[0]), "  ")
+        return [*lines, "}"]
+    keyword = "if"
+    for rank, tokens in enumerate(per_rank):
+        if tokens:
+            lines.append(f"  {keyword} rank == {rank} {{")
+            lines += _wrap(compress(tokens), "    ")
+            keyword = "} elif"
+    return [*lines, "  }", "}"]
+
+
 def write_sched(problem: Problem, order: Order, name: str, header: str = "") -> str:
     """The .sched text of `order` (module docstring)."""
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
@@ -93,12 +125,10 @@ def write_sched(problem: Problem, order: Order, name: str, header: str = "") -> 
         f"schedule {name}",
         f"placement {problem.placement.value}",
         f"require P == {problem.ranks}, M == {problem.microbatches}",
-        "",
-        "phase searched {",
     ]
-    for rank, ops in enumerate(order):
-        keyword = "if" if rank == 0 else "} elif"
-        lines.append(f"  {keyword} rank == {rank} {{")
-        lines += _wrap(compress(op_tokens(problem, ops)), "    ")
-    lines += ["  }", "}"]
+    split = [split_phases(op_tokens(problem, ops)) for ops in order]
+    for k, phase in enumerate(PHASES):
+        body = _phase(phase, [parts[k] for parts in split])
+        if body:
+            lines += ["", *body]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ import pytest
 from profiles import random_costs
 
 from pipecc.api import compile_source
+from pipecc.search.baseline import bundled_orders
 from pipecc.search.engine import search, smallest_cap
 from pipecc.search.lower import compute_order
 from pipecc.search.problem import MemDeltas, Placement, Problem, evaluate, fits
@@ -106,3 +107,15 @@ def test_below_the_smallest_cap_there_is_no_order() -> None:
                                  placement=Placement.VSHAPE, cap=1)  # fmt: skip
     assert smallest_cap(problem) == pytest.approx(1.0)  # two half-share forwards
     assert search(replace(problem, cap=0.9), time_limit=1) is None
+
+
+def test_a_periodic_order_is_written_with_phases_and_repeats() -> None:
+    problem = Problem.from_costs(parse_cost_flag("F=1,I=1,W=1"), ranks=4, microbatches=12,
+                                 placement=Placement.LOOP, cap=4)  # fmt: skip
+    zb_h1 = next(b for b in bundled_orders(problem) if b.name == "zb_h1")
+    text = write_sched(problem, zb_h1.order, "again")
+    assert "phase warmup" in text and "phase steady" in text and "phase cooldown" in text
+    assert "repeat 8 { I W F }" in text  # rank 0's steady state: (I W F) × (M - P)
+    assert len(text.splitlines()) < 40
+    again = compile_source(text, "again.sched", ranks=4, microbatches=12)
+    assert compute_order(again) == zb_h1.order
