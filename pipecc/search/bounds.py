@@ -45,8 +45,8 @@ class _Graph(NamedTuple):
     """The precedence graph in a topological order; an op is `(kind * S + stage) * M + mb`."""
 
     order: tuple[int, ...]
-    preds: tuple[tuple[tuple[int, float], ...], ...]  # (pred, latency after its end)
-    succs: tuple[tuple[tuple[int, float], ...], ...]
+    preds: tuple[tuple[tuple[int, float], ...], ...]  # (pred, its duration + the latency)
+    succs: tuple[tuple[tuple[int, float], ...], ...]  # (succ, the latency + its duration)
     duration: tuple[float, ...]
     rank: tuple[int, ...]
 
@@ -194,10 +194,6 @@ def _graph(problem: Problem) -> _Graph | None:
     preds = _all_preds(problem)
     if preds is None:
         return None
-    succs: list[list[tuple[int, float]]] = [[] for _ in preds]
-    for op, incoming in enumerate(preds):
-        for pred, lat in incoming:
-            succs[pred].append((op, lat))
     duration = [0.0] * len(preds)
     rank = [0] * len(preds)
     for kind, table in enumerate((problem.f, problem.i, problem.w)):
@@ -205,9 +201,14 @@ def _graph(problem: Problem) -> _Graph | None:
             for mb in range(problem.microbatches):
                 duration[_op_id(problem, kind, stage, mb)] = table[stage]
                 rank[_op_id(problem, kind, stage, mb)] = problem.rank_of(stage)
+    weighted = [[(pred, duration[pred] + lat) for pred, lat in incoming] for incoming in preds]
+    succs: list[list[tuple[int, float]]] = [[] for _ in preds]
+    for op, incoming in enumerate(preds):
+        for pred, lat in incoming:
+            succs[pred].append((op, lat + duration[op]))
     return _Graph(
         _topological(problem),
-        tuple(map(tuple, preds)),
+        tuple(map(tuple, weighted)),
         tuple(map(tuple, succs)),
         tuple(duration),
         tuple(rank),
@@ -249,9 +250,13 @@ def _heads(graph: _Graph, source: int | None = None) -> list[float]:
     heads = [0.0 if source is None else -math.inf] * len(graph.duration)
     if source is not None:
         heads[source] = 0.0
+    preds = graph.preds
     for op in graph.order:
-        for pred, lat in graph.preds[op]:
-            heads[op] = max(heads[op], heads[pred] + graph.duration[pred] + lat)
+        best = heads[op]
+        for pred, weight in preds[op]:
+            if heads[pred] + weight > best:
+                best = heads[pred] + weight
+        heads[op] = best
     return heads
 
 
@@ -263,9 +268,13 @@ def _tails(graph: _Graph, rank: int | None = None) -> list[float]:
         tails = [0.0] * count
     else:
         tails = [0.0 if graph.rank[op] == rank else -math.inf for op in range(count)]
+    succs = graph.succs
     for op in reversed(graph.order):
-        for succ, lat in graph.succs[op]:
-            tails[op] = max(tails[op], lat + graph.duration[succ] + tails[succ])
+        best = tails[op]
+        for succ, weight in succs[op]:
+            if tails[succ] + weight > best:
+                best = tails[succ] + weight
+        tails[op] = best
     return tails
 
 
