@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -140,7 +141,9 @@ def _request(args: argparse.Namespace) -> Request:
 
 def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
-    outcome = run_search(_request(args))
+    request = _request(args)
+    _note_host_costs(request.costs)
+    outcome = run_search(request)
     _write(args, outcome)
     total = time.perf_counter() - began
     if args.json:
@@ -150,6 +153,20 @@ def run(args: argparse.Namespace) -> int:
         timeline = simulate(outcome.lowered.program, outcome.lowered.costs, model=outcome.comm)
         print(format_timeline(timeline, width=120), end="")
     return 0
+
+
+def _note_host_costs(costs: CostModel) -> None:
+    """Say (on stderr) which given costs the search's latency model leaves out."""
+    host = costs.host
+    given = [f"{key}={value:g}" for key in ("post", "wait", "sync")
+             if (value := getattr(host, key))]  # fmt: skip
+    if given:
+        print(
+            f"note: the search's latency model has no host time: {', '.join(given)} are not"
+            " in its figures nor in OUT.costs.toml (pipecc simulate with the given costs"
+            " adds them)",
+            file=sys.stderr,
+        )
 
 
 def _write(args: argparse.Namespace, outcome: Outcome) -> None:

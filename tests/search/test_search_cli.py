@@ -126,3 +126,15 @@ def test_the_pytest_plugin_verifies_a_written_sched(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout
     assert "1 passed, 1 skipped" in result.stdout  # P=2: the file requires P == 3
+
+
+def test_host_costs_of_a_profile_are_named_as_left_out(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    costs = tmp_path / "profile.toml"
+    costs.write_text('[cost]\nunit = "ms"\nF = 1\nI = 1\nW = 0.5\ncomm = 0.2\npost = 0.1\n')
+    code, out, err = _search(capsys, "-P", "2", "-M", "4", "--cost-file", str(costs),
+                             "--memory", "2", "--json")  # fmt: skip
+    assert code == 0
+    assert set(json.loads(out)) == KEYS  # stdout stays one JSON object
+    assert "no host time: post=0.1 are not in its figures" in err
