@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -176,7 +177,7 @@ def _write(args: argparse.Namespace, outcome: Outcome) -> None:
         costs_path = Path(args.output).with_suffix(".costs.toml")
         write_output(outcome.costs_text, str(costs_path))
     if args.sched:
-        name = Path(args.sched).stem.replace(" ", "_") or "search"
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(args.sched).stem) or "search"
         text = write_sched(outcome.problem, outcome.order, name, outcome.header())
         write_output(text, args.sched)
 
