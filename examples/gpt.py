@@ -173,7 +173,8 @@ def make_batch(
     for _ in range(config.seq):
         sequence = torch.cat([sequence, (3 * sequence[:, -1:] + 1) % config.vocab], dim=1)
     noise = torch.rand(num_rows, config.seq + 1, generator=g) < 0.1
-    sequence = torch.where(noise, torch.randint(config.vocab, sequence.shape, generator=g), sequence)
+    random = torch.randint(config.vocab, sequence.shape, generator=g)
+    sequence = torch.where(noise, random, sequence)
     return sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous()
 
 
