@@ -13,7 +13,7 @@ without torch. docs/runtime.md describes the API.
 from __future__ import annotations
 
 from .config import RuntimeConfig, mse_loss
-from .interpreter import PipelineRuntime
+from .pipeline import PipelineRuntime
 from .profile import Recorder
 from .specs import TensorSpec, infer_boundaries
 

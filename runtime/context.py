@@ -19,7 +19,6 @@ from pipecc.ir.ops import Msg, Recv, Send
 from pipecc.ir.printer import message
 
 from .comm import Posted
-from .profile import Recorder
 from .split_backward import WeightGrad
 
 MessageKey = tuple[Msg, int, int, int]  # (what, pipe, receiving stage, mb)
@@ -60,7 +59,6 @@ class StepContext:
     queue: list[tuple[int, Send | Recv, Tensors]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Tensors] = field(default_factory=dict)
-    recorder: Recorder | None = None
 
     def leftovers(self) -> list[str]:
         """What a complete program would have consumed by the end of the step."""

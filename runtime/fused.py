@@ -15,6 +15,10 @@ not use it: the signature has no way to ask for input gradients only, so the run
 `F&I` as it runs `F&B` without a hook. `criterion0` returns the microbatch's loss already
 scaled by 1/M, so that `loss1.backward()` inside the hook accumulates the mean over
 microbatches, as the runtime's own backward does; `loss1` is scaled the same way.
+
+`FusedOps` runs a fused instruction: through the hook when there is one (F&B only), else on
+CUDA the forward on a side stream concurrently with the backward on the current one, else
+one after the other.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from typing import Any
 
 import torch
 
-from .context import unwrap
+from pipecc.diagnostics import ProgramError
+from pipecc.ir.ops import Compute, Fused, Kind
+
+from .context import Saved, StepContext, Tensors, unwrap
+from .specs import as_tuple
+from .stage import StageOps
 
 HOOK = "overlapped_forward_backward"
 Hook = Callable[..., tuple[Any, Any]]
@@ -57,3 +66,87 @@ class ScaledCriterion:
         loss = self.loss_fn(unwrap(args[:split]), unwrap(args[split:]))
         self.raw = loss.detach()
         return loss * self.scale
+
+
+class FusedOps:
+    """Fused F&B and F&I over this rank's chunks."""
+
+    def __init__(self, ops: StageOps, device: torch.device) -> None:
+        self.ops = ops
+        chunks = ops.chunks
+        self.hooks = {
+            (f, b): hook
+            for f, fc in chunks.items()
+            for b, bc in chunks.items()
+            if (hook := find_hook(fc.module, bc.module)) is not None
+        }
+        cuda = device.type == "cuda"
+        self.device = device
+        self.side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
+
+    def run(self, ctx: StepContext, instr: Fused) -> None:
+        forward, backward = instr.forward, instr.backward
+        hook = self.hooks.get((forward.chunk, backward.chunk))
+        if hook is not None and backward.kind is Kind.B:
+            self._overlapped(ctx, hook, forward, backward)
+        elif self.side is not None:
+            self._on_two_streams(ctx, forward, backward)
+        else:
+            self.ops.forward(ctx, forward)
+            self.ops.run(ctx, backward)
+
+    def _on_two_streams(self, ctx: StepContext, forward: Compute, backward: Compute) -> None:
+        """The forward on a side stream, concurrently with the backward on the current one."""
+        assert self.side is not None
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            self.ops.forward(ctx, forward)
+        self.ops.run(ctx, backward)
+        main.wait_stream(self.side)
+
+    def _overlapped(
+        self, ctx: StepContext, hook: Hook, forward: Compute, backward: Compute
+    ) -> None:
+        """F&B through the module class's `overlapped_forward_backward` (DualPipe's hook)."""
+        ops = self.ops
+        fchunk, bchunk = ops.chunks[forward.chunk], ops.chunks[backward.chunk]
+        inputs = ops.stage_inputs(ctx, forward)
+        criterion, labels = None, []
+        if fchunk.last:
+            labels = list(ops.target(ctx, forward.mb))
+            criterion = ScaledCriterion(ops.loss_fn, ctx.scale, len(labels))
+        saved = ctx.saved.pop((backward.chunk, backward.mb))
+        loss1, outputs1, grads1 = None, [], []
+        if bchunk.last:
+            loss1 = saved.outputs[0]
+        else:
+            outputs1, grads1 = (list(x) for x in ops.output_grads(ctx, backward, saved))
+        outputs0, loss0 = hook(
+            fchunk.module, list(inputs), criterion, labels, bchunk.module, loss1, outputs1, grads1
+        )
+        self._after(ctx, forward, inputs, outputs0, loss0, criterion)
+        grads = tuple(x.grad if x.requires_grad else None for x in saved.inputs)
+        ops.hand_back(ctx, backward, saved.inputs, grads)
+
+    def _after(
+        self,
+        ctx: StepContext,
+        op: Compute,
+        inputs: Tensors,
+        outputs0: Any,
+        loss0: Any,
+        criterion: ScaledCriterion | None,
+    ) -> None:
+        outputs = as_tuple(outputs0, op.stage)
+        if criterion is not None:
+            if not isinstance(loss0, torch.Tensor) or criterion.raw is None:
+                raise ProgramError(
+                    "overlapped_forward_backward must return (outputs0, loss0) "
+                    "with loss0 = criterion0(*outputs0, *labels0)"
+                )
+            ctx.losses[op.mb] = criterion.raw
+            outputs = (loss0,)
+        else:
+            self.ops.hand_on(ctx, op, outputs)
+        ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs)

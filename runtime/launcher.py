@@ -29,7 +29,7 @@ from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
 from .config import RuntimeConfig, mse_loss
-from .interpreter import PipelineRuntime
+from .pipeline import PipelineRuntime
 from .profile import Recorder, render_cost_file
 from .reference import ParamKey, compare, reference_step
 from .spawn import spawn

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import SetupError
+from pipecc.diagnostics import InputError, SetupError
 from pipecc.ir.ops import Msg, Recv
 from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Backend, Program
 
+from .context import Tensors, split_microbatches
 from .specs import Specs, describe_specs, meta_forward
 
 
@@ -191,3 +192,26 @@ def agree(
     for text, length in zip(texts, sizes, strict=True):
         lines.extend(bytes(text[: int(length.item())].tolist()).decode().splitlines())
     raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
+
+
+def split_batch(
+    value: object,
+    what: str,
+    program: Program,
+    device: torch.device,
+    found: list[str],
+    *,
+    required: bool,
+) -> list[Tensors] | None:
+    """The microbatches of `value` (`what`: "inputs" or "targets") for a rank that uses
+    them; a problem is appended to `found` (the first step gathers them from every rank)."""
+    if value is None:
+        if required:
+            kind = "first" if what == "inputs" else "last"
+            found.append(f"this rank holds a {kind} stage and needs {what}, got None")
+        return None
+    try:
+        return split_microbatches(value, program.num_microbatches, what, device)
+    except InputError as err:
+        found.append(err.message)
+        return None

@@ -103,7 +103,7 @@ def test_the_runtime_refuses_a_gloo_only_program_on_nccl(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch.distributed as dist
-    from pipecc.runtime import PipelineRuntime, interpreter
+    from pipecc.runtime import PipelineRuntime, pipeline
 
     from pipecc.diagnostics import SetupError
 
@@ -114,7 +114,7 @@ def test_the_runtime_refuses_a_gloo_only_program_on_nccl(
             strip_comms(compile_schedule("1f1b", ranks=2, microbatches=2)), placement=EARLY_RECV
         )
         program = replace(program, num_ranks=1, ranks=program.ranks[1:])  # receives, one rank
-        monkeypatch.setattr(interpreter, "uses_nccl", lambda group, device: True)
+        monkeypatch.setattr(pipeline, "uses_nccl", lambda group, device: True)
         runtime = PipelineRuntime(
             program,
             [nn.Linear(3, 3)],
