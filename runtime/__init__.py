@@ -15,13 +15,16 @@ from __future__ import annotations
 from .config import RuntimeConfig, mse_loss
 from .pipeline import PipelineRuntime
 from .profile import Recorder
-from .specs import TensorSpec, infer_boundaries
+from .shared import shared_parameters
+from .specs import Boundary, TensorSpec, infer_boundaries
 
 __all__ = [
+    "Boundary",
     "PipelineRuntime",
     "Recorder",
     "RuntimeConfig",
     "TensorSpec",
     "infer_boundaries",
     "mse_loss",
+    "shared_parameters",
 ]

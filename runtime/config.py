@@ -9,29 +9,46 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipecc.diagnostics import InputError
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def mse_loss(output: Any, target: Any) -> torch.Tensor:
-    """The default loss: mean squared error."""
+    """The default loss: mean squared error (of floating targets)."""
+    if isinstance(target, torch.Tensor) and not target.dtype.is_floating_point:
+        raise InputError(
+            f"the targets are {str(target.dtype).removeprefix('torch.')}, but no loss_fn was "
+            "given and the default, mean squared error, needs floating targets: pass "
+            "loss_fn (in a model file: define loss_fn(output, target))"
+        )
     return torch.nn.functional.mse_loss(output, target)
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """How the runtime fits into the job.
+    """How the runtime fits into the job (docs/runtime.md has the table).
 
     `group`: the pipeline's process group (default: the whole world). `rank_map[r]`: the
-    global rank of pipeline rank r (default: the group's ranks in order). `sync_duplicated`:
-    sum the gradients of a stage held by two ranks at the end of `step` (DualPipe); turn it
-    off to do it in the optimizer. `timeout`: seconds a `wait` may block (gloo; NCCL relies
-    on the process group's own timeout). `check_shapes`: check each stage's output shapes on
-    the meta device on the first step.
+    global rank of pipeline rank r (default: the group's ranks in order). `shared`: groups of
+    (stage, parameter name) that are one parameter (tied weights; `shared_parameters(stages)`
+    finds them). `sync_duplicated`: sum the gradients of every parameter held by several
+    ranks (duplicated stages, shared parameters) at the end of `step`. `timeout`: seconds a
+    `wait` may block (gloo; NCCL relies on the process group's own timeout). `check_shapes`:
+    check each stage's output shapes when a step brings new shapes. `seed`, `derive_rng`:
+    each forward of (stage, microbatch) runs under an RNG state derived from (seed, step,
+    stage, microbatch). `autocast`: run forwards under `torch.autocast` with this dtype.
+    `fp32_grads`: accumulate the gradients of low-precision parameters in fp32.
     """
 
     group: dist.ProcessGroup | None = None
     rank_map: Sequence[int] | None = None
+    shared: Sequence[Sequence[tuple[int, str]]] = ()
     sync_duplicated: bool = True
     timeout: float = 300.0
     device: torch.device | None = None
     check_shapes: bool = True
+    seed: int = 0
+    derive_rng: bool = True
+    autocast: torch.dtype | None = None
+    fp32_grads: bool = False

@@ -7,13 +7,11 @@ program (`leftovers`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from pipecc.diagnostics import InputError
 from pipecc.ir.keys import Message
 from pipecc.ir.ops import Msg, Recv, Send
 from pipecc.ir.printer import message
@@ -48,17 +46,18 @@ class Pending(NamedTuple):
 class StepContext:
     """The state of one step on one rank."""
 
-    inputs: list[Tensors] | None
-    targets: list[Tensors] | None
+    inputs: list[object] | None  # this rank's microbatches of the step's inputs
+    targets: list[object] | None
     scale: float  # 1/M: each microbatch's share of the step's mean loss
     training: bool  # False: forward only, nothing kept for a backward
+    step: int = 0  # the runtime's step counter (the RNG derivation uses it)
     mail: dict[MessageKey, Tensors] = field(default_factory=dict)
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)
     pending: dict[int, Pending] = field(default_factory=dict)
     queue: list[tuple[int, Send | Recv, Tensors]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, Tensors] = field(default_factory=dict)
+    outputs: dict[int, object] = field(default_factory=dict)
 
     def leftovers(self) -> list[str]:
         """What a complete program would have consumed by the end of the step."""
@@ -73,30 +72,3 @@ class StepContext:
             names = sorted(message(Message(*key)) for key in self.mail)
             found.append("tensors produced but never consumed: " + "; ".join(names))
         return found
-
-
-def split_microbatches(
-    value: object, microbatches: int, what: str, device: torch.device
-) -> list[Tensors]:
-    """Split a tensor (or a tuple of tensors) into M equal microbatches along dim 0."""
-    tensors = (value,) if isinstance(value, torch.Tensor) else value
-    if not isinstance(tensors, (tuple, list)) or not all(
-        isinstance(t, torch.Tensor) for t in tensors
-    ):
-        raise InputError(f"{what}: expected a tensor or a tuple of tensors, got {value!r}")
-    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
-    if len(rows) != 1:
-        raise InputError(f"{what}: the tensors have different numbers of rows {sorted(rows)}")
-    (count,) = rows
-    if count == 0 or count % microbatches:
-        raise InputError(
-            f"{what}: {count} rows cannot be split into {microbatches} equal microbatches"
-        )
-    size = count // microbatches
-    parts = [t.to(device, non_blocking=True).split(size) for t in tensors]
-    return [tuple(part[mb] for part in parts) for mb in range(microbatches)]
-
-
-def unwrap(tensors: Sequence[torch.Tensor]) -> object:
-    """A 1-tuple as its tensor, longer tuples as they are (what a loss function receives)."""
-    return tensors[0] if len(tensors) == 1 else tuple(tensors)

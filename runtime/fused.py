@@ -31,9 +31,9 @@ import torch
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import Compute, Fused, Kind
 
-from .context import Saved, StepContext, Tensors, unwrap
-from .specs import as_tuple
+from .context import Saved, StepContext, Tensors
 from .stage import StageOps
+from .trees import unwrap
 
 HOOK = "overlapped_forward_backward"
 Hook = Callable[..., tuple[Any, Any]]
@@ -111,10 +111,10 @@ class FusedOps:
         """F&B through the module class's `overlapped_forward_backward` (DualPipe's hook)."""
         ops = self.ops
         fchunk, bchunk = ops.chunks[forward.chunk], ops.chunks[backward.chunk]
-        inputs = ops.stage_inputs(ctx, forward)
+        value, inputs = ops.stage_inputs(ctx, forward)
         criterion, labels = None, []
         if fchunk.last:
-            labels = list(ops.target(ctx, forward.mb))
+            labels = _as_list(ops.target(ctx, forward.mb))
             criterion = ScaledCriterion(ops.loss_fn, ctx.scale, len(labels))
         saved = ctx.saved.pop((backward.chunk, backward.mb))
         loss1, outputs1, grads1 = None, [], []
@@ -122,12 +122,16 @@ class FusedOps:
             loss1 = saved.outputs[0]
         else:
             outputs1, grads1 = (list(x) for x in ops.output_grads(ctx, backward, saved))
-        outputs0, loss0 = hook(
-            fchunk.module, list(inputs), criterion, labels, bchunk.module, loss1, outputs1, grads1
-        )
+        ops.rng.seed(ctx.step, forward.stage, forward.mb)
+        with ops.autocast():
+            outputs0, loss0 = hook(
+                fchunk.module, _as_list(value), criterion, labels,
+                bchunk.module, loss1, outputs1, grads1,
+            )  # fmt: skip
         self._after(ctx, forward, inputs, outputs0, loss0, criterion)
         grads = tuple(x.grad if x.requires_grad else None for x in saved.inputs)
         ops.hand_back(ctx, backward, saved.inputs, grads)
+        ops.drain(backward.chunk)
 
     def _after(
         self,
@@ -138,7 +142,6 @@ class FusedOps:
         loss0: Any,
         criterion: ScaledCriterion | None,
     ) -> None:
-        outputs = as_tuple(outputs0, op.stage)
         if criterion is not None:
             if not isinstance(loss0, torch.Tensor) or criterion.raw is None:
                 raise ProgramError(
@@ -146,7 +149,12 @@ class FusedOps:
                     "with loss0 = criterion0(*outputs0, *labels0)"
                 )
             ctx.losses[op.mb] = criterion.raw
-            outputs = (loss0,)
+            outputs: Tensors = (loss0,)
         else:
-            self.ops.hand_on(ctx, op, outputs)
+            outputs = self.ops.hand_on(ctx, op, outputs0)
         ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs)
+
+
+def _as_list(value: object) -> list[Any]:
+    """A pytree as the hook's list of positional values."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]

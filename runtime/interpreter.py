@@ -6,7 +6,7 @@ that executes it: a compute op to `StageOps` (F, B, I, W; runtime/stage.py), a f
 receive and a wait to `Transfers` (runtime/transfers.py), torch's per-stage actions to
 runtime/stage_ops.py. It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe differ
 only in their programs. An exception inside an instruction becomes a `RankError` naming the
-rank, the instruction index and the instruction.
+rank, the step, the instruction index and the instruction.
 
 Subclasses change what happens around an instruction by overriding `compute`, `post` and
 `wait`: `ProfilingInterpreter` (runtime/profiling.py) times them.
@@ -43,7 +43,7 @@ class Interpreter:
                 raise
             except Exception as err:
                 raise RankError(
-                    self.where(index, instr) + f": {type(err).__name__}: {err}"
+                    self.where(ctx, index, instr) + f": {type(err).__name__}: {err}"
                 ) from err
 
     def dispatch(self, ctx: StepContext, index: int, instr: Instr, commit: bool) -> None:
@@ -73,7 +73,8 @@ class Interpreter:
         self.transfers.post(ctx, index, instr, commit)
 
     def wait(self, ctx: StepContext, index: int, instr: Wait) -> None:
-        self.transfers.wait(ctx, self.where(index, instr), instr)
+        self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
 
-    def where(self, index: int, instr: Instr) -> str:
-        return f"rank {self.rank}: instruction {index} ({describe(instr)})"
+    def where(self, ctx: StepContext, index: int, instr: Instr) -> str:
+        """The rank, the step and the instruction, for errors."""
+        return f"rank {self.rank}, step {ctx.step}: instruction {index} ({describe(instr)})"

@@ -1,25 +1,22 @@
 """What `pipecc run` does: spawn P ranks, run steps, time them, check, profile.
 
-A model file defines `build_stages(num_stages) -> list[nn.Module]` (the whole model as
-consecutive stages, deterministic), `make_batch(num_rows, seed) -> (inputs, targets)` and
-optionally `loss_fn(output, target)` (default: mean squared error).
-
-Every rank builds the whole model and keeps the stages of its chunks (stage s of either pipe
-is model stage s); it infers the boundary shapes locally from the whole model on the meta
-device, so nothing is exchanged before the program runs. Each step: zero the gradients, make
-the batch with `seed` = step index (warm-up steps first), barrier, `step`, barrier; the time
-between the barriers on rank 0 is the step time. Weights stay fixed (no optimizer), so the
-check compares every step with the single-process reference.
+The model file's contract is in runtime/model_file.py. Every rank builds the whole model and
+keeps the stages of its chunks (stage s of either pipe is model stage s); parameters that
+are one object in two stages (tied weights) are declared shared from that whole model, and
+boundaries are computed locally for each shape signature the steps bring (from the model
+file's `boundaries(example_inputs)`, or inferred from the whole model), so nothing is
+exchanged point to point outside the program. Each step: zero the gradients, make the batch
+with `seed` = step index (warm-up steps first), barrier, `step`, barrier; the time between
+the barriers on rank 0 is the step time. Weights stay fixed (no optimizer), so the check
+compares every step with the single-process reference (runtime/checking.py).
 """
 
 from __future__ import annotations
 
-import runpy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,12 +25,16 @@ import torch.distributed as dist
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
-from .config import RuntimeConfig, mse_loss
+from .checking import check_run
+from .config import RuntimeConfig
+from .model_file import ModelFile, check_targets, load_model, param_dtypes
 from .pipeline import PipelineRuntime
 from .profile import Recorder, render_cost_file
-from .reference import ParamKey, compare, reference_step
+from .reference import Options, ParamKey, default_tolerance
+from .shared import shared_parameters
 from .spawn import spawn
 from .specs import infer_boundaries
+from .trees import boundary_of, split_tree
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class RunJob:
     check: bool = False
     timeout: float = 300.0
     profile: bool = False
+    seed: int = 0
+    derive_rng: bool = True
+    autocast: torch.dtype | None = None  # overrides the model file's
 
 
 @dataclass(frozen=True)
@@ -67,33 +71,9 @@ class RunReport:
     warmup: int
     backend: str
     comm: str  # the lowering policy that placed the program's comm ops
+    tolerance: float = 1e-5  # the default --check tolerance for the run's dtypes
+    worst_params: list[dict[str, Any]] = field(default_factory=list)  # with --check
     cost_file: str | None = None
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    build_stages: Callable[[int], list[torch.nn.Module]]
-    make_batch: Callable[..., tuple[Any, Any]]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-
-
-def load_model(path: str) -> ModelFile:
-    """Read a model file; every way it can be unusable is an InputError."""
-    if not Path(path).is_file():
-        raise InputError(f"{path}: no such model file")
-    try:
-        names = runpy.run_path(path, run_name="pipecc_model")
-    except Exception as err:
-        raise InputError(
-            f"{path}: the model file fails to load: {type(err).__name__}: {err}"
-        ) from err
-    for name in ("build_stages", "make_batch"):
-        if not callable(names.get(name)):
-            raise InputError(f"{path}: the model file must define {name}()")
-    loss_fn = names.get("loss_fn", mse_loss)
-    if not callable(loss_fn):
-        raise InputError(f"{path}: loss_fn must be a function")
-    return ModelFile(names["build_stages"], names["make_batch"], loss_fn)
 
 
 def backend_for(ranks: int) -> str:
@@ -109,30 +89,38 @@ def run_job(job: RunJob) -> RunReport:
             f"{job.program.num_microbatches} equal microbatches"
         )
     model = load_model(job.model)
+    check_targets(job.model, model, model.make_batch(job.batch_size, seed=0)[1])
     backend = backend_for(job.program.num_ranks)
     results = spawn(_worker, job.program.num_ranks, job, backend=backend, timeout=job.timeout)
     last = job.warmup + job.steps - 1
     losses = [loss for r in results for mb, loss in r["losses"][last].items()]
-    abs_diff = rel_diff = reference = None
-    if job.check:
-        abs_diff, rel_diff, reference = _check(job, model, results)
-    cost = _cost_text(job, results) if job.profile else None
+    checked = _check(job, model, results, backend) if job.check else None
+    program = job.program
     return RunReport(
-        schedule=job.program.schedule,
-        ranks=job.program.num_ranks,
-        microbatches=job.program.num_microbatches,
+        schedule=program.schedule,
+        ranks=program.num_ranks,
+        microbatches=program.num_microbatches,
         batch_size=job.batch_size,
-        loss=sum(losses) / job.program.num_microbatches,
-        max_abs_grad_diff=abs_diff,
-        max_rel_grad_diff=rel_diff,
-        reference_loss=reference,
+        loss=sum(losses) / program.num_microbatches,
+        max_abs_grad_diff=None if checked is None else checked.max_abs,
+        max_rel_grad_diff=None if checked is None else checked.max_rel,
+        reference_loss=None if checked is None else checked.reference_loss,
         step_ms=statistics.median(results[0]["step_ms"]),
         steps=job.steps,
         warmup=job.warmup,
         backend=backend,
-        comm=job.program.comm,
-        cost_file=cost,
+        comm=program.comm,
+        tolerance=default_tolerance(
+            [*results[0]["dtypes"], _autocast(job, model) or torch.float32]
+        ),
+        worst_params=[] if checked is None else [d._asdict() for d in checked.worst],
+        cost_file=_cost_text(job, results) if job.profile else None,
     )
+
+
+def _autocast(job: RunJob, model: ModelFile) -> torch.dtype | None:
+    """--autocast, else the model file's `autocast`."""
+    return job.autocast or model.autocast
 
 
 def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
@@ -141,16 +129,21 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     stages = [s.to(device) for s in model.build_stages(program.placement.num_stages(0))]
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}
-    first = model.make_batch(job.batch_size, seed=0)[0]
-    sample = _first_microbatch(first, program.num_microbatches)
-    runtime = PipelineRuntime(
-        program,
-        modules,
-        infer_boundaries(stages, sample),
-        loss_fn=model.loss_fn,
-        config=RuntimeConfig(timeout=job.timeout, device=device),
+    autocast = _autocast(job, model)
+    config = RuntimeConfig(
+        timeout=job.timeout, device=device, shared=shared_parameters(stages), seed=job.seed,
+        derive_rng=job.derive_rng, autocast=autocast,
+    )  # fmt: skip
+    boundaries = _remembered(
+        model.boundaries
+        or (lambda sample: infer_boundaries(stages, sample, autocast=autocast, device=device))
     )
+    first = split_tree(model.make_batch(job.batch_size, seed=0)[0], program.num_microbatches,
+                       "inputs", torch.device("cpu"))[0]  # fmt: skip
+    boundaries(first)  # computed before the timed steps (the first step finds it here)
+    runtime = PipelineRuntime(program, modules, boundaries, loss_fn=model.loss_fn, config=config)
     out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": []}
+    out["dtypes"] = param_dtypes(stages)
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup
         recorder = Recorder(step=step) if job.profile and timed else None
@@ -167,10 +160,17 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     return out
 
 
-def _first_microbatch(inputs: Any, microbatches: int) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return inputs[: inputs.shape[0] // microbatches]
-    return tuple(t[: t.shape[0] // microbatches] for t in inputs)
+def _remembered(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`function` of a sample, computed once per signature of the sample."""
+    memo: dict[str, Any] = {}
+
+    def remembered(sample: Any) -> Any:
+        key = boundary_of(sample, "the inputs").text()
+        if key not in memo:
+            memo[key] = function(sample)
+        return memo[key]
+
+    return remembered
 
 
 def _timed_step(
@@ -199,20 +199,19 @@ def _my_grads(
     return grads
 
 
-def _check(
-    job: RunJob, model: ModelFile, results: list[dict[str, Any]]
-) -> tuple[float, float, float]:
-    """The worst gradient differences over all steps and all copies of every stage, and the
-    reference loss of the last step."""
-    stages = model.build_stages(job.program.placement.num_stages(0))
-    worst_abs = worst_rel = loss = 0.0
-    for step in range(job.warmup + job.steps):
-        batch = model.make_batch(job.batch_size, seed=step)
-        loss, want = reference_step(stages, batch, job.program.num_microbatches, model.loss_fn)
-        for result in results:
-            got_abs, got_rel = compare(result["grads"][step], want)
-            worst_abs, worst_rel = max(worst_abs, got_abs), max(worst_rel, got_rel)
-    return worst_abs, worst_rel, loss
+def _check(job: RunJob, model: ModelFile, results: list[dict[str, Any]], backend: str) -> Any:
+    """The reference of every step against every rank's gradients (runtime/checking.py)."""
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    options = Options(
+        seed=job.seed, derive_rng=job.derive_rng, autocast=_autocast(job, model),
+        device=device,
+    )  # fmt: skip
+    batches = [
+        model.make_batch(job.batch_size, seed=step) for step in range(job.warmup + job.steps)
+    ]
+    grads = [result["grads"] for result in results]
+    num_stages = job.program.placement.num_stages(0)
+    return check_run(model, num_stages, batches, job.program.num_microbatches, options, grads)
 
 
 def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
@@ -228,7 +227,8 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
             "post = host time of a send or recv; wait = host time of a wait after its release;",
             "comm = the latency under which the rendezvous rule reproduces the run's waits;",
-            "sync = the duplicated-stage gradient sum, per step; bytes = median message size",
+            "sync = the gradient sum of parameters held by several ranks (duplicated stages,",
+            "shared weights), per step; bytes = median message size",
         )
     )
     return render_cost_file(records, header)

@@ -1,10 +1,11 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
-The runtime binds the program to this rank once (its chunks and their modules, the buffer
-specs of what it receives, the plans to walk), builds the parts an `Interpreter` dispatches
-to, and for each step makes a fresh `StepContext` (runtime/context.py), runs the plan and
-sums the gradients of duplicated stages. The first step checks everything on every rank
-together (runtime/setup.py) before any point-to-point op.
+The runtime binds the program to this rank once (its chunks and their modules, the plans to
+walk, the parameters it shares with other ranks), builds the parts an `Interpreter`
+dispatches to, and for each step: splits the batch, learns the step's shapes with the other
+ranks (runtime/signatures.py; a new signature is checked on every rank together, before any
+point-to-point op, runtime/setup.py), runs the plan in a fresh `StepContext`, and sums the
+gradients of parameters held by several ranks (runtime/shared.py).
 """
 
 from __future__ import annotations
@@ -15,20 +16,23 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import InputError, ProgramError, SetupError
+from pipecc.diagnostics import ProgramError, SetupError
+from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
-from . import setup
+from . import setup, shared, training
 from .comm import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
-from .context import StepContext, Tensors
-from .duplicates import copies, sum_copies
+from .context import StepContext
 from .fused import FusedOps
 from .interpreter import Interpreter
 from .plan import build_plan, forward_only
+from .precision import Fp32Grads
 from .profile import Recorder
 from .profiling import ProfilingInterpreter
-from .specs import Boundaries, normalise_boundaries
+from .rng import ForwardRng
+from .signatures import BoundaryFn, Seen, Signatures
+from .specs import Boundary, Specs
 from .stage import StageOps
 from .transfers import Transfers
 
@@ -37,14 +41,16 @@ class PipelineRuntime:
     """Executes one rank's part of a compiled program, one step at a time.
 
     `modules[chunk]` is this rank's stage module for each chunk of the placement;
-    `boundaries[s]` the specs of stage s's input (see `infer_boundaries`).
+    `boundaries`: the input of each stage s for one microbatch, `{s: specs}` (fixed shapes),
+    or a function of a sample microbatch of stage 0's input returning them (shapes learned
+    per step), e.g. `lambda sample: infer_boundaries(stages, sample)`.
     """
 
     def __init__(
         self,
         program: Program,
         modules: Mapping[int, torch.nn.Module] | Sequence[torch.nn.Module],
-        boundaries: Boundaries,
+        boundaries: Mapping[int, object] | BoundaryFn,
         *,
         loss_fn: LossFn = mse_loss,
         config: RuntimeConfig | None = None,
@@ -53,7 +59,6 @@ class PipelineRuntime:
         config = config or RuntimeConfig()
         self.config = config
         self.modules = dict(modules.items() if isinstance(modules, Mapping) else enumerate(modules))
-        self.boundaries = normalise_boundaries(boundaries)
         self.loss_fn = loss_fn
         self.group = config.group
         world = dist.get_world_size(self.group)
@@ -62,25 +67,32 @@ class PipelineRuntime:
         )
         self.device = config.device or _device_of(self.modules)
         nccl = uses_nccl(self.group, self.device)
+        limit = None if nccl else config.timeout
+        self.signatures = Signatures(boundaries, self.group, world, self.device, limit)
         self._problem = setup.world_problem(
             program, world, self.rank_map, dist.get_rank()
         ) or setup.backend_problem(program, nccl=nccl)
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
         self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
         self.losses: dict[int, torch.Tensor] = {}
-        self._ready = False
+        self.steps = 0  # completed training steps: the step index of the RNG derivation
+        self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
         if self._problem is None:
             self._bind()
 
     def _bind(self) -> None:
-        rank = self.rank
+        rank, config = self.rank, self.config
         self.chunks = setup.bind_chunks(self.program, rank, self.modules)
-        specs = setup.recv_specs(self.program, rank, self.boundaries)
         self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
         self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
-        self.shared = copies(self.program.placement, rank)
-        stage = StageOps(rank, self.chunks, self.boundaries, self.loss_fn)
-        transfers = Transfers(self.channel, specs, self.device, self.config.timeout)
+        self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
+        params = shared.distinct(self.groups)
+        self.grads = Fp32Grads(params) if config.fp32_grads else shared.ParamGrads()
+        self.to_sum = shared.to_sum(self.groups, self.grads)
+        self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
+        stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, (self.device, config.autocast))
+        stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
+        transfers = Transfers(self.channel, {}, self.device, config.timeout)
         self.interpreter = Interpreter(rank, stage, FusedOps(stage, self.device), transfers)
 
     # ---- public API ------------------------------------------------------------------------
@@ -99,31 +111,57 @@ class PipelineRuntime:
         interpreter = self.interpreter
         if recorder is not None:
             interpreter = ProfilingInterpreter(interpreter, recorder)
-        interpreter.run(self.plan, ctx)
+        precision = self.grads if isinstance(self.grads, Fp32Grads) else None
+        if precision is not None:
+            precision.begin()
+        with self.rng.step_scope():
+            interpreter.run(self.plan, ctx)
         self._finish(ctx)
-        if self.config.sync_duplicated and self.shared:
-            modules = {chunk: c.module for chunk, c in self.chunks.items()}
+        if self.config.sync_duplicated and self.to_sum:
             start = time.perf_counter()
-            sum_copies(self.channel, self.rank, self.shared, modules, self.device)
+            shared.sum_shared(self.channel, self.rank, self.to_sum, self.device, self.grads)
             if recorder is not None:
                 recorder.sync(start, time.perf_counter())
+        if precision is not None:
+            precision.end()
+        self.steps += 1
         return self._loss_of(ctx)
 
-    def forward(self, inputs: object = None, targets: object = None) -> dict[int, Tensors]:
+    def forward(self, inputs: object = None, targets: object = None) -> dict[int, object]:
         """Forward only (evaluation): the program's forwards and activation messages, under
         `torch.no_grad()`. Returns the outputs of the microbatches whose last stage lives
         here, by microbatch; with `targets`, `self.losses` holds their losses."""
         with torch.no_grad():
             ctx = self._context(inputs, targets, training=False)
-            self.interpreter.run(self.forward_plan, ctx)
+            with self.rng.step_scope():
+                self.interpreter.run(self.forward_plan, ctx)
             self._finish(ctx)
         self._loss_of(ctx)
         return dict(sorted(ctx.outputs.items()))
 
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, each object once (a weight used by two of its chunks, a
+        tied weight, is listed once): what an optimizer on this rank should step."""
+        return shared.distinct(self.groups)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that the norm over the whole pipeline's parameters (each
+        parameter held by several ranks counted once) is at most `max_norm`; returns the
+        norm before clipping, the same on every rank. A collective: every rank calls it."""
+        mine = shared.owned(self.groups, self.rank)
+        total = training.global_norm(mine, self.grads, norm_type, self.group, self.device)
+        training.scale_grads(self.parameters(), float(max_norm) / (float(total) + 1e-6))
+        return total
+
+    def global_loss(self) -> torch.Tensor:
+        """The last step's mean loss over all M microbatches, on every rank (a collective:
+        every rank calls it)."""
+        return training.mean_loss(list(self.losses.values()), self.group, self.device)
+
     # ---- the step --------------------------------------------------------------------------
 
     def _context(self, inputs: object, targets: object, *, training: bool) -> StepContext:
-        """Split the batch; on the first step, check everything on every rank together."""
+        """Split the batch, learn the step's shapes; a new signature is checked everywhere."""
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
@@ -134,35 +172,52 @@ class PipelineRuntime:
             split_inputs = self._split(inputs, "inputs", found, required=True)
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
-        if not self._ready:
-            self._first_step_checks(found)
-        elif found:
-            raise InputError(f"rank {self.rank}: " + "; ".join(found))
+        sample = split_inputs[0] if split_inputs else None
+        where = f"rank {self.rank}, step {self.steps}"
+        seen, boundaries = self.signatures.learn(sample, bool(found), where)
+        if seen is Seen.UNUSABLE:
+            self._agree(found)
+            raise SetupError("the pipeline cannot start: a rank's batch is unusable")
+        if seen is Seen.NEW:
+            self._agree(found or self._problems(boundaries))
+        if seen is not Seen.CURRENT:
+            self._use(boundaries)
         scale = 1.0 / self.program.num_microbatches
-        return StepContext(split_inputs, split_targets, scale, training)
+        return StepContext(split_inputs, split_targets, scale, training, step=self.steps)
 
     def _split(
         self, value: object, what: str, found: list[str], *, required: bool
-    ) -> list[Tensors] | None:
+    ) -> list[object] | None:
         return setup.split_batch(value, what, self.program, self.device, found, required=required)
 
-    def _first_step_checks(self, found: list[str]) -> None:
-        """Modules, boundaries and shapes (runtime/setup.py), agreed by every rank."""
-        if not found:
-            config = self.config
-            found = setup.problems(
-                self.program, self.rank, self.modules, self.boundaries,
-                check_shapes=config.check_shapes,
-            )  # fmt: skip
+    def _problems(self, boundaries: dict[int, Boundary]) -> list[str]:
+        """Modules, boundaries, shapes and shared parameters (first step and new shapes)."""
+        config = self.config
+        found = setup.problems(
+            self.program, self.rank, self.modules, boundaries,
+            check_shapes=config.check_shapes, autocast=config.autocast,
+        )  # fmt: skip
+        placement = self.program.placement
+        return found + shared.sharing_problems(placement, self.rank, self.modules, config.shared)
+
+    def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]
         setup.agree(named, self.group, self.program.num_ranks, self.device)
-        self._ready = True
+
+    def _use(self, boundaries: dict[int, Boundary]) -> None:
+        """Switch the primitives to a signature's boundaries and receive buffers."""
+        key = self.signatures.current
+        if key not in self._recv_specs:
+            self._recv_specs[key] = setup.recv_specs(self.program, self.rank, boundaries)
+        self.interpreter.stage.boundaries = boundaries
+        self.interpreter.transfers.specs = self._recv_specs[key]
 
     def _finish(self, ctx: StepContext) -> None:
         left = ctx.leftovers()
         if left:
             raise ProgramError(
-                f"rank {self.rank}: the program ended with work left over: " + "; ".join(left)
+                f"rank {self.rank}, step {ctx.step}: the program ended with work left over: "
+                + "; ".join(left)
             )
 
     def _loss_of(self, ctx: StepContext) -> torch.Tensor | None:

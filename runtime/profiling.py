@@ -56,7 +56,7 @@ class ProfilingInterpreter(Interpreter):
 
     def wait(self, ctx: StepContext, index: int, instr: Wait) -> None:
         start = time.perf_counter()
-        waited, released = self.transfers.wait(ctx, self.where(index, instr), instr)
+        waited, released = self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
         ops = tuple((type(op) is Send, _key(op)) for op in waited)
         self.recorder.wait(ops, (start, max(start, released), time.perf_counter()))
 

@@ -20,8 +20,8 @@ from pipecc.ir.ops import Msg, Recv
 from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Backend, Program
 
-from .context import Tensors, split_microbatches
-from .specs import Specs, describe_specs, meta_forward
+from .specs import Boundaries, Specs, stage_output
+from .trees import split_tree
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def bind_chunks(
 
 
 def recv_specs(
-    program: Program, rank: int, boundaries: Mapping[int, Specs]
+    program: Program, rank: int, boundaries: Boundaries
 ) -> dict[tuple[Msg, int, int], Specs]:
     """The buffer specs of every message this rank receives, keyed by (what, pipe, stage)."""
     specs: dict[tuple[Msg, int, int], Specs] = {}
@@ -69,13 +69,14 @@ def recv_specs(
     return specs
 
 
-def message_specs(what: Msg, stage: int, boundaries: Mapping[int, Specs]) -> Specs | None:
-    """An activation for stage s carries the input of s; a gradient for stage s carries the
-    gradient of s's output (the input of s+1), floating tensors only."""
+def message_specs(what: Msg, stage: int, boundaries: Boundaries) -> Specs | None:
+    """An activation for stage s carries the tensors of the input of s; a gradient for
+    stage s the gradients of s's output (the input of s+1) that carry one."""
     if what is Msg.ACT:
-        return boundaries.get(stage)
+        found = boundaries.get(stage)
+        return None if found is None else found.tensors
     found = boundaries.get(stage + 1)
-    return None if found is None else tuple(s for s in found if s.is_floating)
+    return None if found is None else found.grads
 
 
 def world_problem(program: Program, world: int, rank_map: Sequence[int], me: int) -> str | None:
@@ -109,9 +110,10 @@ def problems(
     program: Program,
     rank: int,
     modules: Mapping[int, torch.nn.Module],
-    boundaries: Mapping[int, Specs],
+    boundaries: Boundaries,
     *,
     check_shapes: bool,
+    autocast: torch.dtype | None = None,
 ) -> list[str]:
     """What is wrong on this rank: missing modules, boundaries, shape or dtype mismatches."""
     found = []
@@ -133,7 +135,7 @@ def problems(
                 f"({what.value} pipe {pipe} stage {stage})"
             )
     if check_shapes and not found:
-        found.extend(_shape_problems(program, rank, modules, boundaries))
+        found.extend(_shape_problems(program, rank, modules, boundaries, autocast))
     return found
 
 
@@ -145,9 +147,11 @@ def _shape_problems(
     program: Program,
     rank: int,
     modules: Mapping[int, torch.nn.Module],
-    boundaries: Mapping[int, Specs],
+    boundaries: Boundaries,
+    autocast: torch.dtype | None,
 ) -> list[str]:
-    """Run each chunk on the meta device and compare with the next stage's input specs."""
+    """Run each chunk (on the meta device, or for real under autocast) and compare with the
+    next stage's input."""
     found = []
     placement = program.placement
     for slot in placement.chunks(rank):
@@ -156,14 +160,14 @@ def _shape_problems(
         if last or given is None or wanted is None:
             continue
         try:
-            got = meta_forward(modules[slot.chunk], given)
-        except Exception:  # no meta kernel for some op: the check at send time remains
+            got = stage_output(modules[slot.chunk], given, autocast=autocast)
+        except Exception:  # the stage fails on synthetic data: the check at send time remains
             continue
-        if got != wanted:
+        if not got.same_as(wanted, grads=False):
             found.append(
                 f"chunk {slot.chunk} (stage {slot.stage} of pipe {slot.pipe}) returns "
-                f"{describe_specs(got)} for input {describe_specs(given)}, but stage "
-                f"{slot.stage + 1} takes {describe_specs(wanted)}"
+                f"{got.describe()} for input {given.describe()}, but stage "
+                f"{slot.stage + 1} takes {wanted.describe()}"
             )
     return found
 
@@ -173,25 +177,33 @@ def agree(
 ) -> None:
     """Gather every rank's findings; raise the same SetupError on every rank if any.
 
-    `found[i]` lines already name their rank. Text travels as UTF-8 bytes in two
-    `all_gather`s (sizes, then padded bytes): `all_gather_object` would need numpy.
-    """
-    data = "\n".join(found).encode()
+    `found[i]` lines already name their rank."""
+    texts = gather_texts("\n".join(found), group, world, device)
+    lines = [line for text in texts for line in text.splitlines()]
+    if lines:
+        raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
+
+
+def gather_texts(
+    text: str, group: dist.ProcessGroup | None, world: int, device: torch.device
+) -> list[str]:
+    """Every rank's `text`, in rank order (called by every rank of `group` alike).
+
+    Text travels as UTF-8 bytes in two `all_gather`s (sizes, then padded bytes; the second
+    only when some text is not empty): `all_gather_object` would need numpy."""
+    data = text.encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     longest = max(int(s.item()) for s in sizes)
     if longest == 0:
-        return
+        return ["" for _ in range(world)]
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     mine = mine.to(device)
     texts = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(texts, mine, group=group)
-    lines = []
-    for text, length in zip(texts, sizes, strict=True):
-        lines.extend(bytes(text[: int(length.item())].tolist()).decode().splitlines())
-    raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
+    return [bytes(t[: int(n.item())].tolist()).decode() for t, n in zip(texts, sizes, strict=True)]
 
 
 def split_batch(
@@ -202,7 +214,7 @@ def split_batch(
     found: list[str],
     *,
     required: bool,
-) -> list[Tensors] | None:
+) -> list[object] | None:
     """The microbatches of `value` (`what`: "inputs" or "targets") for a rank that uses
     them; a problem is appended to `found` (the first step gathers them from every rank)."""
     if value is None:
@@ -211,7 +223,7 @@ def split_batch(
             found.append(f"this rank holds a {kind} stage and needs {what}, got None")
         return None
     try:
-        return split_microbatches(value, program.num_microbatches, what, device)
+        return split_tree(value, program.num_microbatches, what, device)
     except InputError as err:
         found.append(err.message)
         return None

@@ -1,83 +1,51 @@
-"""What crosses a stage boundary: shapes and dtypes, known before the first receive.
+"""What crosses a stage boundary: structure, shapes and dtypes, known before each receive.
 
-A stage takes a tuple of tensors and returns a tensor or a tuple of tensors. The runtime
-allocates every receive buffer from a `TensorSpec` before it posts the receive, so the shapes
-of all boundaries must be known before the first step. They are never exchanged between
-ranks (DESIGN §5: the runtime issues no point-to-point traffic outside the program): either
-the user gives them, or `infer_boundaries` computes them locally from the whole model on the
-`meta` device (no memory, no arithmetic, no side effects on the real modules).
+The runtime allocates every receive buffer from a `TensorSpec` before it posts the receive,
+so the boundaries of a step's shapes must be known before the step runs. They are never sent
+point to point outside the program (DESIGN §5): the ranks learn a step's input shapes with
+one small collective (runtime/signatures.py) and each computes the boundaries locally, from
+the whole model (`infer_boundaries`) or from specs the user gives.
 
 Boundaries are keyed by stage index in pipe 0's numbering (the `stage` of the program): entry
 s is the input of stage s. Two pipes over the same stages (DualPipe) share the keys, since
 stage s of either pipe is the same model stage. All microbatches of a step have the same
 shapes (the batch splits evenly into M microbatches).
+
+`infer_boundaries` runs each stage on the `meta` device (no memory, no arithmetic, the real
+modules untouched). When that fails (an op without a meta kernel, data-dependent code such
+as `.item()`) or when autocast is on (the meta device has no autocast), it runs the stage
+for real on a microbatch of synthetic data on the stage's device, with copies of its buffers
+and the RNG state restored after, so no parameter, buffer or random stream changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TypeAlias
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import torch
+import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from pipecc.diagnostics import InputError
 
+from .trees import Boundary, TensorSpec, boundary_of, flatten
 
-class TensorSpec(NamedTuple):
-    """The shape and dtype of one tensor of one microbatch at a stage boundary."""
+__all__ = ["Boundaries", "Boundary", "Specs", "TensorSpec", "infer_boundaries"]
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def is_floating(self) -> bool:
-        """Floating tensors carry a gradient backwards; others (masks, indices) do not."""
-        return self.dtype.is_floating_point or self.dtype.is_complex
-
-    @property
-    def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
-
-    def describe(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}[{', '.join(str(s) for s in self.shape)}]"
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSpec:
-        return cls(tuple(tensor.shape), tensor.dtype)
+Specs: TypeAlias = tuple[TensorSpec, ...]  # the tensors of one message, in leaf order
+Boundaries: TypeAlias = Mapping[int, Boundary]
 
 
-Specs: TypeAlias = tuple[TensorSpec, ...]
-Boundaries: TypeAlias = Mapping[int, Specs]
-
-
-def as_tuple(value: object, stage: int | None = None) -> tuple[torch.Tensor, ...]:
-    """A stage's inputs or outputs as a tuple of tensors (a lone tensor becomes a 1-tuple);
-    anything else is an InputError (naming `stage` when given: what it returned)."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return tuple(value)
-    subject = "a stage must take and return" if stage is None else f"stage {stage} must return"
-    raise InputError(f"{subject} a tensor or a tuple of tensors, got {type(value).__name__}")
-
-
-def specs_of(tensors: Sequence[torch.Tensor]) -> Specs:
-    return tuple(TensorSpec.of(t) for t in tensors)
-
-
-def describe_specs(specs: Specs) -> str:
-    return "(" + ", ".join(spec.describe() for spec in specs) + ")"
-
-
-def normalise_boundaries(boundaries: Mapping[int, object]) -> dict[int, Specs]:
-    """Accept a TensorSpec, a tuple of TensorSpecs or (shape, dtype) pairs for each stage."""
-    result: dict[int, Specs] = {}
+def normalise_boundaries(boundaries: Mapping[int, object]) -> dict[int, Boundary]:
+    """Accept a Boundary, a TensorSpec, or a tuple of TensorSpecs or (shape, dtype) pairs
+    for each stage."""
+    result: dict[int, Boundary] = {}
     for stage, value in boundaries.items():
+        if isinstance(value, Boundary):
+            result[int(stage)] = value
+            continue
         items = (value,) if isinstance(value, TensorSpec) else value
         if not isinstance(items, (tuple, list)):
             raise InputError(f"boundary of stage {stage}: expected TensorSpec(s), got {value!r}")
@@ -89,43 +57,139 @@ def normalise_boundaries(boundaries: Mapping[int, object]) -> dict[int, Specs]:
                 specs.append(TensorSpec(tuple(int(s) for s in item[0]), item[1]))
             else:
                 raise InputError(f"boundary of stage {stage}: cannot read {item!r} as a spec")
-        result[int(stage)] = tuple(specs)
+        leaves = tuple(specs)
+        tree = pytree.tree_flatten(0 if isinstance(value, TensorSpec) else _slots(leaves))[1]
+        result[int(stage)] = Boundary(tree, leaves)
     return result
 
 
-def meta_forward(module: torch.nn.Module, specs: Specs) -> Specs:
-    """The output specs of `module` on inputs of `specs`, computed on the meta device.
+def _slots(leaves: tuple[TensorSpec, ...]) -> tuple[int, ...]:
+    return tuple(range(len(leaves)))  # a tuple with one leaf per spec
 
-    The module's parameters and buffers are replaced by meta tensors for the call, so the real
-    module is untouched (no running-statistics update, no allocation).
-    """
+
+def meta_forward(module: torch.nn.Module, given: Boundary) -> Boundary:
+    """The output boundary of `module` for inputs of `given`, computed on the meta device.
+
+    The module's parameters and buffers are replaced by meta tensors for the call (with the
+    parameters' requires_grad, so the outputs say which carry a gradient)."""
     state = {
-        name: torch.empty_like(value, device="meta")
-        for name, value in (*module.named_parameters(), *module.named_buffers())
+        name: torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+        for name, value in module.named_parameters()
     }
-    inputs = tuple(torch.empty(spec.shape, dtype=spec.dtype, device="meta") for spec in specs)
-    with torch.no_grad():
-        outputs = functional_call(module, state, inputs)
-    return specs_of(as_tuple(outputs))
+    state.update({name: torch.empty_like(b, device="meta") for name, b in module.named_buffers()})
+    inputs = given.rebuild(
+        tuple(
+            torch.empty(s.shape, dtype=s.dtype, device="meta").requires_grad_(_wants_grad(s))
+            for s in given.tensors
+        )
+    )
+    with torch.enable_grad():
+        outputs = functional_call(module, state, _args(inputs))
+    return boundary_of(outputs, "a stage's output")
+
+
+def real_forward(
+    module: torch.nn.Module,
+    given: Boundary,
+    device: torch.device,
+    autocast: torch.dtype | None = None,
+) -> Boundary:
+    """The output boundary of `module` run for real on synthetic inputs of `given` on
+    `device` (under autocast when given), with no side effects: the buffers are copies and
+    the RNG state is restored."""
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    with _fork_rng(device):
+        inputs = given.rebuild(synthetic(given.tensors, device))
+        with autocast_context(device, autocast), torch.enable_grad():
+            outputs = functional_call(module, buffers, _args(inputs), strict=False)
+    return boundary_of(outputs, "a stage's output")
+
+
+def stage_output(
+    module: torch.nn.Module,
+    given: Boundary,
+    device: torch.device | None = None,
+    autocast: torch.dtype | None = None,
+) -> Boundary:
+    """The output boundary of a stage: on the meta device, else for real (module docs)."""
+    device = device or _device_of(module)
+    if autocast is None:
+        try:
+            with _fork_rng(device):  # a meta dropout may still advance the generator
+                return meta_forward(module, given)
+        except Exception:  # no meta kernel, data-dependent code: run it for real
+            pass
+    return real_forward(module, given, device, autocast)
 
 
 def infer_boundaries(
-    stages: Sequence[torch.nn.Module], sample: torch.Tensor | Sequence[torch.Tensor]
-) -> dict[int, Specs]:
-    """Every stage's input specs, from the whole model in stage order and one microbatch.
+    stages: Sequence[torch.nn.Module],
+    sample: object,
+    *,
+    autocast: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> dict[int, Boundary]:
+    """Every stage's input boundary, from the whole model in stage order and one microbatch.
 
-    `sample` is the input of stage 0 for one microbatch (only its shapes and dtypes are used).
-    Entry 0 is the sample itself; entry len(stages) is the model's output.
+    `sample` is the input of stage 0 for one microbatch, any pytree (only its structure,
+    shapes, dtypes and constants are used). Entry 0 is the sample itself; entry len(stages)
+    is the model's output. `autocast`: the dtype the forwards run under, if any.
     """
-    specs = specs_of(as_tuple(sample))
-    boundaries = {0: specs}
+    boundary = flatten(sample, "the sample input")[1]
+    boundaries = {0: boundary}
     for index, stage in enumerate(stages):
         try:
-            specs = meta_forward(stage, specs)
-        except Exception as err:  # an op without a meta kernel, a data-dependent shape, ...
+            boundary = stage_output(stage, boundary, device, autocast)
+        except InputError:
+            raise
+        except Exception as err:
             raise InputError(
-                f"cannot infer the output shapes of stage {index} on the meta device ({err}); "
-                "pass the boundaries explicitly"
+                f"cannot infer the output shapes of stage {index} ({type(err).__name__}: "
+                f"{err}); give the boundaries explicitly (a model file's boundaries())"
             ) from err
-        boundaries[index + 1] = specs
+        boundaries[index + 1] = boundary
     return boundaries
+
+
+def synthetic(specs: Specs, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Tensors of `specs` with fixed values (floats from a seeded normal, integers and
+    booleans zero), so every rank computes the same shapes from them."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    found = []
+    for spec in specs:
+        if spec.is_floating:
+            tensor = torch.randn(spec.shape, generator=generator, device=device).to(spec.dtype)
+            found.append(tensor.requires_grad_(_wants_grad(spec)))
+        else:
+            found.append(torch.zeros(spec.shape, dtype=spec.dtype, device=device))
+    return tuple(found)
+
+
+def _wants_grad(spec: TensorSpec) -> bool:
+    return spec.is_floating and bool(spec.grad)
+
+
+def _args(value: object) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+@contextlib.contextmanager
+def _fork_rng(device: torch.device) -> Iterator[None]:
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def autocast_context(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
+    """`torch.autocast` on `device`'s type with `dtype`; nothing when `dtype` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")

@@ -2,17 +2,25 @@
 
 `StageOps` runs one compute instruction of one (chunk, microbatch) against the step's
 `StepContext`: a forward takes its inputs (the step's inputs on stage 0, the mailbox
-elsewhere), leaves its outputs for the next stage and what its backward needs; a backward
-takes the output gradients from the mailbox (ones of the scaled loss on a last stage) and
-leaves the input gradients for the previous stage. Stage inputs are detached leaves, so each
-(chunk, microbatch) has its own autograd graph from its input to its output.
+elsewhere, rebuilt into the stage's pytree), leaves the tensors of its outputs for the next
+stage and what its backward needs; a backward takes the output gradients from the mailbox
+(ones of the scaled loss on a last stage) and leaves the input gradients for the previous
+stage. Stage inputs are detached leaves, so each (chunk, microbatch) has its own autograd
+graph from its input to its output. Only tensors that carry a gradient (runtime/trees.py)
+get one: the boundary of the stage says which, on both sides alike.
+
+Each forward runs under the RNG state derived for its (step, stage, microbatch)
+(runtime/rng.py) and, when configured, under `torch.autocast`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError, ProgramError, SetupError
 from pipecc.ir.keys import Message
@@ -20,22 +28,33 @@ from pipecc.ir.ops import Compute, Kind, Msg
 from pipecc.ir.printer import message
 
 from .config import LossFn
-from .context import MessageKey, Saved, StepContext, Tensors, unwrap
+from .context import MessageKey, Saved, StepContext, Tensors
+from .precision import Fp32Grads
+from .rng import ForwardRng
 from .setup import Chunk
-from .specs import Specs, TensorSpec, as_tuple, describe_specs
+from .specs import autocast_context
 from .split_backward import full_backward, input_backward
+from .trees import Boundary, call, flatten, unwrap
 
 
 class StageOps:
     """The compute primitives over this rank's chunks."""
 
     def __init__(
-        self, rank: int, chunks: dict[int, Chunk], boundaries: dict[int, Specs], loss_fn: LossFn
+        self,
+        rank: int,
+        chunks: dict[int, Chunk],
+        loss_fn: LossFn,
+        rng: ForwardRng,
+        autocast: tuple[torch.device, torch.dtype | None],
     ) -> None:
         self.rank = rank
         self.chunks = chunks
-        self.boundaries = boundaries
+        self.boundaries: dict[int, Boundary] = {}  # this step's, set by the runtime
         self.loss_fn = loss_fn
+        self.rng = rng
+        self.autocast_device, self.autocast_dtype = autocast
+        self.precision: Fp32Grads | None = None
 
     def run(self, ctx: StepContext, op: Compute) -> None:
         """One compute instruction, by kind."""
@@ -51,12 +70,13 @@ class StageOps:
 
     def forward(self, ctx: StepContext, op: Compute) -> None:
         chunk = self.chunks[op.chunk]
-        inputs = self.stage_inputs(ctx, op)
-        outputs = as_tuple(chunk.module(*inputs), op.stage)
-        if chunk.last:
-            outputs = self.loss(ctx, op.mb, outputs)
-        else:
-            self.hand_on(ctx, op, outputs)
+        value, inputs = self.stage_inputs(ctx, op)
+        self.rng.seed(ctx.step, op.stage, op.mb)
+        with self.autocast():
+            output = call(chunk.module, value)
+            outputs = self.loss(ctx, op.mb, output) if chunk.last else None
+        if outputs is None:
+            outputs = self.hand_on(ctx, op, output)
         if ctx.training:
             ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs)
 
@@ -64,6 +84,7 @@ class StageOps:
         saved = ctx.saved.pop((op.chunk, op.mb))
         outputs, grads = self.output_grads(ctx, op, saved)
         self.hand_back(ctx, op, saved.inputs, full_backward(outputs, grads, saved.inputs))
+        self.drain(op.chunk)
 
     def backward_input(self, ctx: StepContext, op: Compute) -> None:
         saved = ctx.saved.pop((op.chunk, op.mb))
@@ -75,54 +96,72 @@ class StageOps:
 
     def weight(self, ctx: StepContext, op: Compute) -> None:
         ctx.weights.pop((op.chunk, op.mb)).run()
+        self.drain(op.chunk)
+
+    def drain(self, chunk: int) -> None:
+        """With fp32 accumulation: move the chunk's new weight gradients into it."""
+        if self.precision is not None:
+            self.precision.drain(self.chunks[chunk].module.parameters())
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return autocast_context(self.autocast_device, self.autocast_dtype)
 
     # ---- tensors in and out of a stage -----------------------------------------------------
 
-    def stage_inputs(self, ctx: StepContext, op: Compute) -> Tensors:
-        """A forward's inputs: detached leaves of this stage's graph when training."""
+    def stage_inputs(self, ctx: StepContext, op: Compute) -> tuple[object, Tensors]:
+        """A forward's input value, and its tensors that send a gradient back (detached
+        leaves of this stage's graph when training)."""
         chunk = self.chunks[op.chunk]
         if chunk.first:
             if ctx.inputs is None:
                 raise InputError(f"rank {self.rank} holds stage 0 and needs the step's inputs")
-            return ctx.inputs[op.mb]
-        inputs = take(ctx, (Msg.ACT, op.pipe, op.stage, op.mb))
-        return tuple(_leaf(t) for t in inputs) if ctx.training else inputs
+            return ctx.inputs[op.mb], ()
+        tensors = take(ctx, (Msg.ACT, op.pipe, op.stage, op.mb))
+        boundary = self.boundaries.get(op.stage)
+        carries = _carries(boundary, tensors)
+        if ctx.training:
+            tensors = tuple(
+                t.detach().requires_grad_(True) if c else t
+                for t, c in zip(tensors, carries, strict=True)
+            )
+        value = boundary.rebuild(tensors) if boundary is not None else tensors
+        grads_back = tuple(t for t, c in zip(tensors, carries, strict=True) if c)
+        return value, grads_back if ctx.training else ()
 
-    def target(self, ctx: StepContext, mb: int) -> Tensors:
+    def target(self, ctx: StepContext, mb: int) -> object:
         if ctx.targets is None:
             raise InputError(f"rank {self.rank} holds a last stage and needs the step's targets")
         return ctx.targets[mb]
 
-    def loss(self, ctx: StepContext, mb: int, outputs: Tensors) -> Tensors:
+    def loss(self, ctx: StepContext, mb: int, output: object) -> Tensors:
         """On a last stage: record the microbatch's loss; a backward starts from loss/M."""
         if not ctx.training:
-            ctx.outputs[mb] = tuple(o.detach() for o in outputs)
+            ctx.outputs[mb] = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
             if ctx.targets is None:
                 return ()
-        loss = self.loss_fn(unwrap(outputs), unwrap(self.target(ctx, mb)))
+        loss = self.loss_fn(unwrap(output), unwrap(self.target(ctx, mb)))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InputError(f"the loss function must return a scalar tensor, got {loss!r}")
         ctx.losses[mb] = loss.detach()
         return (loss * ctx.scale,)
 
-    def hand_on(self, ctx: StepContext, op: Compute, outputs: Tensors) -> None:
-        """Leave a forward's outputs for the next stage (a send, or a local forward)."""
+    def hand_on(self, ctx: StepContext, op: Compute, output: object) -> Tensors:
+        """Leave a forward's output tensors for the next stage (a send, or a local forward);
+        return those a gradient comes back for."""
+        tensors, got = flatten(output, f"the output of {describe_op(op)}")
         expected = self.boundaries.get(op.stage + 1)
-        got = tuple(TensorSpec(tuple(o.shape), o.dtype) for o in outputs)
-        if expected is not None and got != expected:
-            raise SetupError(
-                f"{describe_op(op)} returned {describe_specs(got)}, but stage "
-                f"{op.stage + 1} takes {describe_specs(expected)}"
-            )
-        ctx.mail[(Msg.ACT, op.pipe, op.stage + 1, op.mb)] = tuple(o.detach() for o in outputs)
+        if expected is not None:
+            check_output(op, got, expected, training=ctx.training)
+        ctx.mail[(Msg.ACT, op.pipe, op.stage + 1, op.mb)] = tuple(t.detach() for t in tensors)
+        carries = _carries(expected or got, tuple(tensors))
+        return tuple(t for t, c in zip(tensors, carries, strict=True) if c)
 
     def output_grads(self, ctx: StepContext, op: Compute, saved: Saved) -> tuple[Tensors, Tensors]:
         """The outputs a backward starts from, with their gradients."""
         if self.chunks[op.chunk].last:
             return saved.outputs, tuple(torch.ones_like(o) for o in saved.outputs)
-        received = iter(take(ctx, (Msg.GRAD, op.pipe, op.stage, op.mb)))
-        pairs = [(o, next(received)) for o in saved.outputs if is_floating(o)]
-        live = [(o, g) for o, g in pairs if o.requires_grad]
+        received = take(ctx, (Msg.GRAD, op.pipe, op.stage, op.mb))
+        live = [(o, g) for o, g in zip(saved.outputs, received, strict=True) if o.requires_grad]
         return tuple(o for o, _ in live), tuple(g for _, g in live)
 
     def hand_back(
@@ -132,11 +171,32 @@ class StageOps:
         if op.stage == 0:
             return
         payload = tuple(
-            g if g is not None else torch.zeros_like(x)
-            for x, g in zip(inputs, grads, strict=True)
-            if is_floating(x)
+            g if g is not None else torch.zeros_like(x) for x, g in zip(inputs, grads, strict=True)
         )
         ctx.mail[(Msg.GRAD, op.pipe, op.stage - 1, op.mb)] = payload
+
+
+def check_output(op: Compute, got: Boundary, expected: Boundary, *, training: bool) -> None:
+    """A stage's output must be the next stage's input: same leaves, and (training) no
+    tensor that needs a gradient where the boundary sends none back."""
+    lost = training and any(
+        bool(g.grad) and not e.carries_grad
+        for g, e in zip(got.tensors, expected.tensors, strict=False)
+    )
+    if not got.same_as(expected, grads=False) or lost:
+        raise SetupError(
+            f"{describe_op(op)} returned {got.describe()}, but stage {op.stage + 1} takes "
+            f"{expected.describe()}"
+            + (" (a tensor that needs a gradient would get none back)" if lost else "")
+        )
+
+
+def _carries(boundary: Boundary | None, tensors: Tensors) -> tuple[bool, ...]:
+    """Which of a message's tensors carry a gradient back: as its boundary says, else the
+    floating ones."""
+    if boundary is not None and len(boundary.tensors) == len(tensors):
+        return tuple(spec.carries_grad for spec in boundary.tensors)
+    return tuple(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors)
 
 
 def take(ctx: StepContext, key: MessageKey) -> Tensors:
@@ -152,14 +212,3 @@ def take(ctx: StepContext, key: MessageKey) -> Tensors:
 
 def describe_op(op: Compute) -> str:
     return f"{op.kind.value}{op.chunk}.{op.mb} (stage {op.stage} of pipe {op.pipe})"
-
-
-def _leaf(tensor: torch.Tensor) -> torch.Tensor:
-    """A stage input as a leaf of this stage's graph (its gradient goes upstream)."""
-    if is_floating(tensor):
-        return tensor.detach().requires_grad_(True)
-    return tensor
-
-
-def is_floating(tensor: torch.Tensor) -> bool:
-    return tensor.dtype.is_floating_point or tensor.dtype.is_complex

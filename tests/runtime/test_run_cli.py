@@ -136,7 +136,8 @@ def test_rank_error_names_rank_and_instruction(
     assert code == 1
     first = err.splitlines()[0]
     assert re.fullmatch(
-        r"error: rank 1: instruction \d+ \(F0\.\d\): ValueError: stage exploded on purpose", first
+        r"error: rank 1, step 0: instruction \d+ \(F0\.\d\): ValueError: stage exploded on purpose",
+        first,
     ), err
     assert "Traceback" not in err
 

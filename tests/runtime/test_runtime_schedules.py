@@ -209,8 +209,8 @@ def test_shape_mismatch_fails_on_every_rank(group4: Results) -> None:
     for result in (r["wrong-shapes"] for r in group4):
         assert result["error"] == "SetupError"
         assert (
-            "rank 0: chunk 0 (stage 0 of pipe 0) returns (float32[2, 6]) for input "
-            "(float32[2, 6]), but stage 1 takes (float32[2, 7])"
+            "rank 0: chunk 0 (stage 0 of pipe 0) returns float32[2, 6] for input "
+            "(float32[2, 6],), but stage 1 takes (float32[2, 7],)"
         ) in result["message"]
 
 
@@ -218,13 +218,22 @@ def test_group_still_works_after_setup_errors(group4: Results) -> None:
     _assert_matches_reference([r["after-errors-1f1b"] for r in group4], 4)
 
 
-def test_recv_timeout_names_rank_instruction_peer_and_message(group2: Results) -> None:
-    result = group2[1]["timeout"]
+def test_recv_timeout_names_rank_step_instruction_peer_and_message(group2: Results) -> None:
+    result = group2[1]["timeout"][1]
     assert result["error"] == "RecvTimeoutError"
     assert result["message"] == (
-        "error: rank 1: instruction 1 (wait 0): recv act pipe 0 stage 1 mb 0 from rank 0 "
+        "error: rank 1, step 1: instruction 1 (wait 0): recv act pipe 0 stage 1 mb 0 from rank 0 "
         "(instruction 0) did not complete within 1 s"
     )
+
+
+def test_a_rank_missing_from_a_step_times_out_the_shape_gather(group2: Results) -> None:
+    result = group2[1]["timeout"][2]
+    assert result["error"] == "RankError"
+    assert result["message"].startswith(
+        "error: rank 1, step 1: the step's shape signature, gathered from every rank before "
+        "the program, did not complete within 1 s"
+    ), result["message"]
 
 
 def test_profile_records_every_post_wait_and_the_sync(group2: Results) -> None:

@@ -1,4 +1,5 @@
-"""Runtime pieces that need no process group: shapes, plans, the cost file."""
+"""Runtime pieces that need no process group: plans, the backend check, the cost file
+(boundaries and shapes: test_boundaries.py)."""
 
 from __future__ import annotations
 
@@ -7,68 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipecc.runtime import TensorSpec, infer_boundaries
+from pipecc.runtime import TensorSpec
 from pipecc.runtime.plan import build_plan as _plan
 from pipecc.runtime.plan import forward_only as _forward_only
 from pipecc.runtime.profile import Recorder, fit_latency, render_cost_file
 from pipecc.runtime.setup import backend_problem
-from pipecc.runtime.specs import as_tuple, meta_forward, normalise_boundaries
 from torch import nn
 
 from pipecc.api import compile_schedule
-from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
 from pipecc.semantics.costs import load_cost_file
-
-
-class Split(nn.Module):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x.sum(-1).to(torch.int64), x * 2
-
-
-def test_infer_boundaries_follows_tuples_and_dtypes() -> None:
-    stages = [nn.Linear(3, 5), Split()]
-    found = infer_boundaries(stages, torch.zeros(2, 3))
-    assert found[0] == (TensorSpec((2, 3), torch.float32),)
-    assert found[1] == (TensorSpec((2, 5), torch.float32),)
-    assert found[2] == (TensorSpec((2,), torch.int64), TensorSpec((2, 5), torch.float32))
-    assert not found[2][0].is_floating and found[2][1].nbytes == 40
-
-
-def test_meta_forward_leaves_the_module_untouched() -> None:
-    norm = nn.BatchNorm1d(4)
-    assert meta_forward(norm, (TensorSpec((3, 4), torch.float32),)) == (
-        TensorSpec((3, 4), torch.float32),
-    )
-    assert int(norm.num_batches_tracked) == 0
-    assert torch.equal(norm.running_mean, torch.zeros(4))
-
-
-def test_inference_failure_asks_for_explicit_boundaries() -> None:
-    with pytest.raises(InputError, match="pass the boundaries explicitly"):
-        infer_boundaries([nn.Linear(3, 5)], torch.zeros(2, 4))
-
-
-def test_boundaries_from_pairs() -> None:
-    found = normalise_boundaries({1: [((2, 3), torch.float16)], 2: TensorSpec((1,), torch.int32)})
-    assert found == {1: (TensorSpec((2, 3), torch.float16),), 2: (TensorSpec((1,), torch.int32),)}
-    with pytest.raises(InputError, match="boundary of stage 1"):
-        normalise_boundaries({1: "2x3"})
-
-
-def test_stage_values_must_be_tensors() -> None:
-    x = torch.zeros(1)
-    assert as_tuple(x) == (x,) and as_tuple([x, x]) == (x, x)
-    with pytest.raises(
-        InputError, match=r"^error: a stage must take and return a tensor or a tuple"
-    ):
-        as_tuple({"x": x})
-    with pytest.raises(
-        InputError, match=r"^error: stage 3 must return a tensor or a tuple of tensors, got int"
-    ):
-        as_tuple(7, 3)
 
 
 def test_a_gloo_only_program_is_refused_on_nccl() -> None:

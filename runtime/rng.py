@@ -1,0 +1,65 @@
+"""Reproducible randomness: every forward of (stage, microbatch) under a derived RNG state.
+
+Before each forward of stage s on microbatch mb in step t, the default generator of the
+stage's device (and the CPU's) is seeded with a 63-bit number derived from (seed, t, s, mb)
+by a splitmix64 chain. Which rank runs the forward, in which order, on which pipe, does not
+matter: every schedule, and the single-process reference that seeds the same way
+(runtime/reference.py), draws the same dropout masks. Distinct (stage, microbatch) pairs
+draw from unrelated streams, so ranks seeded alike do not draw correlated masks. The
+generators' states before the step are restored after it, so the caller's random stream is
+not disturbed. Measured cost per forward: docs/runtime.md ("Reproducible dropout").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+MASK = (1 << 64) - 1
+
+
+def _mix(value: int) -> int:
+    """One splitmix64 step."""
+    value = (value + 0x9E3779B97F4A7C15) & MASK
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK
+    return value ^ (value >> 31)
+
+
+def derive_seed(seed: int, step: int, stage: int, mb: int) -> int:
+    """The seed of one forward: a hash of (seed, step, stage, microbatch), below 2^63."""
+    value = 0
+    for part in (seed, step, stage, mb):
+        value = _mix(value ^ (part & MASK))
+    return value >> 1
+
+
+class ForwardRng:
+    """Seeds the generators of `device` (and the CPU's) for each forward; off when not
+    `enabled`."""
+
+    def __init__(self, device: torch.device, seed: int, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.seed_value = seed
+        self.cuda = device.type == "cuda"
+        self.index = device.index if device.index is not None else 0
+
+    def seed(self, step: int, stage: int, mb: int) -> None:
+        if not self.enabled:
+            return
+        value = derive_seed(self.seed_value, step, stage, mb)
+        torch.default_generator.manual_seed(value)
+        if self.cuda:
+            torch.cuda.default_generators[self.index].manual_seed(value)
+
+    @contextlib.contextmanager
+    def step_scope(self) -> Iterator[None]:
+        """Restore the generators' states after the step (nothing to do when off)."""
+        if not self.enabled:
+            yield
+            return
+        devices = [self.index] if self.cuda else []
+        with torch.random.fork_rng(devices=devices):
+            yield

@@ -1,0 +1,163 @@
+"""Boundaries without a process group: pytrees, shape inference (meta, real, autocast),
+explicit specs, signatures, the RNG derivation, shared-parameter detection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pipecc.runtime import TensorSpec, infer_boundaries, shared_parameters
+from pipecc.runtime.rng import ForwardRng, derive_seed
+from pipecc.runtime.signatures import signature_of
+from pipecc.runtime.specs import meta_forward, normalise_boundaries, real_forward
+from pipecc.runtime.trees import Boundary, boundary_of, flatten, split_tree
+from torch import nn
+
+from pipecc.diagnostics import InputError
+
+F32, I64 = torch.float32, torch.int64
+
+
+class Split(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sum(-1).to(torch.int64), x * 2
+
+
+class ToDict(nn.Module):
+    """Returns a dict with a mask, a detached float, None and a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        h = self.linear(x)
+        return {"h": h, "mask": h > 0, "plain": h.detach(), "none": None, "k": 3}
+
+
+class DataDependent(nn.Module):
+    """Dropout, running statistics and `.item()`: meta tracing fails on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = int((x.abs() >= 0).sum().item()) // x.shape[1]  # all rows
+        return self.drop(self.norm(x[:keep]))
+
+
+def test_infer_boundaries_follows_pytrees_dtypes_and_gradients() -> None:
+    found = infer_boundaries([nn.Linear(3, 5), ToDict(), nn.Identity()], torch.zeros(2, 3))
+    assert found[0].tensors == (TensorSpec((2, 3), F32, False),)
+    assert found[1].tensors == (TensorSpec((2, 5), F32, True),)
+    leaves = found[2].leaves
+    assert leaves == (
+        TensorSpec((2, 5), F32, True), TensorSpec((2, 5), torch.bool, False),
+        TensorSpec((2, 5), F32, False), None, 3,
+    )  # fmt: skip
+    assert found[2].grads == (TensorSpec((2, 5), F32, True),)
+    value = found[2].rebuild(tuple(torch.zeros(s.shape, dtype=s.dtype) for s in found[2].tensors))
+    assert set(value) == {"h", "mask", "plain", "none", "k"} and value["k"] == 3
+    assert value["none"] is None
+    tuples = infer_boundaries([nn.Linear(3, 5), Split()], torch.zeros(2, 3))
+    assert tuples[2].tensors == (TensorSpec((2,), I64, False), TensorSpec((2, 5), F32, True))
+
+
+def test_meta_forward_leaves_the_module_untouched() -> None:
+    norm = nn.BatchNorm1d(4)
+    given = boundary_of(torch.zeros(3, 4), "x")
+    assert meta_forward(norm, given).tensors == (TensorSpec((3, 4), F32, True),)
+    assert int(norm.num_batches_tracked) == 0
+    assert torch.equal(norm.running_mean, torch.zeros(4))
+
+
+def test_data_dependent_stages_run_for_real_without_side_effects() -> None:
+    stage = DataDependent()
+    with pytest.raises(Exception):  # noqa: B017  # meta tensors have no .item()
+        meta_forward(stage, boundary_of(torch.zeros(3, 4), "x"))
+    stages = [nn.Linear(4, 4), stage]
+    torch.manual_seed(5)
+    expected = torch.rand(8)
+    torch.manual_seed(5)
+    found = infer_boundaries(stages, torch.zeros(3, 4))
+    assert found[2].tensors == (TensorSpec((3, 4), F32, True),)
+    assert torch.equal(torch.rand(8), expected), "the RNG stream is not consumed"
+    assert int(stage.norm.num_batches_tracked) == 0
+    assert torch.equal(stage.norm.running_mean, torch.zeros(4))
+
+
+def test_autocast_outputs_are_inferred_in_their_dtype() -> None:
+    stages = [nn.Linear(4, 4), nn.Linear(4, 2)]
+    found = infer_boundaries(stages, torch.zeros(3, 4), autocast=torch.bfloat16)
+    assert found[1].tensors == (TensorSpec((3, 4), torch.bfloat16, True),)
+    assert found[2].tensors == (TensorSpec((3, 2), torch.bfloat16, True),)
+    plain = real_forward(stages[0], found[0], torch.device("cpu"))
+    assert plain.tensors == (TensorSpec((3, 4), F32, True),)
+
+
+def test_inference_failure_asks_for_explicit_boundaries() -> None:
+    with pytest.raises(InputError, match="give the boundaries explicitly"):
+        infer_boundaries([nn.Linear(3, 5)], torch.zeros(2, 4))
+
+
+def test_boundaries_from_pairs_and_specs() -> None:
+    found = normalise_boundaries({1: [((2, 3), torch.float16)], 2: TensorSpec((1,), torch.int32)})
+    assert found[1].tensors == (TensorSpec((2, 3), torch.float16),)
+    assert found[2].tensors == (TensorSpec((1,), torch.int32),)
+    assert found[1].grads == found[1].tensors, "a floating spec without a flag carries one"
+    assert found[2].grads == ()
+    with pytest.raises(InputError, match="boundary of stage 1"):
+        normalise_boundaries({1: "2x3"})
+
+
+def test_a_leaf_that_is_neither_tensor_nor_constant_is_refused() -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(InputError, match="the output of F0.0 holds a Opaque"):
+        flatten({"x": torch.zeros(1), "o": Opaque()}, "the output of F0.0")
+
+
+def test_boundary_text_round_trips_and_signatures_tell_shapes_apart() -> None:
+    value = {"ids": torch.zeros(2, 8, dtype=I64), "mask": None, "scale": 0.5}
+    boundary = boundary_of(value, "x")
+    assert Boundary.from_text(boundary.text()) == boundary
+    assert signature_of(value) == signature_of({**value})
+    other = {**value, "ids": torch.zeros(2, 6, dtype=I64)}
+    assert signature_of(value)[0] != signature_of(other)[0]
+    assert boundary.describe() == "{'ids': int64[2, 8], 'mask': None, 'scale': 0.5}"
+
+
+def test_split_tree_splits_tensor_leaves_and_repeats_constants() -> None:
+    value = {"x": torch.arange(8).view(4, 2), "flag": True}
+    parts = split_tree(value, 2, "inputs", torch.device("cpu"))
+    assert [p["x"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert all(p["flag"] is True for p in parts)
+    with pytest.raises(InputError, match="3 rows cannot be split into 2"):
+        split_tree(torch.zeros(3), 2, "inputs", torch.device("cpu"))
+
+
+def test_rng_derivation_is_a_function_of_seed_step_stage_and_microbatch() -> None:
+    seeds = {derive_seed(0, t, s, m) for t in range(3) for s in range(4) for m in range(4)}
+    assert len(seeds) == 48 and all(0 <= v < 2**63 for v in seeds)
+    assert derive_seed(1, 0, 0, 0) != derive_seed(0, 0, 0, 0)
+    rng = ForwardRng(torch.device("cpu"), 7, enabled=True)
+    torch.manual_seed(3)
+    expected = torch.rand(8)
+    torch.manual_seed(3)
+    with rng.step_scope():
+        rng.seed(2, 1, 3)
+        first = torch.rand(4)
+        rng.seed(2, 1, 3)
+        assert torch.equal(torch.rand(4), first)
+    assert torch.equal(torch.rand(8), expected), "the caller's stream is restored"
+
+
+def test_shared_parameters_are_found_by_identity() -> None:
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+    head.weight = embed.weight
+    stages = [nn.Sequential(embed), nn.Linear(3, 3), nn.Sequential(head)]
+    assert shared_parameters(stages) == (((0, "0.weight"), (2, "0.weight")),)
+    assert shared_parameters([nn.Linear(2, 2), nn.Linear(2, 2)]) == ()
