@@ -27,7 +27,7 @@ from pipecc.ir.program import Program
 
 from .checking import check_run
 from .config import RuntimeConfig
-from .model_file import ModelFile, check_targets, load_model, param_dtypes
+from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .pipeline import PipelineRuntime
 from .profile import Recorder, render_cost_file
 from .reference import Options, ParamKey, default_tolerance
@@ -35,6 +35,8 @@ from .shared import shared_parameters
 from .spawn import spawn
 from .specs import infer_boundaries
 from .trees import boundary_of, split_tree
+
+__all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,8 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
     header = "\n".join(
         (
             f"pipecc run --profile: {program.schedule}, P={program.num_ranks}, "
-            f"M={program.num_microbatches}, batch {job.batch_size} rows, model {job.model}",
+            f"M={program.num_microbatches}, batch {job.batch_size} rows, model {job.model}, "
+            f"comm policy {program.comm}",
             f"measured on {backend_for(program.num_ranks)} over {job.steps} timed step(s), "
             "means in ms: F, B, I, W, FB, FI = the",
             "wall time of each compute op (FB/FI: a fused F&B/F&I, under its forward's stage);",

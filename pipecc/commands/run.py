@@ -19,6 +19,7 @@ from pipecc.commands.common import (
     write_output,
 )
 from pipecc.diagnostics import InputError, ProgramError
+from pipecc.driver.load import load, needs_lowering
 from pipecc.ir.program import Program
 
 DESCRIPTION = """\
@@ -28,7 +29,13 @@ single-process reference (docs/runtime.md).
 
 The model file defines build_stages(num_stages) -> list of modules (the whole model as
 consecutive stages, deterministic), make_batch(num_rows, seed) -> (inputs, targets), and
-optionally loss_fn(output, target) (default: mean squared error).
+optionally loss_fn(output, target) (default: mean squared error, for floating targets),
+boundaries(example_inputs) (explicit boundary specs) and autocast (a torch dtype).
+
+When pipecc compiles the program itself (a .sched file, a bundled name, a compute-only
+.json or .csv) and no --comm-policy is given, it places the comm ops for the backend:
+early-recv on gloo, the default (NCCL-safe) policy on NCCL. A compiled .json runs as
+compiled.
 """
 
 EPILOG = """\
@@ -36,7 +43,8 @@ examples:
   pipecc run schedules/zb_h1.sched --nproc 4 --microbatches 8 --model examples/mlp.py --check
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --steps 10 --warmup 2 --json
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
-  pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy early-recv --check
+  pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy default --check
+  pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
 
 exit codes: 0 ok; 1 the check failed or a rank failed (the message names the rank and
 instruction); 2 input pipecc cannot use.
@@ -70,9 +78,23 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--tolerance",
         type=float,
-        default=1e-5,
-        help="largest max_rel_grad_diff (and relative loss difference) that "
-        "--check accepts (default: 1e-5)",
+        help="largest max_rel_grad_diff (and relative loss difference) that --check accepts "
+        "(default: 1e-5 in fp32, 1e-2 with bf16 or fp16 parameters or autocast)",
+    )
+    cmd.add_argument(
+        "--seed", type=int, default=0, help="the seed of the per-forward RNG states (default: 0)"
+    )
+    cmd.add_argument(
+        "--no-rng-derivation",
+        dest="derive_rng",
+        action="store_false",
+        help="run forwards on the ranks' own RNG streams instead of states derived from "
+        "(seed, step, stage, microbatch); --check then fails with dropout",
+    )
+    cmd.add_argument(
+        "--autocast",
+        choices=("bf16", "fp16"),
+        help="run every forward under torch.autocast with this dtype (overrides the model file)",
     )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.add_argument(
@@ -95,7 +117,13 @@ def _count(text: str) -> int:
     return value
 
 
-def _program(args: argparse.Namespace) -> Program:
+def _program(args: argparse.Namespace, backend: str) -> tuple[Program, str]:
+    """The program to run, and where its comm policy came from: `flag` (--comm-policy),
+    `program` (a compiled .json keeps its own) or `backend` (compiled here, for it)."""
+    choice = "flag" if args.comm_policy is not None else "program"
+    if args.comm_policy is None and _compiled_here(args):
+        choice = "backend"
+        args = argparse.Namespace(**{**vars(args), "comm_policy": _policy_for(backend)})
     program = load_input(args.file, args)
     if args.ranks is not None and program.num_ranks != args.ranks:
         raise InputError(
@@ -106,17 +134,38 @@ def _program(args: argparse.Namespace) -> Program:
             f"{args.file}: the program is for {program.num_microbatches} "
             f"microbatches, not -M {args.microbatches}"
         )
-    return program
+    return program, choice
+
+
+def _compiled_here(args: argparse.Namespace) -> bool:
+    """A .sched file (or a bundled name), or a compute-only .json or .csv."""
+    if not args.file.endswith((".json", ".csv")):
+        return True
+    return needs_lowering(load(args.file, lowering=None).program)
+
+
+def _policy_for(backend: str) -> str:
+    """The comm policy that suits the backend: early receives on gloo (each receive posted
+    at the start of the step; faster, docs/performance.md), the NCCL-safe default on NCCL."""
+    return "early-recv" if backend == "gloo" else "default"
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    if args.ranks is not None:
+        return int(args.ranks)
+    if args.file.endswith((".json", ".csv")):
+        return load(args.file, lowering=None).program.num_ranks
+    raise InputError(f"{args.file}: a .sched file needs --nproc (or -P)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise InputError("--timeout must be positive")
-    program = _program(args)
     try:
-        from pipecc.runtime.launcher import RunJob, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
+        from pipecc.runtime.launcher import AUTOCAST, RunJob, backend_for, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}") from None
+    program, choice = _program(args, backend_for(_ranks(args)))
     batch = args.batch_size or 8 * program.num_microbatches
     job = RunJob(
         program=program,
@@ -127,12 +176,18 @@ def run(args: argparse.Namespace) -> int:
         check=args.check,
         timeout=args.timeout,
         profile=args.profile is not None,
+        seed=args.seed,
+        derive_rng=args.derive_rng,
+        autocast=AUTOCAST.get(args.autocast),
     )
     report = run_job(job)
     if args.profile is not None and report.cost_file is not None:
         write_output(report.cost_file, args.profile)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
-    failure = _failure(fields, args.tolerance) if args.check else None
+    fields["comm_choice"] = choice
+    tolerance = args.tolerance if args.tolerance is not None else fields["tolerance"]
+    fields["tolerance"] = tolerance
+    failure = _failure(fields, tolerance) if args.check else None
     if args.json:
         print(json.dumps(fields))
     else:
@@ -145,7 +200,12 @@ def run(args: argparse.Namespace) -> int:
 def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
     rel = fields["max_rel_grad_diff"]
     if rel > tolerance:
-        return f"max_rel_grad_diff {rel:.3g} > tolerance {tolerance:g}"
+        worst = "".join(
+            f"\n  stage {d['stage']} '{d['name']}' on rank {d['rank']}: max abs diff "
+            f"{d['max_abs']:.3g}, rel {d['max_rel']:.3g}"
+            for d in fields["worst_params"]
+        )
+        return f"max_rel_grad_diff {rel:.3g} > tolerance {tolerance:g}; worst parameters:{worst}"
     loss, ref = fields["loss"], fields["reference_loss"]
     if abs(loss - ref) > tolerance * max(abs(ref), 1e-30):
         return f"loss {loss!r} differs from the reference {ref!r} (tolerance {tolerance:g})"
@@ -155,7 +215,7 @@ def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
 def _print_summary(fields: dict[str, Any], args: argparse.Namespace, failure: str | None) -> None:
     print(
         f"{fields['schedule']}  P={fields['ranks']} M={fields['microbatches']}  "
-        f"batch {fields['batch_size']} rows  backend {fields['backend']}"
+        f"batch {fields['batch_size']} rows  backend {fields['backend']}  comm {fields['comm']}"
     )
     line = f"loss {fields['loss']:.6g}"
     if fields["reference_loss"] is not None:
@@ -165,7 +225,7 @@ def _print_summary(fields: dict[str, Any], args: argparse.Namespace, failure: st
         verdict = "ok" if failure is None else "FAILED"
         print(
             f"gradients: max abs diff {fields['max_abs_grad_diff']:.3g}, max rel diff "
-            f"{fields['max_rel_grad_diff']:.3g} (tolerance {args.tolerance:g}): {verdict}"
+            f"{fields['max_rel_grad_diff']:.3g} (tolerance {fields['tolerance']:g}): {verdict}"
         )
     print(
         f"step {fields['step_ms']:.3f} ms (median of {fields['steps']} step(s) after "

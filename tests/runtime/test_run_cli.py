@@ -43,7 +43,7 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     report = json.loads(result.stdout)  # exactly one JSON object, nothing else on stdout
     assert FIELDS <= set(report)
     assert report["schedule"] == "dualpipev"
-    assert report["comm"] == "default"
+    assert (report["comm"], report["comm_choice"]) == ("early-recv", "backend"), "gloo's policy"
     assert (report["ranks"], report["microbatches"], report["steps"]) == (2, 4, 2)
     assert report["batch_size"] == 32, "default batch size is 8·M"
     assert report["max_rel_grad_diff"] <= 1e-6
@@ -51,6 +51,7 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert report["step_ms"] > 0
     text = costs.read_text()
     assert text.startswith("# pipecc run --profile: dualpipev")
+    assert "comm policy early-recv\n" in text, "the cost file says which policy it measured"
     model = load_cost_file(costs)  # the simulator's parser accepts it
     assert model.unit == "ms"
     for key in ("F", "B", "I", "W", "FB", "comm", "bytes"):
@@ -61,13 +62,20 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert [stage for stage, _ in model.stages] == [0, 1, 2, 3]
 
 
-def test_early_recv_policy_runs_on_gloo_and_matches_the_reference() -> None:
+def test_the_flag_or_a_compiled_program_chooses_the_policy(tmp_path: Path) -> None:
     result = pipecc("run", "zbv", "--nproc", "2", "-M", "4", "--model", MLP, "--check", "--json",
-                    "--comm-policy", "early-recv")  # fmt: skip
+                    "--comm-policy", "default")  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["comm"] == "early-recv"
+    assert (report["comm"], report["comm_choice"]) == ("default", "flag")
     assert report["max_rel_grad_diff"] <= 1e-6
+    compiled = tmp_path / "zbv.json"
+    made = pipecc("compile", "zbv", "-P", "2", "-M", "4", "-o", str(compiled))
+    assert made.returncode == 0, made.stderr
+    result = pipecc("run", str(compiled), "--model", MLP, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["comm"], report["comm_choice"]) == ("default", "program"), "runs as compiled"
 
 
 def run_inline(
@@ -126,6 +134,24 @@ def test_failed_check_exits_1(
     assert code == 1
     assert json.loads(out)["max_rel_grad_diff"] > 1e-5
     assert "check failed: max_rel_grad_diff" in err
+    assert re.search(r"worst parameters:\n  stage \d '[\w.]+' on rank \d: max abs diff", err), err
+
+
+def test_integer_targets_without_loss_fn_name_loss_fn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "classes.py"
+    model.write_text(
+        "import torch\n"
+        "def build_stages(n):\n"
+        "    return [torch.nn.Linear(4, 4) for _ in range(n)]\n"
+        "def make_batch(rows, seed):\n"
+        "    return torch.zeros(rows, 4), torch.zeros(rows, dtype=torch.int64)\n"
+    )
+    code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "2",
+                              "--model", str(model))  # fmt: skip
+    assert code == 2, err
+    assert "make_batch returns int64 targets, but the model file defines no loss_fn" in err
 
 
 def test_rank_error_names_rank_and_instruction(
