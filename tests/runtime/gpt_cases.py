@@ -1,0 +1,248 @@
+"""GPT cases the runtime tests run inside one spawned process group (P=2).
+
+The model is examples/gpt.py at a small size. Each case builds the whole model on every
+rank, runs one or more steps through a `PipelineRuntime` and compares this rank's gradients
+with a single-process reference it computes itself (same RNG derivation, same autocast).
+Variants: plain, tied embeddings, dict boundaries, a shape change between steps, dropout,
+bf16 parameters (with and without fp32 accumulation), autocast with a bf16 boundary, and
+AdamW training against single-process training. Functions here run in the spawned
+processes: keep them importable and picklable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
+from pipecc.runtime.reference import Options, gradients, reference_step
+from torch import nn
+
+from pipecc.diagnostics import PipeccError
+from pipecc.ir.program import Program
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = 2  # rows per microbatch
+BF16 = torch.bfloat16
+# Adam divides by sqrt(v) + eps: a gradient that is zero in exact arithmetic (the attention's
+# key bias: softmax ignores a shift) is rounding noise of 1e-9 here, which the default eps
+# (1e-8) turns into a full-size step of either sign in both runs alike; with 1e-6 such noise
+# moves nothing, and every real gradient is far above it.
+EPS = 1e-6
+
+
+def _gpt() -> Any:
+    """examples/gpt.py as a module (one copy per process, so its classes pickle)."""
+    if "pipecc_example_gpt" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "pipecc_example_gpt", ROOT / "examples/gpt.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["pipecc_example_gpt"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["pipecc_example_gpt"]
+
+
+def config(variant: str, seq: int = 8) -> Any:
+    gpt = _gpt()
+    dropout = 0.2 if variant == "dropout" else 0.0
+    return gpt.GPTConfig(vocab=32, dim=16, heads=2, seq=seq, layers=0, tied=variant == "tied",
+                         dropout=dropout)  # fmt: skip
+
+
+class DictStage(nn.Module):
+    """A GPT stage that takes and returns a dict: the hidden state, an integer mask that
+    carries no gradient, a detached float, None and a constant; the last stage returns a
+    dict whose logits the loss reads."""
+
+    def __init__(self, inner: nn.Module, first: bool, last: bool) -> None:
+        super().__init__()
+        self.inner, self.first, self.last = inner, first, last
+
+    def forward(self, value: Any) -> dict[str, Any]:
+        if self.first:
+            h, mask = self.inner(value), (value % 2).to(torch.int64)
+        else:
+            h = self.inner(value["h"] * value["mask"].unsqueeze(-1).to(value["h"].dtype).add(1))
+            mask = value["mask"]
+        if self.last:
+            return {"logits": h, "aux": None}
+        return {"h": h, "mask": mask, "plain": h.detach() * 0.5, "none": None, "k": 2}
+
+
+class Bf16Out(nn.Module):
+    """A GPT stage ending with a Linear, so under bf16 autocast its output is bf16."""
+
+    def __init__(self, inner: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.inner, self.out = inner, nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
+def build(variant: str, num_stages: int) -> list[nn.Module]:
+    cfg = config(variant)
+    stages: list[nn.Module] = list(_gpt().build_stages(num_stages, cfg))
+    torch.manual_seed(1)
+    if variant == "dict":
+        stages = [DictStage(s, i == 0, i == num_stages - 1) for i, s in enumerate(stages)]
+    if variant == "autocast":
+        stages = [Bf16Out(s, cfg.dim) if i < num_stages - 1 else s for i, s in enumerate(stages)]
+    if variant in ("bf16", "bf16-fp32"):
+        stages = [s.to(BF16) for s in stages]
+    return stages
+
+
+def batch(variant: str, microbatches: int, step: int) -> tuple[Any, Any]:
+    seq = 6 if variant == "shapes" and step % 2 else 8
+    return _gpt().make_batch(ROWS * microbatches, seed=step, config=config(variant, seq))
+
+
+def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output["logits"] if isinstance(output, dict) else output
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+@dataclass(frozen=True)
+class GptCase:
+    """One GPT configuration: the program, the variant and how many steps."""
+
+    name: str
+    program: Program
+    variant: str = "plain"
+    steps: int = 1
+    train: bool = False  # AdamW steps, compared with single-process training
+
+    @property
+    def options(self) -> Options:
+        autocast = BF16 if self.variant == "autocast" else None
+        return Options(seed=3, autocast=autocast, fp32_grads=self.variant == "bf16-fp32")
+
+
+def run_gpt_cases(rank: int, world: int, cases: list[GptCase]) -> dict[str, dict[str, Any]]:
+    """Run every case on this rank; per case, what the tests assert on."""
+    results = {}
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            result = _train_case(rank, case) if case.train else _check_case(rank, case)
+        except PipeccError as err:
+            result = {"error": type(err).__name__, "message": str(err)}
+        result["seconds"] = time.perf_counter() - start
+        results[case.name] = result
+    return results
+
+
+def _runtime(rank: int, case: GptCase, stages: list[nn.Module]) -> PipelineRuntime:
+    program, options = case.program, case.options
+    modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
+    cfg = RuntimeConfig(shared=shared_parameters(stages), seed=options.seed,
+                        autocast=options.autocast, fp32_grads=options.fp32_grads)  # fmt: skip
+
+    def boundaries(sample: Any) -> Any:
+        return infer_boundaries(stages, sample, autocast=options.autocast)
+
+    return PipelineRuntime(program, modules, boundaries, loss_fn=loss_fn, config=cfg)
+
+
+def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
+    num_stages = case.program.placement.num_stages(0)
+    stages = build(case.variant, num_stages)
+    runtime = _runtime(rank, case, stages)
+    reference = build(case.variant, num_stages)
+    held = {slot.stage for slot in case.program.placement.chunks(rank)}
+    worst, losses, specs = 0.0, [], []
+    for step in range(case.steps):
+        for stage in stages:
+            stage.zero_grad(set_to_none=True)
+        data = batch(case.variant, case.program.num_microbatches, step)
+        runtime.step(*data)
+        specs.append({s: b.describe() for s, b in runtime.interpreter.stage.boundaries.items()})
+        options = case.options._replace(step=step)
+        want_loss, want = reference_step(reference, data, case.program.num_microbatches,
+                                         loss_fn, options)  # fmt: skip
+        worst = max(worst, _worst(gradients(stages), want, held))
+        losses.append((float(runtime.global_loss()), want_loss))
+    main = None
+    if case.options.fp32_grads:  # the fp32 sums themselves, before the rounding to bf16
+        main = _worst(_main_grads(stages, held), _main_grads(reference, held), held)
+    return {"grad_rel": worst, "losses": losses, "boundaries": specs, "main_rel": main,
+            "dropout_active": _dropout_active(case, reference, data)}  # fmt: skip
+
+
+def _main_grads(stages: list[nn.Module], held: set[int]) -> dict[Any, torch.Tensor]:
+    return {
+        (i, n): p.main_grad
+        for i, s in enumerate(stages)
+        if i in held
+        for n, p in s.named_parameters()
+    }
+
+
+def _worst(got: dict[Any, torch.Tensor], want: dict[Any, torch.Tensor], held: set[int]) -> float:
+    worst = 0.0
+    for key, ref in want.items():
+        if key[0] in held:
+            scale = float(ref.float().abs().max()) or 1.0
+            worst = max(worst, float((got[key].float() - ref.float()).abs().max()) / scale)
+    return worst
+
+
+def _dropout_active(case: GptCase, reference: list[nn.Module], data: Any) -> bool | None:
+    """With dropout, another seed must give other gradients (the masks matter)."""
+    if case.variant != "dropout":
+        return None
+    microbatches = case.program.num_microbatches
+    _, one = reference_step(reference, data, microbatches, loss_fn, case.options)
+    _, other = reference_step(reference, data, microbatches, loss_fn,
+                              case.options._replace(seed=4))  # fmt: skip
+    return any(not torch.equal(one[k], other[k]) for k in one)
+
+
+def _train_case(rank: int, case: GptCase) -> dict[str, Any]:
+    """AdamW with gradient clipping for `steps` steps, pipelined and on one process."""
+    num_stages = case.program.placement.num_stages(0)
+    stages = build(case.variant, num_stages)
+    runtime = _runtime(rank, case, stages)
+    optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2, eps=EPS)
+    single = build(case.variant, num_stages)
+    single_params = list({id(p): p for s in single for p in s.parameters()}.values())
+    reference_optimizer = torch.optim.AdamW(single_params, lr=1e-2, eps=EPS)
+    norms, losses = [], []
+    for step in range(case.steps):
+        data = batch(case.variant, case.program.num_microbatches, step)
+        optimizer.zero_grad(set_to_none=True)
+        runtime.step(*data)
+        norm = runtime.clip_grad_norm_(0.5)
+        optimizer.step()
+        options = case.options._replace(step=step)
+        want_loss, _ = reference_step(single, data, case.program.num_microbatches, loss_fn, options)
+        want_norm = nn.utils.clip_grad_norm_(single_params, 0.5)
+        reference_optimizer.step()
+        norms.append((float(norm), float(want_norm)))
+        losses.append((float(runtime.global_loss()), want_loss))
+    held = {slot.stage for slot in case.program.placement.chunks(rank)}
+    weights = {
+        (i, n): p.detach().clone() for i, s in enumerate(stages) for n, p in s.named_parameters()
+    }
+    want = {
+        (i, n): p.detach().clone() for i, s in enumerate(single) for n, p in s.named_parameters()
+    }
+    return {"weight_rel": _worst(weights, want, held), "norms": norms, "losses": losses,
+            "optimized": len(optimizer.param_groups[0]["params"]),
+            "distinct": len({id(p) for p in _listed(runtime)})}  # fmt: skip
+
+
+def _listed(runtime: PipelineRuntime) -> list[nn.Parameter]:
+    return [p for m in runtime.modules.values() for p in m.parameters()]
+
+
+def with_variant(case: GptCase, variant: str, name: str) -> GptCase:
+    return replace(case, variant=variant, name=name)

@@ -1,0 +1,117 @@
+"""The GPT of examples/gpt.py through the runtime: every bundled schedule, the features a
+real model needs on a loop placement, a V shape and the bidirectional one, and training.
+
+One process group of 2 ranks runs every case (gpt_cases.py). Each compares every gradient
+of this rank's stages with a single-process reference it computes itself: fp32 within 1e-5
+of the largest reference gradient of each parameter, bf16 within 2e-2.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+from gpt_cases import GptCase, run_gpt_cases
+from pipecc.runtime.spawn import spawn
+from runtime_cases import SCHEDULES, compile_case, microbatch_counts
+
+Results = list[dict[str, dict[str, Any]]]
+FEATURES = ("tied", "dict", "shapes", "dropout", "bf16", "bf16-fp32", "autocast")
+PLACEMENTS = {"loop": ("zb_h1", 4), "vshape": ("zbv", 4), "bidirectional": ("dualpipe", 4)}
+TOLERANCE = {"bf16": 2e-2, "bf16-fp32": 2e-2}
+TRAINING = ("1f1b", "zbv", "dualpipe")
+
+
+@functools.cache
+def cases() -> tuple[GptCase, ...]:
+    found = [
+        GptCase(f"{name}-M{m}", compile_case(name, 2, m))
+        for name in SCHEDULES
+        for m in (microbatch_counts(name, 2)[0],)
+    ]
+    for variant in FEATURES:
+        for placement, (name, m) in PLACEMENTS.items():
+            steps = 2 if variant == "shapes" else 1
+            program = compile_case(name, 2, m)
+            found.append(GptCase(f"{variant}-{placement}", program, variant, steps))
+    for name in TRAINING:
+        found.append(GptCase(f"train-{name}", compile_case(name, 2, 4), "tied", 3, train=True))
+    return tuple(found)
+
+
+@pytest.fixture(scope="module")
+def results() -> Results:
+    return spawn(run_gpt_cases, 2, list(cases()), timeout=300.0)  # type: ignore[no-any-return]
+
+
+def _each(results: Results, name: str) -> list[dict[str, Any]]:
+    found = [r[name] for r in results]
+    for result in found:
+        assert "error" not in result, result
+    return found
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_trains_the_gpt_like_one_process(results: Results, name: str) -> None:
+    (case,) = [c for c in cases() if c.name.startswith(f"{name}-M")]
+    for result in _each(results, case.name):
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        for got, want in result["losses"]:
+            assert abs(got - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("variant", FEATURES)
+def test_features_match_the_reference(results: Results, variant: str, placement: str) -> None:
+    tolerance = TOLERANCE.get(variant, 1e-5)
+    for result in _each(results, f"{variant}-{placement}"):
+        assert result["grad_rel"] <= tolerance, result["grad_rel"]
+        for got, want in result["losses"]:
+            assert abs(got - want) <= tolerance * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_a_shape_change_between_steps_is_learned(results: Results, placement: str) -> None:
+    for result in _each(results, f"shapes-{placement}"):
+        first, second = result["boundaries"]
+        assert "float32[2, 8, 16]" in first[1] and "float32[2, 6, 16]" in second[1], result
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_dict_boundaries_send_only_what_needs_a_gradient(results: Results, placement: str) -> None:
+    (boundary,) = {r["boundaries"][0][1] for r in _each(results, f"dict-{placement}")}
+    assert boundary == (
+        "{'h': float32[2, 8, 16], 'mask': int64[2, 8], 'plain': float32[2, 8, 16], "
+        "'none': None, 'k': 2}"
+    )
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_dropout_is_active_and_reproduced(results: Results, placement: str) -> None:
+    assert all(r["dropout_active"] for r in _each(results, f"dropout-{placement}"))
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_fp32_accumulation_keeps_the_fp32_sum(results: Results, placement: str) -> None:
+    for result in _each(results, f"bf16-fp32-{placement}"):
+        assert result["main_rel"] <= 1e-5, result["main_rel"]
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_autocast_boundaries_are_bf16(results: Results, placement: str) -> None:
+    for result in _each(results, f"autocast-{placement}"):
+        assert "bfloat16[2, 8, 16]" in result["boundaries"][0][1], result["boundaries"]
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_adamw_training_with_clipping_matches_one_process(results: Results, name: str) -> None:
+    for result in _each(results, f"train-{name}"):
+        # Adam's 1/sqrt(v) amplifies rounding differences of 1e-7 in small gradients: the
+        # weights after 3 steps agree within 1e-4 of each parameter's largest weight
+        assert result["weight_rel"] <= 1e-4, result["weight_rel"]
+        for got, want in result["norms"]:
+            assert abs(got - want) <= 1e-5 * want
+        for got, want in result["losses"]:
+            assert abs(got - want) <= 1e-5 * want
+        assert result["optimized"] == result["distinct"], "each object once, the tied one too"
