@@ -67,8 +67,7 @@ def main() -> None:
         loss_fn=loss_fn,
         config=RuntimeConfig(device=device),
     )
-    params = [p for module in modules.values() for p in module.parameters()]
-    optimizer = torch.optim.Adam(params, lr=args.lr)
+    optimizer = torch.optim.Adam(runtime.parameters(), lr=args.lr)  # each parameter once
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         inputs, targets = make_batch(rows, seed=step)

@@ -52,7 +52,8 @@ def _gpt() -> Any:
 def config(variant: str, seq: int = 8) -> Any:
     gpt = _gpt()
     dropout = 0.2 if variant == "dropout" else 0.0
-    return gpt.GPTConfig(vocab=32, dim=16, heads=2, seq=seq, layers=0, tied=variant == "tied",
+    tied = variant in ("tied", "undeclared")
+    return gpt.GPTConfig(vocab=32, dim=16, heads=2, seq=seq, layers=0, tied=tied,
                          dropout=dropout)  # fmt: skip
 
 
@@ -143,7 +144,8 @@ def run_gpt_cases(rank: int, world: int, cases: list[GptCase]) -> dict[str, dict
 def _runtime(rank: int, case: GptCase, stages: list[nn.Module]) -> PipelineRuntime:
     program, options = case.program, case.options
     modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
-    cfg = RuntimeConfig(shared=shared_parameters(stages), seed=options.seed,
+    shared = () if case.variant == "undeclared" else shared_parameters(stages)
+    cfg = RuntimeConfig(shared=shared, seed=options.seed,
                         autocast=options.autocast, fp32_grads=options.fp32_grads)  # fmt: skip
 
     def boundaries(sample: Any) -> Any:

@@ -35,6 +35,7 @@ def cases() -> tuple[GptCase, ...]:
             steps = 2 if variant == "shapes" else 1
             program = compile_case(name, 2, m)
             found.append(GptCase(f"{variant}-{placement}", program, variant, steps))
+    found.append(GptCase("undeclared-dualpipe", compile_case("dualpipe", 2, 4), "undeclared"))
     for name in TRAINING:
         found.append(GptCase(f"train-{name}", compile_case(name, 2, 4), "tied", 3, train=True))
     return tuple(found)
@@ -115,3 +116,12 @@ def test_adamw_training_with_clipping_matches_one_process(results: Results, name
         for got, want in result["losses"]:
             assert abs(got - want) <= 1e-5 * want
         assert result["optimized"] == result["distinct"], "each object once, the tied one too"
+
+
+def test_an_undeclared_tie_across_ranks_stops_every_rank(results: Results) -> None:
+    for result in (r["undeclared-dualpipe"] for r in results):
+        assert result["error"] == "SetupError", result
+        assert (
+            "'head.lm.weight' of stage 1 is the same Parameter as 'embed.tokens.weight' of "
+            "stage 0, but no declaration joins them"
+        ) in result["message"]
