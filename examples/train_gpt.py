@@ -15,15 +15,13 @@ microbatches on every rank).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from gpt import GPTConfig, build_stages, loss_fn, make_batch  # examples/gpt.py, beside this
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
-
-from pipecc.api import compile_schedule
+from train_mlp import compile_for_world, setup  # examples/train_mlp.py, beside this
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,26 +39,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def setup() -> torch.device:
-    """The process group torchrun describes: NCCL on a GPU per rank, else gloo."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-        return device
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
-
-
 def main() -> None:
     args = parse_args()
     device = setup()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    defines = {k: int(v) for k, v in (d.split("=", 1) for d in args.defines)}
-    program = compile_schedule(
-        args.schedule, ranks=world, microbatches=args.microbatches, defines=defines
-    )
+    rank = dist.get_rank()
+    program = compile_for_world(args.schedule, args.microbatches, args.defines)
     config = GPTConfig(tied=args.tied, dropout=args.dropout, layers=args.layers)
     stages = [s.to(device) for s in build_stages(program.placement.num_stages(0), config)]
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}

@@ -23,6 +23,7 @@ from mlp import build_stages, loss_fn, make_batch  # examples/mlp.py, beside thi
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries
 
 from pipecc.api import compile_schedule
+from pipecc.ir.program import Program
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,14 +49,19 @@ def setup() -> torch.device:
     return torch.device("cpu")
 
 
+def compile_for_world(schedule: str, microbatches: int, defines: list[str]) -> Program:
+    """The program every rank compiles alike, for the world's size (-D NAME=VALUE defines)."""
+    values = {k: int(v) for k, v in (d.split("=", 1) for d in defines)}
+    return compile_schedule(
+        schedule, ranks=dist.get_world_size(), microbatches=microbatches, defines=values
+    )
+
+
 def main() -> None:
     args = parse_args()
     device = setup()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    defines = {k: int(v) for k, v in (d.split("=", 1) for d in args.defines)}
-    program = compile_schedule(
-        args.schedule, ranks=world, microbatches=args.microbatches, defines=defines
-    )
+    rank = dist.get_rank()
+    program = compile_for_world(args.schedule, args.microbatches, args.defines)
     stages = [s.to(device) for s in build_stages(program.placement.num_stages(0))]
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}
     rows = args.batch_size or 8 * args.microbatches
