@@ -103,10 +103,13 @@ CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", STOPPED
 
 
 def _failure(failures: dict[int, str]) -> RankError:
-    """The first rank that failed on its own, with the others (mostly its victims) as notes."""
+    """The first rank that failed on its own, with the others (mostly its victims) as notes;
+    an error every rank raised alike (a setup error agreed by all) is said once."""
     ordered = sorted(failures.items(), key=lambda item: (_is_consequence(item[1]), item[0]))
     first, *rest = (text for _, text in ordered)
-    return RankError(first, notes=tuple((None, text) for text in rest))
+    return RankError(
+        first, notes=tuple((None, text) for text in dict.fromkeys(rest) if text != first)
+    )
 
 
 def _is_consequence(text: str) -> bool:

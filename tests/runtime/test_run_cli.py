@@ -177,3 +177,33 @@ def test_killed_rank_stops_the_others(
     assert code == 1
     assert err.splitlines()[0] == "error: rank 1: the process died (killed by SIGKILL)", err
     assert time.monotonic() - start < 60, "the others stopped long before their timeout"
+
+
+def test_model_file_boundaries_and_autocast(tmp_path: Path) -> None:
+    """A model file's boundaries(example_inputs) and autocast are used: the GPT under bf16
+    autocast with explicit specs checks within the bf16 tolerance, which --json reports."""
+    model = tmp_path / "gpt_bf16.py"
+    model.write_text(
+        "import runpy, torch\n"
+        "from pipecc.runtime import TensorSpec\n"
+        f"gpt = runpy.run_path({str(ROOT / 'examples' / 'gpt.py')!r})\n"
+        "build_stages, make_batch = gpt['build_stages'], gpt['make_batch']\n"
+        "loss_fn = gpt['loss_fn']\n"
+        "autocast = torch.bfloat16\n"
+        "def boundaries(example):\n"
+        "    rows, seq = example.shape\n"
+        "    hidden = TensorSpec((rows, seq, 32), torch.float32)\n"
+        "    return {0: TensorSpec((rows, seq), torch.int64, False), 1: hidden, 2: hidden}\n"
+    )
+    result = pipecc("run", "zb_h1", "--nproc", "2", "-M", "4", "--model", str(model), "--check",
+                    "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tolerance"] == 1e-2, "autocast: the bf16 tolerance"
+    assert report["max_rel_grad_diff"] <= 1e-2
+    wrong = model.read_text().replace("(rows, seq, 32)", "(rows, seq, 31)")
+    model.write_text(wrong)
+    result = pipecc("run", "zb_h1", "--nproc", "2", "-M", "4", "--model", str(model))
+    assert result.returncode == 1, result.stderr
+    assert "but stage 1 takes float32[8, 16, 31]" in result.stderr, result.stderr
+    assert "note: the pipeline cannot start" not in result.stderr, "said once"
