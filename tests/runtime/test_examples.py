@@ -1,0 +1,23 @@
+"""examples/train_gpt.py under torchrun: AdamW on the pipelined GPT, the loss logged."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def test_train_gpt_trains_under_torchrun() -> None:
+    result = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "train_gpt.py", "--schedule", "dualpipe",
+         "--microbatches", "4", "--tied", "--steps", "6", "--lr", "1e-2"],
+        cwd=ROOT / "examples", capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", result.stdout, re.M)]
+    assert len(losses) == 6, result.stdout
+    assert losses[-1] < 0.8 * losses[0], losses
