@@ -13,8 +13,8 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 def test_train_gpt_trains_under_torchrun() -> None:
     result = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "train_gpt.py", "--schedule", "dualpipe",
-         "--microbatches", "4", "--tied", "--steps", "6", "--lr", "1e-2"],
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "train_gpt.py",
+         "--schedule", "dualpipe", "--microbatches", "4", "--tied", "--steps", "6", "--lr", "1e-2"],
         cwd=ROOT / "examples", capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
