@@ -10,6 +10,7 @@ gradients of parameters held by several ranks (runtime/shared.py).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 
@@ -31,7 +32,7 @@ from .precision import Fp32Grads
 from .profile import Recorder
 from .profiling import ProfilingInterpreter
 from .rng import ForwardRng
-from .signatures import BoundaryFn, Seen, Signatures
+from .signatures import BoundaryFn, Gather, Seen, Signatures
 from .specs import Boundary, Specs
 from .stage import StageOps
 from .transfers import Transfers
@@ -116,6 +117,7 @@ class PipelineRuntime:
             precision.begin()
         with self.rng.step_scope():
             interpreter.run(self.plan, ctx)
+        ctx.settle()
         self._finish(ctx)
         if self.config.sync_duplicated and self.to_sum:
             start = time.perf_counter()
@@ -135,6 +137,7 @@ class PipelineRuntime:
             ctx = self._context(inputs, targets, training=False)
             with self.rng.step_scope():
                 self.interpreter.run(self.forward_plan, ctx)
+            ctx.settle()
             self._finish(ctx)
         self._loss_of(ctx)
         return dict(sorted(ctx.outputs.items()))
@@ -173,8 +176,22 @@ class PipelineRuntime:
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
         sample = split_inputs[0] if split_inputs else None
-        where = f"rank {self.rank}, step {self.steps}"
-        seen, boundaries = self.signatures.learn(sample, bool(found), where)
+        gather = self.signatures.start(sample, bool(found))
+        scale = 1.0 / self.program.num_microbatches
+        ctx = StepContext(split_inputs, split_targets, scale, training, step=self.steps)
+        settle = functools.partial(self._settle, gather, found)
+        # Known shapes (this rank's inputs have the current signature, or it has none and
+        # a signature is current): compute until the first post while the gather completes.
+        known = self.signatures.current != 0 and gather.code in (0, self.signatures.current)
+        if known:
+            ctx.before_post = settle
+        else:
+            settle()
+        return ctx
+
+    def _settle(self, gather: Gather, found: list[str]) -> None:
+        """Complete the step's signature gather; check and switch to new boundaries."""
+        seen, boundaries = self.signatures.finish(gather, f"rank {self.rank}, step {self.steps}")
         if seen is Seen.UNUSABLE:
             self._agree(found)
             raise SetupError("the pipeline cannot start: a rank's batch is unusable")
@@ -182,8 +199,6 @@ class PipelineRuntime:
             self._agree(found or self._problems(boundaries))
         if seen is not Seen.CURRENT:
             self._use(boundaries)
-        scale = 1.0 / self.program.num_microbatches
-        return StepContext(split_inputs, split_targets, scale, training, step=self.steps)
 
     def _split(
         self, value: object, what: str, found: list[str], *, required: bool

@@ -43,6 +43,7 @@ class ProfilingInterpreter(Interpreter):
             self.recorder.compute(instr.kind.value, instr.stage, seconds)
 
     def post(self, ctx: StepContext, index: int, instr: Send | Recv, commit: bool) -> None:
+        ctx.settle()  # the step's shape gather is not a post's host time
         start = time.perf_counter()
         self.transfers.post(ctx, index, instr, commit=False)
         if commit:

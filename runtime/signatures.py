@@ -11,6 +11,11 @@ of the new signature locally (from the user's fixed specs, after checking that t
 by calling the user's boundary function on a synthetic microbatch of that signature) and
 caches them by hash, so a signature seen before costs only the first gather. Every rank
 makes the same calls in the same order, whatever it holds.
+
+The gather is posted at the start of the step (`start`) and completed (`finish`) at once
+when this rank's inputs bring a signature other than the current one, else just before the
+rank's first send or receive: a rank whose shapes are already known computes its first
+forwards while the gather completes, and no rank posts a point-to-point op before it has.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +37,15 @@ from .trees import Boundary, flatten
 
 BoundaryFn = Callable[[Any], Mapping[int, object]]
 UNUSABLE = -1  # this rank's batch cannot be split: every rank goes to the checks
+
+
+class Gather(NamedTuple):
+    """A posted signature gather: this rank's code and text, the work, the buffers."""
+
+    code: int
+    text: str
+    work: Any
+    codes: list[torch.Tensor]
 
 
 class Seen(Enum):
@@ -73,43 +87,51 @@ class Signatures:
     ) -> tuple[Seen, dict[int, Boundary]]:
         """The step's boundaries and what its signature is (every rank calls it alike).
         `where` names the rank and the step in a timeout."""
+        return self.finish(self.start(sample, unusable), where)
+
+    def start(self, sample: object | None, unusable: bool) -> Gather:
+        """Post this rank's code (the gather completes in `finish`)."""
         code, text = (UNUSABLE, "") if unusable else (0, "")
         if sample is not None and not unusable:
             code, text = signature_of(sample)
-        codes = self._gather(code, where)
+        mine = torch.tensor([code], dtype=torch.int64, device=self.device)
+        codes = [torch.zeros_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(codes, mine, group=self.group, async_op=True)
+        return Gather(code, text, work, codes)
+
+    def finish(self, gather: Gather, where: str) -> tuple[Seen, dict[int, Boundary]]:
+        """Complete the gather; build and cache the boundaries of a new signature."""
+        codes = self._complete(gather, where)
         if UNUSABLE in codes:
             return Seen.UNUSABLE, self.cache.get(self.current, {})
         found = {c for c in codes if c > 0}
         if len(found) != 1:
-            raise SetupError(self._disagreement(text, codes))
+            raise SetupError(self._disagreement(gather.text, codes))
         (code,) = found
         if code in self.cache:
             seen = Seen.CURRENT if code == self.current else Seen.CACHED
             self.current = code
             return seen, self.cache[code]
-        texts = gather_texts(text, self.group, self.world, self.device)
+        texts = gather_texts(gather.text, self.group, self.world, self.device)
         source = next(t for c, t in zip(codes, texts, strict=True) if c > 0)
         self.cache[code] = self._build(Boundary.from_text(source))
         self.current = code
         return Seen.NEW, self.cache[code]
 
-    def _gather(self, code: int, where: str) -> list[int]:
+    def _complete(self, gather: Gather, where: str) -> list[int]:
         """Every rank's code; on gloo a rank that does not come within the timeout (it is
         not in this step) is an error naming this rank and step."""
-        mine = torch.tensor([code], dtype=torch.int64, device=self.device)
-        codes = [torch.zeros_like(mine) for _ in range(self.world)]
-        work = dist.all_gather(codes, mine, group=self.group, async_op=True)
         try:
             if self.timeout is None:
-                work.wait()
+                gather.work.wait()
             else:
-                work.wait(timedelta(seconds=self.timeout))
+                gather.work.wait(timedelta(seconds=self.timeout))
         except Exception as err:
             raise RankError(
                 f"{where}: the step's shape signature, gathered from every rank before the "
                 f"program, did not complete within {self.timeout:g} s ({_first_line(err)})"
             ) from err
-        return [int(c.item()) for c in codes]
+        return [int(c.item()) for c in gather.codes]
 
     def _build(self, given: Boundary) -> dict[int, Boundary]:
         if self.fixed is not None:

@@ -38,7 +38,9 @@ class Transfers:
         self.timeout = timeout
 
     def post(self, ctx: StepContext, index: int, instr: Send | Recv, commit: bool) -> None:
-        """Queue a send or receive; at the end of its group, post the group."""
+        """Queue a send or receive; at the end of its group, post the group. The first
+        post of a step first completes the step's shape gather (runtime/signatures.py)."""
+        ctx.settle()
         if type(instr) is Send:
             tensors = take(ctx, (instr.what, instr.pipe, instr.stage, instr.mb))
             tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
