@@ -31,7 +31,7 @@ from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dt
 from .pipeline import PipelineRuntime
 from .profile import Recorder, render_cost_file
 from .reference import Options, ParamKey, default_tolerance
-from .shared import shared_parameters
+from .shared import shared_parameters, shared_stages
 from .spawn import spawn
 from .specs import infer_boundaries
 from .trees import boundary_of, split_tree
@@ -132,8 +132,9 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     stages = [s.to(device) for s in model.build_stages(program.placement.num_stages(0))]
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}
     autocast = _autocast(job, model)
+    shared = shared_parameters(stages)
     config = RuntimeConfig(
-        timeout=job.timeout, device=device, shared=shared_parameters(stages), seed=job.seed,
+        timeout=job.timeout, device=device, shared=shared, seed=job.seed,
         derive_rng=job.derive_rng, autocast=autocast,
     )  # fmt: skip
     boundaries = _remembered(
@@ -146,6 +147,7 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=model.loss_fn, config=config)
     out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": []}
     out["dtypes"] = param_dtypes(stages)
+    out["shared_stages"] = shared_stages(shared)
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup
         recorder = Recorder(step=step) if job.profile and timed else None
@@ -231,7 +233,8 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "post = host time of a send or recv; wait = host time of a wait after its release;",
             "comm = the latency under which the rendezvous rule reproduces the run's waits;",
             "sync = the gradient sum of parameters held by several ranks (duplicated stages,",
-            "shared weights), per step; bytes = median message size",
+            "shared weights), per step; shared = the groups of stages that hold one parameter;",
+            "bytes = median message size",
         )
     )
-    return render_cost_file(records, header)
+    return render_cost_file(records, header, shared=results[0]["shared_stages"])

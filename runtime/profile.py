@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 MessageKey = tuple[str, int, int, int]  # (what, pipe, receiving stage, mb)
 WaitedOp = tuple[bool, MessageKey]  # (a send?, its message)
@@ -175,13 +174,18 @@ def comm_costs(records: list[Recorder]) -> dict[str, float]:
     return result
 
 
-def render_cost_file(records: list[Recorder], header: str) -> str:
-    """The TOML text: a comment header, `[cost]`, then `[cost.stage.N]` tables."""
+def render_cost_file(
+    records: list[Recorder], header: str, *, shared: Sequence[Sequence[int]] = ()
+) -> str:
+    """The TOML text: a comment header, `[cost]` (with `shared`, the groups of stages that
+    hold one parameter, where there are any), then `[cost.stage.N]` tables."""
     top, per_stage = compute_costs(records)
     top.update(comm_costs(records))
     top.update(host_costs(records))
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += ["", "[cost]", 'unit = "ms"', *_table(top)]
+    if shared:
+        lines.append(f"shared = {[list(group) for group in shared]}")
     for stage, costs in per_stage.items():
         lines += ["", f"[cost.stage.{stage}]", *_table(costs)]
     return "\n".join(lines) + "\n"
@@ -189,7 +193,3 @@ def render_cost_file(records: list[Recorder], header: str) -> str:
 
 def _table(values: dict[str, float]) -> list[str]:
     return [f"{key} = {value}" for key, value in values.items()]
-
-
-def write_cost_file(path: Path, records: list[Recorder], header: str) -> None:
-    path.write_text(render_cost_file(records, header), encoding="utf-8")

@@ -60,6 +60,13 @@ def shared_parameters(stages: Sequence[torch.nn.Module]) -> tuple[tuple[ParamKey
     return tuple(tuple(keys) for keys in found.values() if len({s for s, _ in keys}) > 1)
 
 
+def shared_stages(groups: Sequence[Sequence[ParamKey]]) -> list[list[int]]:
+    """The groups of stages that hold one parameter, sorted (the cost file's `shared`, from
+    which the simulator decides whether a placement sums gradients across ranks)."""
+    found = {tuple(sorted({stage for stage, _ in keys})) for keys in groups}
+    return [list(group) for group in sorted(found)]
+
+
 class Group(NamedTuple):
     """One model-level parameter held by this rank: its keys, the ranks that hold a copy,
     and this rank's distinct objects of it."""

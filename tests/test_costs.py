@@ -62,3 +62,45 @@ def test_bad_host_key_on_the_flag() -> None:
         parse_cost_flag("post=-0.1")
     with pytest.raises(CostModelError, match=r"unknown cost key 'synk'.*did you mean 'sync'"):
         parse_cost_flag("synk=1")
+
+
+def test_shared_stage_groups_from_the_flag_and_a_file(tmp_path: Path) -> None:
+    assert parse_cost_flag("shared=7+0/1+6").shared == ((0, 7), (1, 6))
+    path = tmp_path / "c.toml"
+    path.write_text("[cost]\nsync = 2\nshared = [[0, 3]]\n")
+    model = load_cost_file(path)
+    assert (model.shared, model.sync) == (((0, 3),), 2.0)
+    assert model.overridden_by(parse_cost_flag("F=2")).shared == ((0, 3),), "kept"
+    assert "shared=0+3" in model.describe()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("shared=0", "error: --cost: shared: [0] must name two or more different stages"),
+        ("shared=0+0", "error: --cost: shared: [0, 0] must name two or more different stages"),
+        ("shared=a+1", "error: --cost: shared must be groups of stage numbers like 0+7 or 0+7/1+6, "
+         "got 'a+1'"),
+    ],
+)  # fmt: skip
+def test_bad_shared_on_the_flag(text: str, message: str) -> None:
+    with pytest.raises(CostModelError) as err:
+        parse_cost_flag(text)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("shared = 3", "shared must be a list of groups of stage numbers, e.g. [[0, 7]]"),
+        ("shared = [[0, -1]]", "shared: [0, -1] must hold stage numbers ≥ 0"),
+        ("shared = [[0, true]]", "shared: [0, True] must hold stage numbers ≥ 0"),
+        ("[cost.stage.0]\nshared = [[0, 1]]", "'shared' is global only: give it under [cost]"),
+    ],
+)
+def test_bad_shared_in_a_file(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[cost]\n{body}\n")
+    with pytest.raises(CostModelError) as err:
+        load_cost_file(path)
+    assert message in str(err.value)

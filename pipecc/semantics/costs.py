@@ -16,9 +16,15 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   CSV's; docs/interop.md); 0 unless given
     post          host time a rank spends posting one send or receive (global only; 0)
     wait          host time a rank spends in a wait after it is released (global only; 0)
-    sync          time of the duplicated-stage gradient sum at the end of a step, for
-                  programs with duplicated stages (DualPipe); added to the step, not to the
-                  program's makespan (global only; 0)
+    sync          time of the gradient sum of parameters held by several ranks at the end of
+                  a step: duplicated stages (DualPipe) and shared weights whose stages lie on
+                  different ranks (`shared`); added to the step, not to the program's
+                  makespan (global only; 0)
+    shared        groups of stages that hold one parameter (tied embeddings: the first and
+                  the last stage), `shared = [[0, 7]]` in a file, `shared=0+7` on the
+                  command line (groups separated by `/`); a program sums such a group's
+                  gradients, and so pays `sync`, when its placement puts the group's stages
+                  on more than one rank (global only; `pipecc run --profile` writes it)
     unit          the name of the time unit, for display ("ms" in files the runtime writes)
 
 Defaults: F=1, B=2, I=1, W=1. Given only B, I = W = B/2; given I and W, B = I + W; given B
@@ -43,7 +49,7 @@ STAGE_OP_KEYS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 
 DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes", *STAGE_OP_KEYS)
 HOST_KEYS = ("post", "wait", "sync")  # global only: a rank's host time, a step's sync
-GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "unit")
+GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "shared", "unit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,7 @@ class CostModel:
     bandwidth: float | None = None
     unit: str = ""
     host: HostCost = HostCost()
+    shared: tuple[tuple[int, ...], ...] = ()
     _resolved: dict[int, ResolvedCost] = field(default_factory=dict, compare=False, repr=False)
 
     def stage(self, stage: int) -> ResolvedCost:
@@ -191,6 +198,7 @@ class CostModel:
             self.bandwidth,
             self.unit,
             self.host,
+            self.shared,
         )
 
     def overridden_by(self, other: CostModel) -> CostModel:
@@ -201,6 +209,7 @@ class CostModel:
             bandwidth=other.bandwidth if other.bandwidth is not None else self.bandwidth,
             unit=other.unit or self.unit,
             host=other.host.over(self.host),
+            shared=other.shared or self.shared,
         )
 
     def describe(self) -> str:
@@ -217,6 +226,8 @@ class CostModel:
             for key in HOST_KEYS
             if (value := getattr(self.host, key)) is not None
         ]
+        if self.shared:
+            given.append(f"shared={format_shared(self.shared)}")
         resolved = self.stage(0)
         shown = ", ".join(given) if given else "defaults"
         return (
@@ -227,6 +238,11 @@ class CostModel:
 
 def _fmt(value: float) -> str:
     return f"{value:g}"
+
+
+def format_shared(groups: tuple[tuple[int, ...], ...]) -> str:
+    """`((0, 7), (1, 6))` → `0+7/1+6`, the command-line form of `shared`."""
+    return "/".join("+".join(str(stage) for stage in group) for group in groups)
 
 
 def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
@@ -372,6 +388,7 @@ def load_cost_file(path: str | Path) -> CostModel:
 
 def _model(values: dict[str, Any], stages: Any, where: str) -> CostModel:
     unit = str(values.pop("unit", ""))
+    shared = _shared(values.pop("shared"), where) if "shared" in values else ()
     bandwidth = values.pop("bandwidth", None)
     host = HostCost(
         **{key: _number(key, values.pop(key), where) for key in HOST_KEYS if key in values}
@@ -391,8 +408,36 @@ def _model(values: dict[str, Any], stages: Any, where: str) -> CostModel:
         bandwidth=_number("bandwidth", bandwidth, where) if bandwidth is not None else None,
         unit=unit,
         host=host,
+        shared=shared,
     )
     model.stage(0)  # resolve once, so inconsistent values fail here with the file's name
     for stage, _ in overrides:
         model.stage(stage)
     return model
+
+
+def _shared(value: Any, where: str) -> tuple[tuple[int, ...], ...]:
+    """`shared`: a list of groups of two or more distinct stage numbers (a file's
+    `[[0, 7]]`, or the command line's `0+7/1+6`)."""
+    if isinstance(value, str):
+        try:
+            value = [[int(s) for s in group.split("+")] for group in value.split("/")]
+        except ValueError:
+            raise CostModelError(
+                f"{where}: shared must be groups of stage numbers like 0+7 or 0+7/1+6, "
+                f"got {value!r}"
+            ) from None
+    if not isinstance(value, list) or not all(isinstance(group, list) for group in value):
+        raise CostModelError(
+            f"{where}: shared must be a list of groups of stage numbers, e.g. [[0, 7]]"
+        )
+    groups = []
+    for group in value:
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in group):
+            raise CostModelError(f"{where}: shared: {group!r} must hold stage numbers ≥ 0")
+        if len(set(group)) < 2:
+            raise CostModelError(
+                f"{where}: shared: {group!r} must name two or more different stages"
+            )
+        groups.append(tuple(sorted(set(group))))
+    return tuple(sorted(groups))

@@ -225,14 +225,18 @@ def _simulate(
     )
     busy = sum(stats.busy for stats in ranks)
     bubble = 1.0 - busy / (program.num_ranks * makespan) if makespan > 0 else 0.0
-    sync = costs.sync if has_duplicated_stages(program) else 0.0
+    sync = costs.sync if sums_gradients(program, costs.shared) else 0.0
     return Timeline(costs, run, makespan, bubble, ranks, sync)
 
 
-def has_duplicated_stages(program: Program) -> bool:
-    """Whether some stage is held twice (two pipes over the same stages, as DualPipe): the
-    runtime then sums the copies' gradients after the program (DESIGN §7)."""
-    return program.placement.num_pipes > 1
+def sums_gradients(program: Program, shared: tuple[tuple[int, ...], ...] = ()) -> bool:
+    """Whether the runtime sums gradients across ranks after the program (DESIGN §7): some
+    stage is held twice (two pipes over the same stages, as DualPipe), or a group of stages
+    that holds one parameter (`shared`, e.g. tied embeddings) lies on more than one rank."""
+    if program.placement.num_pipes > 1:
+        return True
+    slots = program.placement.slots
+    return any(len({slot.rank for slot in slots if slot.stage in group}) > 1 for group in shared)
 
 
 def _rank_stats(

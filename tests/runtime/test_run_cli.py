@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from pipecc.api import compile_schedule
 from pipecc.cli import main
 from pipecc.semantics.costs import load_cost_file
+from pipecc.simulate.timeline import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")
@@ -60,6 +62,33 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert model.host.sync is None, "DualPipeV holds every stage once: nothing to sum"
     assert model.base.bytes == 8 * 16 * 4, "one microbatch: 8 rows × 16 fp32"
     assert [stage for stage, _ in model.stages] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("name", "shared", "summed"), [("1f1b", (0, 1), True), ("zbv", (0, 3), False)]
+)
+def test_profile_of_tied_weights_names_the_shared_stages(
+    tmp_path: Path, name: str, shared: tuple[int, int], summed: bool
+) -> None:
+    """A tied GPT (the token embedding is the LM head): the cost file names the first and the
+    last stage in `shared`. On 1F1B they are on ranks 0 and 1, so the run measures the sum as
+    `sync` and the simulator adds it to the step; ZB-V's rank 0 holds both, so nothing is
+    summed across ranks, nothing measured, nothing added."""
+    costs = tmp_path / "costs.toml"
+    env = dict(os.environ, PIPECC_GPT_TIED="1")
+    gpt = str(ROOT / "examples" / "gpt.py")
+    result = subprocess.run(
+        [PIPECC, "run", name, "--nproc", "2", "-M", "2", "--model", gpt, "--steps", "1",
+         "--warmup", "0", "--profile", str(costs)],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    model = load_cost_file(costs)
+    assert model.shared == (shared,), costs.read_text()
+    assert (model.sync > 0) is summed, costs.read_text()
+    timeline = simulate(compile_schedule(name, ranks=2, microbatches=2), model)
+    assert timeline.sync == model.sync
+    assert timeline.step == timeline.makespan + model.sync
 
 
 def test_the_flag_or_a_compiled_program_chooses_the_policy(tmp_path: Path) -> None:

@@ -59,3 +59,28 @@ def test_sync_is_added_to_the_step_of_duplicated_stages_only(name: str, sync: fl
     assert (timeline.sync, timeline.step) == (sync, timeline.makespan + sync)
     report = timeline.to_json()
     assert (report["sync"], report["step"]) == (sync, timeline.makespan + sync)
+
+
+# A tied weight between the first and the last stage (S stages): the runtime sums its copies
+# when the placement puts the two stages on different ranks, and the simulator adds `sync`
+# exactly then. On a loop placement they are on ranks 0 and P-1; on a V shape both are on
+# rank 0, so nothing crosses ranks; DualPipe sums its duplicated stages whatever is shared.
+@pytest.mark.parametrize(
+    ("name", "shared", "sync"),
+    [
+        ("1f1b", "0+1", 3.0),
+        ("zb_h1", "0+1", 3.0),
+        ("interleaved_1f1b", "0+3", 3.0),  # V=2 chunks: stages 0 (rank 0) and 3 (rank 1)
+        ("interleaved_1f1b", "0+2", 0.0),  # stages 0 and 2 are both on rank 0
+        ("zbv", "0+3", 0.0),  # the V shape folds the last stage back onto rank 0
+        ("dualpipev", "0+3", 0.0),
+        ("zbv", "0+1", 3.0),  # stage 1 is rank 1's
+        ("dualpipe", "0+1", 3.0),
+        ("1f1b", "", 0.0),
+    ],
+)
+def test_sync_is_added_when_a_shared_group_spans_ranks(name: str, shared: str, sync: float) -> None:
+    program = compile_schedule(name, ranks=2, microbatches=4)
+    flag = f"F=1,B=2,sync=3,shared={shared}" if shared else "F=1,B=2,sync=3"
+    timeline = simulate(program, parse_cost_flag(flag))
+    assert (timeline.sync, timeline.step) == (sync, timeline.makespan + sync)
