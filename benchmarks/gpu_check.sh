@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The runtime's GPU checks, for one GPU host (about 5 minutes; every step has a time limit,
-# 8 minutes in all at most). Not run by `make test`: CI and this repository's machines have
+# The runtime's GPU checks, for one GPU host (about 6 minutes; every step has a time limit,
+# 11 minutes in all at most). Not run by `make test`: CI and this repository's machines have
 # no GPU. Run from anywhere:  bash benchmarks/gpu_check.sh
 #
 #   1. the CUDA tests (pytest -m gpu): one rank on the GPU over NCCL, V-shape hand-offs and
@@ -8,7 +8,11 @@
 #      the GPU; NCCL between two ranks when there are two GPUs;
 #   2. split backward on the GPU: I + W against B (benchmarks/split_backward.py);
 #   3. `pipecc run --check --profile` on the GPU: every gradient against the single-process
-#      reference, and measured per-op costs (P=1 on one GPU, P=2 on two).
+#      reference, and measured per-op costs (P=1 on one GPU, P=2 on two);
+#   4. the GPT of examples/gpt.py on the GPU with --check: tied embeddings (the shared-
+#      parameter sum), dropout (the per-forward RNG states derived on CUDA, the reference on
+#      the same device type), bf16 autocast (real-run shape inference, the bf16 tolerance),
+#      and the step's shape gather over NCCL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -35,4 +39,12 @@ PIPECC_MLP_HIDDEN=1024 timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M
     --model examples/mlp.py --check --steps 10 --warmup 2 --json --profile "$OUT/costs.toml" \
     | tee "$OUT/run.json"
 cat "$OUT/costs.toml"
+
+echo "== 4. the GPT on the GPU: tied embeddings, dropout, bf16 autocast"
+PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
+    timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
+    --check --steps 3 --warmup 1 --json | tee "$OUT/gpt.json"
+PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
+    timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
+    --check --steps 3 --warmup 1 --autocast bf16 --json | tee "$OUT/gpt_bf16.json"
 echo "gpu check: ok"

@@ -158,7 +158,19 @@ def build_stages(num_stages: int, config: GPTConfig | None = None) -> list[nn.Mo
         blocks = [Block(config) for _ in range(per_stage)]
         first, last = index == 0, index == num_stages - 1
         stages.append(Stage(blocks, embed if first else None, head if last else None))
+    for stage in stages:
+        stage.apply(_gpt2_init)
     return stages
+
+
+def _gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights for Linear and Embedding, zero biases (with
+    torch's defaults, N(0, 1) embeddings, a tied LM head starts with a loss near 40, not
+    near ln(vocab))."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def make_batch(
