@@ -1,0 +1,71 @@
+"""The exact solver (optional OR-Tools extra): the brute-force optimum on tiny cases, the
+issue's reference optima, and a clear error without OR-Tools."""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+import pytest
+from brute_force import CASES, Case, case_optimum
+
+from pipecc.costs import parse_cost_flag
+from pipecc.search import exact
+from pipecc.search.bounds import lower_bound
+from pipecc.search.problem import Placement, Problem, evaluate, fits
+
+needs_ortools = pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
+
+
+@needs_ortools
+@pytest.mark.parametrize("case", CASES[::3], ids=str)
+def test_exact_matches_the_brute_force(case: Case) -> None:
+    result = exact.solve(case.problem(), time_limit=20)
+    assert result.optimal
+    assert result.value == pytest.approx(case_optimum(case).value, abs=1e-9)
+    assert result.order is not None
+    evaluation = evaluate(case.problem(), result.order)
+    assert evaluation is not None and fits(case.problem(), evaluation)
+
+
+@needs_ortools
+@pytest.mark.parametrize(
+    ("cost", "cap", "optimum"),
+    [
+        ("F=1,I=1,W=1,comm=1", 2, 63),
+        ("F=1,I=1,W=1,comm=1", 4, 39),
+        ("F=1,I=1.5,W=0.5,comm=0.5", 2, 57),
+    ],
+)
+def test_exact_optima_at_p4_m8(cost: str, cap: float, optimum: float) -> None:
+    """P=4, M=8: the issue's cap-P/2 reference (63, where sail-sg's heuristic gives 85)."""
+    problem = Problem.from_costs(
+        parse_cost_flag(cost), ranks=4, microbatches=8, placement=Placement.LOOP, cap=cap
+    )
+    result = exact.solve(problem, time_limit=30)
+    assert result.optimal and result.value == pytest.approx(optimum)
+    assert lower_bound(problem) <= result.value + 1e-9
+
+
+@needs_ortools
+def test_exact_reports_an_infeasible_cap() -> None:
+    problem = Problem.from_costs(
+        parse_cost_flag("F=1,I=1,W=1"), ranks=2, microbatches=2, placement=Placement.LOOP, cap=0.5
+    )
+    result = exact.solve(problem, time_limit=5)
+    assert result.order is None and result.optimal
+
+
+def test_without_ortools_the_solver_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = builtins.__import__
+
+    def refuse(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("ortools"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)
+    assert not exact.available()
+    problem = CASES[0].problem()
+    with pytest.raises(exact.ExactSolverMissing, match=r"pip install 'pipecc\[exact\]'"):
+        exact.solve(problem)
