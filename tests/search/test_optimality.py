@@ -1,0 +1,76 @@
+"""The search reaches the optimum: the brute force's on tiny cases (P=2, M ≤ 4 and a few
+more) and, with the optional exact solver, CP-SAT's proven optimum at P ≤ 4, M ≤ 8."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from brute_force import CASES, Case, _FastReplay, case_optimum, rank_orders
+
+from pipecc.costs import parse_cost_flag
+from pipecc.search import exact
+from pipecc.search.bounds import lower_bound
+from pipecc.search.problem import Objective, Placement, Problem, evaluate, fits
+
+_TOL = 1e-9
+
+engine = pytest.importorskip("pipecc.search.engine", reason="the search engine is not merged yet")
+
+
+def _searched(problem: Problem) -> float:
+    limit = engine.default_time_limit(problem.ranks, problem.microbatches)
+    result = engine.search(problem, time_limit=limit)
+    assert result is not None
+    evaluation = evaluate(problem, result.order)
+    assert evaluation is not None and fits(problem, evaluation)
+    return evaluation.score(problem.objective)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_search_reaches_the_brute_force_optimum(case: Case) -> None:
+    assert _searched(case.problem()) == pytest.approx(case_optimum(case).value, abs=1e-6)
+
+
+EXACT_CASES = [
+    (cost, ranks, mbs, cap, objective)
+    for cost in (
+        "F=1,I=1,W=1,comm=1",
+        "F=1,I=1.5,W=0.5,comm=0.5",
+        "F=5.478,I=5.806,W=3.534,comm=0.2",
+    )
+    for ranks, mbs, caps in ((3, 6, (1.5, 3)), (4, 8, (2, 4, 8)))
+    for cap in caps
+    for objective in (Objective.MAKESPAN,)
+]
+
+
+@pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
+@pytest.mark.parametrize(("cost", "ranks", "mbs", "cap", "objective"), EXACT_CASES)
+def test_search_reaches_the_exact_optimum(
+    cost: str, ranks: int, mbs: int, cap: float, objective: Objective
+) -> None:
+    problem = Problem.from_costs(
+        parse_cost_flag(cost),
+        ranks=ranks,
+        microbatches=mbs,
+        placement=Placement.LOOP,
+        cap=cap,
+        objective=objective,
+    )
+    best = exact.solve(problem, time_limit=30)
+    assert best.optimal, "pick cases CP-SAT settles within the limit"
+    assert lower_bound(problem) <= best.value + _TOL
+    assert _searched(problem) == pytest.approx(best.value, abs=1e-6)
+
+
+def test_the_brute_force_replay_is_the_reference_replay() -> None:
+    """The oracle's fast replay agrees with `problem.evaluate` on every order of a case."""
+    case = Case("F=1,I=1.5,W=0.5,comm=0.5", 1.0, 2, 3, Placement.LOOP, 2, Objective.SPAN)
+    problem = case.problem()
+    replay = _FastReplay(problem)
+    orders = [rank_orders(problem, rank) for rank in range(problem.ranks)]
+    for order in itertools.product(*orders):
+        evaluation = evaluate(problem, order)
+        expected = evaluation.span if evaluation is not None else float("inf")
+        assert replay.score(order) == pytest.approx(expected)
