@@ -381,6 +381,65 @@ def upstream_run(
     return tuple(order), span
 
 
+class VResult(NamedTuple):
+    """One of upstream's V generators (V-Half, V-Min) on a V-shape problem."""
+
+    name: str
+    order: Order
+    span: float  # as upstream reports it
+
+
+def upstream_v(repo: Path, problem: Problem, pattern: str) -> VResult:
+    """Upstream's `zbv_greedy` generator ("half" or "min") for a V-shape problem with one
+    duration per op kind (per chunk: the problem's stage durations) and its latency."""
+    import importlib.util
+
+    load_upstream(repo)
+    package = "megatron.core.pipeline_parallel.zerobubble.scheduler"
+    path = repo / "megatron/core/pipeline_parallel/zerobubble/scheduler/zbv_greedy.py"
+    spec = importlib.util.spec_from_file_location(f"{package}.zbv_greedy", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ranks = problem.ranks
+    graph = module.PipelineGraph(
+        ranks, problem.microbatches, pattern, problem.f[0], problem.i[0], problem.w[0], problem.comm
+    )
+    blocks = {"half": graph.stable_pattern_v_half, "min": graph.stable_pattern_v_min}
+    costs = [graph.fbw_cost[x // 2] for x in range(6)]
+    span, _, stage_order = graph.schedule_from_pattern(
+        blocks[pattern](ranks), problem.microbatches, costs
+    )
+    order = []
+    for rank in range(ranks):
+        ops = []
+        for kind_chunk, mb in stage_order[rank]:
+            kind, slot = divmod(kind_chunk, 2)
+            chunk = slot if kind == 0 else 1 - slot  # upstream lists backwards chunk 1 first
+            stage = rank if chunk == 0 else 2 * ranks - 1 - rank
+            ops.append(SearchOp(_KINDS[kind], stage, mb))
+        order.append(tuple(ops))
+    return VResult(f"V-{pattern.capitalize()}", tuple(order), span)
+
+
+def v_figures(repo: Path) -> None:
+    """Upstream's V-Half and V-Min at P=4, M=16, F=I=W=1 per share, comm=0, replayed here."""
+    problem = grid_problem(
+        Profile("unit", (1.0,) * 4, (1.0,) * 4, (1.0,) * 4, 0.0),
+        16,
+        math.inf,
+        placement=Placement.VSHAPE,
+    )
+    for pattern in ("half", "min"):
+        result = upstream_v(repo, problem, pattern)
+        evaluation = evaluate(problem, result.order)
+        assert evaluation is not None
+        print(
+            f"{result.name}: span {result.span:g} (upstream), here span {evaluation.span:g},"
+            f" makespan {evaluation.makespan:g}, peak {max(evaluation.peak):g} activations per rank"
+        )
+
+
 def cross_check(repo: Path) -> int:
     """Run upstream's heuristic and this one on the search_quality grid, every switch
     combination; print each difference and a summary; the number of differences."""
@@ -424,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost", default="F=1,I=1,W=1,comm=1")
     parser.add_argument("--memory", type=float, default=math.inf, help="cap, activations per rank")
     parser.add_argument("--against", type=Path, help="a checkout of sail-sg's repository")
+    parser.add_argument("--v-figures", type=Path, help="run its V-Half, V-Min from a checkout")
     args = parser.parse_args(argv)
+    if args.v_figures:
+        v_figures(args.v_figures)
+        return 0
     if args.against:
         return 1 if cross_check(args.against) else 0
     problem = Problem.from_costs(
