@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from pipecc.search.bounds import lower_bound
+from pipecc.search.bounds import earliest_starts, lower_bound, memory_precedences
 from pipecc.search.problem import (
     Objective,
     OpKind,
@@ -71,6 +71,8 @@ def solve(
     mem_scale, exact_mem = _scale((*problem.mem_f, *problem.mem_i, *problem.mem_w))
     model = cp_model.CpModel()
     built = _Model(problem, model, time_scale, mem_scale)
+    if exact_times:
+        built.add_implied()
     objective = built.objective()
     floor = lower_bound(problem) * time_scale
     if exact_times and math.isfinite(floor):
@@ -108,7 +110,7 @@ class _Model:
     """The CP-SAT variables and constraints of one problem."""
 
     def __init__(self, problem: Problem, model: Any, time_scale: int, mem_scale: int) -> None:
-        self.p, self.model = problem, model
+        self.p, self.model, self.time_scale = problem, model, time_scale
         self.ops = [op for rank in range(problem.ranks) for op in problem.ops_of(rank)]
         self.size = {op: round(problem.duration(op) * time_scale) for op in self.ops}
         self.lag = round(problem.comm * time_scale)
@@ -145,6 +147,15 @@ class _Model:
             if op.mb > 0:
                 self.model.add(self.start[op] >= self.end[SearchOp(op.kind, op.stage, op.mb - 1)])
 
+    def add_implied(self) -> None:
+        """Constraints every order that fits satisfies (from the lower bound's graph): the
+        memory edges and each op's earliest start. They only speed the proof up."""
+        for earlier, later in memory_precedences(self.p) or ():
+            self.model.add(self.start[later] >= self.end[earlier])
+        scale = self.time_scale
+        for op, head in (earliest_starts(self.p) or {}).items():
+            self.model.add(self.start[op] >= math.ceil(head * scale - 1e-6))
+
     def _lasts(self, rank: int) -> list[SearchOp]:
         last = self.p.microbatches - 1
         return [SearchOp(kind, stage, last) for stage in self.p.stages_of(rank) for kind in OpKind]
@@ -167,7 +178,7 @@ class _Model:
         evaluation = evaluate(self.p, order)
         if evaluation is None:
             return
-        scale = self.size[order[0][0]] / max(self.p.duration(order[0][0]), 1e-12)
+        scale = self.time_scale
         for rank, ops in enumerate(order):
             for op, start in zip(ops, evaluation.start[rank], strict=True):
                 self.model.add_hint(self.start[op], round(start * scale))

@@ -69,3 +69,23 @@ def test_without_ortools_the_solver_says_what_to_install(monkeypatch: pytest.Mon
     problem = CASES[0].problem()
     with pytest.raises(exact.ExactSolverMissing, match=r"pip install 'pipecc\[exact\]'"):
         exact.solve(problem)
+
+
+@needs_ortools
+@pytest.mark.parametrize(
+    ("cost", "cap"),
+    [
+        ("F=1,I=1,W=1,comm=1", 1),
+        ("F=1,I=1,W=1,comm=1", 2),
+        ("F=1,I=1.5,W=0.5,comm=0.5", 1.5),
+        ("F=1,I=1,W=1,comm=0", 3),
+    ],
+)
+def test_v_shape_bound_is_at_most_the_exact_optimum(cost: str, cap: float) -> None:
+    """P=3, M=4 in the V shape, where the bound's cross-stage memory edges apply."""
+    problem = Problem.from_costs(
+        parse_cost_flag(cost), ranks=3, microbatches=4, placement=Placement.VSHAPE, cap=cap
+    )
+    result = exact.solve(problem, time_limit=30)
+    assert result.optimal
+    assert lower_bound(problem) <= result.value + 1e-9
