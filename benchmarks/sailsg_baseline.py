@@ -41,7 +41,6 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipecc.costs import parse_cost_flag  # noqa: E402
 from pipecc.search.problem import (  # noqa: E402
     Objective,
     OpKind,
@@ -52,6 +51,7 @@ from pipecc.search.problem import (  # noqa: E402
     evaluate,
     fits,
 )
+from pipecc.semantics.costs import parse_cost_flag  # noqa: E402
 
 _KINDS = (OpKind.F, OpKind.I, OpKind.W)
 

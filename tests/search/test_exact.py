@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from brute_force import CASES, Case, case_optimum
 
-from pipecc.costs import parse_cost_flag
 from pipecc.search import exact
 from pipecc.search.bounds import lower_bound
 from pipecc.search.problem import Placement, Problem, evaluate, fits
+from pipecc.semantics.costs import parse_cost_flag
 
 needs_ortools = pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
 

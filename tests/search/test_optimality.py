@@ -8,10 +8,10 @@ import itertools
 import pytest
 from brute_force import CASES, Case, _FastReplay, case_optimum, rank_orders
 
-from pipecc.costs import parse_cost_flag
 from pipecc.search import exact
 from pipecc.search.bounds import lower_bound
 from pipecc.search.problem import Objective, Placement, Problem, evaluate, fits
+from pipecc.semantics.costs import parse_cost_flag
 
 _TOL = 1e-9
 
