@@ -210,6 +210,17 @@ def _where(cells: list[Cell]) -> str:
     return ", ".join(f"P={c.ranks} M={c.mbs} {c.profile} cap={c.cap:g}" for c in cells) or "–"
 
 
+PREAMBLE = """# Search quality (for docs/search.md)
+
+`.venv/bin/python benchmarks/search_quality.py {command}` (makespans in the latency model,
+`--comm eager`; `nccl`: the search's program aligned for nccl and simulated; `exact`: CP-SAT's
+best over both placements within its limit, ✓ where both are proven optimal; `–`: does not
+compile at this size or does not fit the cap; `bound`: the lower bound over both placements;
+`gap` = search / bound − 1; sail-sg: its heuristic, loop placement, reimplemented in
+benchmarks/sailsg_baseline.py and checked against its code).
+
+"""
+
 RECORDED_V = {"V-Min": (53.5, 2.0), "V-Half": (50.5, 3.0)}
 """sail-sg's V generators at P=4, M=16, F=I=W=1 per share, comm=0: (makespan, peak per
 rank), as `sailsg_baseline.py --v-figures` measures them at upstream 39f2c186."""
@@ -290,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(cells) + "\n\n" + v_text + "\n\n" + "\n".join(lines)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.write_text(PREAMBLE.format(command=" ".join(sys.argv[1:])) + text + "\n")
     return 0 if all(ok for _, ok, _ in results) else 1
 
 

@@ -110,12 +110,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.semantics",
         "pipecc.simulate",  # search.lower: the makespans of the result
         "pipecc.verify",  # search.lower: the result verified under every comm model
+        "ortools",  # search.exact: the optional exact solver
     ),
 }
 # function-local imports: optional heavy dependencies only (STYLE §1)
 LAZY = {
     ("pipecc.render.png", "matplotlib"),
     ("pipecc.commands.run", "pipecc.runtime"),
+    ("pipecc.search.exact", "ortools"),  # the optional exact solver
 }
 STDLIB = set(sys.stdlib_module_names)
 

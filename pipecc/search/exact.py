@@ -16,6 +16,7 @@ pipecc works without OR-Tools: it is imported only inside `solve`.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any, NamedTuple
 
@@ -49,12 +50,8 @@ class ExactSolverMissing(RuntimeError):
 
 
 def available() -> bool:
-    """Whether the exact solver can run here."""
-    try:
-        import ortools.sat.python.cp_model  # noqa: F401  # type: ignore[import-not-found,unused-ignore]  # optional extra
-    except ImportError:
-        return False
-    return True
+    """Whether the exact solver can run here (OR-Tools is installed)."""
+    return importlib.util.find_spec("ortools") is not None
 
 
 def solve(

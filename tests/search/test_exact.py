@@ -3,8 +3,7 @@ issue's reference optima, and a clear error without OR-Tools."""
 
 from __future__ import annotations
 
-import builtins
-from typing import Any
+import sys
 
 import pytest
 from brute_force import CASES, Case, case_optimum
@@ -57,14 +56,8 @@ def test_exact_reports_an_infeasible_cap() -> None:
 
 
 def test_without_ortools_the_solver_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_import = builtins.__import__
-
-    def refuse(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name.startswith("ortools"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", refuse)
+    for name in [n for n in sys.modules if n.startswith("ortools.")] + ["ortools"]:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: cannot import
     assert not exact.available()
     problem = CASES[0].problem()
     with pytest.raises(exact.ExactSolverMissing, match=r"pip install 'pipecc\[exact\]'"):
