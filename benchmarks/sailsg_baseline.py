@@ -440,31 +440,48 @@ def v_figures(repo: Path) -> None:
         )
 
 
+def _cross_cells() -> list[tuple[Profile, int, float]]:
+    """The search_quality grid, then a wider one (M < P, odd caps, caps below one forward's
+    memory, another random seed)."""
+    cells = [
+        (profile, mbs, cap)
+        for ranks, mbs in itertools.product((4, 8), (8, 16, 32))
+        for profile in grid_profiles(ranks)
+        for cap in (ranks / 2, ranks, 2 * ranks)
+    ]
+    cells += [
+        (profile, mbs, cap)
+        for ranks, mbs in itertools.product((2, 3, 4, 6, 8), (2, 4, 5, 8, 12))
+        for profile in grid_profiles(ranks, seed=1)
+        for cap in (1, 1.5, ranks / 4, ranks - 1, ranks + 1)
+    ]
+    return cells
+
+
 def cross_check(repo: Path) -> int:
-    """Run upstream's heuristic and this one on the search_quality grid, every switch
-    combination; print each difference and a summary; the number of differences."""
+    """Run upstream's heuristic and this one on every switch combination of the cells of
+    `_cross_cells`; print each difference and a summary; the number of differences."""
     zb = load_upstream(repo)
-    cells = differences = failed = 0
-    for ranks, mbs in itertools.product((4, 8), (8, 16, 32)):
-        for profile, cap in itertools.product(grid_profiles(ranks), (ranks / 2, ranks, 2 * ranks)):
-            problem = grid_problem(profile, mbs, cap)
-            for flags in itertools.product((True, False), repeat=3):
-                cells += 1
-                theirs = upstream_run(zb, problem, Switches(*flags))
-                try:
-                    ours: tuple[Order, float] | str = greedy(problem, Switches(*flags))
-                except MemoryShort as err:
-                    ours = f"ValueError: {err}"
-                if _same(theirs, ours):
-                    failed += isinstance(ours, str)
-                    continue
-                differences += 1
-                print(
-                    f"P={ranks} M={mbs} {profile.name} cap={cap:g} {flags}:"
-                    f" {theirs!s:.60} vs {ours!s:.60}"
-                )
+    runs = differences = failed = 0
+    for profile, mbs, cap in _cross_cells():
+        problem = grid_problem(profile, mbs, cap)
+        for flags in itertools.product((True, False), repeat=3):
+            runs += 1
+            theirs = upstream_run(zb, problem, Switches(*flags))
+            try:
+                ours: tuple[Order, float] | str = greedy(problem, Switches(*flags))
+            except MemoryShort as err:
+                ours = f"ValueError: {err}"
+            if _same(theirs, ours):
+                failed += isinstance(ours, str)
+                continue
+            differences += 1
+            print(
+                f"P={len(profile.f)} M={mbs} {profile.name} cap={cap:g} {flags}:"
+                f" {theirs!s:.60} vs {ours!s:.60}"
+            )
     print(
-        f"{cells} runs (cells × switch combinations): {differences} differences;"
+        f"{runs} runs (cells × switch combinations): {differences} differences;"
         f" {failed} runs fail the cap in both, the others give the same order and span"
     )
     return differences
