@@ -264,6 +264,27 @@ def v_table(rows: list[tuple[str, float, float, float]]) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+def issue_examples() -> str:
+    """The issue's two figures for sail-sg against the optimum, costly messages, loop."""
+    lines = [
+        "| costly messages, loop | cap | sail-sg | search | bound |",
+        "|---|---|---|---|---|",
+    ]
+    for ranks, mbs, cap in ((4, 8, 2.0), (8, 16, 8.0)):
+        profile = grid_profiles(ranks)[3]
+        problem = grid_problem(profile, mbs, cap)
+        found = searched({Placement.LOOP: problem})
+        sail = sailsg_schedule(problem)
+        assert sail is not None
+        evaluation = evaluate(problem, sail.order)
+        assert evaluation is not None
+        lines.append(
+            f"| P={ranks} M={mbs} | {cap:g} | {evaluation.makespan:g} | {found.makespan:g}"
+            f" | {lower_bound(problem):g} |"
+        )
+    return "\n".join(lines)
+
+
 def _grid(sizes: list[tuple[int, int]], exact_limit: float) -> list[Cell]:
     cells = []
     for ranks, mbs in sizes:
@@ -298,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     v_text, v_ok = v_table(v_rows(args.sailsg))
     results.append(("vshape within 2% of ZB-V, V-Half and V-Min at their memory", v_ok, "–"))
     lines = [f"- {'PASS' if ok else 'FAIL'}: {what} ({detail})" for what, ok, detail in results]
-    text = table(cells) + "\n\n" + v_text + "\n\n" + "\n".join(lines)
+    parts = (table(cells), v_text, issue_examples(), "\n".join(lines))
+    text = "\n\n".join(parts)
     print(text)
     if args.out:
         args.out.write_text(PREAMBLE.format(command=" ".join(sys.argv[1:])) + text + "\n")
