@@ -41,8 +41,8 @@ from sailsg_baseline import (  # noqa: E402
     grid_problem,
     grid_profiles,
     sailsg_schedule,
-    upstream_v,
 )
+from sailsg_upstream import upstream_v  # noqa: E402
 
 from pipecc.search import exact  # noqa: E402
 from pipecc.search.bounds import lower_bound  # noqa: E402
@@ -223,7 +223,7 @@ benchmarks/sailsg_baseline.py and checked against its code).
 
 RECORDED_V = {"V-Min": (53.5, 2.0), "V-Half": (50.5, 3.0)}
 """sail-sg's V generators at P=4, M=16, F=I=W=1 per share, comm=0: (makespan, peak per
-rank), as `sailsg_baseline.py --v-figures` measures them at upstream 39f2c186."""
+rank), as `sailsg_upstream.py PATH --v-figures` measures them at upstream 39f2c186."""
 
 
 def v_rows(repo: Path | None) -> list[tuple[str, float, float, float]]:

@@ -1,6 +1,6 @@
 """The sail-sg baseline of benchmarks/: the figures the issue quotes for it, and its orders
 replay to the span it reports and fit the cap (the cross-check against upstream's code runs
-from a checkout: `benchmarks/sailsg_baseline.py --against PATH`)."""
+from a checkout: `benchmarks/sailsg_upstream.py PATH`)."""
 
 from __future__ import annotations
 
