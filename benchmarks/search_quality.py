@@ -38,12 +38,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "search"))
 
-from bundled import bundled_order  # noqa: E402
-from pipecc.search.engine import default_time_limit, search  # noqa: E402
-from pipecc.search.lower import lower  # noqa: E402
-from pipecc.search.run import Outcome, Request, run_search  # noqa: E402
 from sailsg_baseline import (  # noqa: E402
     Profile,
     grid_problem,
@@ -53,8 +48,12 @@ from sailsg_baseline import (  # noqa: E402
 from sailsg_upstream import upstream_v  # noqa: E402
 
 from pipecc.search import exact  # noqa: E402
+from pipecc.search.baseline import bundled_orders  # noqa: E402
 from pipecc.search.bounds import lower_bound  # noqa: E402
+from pipecc.search.engine import default_time_limit, search  # noqa: E402
+from pipecc.search.lower import lower  # noqa: E402
 from pipecc.search.problem import MemDeltas, Order, Placement, Problem, evaluate, fits  # noqa: E402
+from pipecc.search.run import Outcome, Request, run_search  # noqa: E402
 from pipecc.semantics import CommModel  # noqa: E402
 from pipecc.semantics.costs import CostModel, StageCost  # noqa: E402
 
@@ -113,13 +112,9 @@ def run(profile: Profile, mbs: int, cap: float, placement: str) -> Outcome:
 
 
 def _fitting(problem: Problem, name: str) -> float | None:
-    order = bundled_order(name, problem)
-    if order is None:
-        return None
-    evaluation = evaluate(problem, order)
-    if evaluation is None or not fits(problem, evaluation):
-        return None
-    return evaluation.makespan
+    """The bundled schedule's makespan where it compiles and fits the cap."""
+    fitting = {entry.name: entry.score for entry in bundled_orders(problem)}
+    return fitting.get(name)
 
 
 def _exact(
@@ -250,9 +245,8 @@ def v_rows(repo: Path | None) -> list[tuple[str, float, float, float]]:
             evaluation = evaluate(loose, found.order)
             assert evaluation is not None
             references[found.name] = (evaluation.makespan, max(evaluation.peak))
-    zbv = bundled_order("zbv", loose)
-    assert zbv is not None
-    evaluation = evaluate(loose, zbv)
+    zbv = next(entry for entry in bundled_orders(loose) if entry.name == "zbv")
+    evaluation = evaluate(loose, zbv.order)
     assert evaluation is not None
     references["ZB-V"] = (evaluation.makespan, max(evaluation.peak))
     rows = []

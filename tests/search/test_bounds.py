@@ -7,8 +7,8 @@ import random
 
 import pytest
 from brute_force import CASES, Case, case_optimum, optimum
-from bundled import BUNDLED, bundled_order
 
+from pipecc.search.baseline import bundled_orders
 from pipecc.search.bounds import bound_parts, lower_bound
 from pipecc.search.problem import Objective, Placement, Problem, evaluate
 from pipecc.semantics.costs import parse_cost_flag
@@ -42,18 +42,15 @@ def test_bound_is_at_most_every_bundled_schedule(
 ) -> None:
     """At the schedule's own peak as the cap, and with no binding cap."""
     checked = 0
-    for placement, names in BUNDLED.items():
-        for name in names:
-            loose = _problem(cost, ranks, mbs, placement, math.inf, objective)
-            order = bundled_order(name, loose)
-            if order is None:
-                continue
-            evaluation = evaluate(loose, order)
+    for placement in Placement:
+        loose = _problem(cost, ranks, mbs, placement, math.inf, objective)
+        for entry in bundled_orders(loose):
+            evaluation = evaluate(loose, entry.order)
             assert evaluation is not None
             value = evaluation.score(objective)
-            assert lower_bound(loose) <= value + _TOL, name
+            assert lower_bound(loose) <= value + _TOL, entry.name
             tight = _problem(cost, ranks, mbs, placement, max(evaluation.peak), objective)
-            assert lower_bound(tight) <= value + _TOL, name
+            assert lower_bound(tight) <= value + _TOL, entry.name
             checked += 1
     assert checked >= 2
 
