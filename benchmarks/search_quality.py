@@ -1,7 +1,7 @@
 """The search's quality on the issue's grid, against the bundled schedules and sail-sg's heuristic.
 
     .venv/bin/python benchmarks/search_quality.py [--quick] [--exact SECONDS] [--sailsg PATH]
-                                                  [--out docs/search-quality.md]
+                                                  [--out TABLE.md]
 
 Profiles (per share: F, I, W, comm): balanced (5.478, 5.806, 3.534, 0.2: the costs sail-sg's
 scheduler ships as its example), small W (1, 1.5, 0.5, 0.5), random (each duration 1 × a
