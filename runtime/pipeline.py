@@ -34,6 +34,7 @@ from .profiling import ProfilingInterpreter
 from .rng import ForwardRng
 from .signatures import BoundaryFn, Gather, Seen, Signatures
 from .specs import Boundary, Specs
+from .split_backward import split_chunks
 from .stage import StageOps
 from .transfers import Transfers
 
@@ -93,6 +94,7 @@ class PipelineRuntime:
         self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
         stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, (self.device, config.autocast))
         stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
+        stage.split = split_chunks(self.program.ranks[rank])
         transfers = Transfers(self.channel, {}, self.device, config.timeout)
         self.interpreter = Interpreter(rank, stage, FusedOps(stage, self.device), transfers)
 

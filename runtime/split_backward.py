@@ -1,6 +1,14 @@
 """Split backward: `I` computes input gradients only, `W` later the weight gradients.
 
-The method walks the autograd graph of one (chunk, microbatch), as torch's pipelining does;
+Two methods. For a chunk whose forward ran inside `weight_contract.capturing()` and used
+modules with a weight-gradient contract (`nn.Linear`, or any class registered), `I` is one
+ordinary engine call over the whole graph in which each contracted call defers its input
+and output gradient to `W`, and `W` computes those weights' gradients directly
+(runtime/weight_contract.py): no graph walk, no hooks on the graph, no second engine call,
+and the graph is freed after `I`. Parameters outside contracted calls get their gradients
+in `I`. Every other chunk uses the general method below.
+
+The general method walks the autograd graph of one (chunk, microbatch), as torch's pipelining does;
 it needs nothing from the user's modules (no custom autograd functions, unlike DualPipe's
 weight-gradient store). The graph of a stage has three kinds of node:
 
@@ -34,6 +42,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
+
+from pipecc.ir.ops import Compute, Fused, Instr, Kind
+
+from .weight_contract import CONTRACTED, Deferred, accumulate, deferring
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -93,18 +105,24 @@ class _Group:
 
 @dataclass
 class WeightGrad:
-    """What `W` needs for one (chunk, microbatch): anchor gradients recorded by `I`."""
+    """What `W` needs for one (chunk, microbatch): anchor gradients recorded by `I` (the
+    general method), or the contracted calls' deferred work."""
 
     groups: list[_Group]
     recorded: dict[Node, Grads]
+    deferred: list[Deferred] = field(default_factory=list)
 
     def run(self) -> None:
         """Accumulate the weight gradients into the parameters' `.grad`.
 
-        Without pinned groups no call reaches a node another call runs, so each call frees
-        the saved tensors of what it ran (the anchors' inputs) as it goes; with a pinned
-        group the input path between its anchors may be run again, so the graph is kept.
+        Deferred calls run in the order `I` met them (the order B would have). Without
+        pinned groups no call reaches a node another call runs, so each call frees the saved
+        tensors of what it ran (the anchors' inputs) as it goes; with a pinned group the
+        input path between its anchors may be run again, so the graph is kept.
         """
+        for work in self.deferred:
+            accumulate(work)
+        self.deferred = []
         keep = any(len(group.anchors) > 1 for group in self.groups)
         for group in self.groups:
             edges: list[GradientEdge] = [edge for edge, _ in group.roots]
@@ -152,8 +170,14 @@ def input_backward(
 ) -> tuple[Grads, WeightGrad]:
     """`I`: the inputs' gradients now, and what `W` needs to finish the weights later.
 
-    `params` holds the `id` of every parameter of the chunk.
+    `params` holds the `id` of every parameter of the chunk; if any of them was ever
+    detached by a captured call, the chunk uses the contract method (module docstring).
     """
+    if any(key in CONTRACTED for key in params):
+        store: list[Deferred] = []
+        with deferring(store):
+            found = full_backward(outputs, grads, inputs)
+        return found, WeightGrad([], {}, store)
     wanted = [x for x in inputs if x.requires_grad]
     graph = _walk(outputs, wanted, params)
     groups, anchors = _group(graph, outputs, grads)
@@ -283,3 +307,13 @@ def _absorb(group: _Group, other: _Group, owner: dict[Node, _Group]) -> None:
     for node, owned in list(owner.items()):
         if owned is other:
             owner[node] = group
+
+
+def split_chunks(instrs: Sequence[Instr]) -> frozenset[int]:
+    """The chunks whose backward is split (an I, alone or fused) somewhere in `instrs`."""
+    found = set()
+    for instr in instrs:
+        backward = instr.backward if isinstance(instr, Fused) else instr
+        if isinstance(backward, Compute) and backward.kind is Kind.I:
+            found.add(backward.chunk)
+    return frozenset(found)

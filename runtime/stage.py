@@ -35,6 +35,7 @@ from .setup import Chunk
 from .specs import autocast_context
 from .split_backward import full_backward, input_backward
 from .trees import Boundary, call, flatten, unwrap
+from .weight_contract import capturing
 
 
 class StageOps:
@@ -55,6 +56,7 @@ class StageOps:
         self.rng = rng
         self.autocast_device, self.autocast_dtype = autocast
         self.precision: Fp32Grads | None = None
+        self.split: frozenset[int] = frozenset()  # chunks with I ops: forwards captured for W
 
     def run(self, ctx: StepContext, op: Compute) -> None:
         """One compute instruction, by kind."""
@@ -72,8 +74,10 @@ class StageOps:
         chunk = self.chunks[op.chunk]
         value, inputs = self.stage_inputs(ctx, op)
         self.rng.seed(ctx.step, op.stage, op.mb)
+        captured = ctx.training and op.chunk in self.split
         with self.autocast():
-            output = call(chunk.module, value)
+            with capturing() if captured else contextlib.nullcontext():
+                output = call(chunk.module, value)
             outputs = self.loss(ctx, op.mb, output) if chunk.last else None
         if outputs is None:
             outputs = self.hand_on(ctx, op, output)

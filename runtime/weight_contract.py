@@ -1,0 +1,232 @@
+"""Weight gradients by contract: `W` computes them from what `I` saved, without a graph walk.
+
+A module class *registers a contract* (`register_weight_grad`) when its parameters'
+gradients are a function of its input and its output's gradient alone; `nn.Linear` is
+registered here: `dW = gᵀ·x`, `db = Σ g` over the rows. Inside `capturing()` (the runtime
+enters it around the forward of a chunk whose backward is split), each call of such a module
+whose input needs a gradient runs with its trainable parameters *detached*, so the autograd
+graph has no edge from that call to them, and a pre-hook on the node that made the call's
+output (`_producer`) keeps the input
+`x` and, when the backward reaches the output, receives its gradient `g`:
+
+* inside `input_backward` (`I`) the hook defers `(x, g)` to a store that `W` later turns
+  into the parameters' gradients, one matmul per Linear and no autograd engine at all;
+* in any other backward (`B`, or a user's own) it computes them at once, where the graph
+  would have, so a captured forward is correct under every backward.
+
+Everything else in the graph is untouched: a parameter used outside a contracted call (a
+tied embedding, a LayerNorm, a raw `F.linear` on someone's weight) keeps its ordinary edge
+and gets its gradient from the engine, in `I`. That is DualPipe's weight-gradient store,
+here on stock modules: their forwards are not replaced, only their parameters are swapped
+for detached aliases for the duration of the call (global module hooks, installed for the
+extent of `capturing()` only), so outside it the modules behave exactly as before. A call
+whose input needs no gradient (the first Linear of a first stage) is left alone, its
+weight gradient computed in `I`.
+
+A subclass inherits a contract only if it keeps the registered class's `forward` (a
+subclass that computes something else must not get `gᵀ·x`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+# (module, its input, its output's gradient, the names wanted) -> gradient by parameter name
+WeightFn = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, AbstractSet[str]], Mapping[str, torch.Tensor]
+]
+
+
+def linear_weight_grads(
+    module: nn.Module, x: torch.Tensor, g: torch.Tensor, names: AbstractSet[str]
+) -> dict[str, torch.Tensor]:
+    """`nn.Linear`'s contract: the kernels autograd's `addmm`/`mm` backward runs, on the
+    rows flattened (`x` is cast to the gradient's dtype, as autocast cast it forward)."""
+    g2 = g.reshape(-1, g.shape[-1])
+    grads = {}
+    if "weight" in names:
+        grads["weight"] = g2.t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype))
+    if "bias" in names:
+        grads["bias"] = g2.sum(0)
+    return grads
+
+
+_CONTRACTS: dict[type, WeightFn] = {nn.Linear: linear_weight_grads}
+_RESOLVED: dict[type, WeightFn | None] = {}
+# id() of every live parameter a captured call has detached (an id leaves the set when its
+# parameter dies, since a dead parameter's id may be reused)
+CONTRACTED: set[int] = set()
+
+
+def register_weight_grad(cls: type[nn.Module], fn: WeightFn) -> None:
+    """Declare `cls`'s contract: `fn(module, x, g, names)` returns the gradient of each
+    parameter named in `names` (direct parameters of the module, in their own shapes) from
+    the module's single tensor input `x` and the gradient `g` of its single tensor output."""
+    _CONTRACTS[cls] = fn
+    _RESOLVED.clear()
+
+
+def contract_of(module: nn.Module) -> WeightFn | None:
+    """The contract that applies to `module`'s class, if any (cached per class)."""
+    cls = type(module)
+    if cls not in _RESOLVED:
+        found = None
+        for base in cls.__mro__:
+            if base in _CONTRACTS:
+                same = getattr(cls, "forward", None) is getattr(base, "forward", None)
+                found = _CONTRACTS[base] if same else None
+                break
+        _RESOLVED[cls] = found
+    return _RESOLVED[cls]
+
+
+class Deferred(NamedTuple):
+    """One contracted call's weight work, waiting for `W`."""
+
+    module: nn.Module
+    fn: WeightFn
+    params: dict[str, nn.Parameter]
+    x: torch.Tensor
+    g: torch.Tensor
+
+
+class _State:
+    """Process-wide: whether a capture is on, the swaps in progress, where `I` defers to.
+
+    Not thread-local on purpose: on CUDA the autograd engine runs hooks on its device
+    threads, not on the thread that called it."""
+
+    depth = 0
+    handles: list[RemovableHandle] = []
+    swaps: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
+    store: list[Deferred] | None = None
+
+
+@contextmanager
+def capturing() -> Iterator[None]:
+    """Forwards inside run contracted calls as described in the module docstring."""
+    if _State.depth == 0:
+        _State.handles = [
+            nn.modules.module.register_module_forward_pre_hook(_pre),
+            nn.modules.module.register_module_forward_hook(_post, always_call=True),
+        ]
+    _State.depth += 1
+    try:
+        yield
+    finally:
+        _State.depth -= 1
+        if _State.depth == 0:
+            for handle in _State.handles:
+                handle.remove()
+            _State.handles = []
+
+
+@contextmanager
+def deferring(store: list[Deferred]) -> Iterator[None]:
+    """Hooks fired inside (the `I` engine call) defer their work to `store`."""
+    previous, _State.store = _State.store, store
+    try:
+        yield
+    finally:
+        _State.store = previous
+
+
+def _pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+    if not args or not torch.is_grad_enabled() or contract_of(module) is None:
+        return
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or not x.requires_grad:
+        return
+    params = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+    if not params:
+        return
+    _State.swaps.append((module, params))
+    for name, param in params.items():
+        module._parameters[name] = param.detach()  # type: ignore[assignment]  # restored in _post
+        if id(param) not in CONTRACTED:
+            CONTRACTED.add(id(param))
+            weakref.finalize(param, CONTRACTED.discard, id(param))
+
+
+def _post(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if not _State.swaps or _State.swaps[-1][0] is not module:
+        return None
+    _, params = _State.swaps.pop()
+    module._parameters.update(params)
+    if not isinstance(output, torch.Tensor) or output.grad_fn is None:
+        return None
+    fn = contract_of(module)
+    assert fn is not None  # _pre swapped only for a contract
+    producer, replaced = _producer(output), None
+    if producer is None:  # a view that is not a reshape: give the output a node of its own
+        producer = replaced = output.clone()
+    node = producer.grad_fn
+    assert node is not None
+    node.register_prehook(
+        partial(_arrived, module, fn, params, args[0], producer.output_nr, output.shape)
+    )
+    return replaced
+
+
+def _producer(output: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose node made `output`: itself, or the base of which it is a reshape.
+
+    The pre-hook goes on that node, not on the tensor: an in-place op may follow
+    (`ReLU(inplace=True)`), and on a view that replaces the view's node in the graph, while
+    the base's node stays (a 3-d `F.linear` returns a reshape of its 2-d `addmm`)."""
+    tensor = output
+    while tensor._base is not None:
+        base = tensor._base
+        same = tensor.numel() == base.numel() and tensor.storage_offset() == base.storage_offset()
+        if not (same and tensor.is_contiguous() and base.is_contiguous()):
+            return None
+        tensor = base
+    return tensor
+
+
+def _arrived(
+    module: nn.Module,
+    fn: WeightFn,
+    params: dict[str, nn.Parameter],
+    x: torch.Tensor,
+    slot: int,
+    shape: torch.Size,
+    grads: tuple[torch.Tensor | None, ...],
+) -> None:
+    """The output gradient of a contracted call: defer (inside `I`) or accumulate now."""
+    g = grads[slot]
+    if g is None:
+        return
+    work = Deferred(module, fn, params, x, g.reshape(shape))
+    if _State.store is not None:
+        _State.store.append(work)
+    else:
+        accumulate(work)
+
+
+def accumulate(work: Deferred) -> None:
+    """Add one call's weight gradients into `.grad`, as autograd's leaf accumulation does."""
+    grads = work.fn(work.module, work.x, work.g, work.params.keys())
+    for name, param in work.params.items():
+        grad = grads.get(name)
+        if grad is None or grad.shape != param.shape:
+            got = "nothing" if grad is None else f"shape {tuple(grad.shape)}"
+            raise RuntimeError(
+                f"the weight-gradient contract of {type(work.module).__name__} returned {got} "
+                f"for parameter {name!r} of shape {tuple(param.shape)}"
+            )
+        grad = grad.detach().to(param.dtype)
+        if param.grad is None:
+            fresh = grad._base is None and grad.stride() == param.stride()
+            param.grad = grad if fresh else torch.empty_like(param).copy_(grad)
+        else:
+            param.grad.add_(grad)

@@ -1,0 +1,294 @@
+"""Weight gradients by contract: I + W under `capturing()` equals a full backward, bit for bit.
+
+Every case builds a module, runs one copy plainly (forward, one engine call: B) and one with
+its forward captured and its backward split (I, then W), and compares every parameter's
+gradient and every input's gradient with `torch.equal`. The cases cover the class of
+modules a transformer stage is made of: Linear stacks (2-d and 3-d inputs, with and without
+bias, in-place activations), Linear mixed with LayerNorm, embeddings and attention (SDPA and
+`nn.MultiheadAttention`, whose weights are not `nn.Linear` calls), shared and tied weights
+(a Linear called twice, two Linears sharing a weight, an embedding tied to the LM head, a
+raw `F.linear` on a Linear's weight), frozen weights, inputs that need no gradient, bf16
+parameters and bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from pipecc.runtime.split_backward import full_backward, input_backward
+from pipecc.runtime.weight_contract import capturing, register_weight_grad
+from test_split_backward import CountOps
+from torch import nn
+from torch.nn import functional as F
+
+H = 16
+
+
+class Block(nn.Module):
+    """A pre-LN GPT block: causal SDPA attention through Linear projections, GELU MLP."""
+
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.up, self.down = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(H, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, H))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Embed(nn.Module):
+    """A first stage: token and position embeddings (int input), then a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.block = nn.Embedding(32, H), nn.Embedding(8, H), Block()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.block(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the LM head (GPT-2), both in one stage, a block between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.block, self.ln = nn.Embedding(32, H), Block(), nn.LayerNorm(H)
+        self.head = nn.Linear(H, 32, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.block(self.tok(ids))))
+
+
+class Reused(nn.Module):
+    """A Linear called twice, a second Linear sharing its weight, a raw `F.linear` on it,
+    a frozen weight with a trainable bias, an extra scale parameter, two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.frozen = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+        self.b.weight = self.a.weight
+        self.frozen.weight.requires_grad_(False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, H))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = F.gelu(self.a(x))
+        h = self.a(h) * self.scale + F.linear(y, self.a.weight)
+        return self.frozen(self.b(h)), h.sum(-1)
+
+
+class Attention(nn.Module):
+    """`nn.MultiheadAttention` (its projections are raw parameters) between Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.attn, self.out = (
+            nn.Linear(H, H),
+            nn.MultiheadAttention(H, 2),
+            nn.Linear(H, H),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(self.attn(h, h, h, need_weights=False)[0])
+
+
+def mlp(bias: bool = True, inplace: bool = False) -> nn.Module:
+    act: Callable[[], nn.Module] = (lambda: nn.ReLU(inplace=True)) if inplace else nn.GELU
+    return nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(H, H, bias=bias), act())))
+
+
+def run(
+    module: nn.Module, inputs: list[torch.Tensor], split: bool, seed: int = 1
+) -> dict[str, Any]:
+    """Forward, then B (plain) or I + W (captured); every gradient, and the ops of I and W."""
+    leaves = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    ids = {id(p) for p in module.parameters()}
+    if split:
+        with capturing():
+            out = module(*leaves)
+    else:
+        out = module(*leaves)
+    outputs = out if isinstance(out, tuple) else (out,)
+    torch.manual_seed(seed)
+    grads = [torch.randn_like(o) for o in outputs]
+    counted = [CountOps(), CountOps()]
+    with counted[0]:
+        if split:
+            found, weight = input_backward(outputs, grads, leaves, ids)
+        else:
+            found = full_backward(outputs, grads, leaves)
+    if split:
+        with counted[1]:
+            weight.run()
+    return {
+        "inputs": found,
+        "params": {n: p.grad for n, p in module.named_parameters()},
+        "I": counted[0].ops,
+        "W": counted[1].ops,
+    }
+
+
+def assert_same(module: nn.Module, inputs: list[torch.Tensor]) -> dict[str, Any]:
+    """B on one copy, I + W on another: every gradient bit-identical; returns the split run."""
+    full = run(copy.deepcopy(module), inputs, split=False)
+    split = run(copy.deepcopy(module), inputs, split=True)
+    assert full["params"].keys() == split["params"].keys()
+    for name, want in full["params"].items():
+        got = split["params"][name]
+        assert (want is None) == (got is None), name
+        if want is not None:
+            assert want.dtype == got.dtype and torch.equal(want, got), name
+    for want, got in zip(full["inputs"], split["inputs"], strict=True):
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert torch.equal(want, got)
+    return split
+
+
+def floats(*shape: int, grad: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+CASES: dict[str, Callable[[], tuple[nn.Module, list[torch.Tensor]]]] = {
+    "mlp 2-d": lambda: (mlp(), [floats(4, H)]),
+    "mlp 3-d": lambda: (mlp(), [floats(2, 3, H)]),
+    "mlp no bias": lambda: (mlp(bias=False), [floats(2, 3, H)]),
+    "mlp in-place relu": lambda: (mlp(inplace=True), [floats(2, 3, H)]),
+    "mlp input without grad": lambda: (mlp(), [floats(4, H, grad=False)]),
+    "gpt block": lambda: (Block(), [floats(2, 8, H)]),
+    "embeddings + block": lambda: (Embed(), [torch.randint(0, 32, (2, 8))]),
+    "tied embedding and head": lambda: (TiedLM(), [torch.randint(0, 32, (2, 8))]),
+    "shared, reused, raw, frozen": lambda: (Reused(), [floats(4, H), floats(4, H)]),
+    "shared, input y without grad": lambda: (Reused(), [floats(4, H), floats(4, H, grad=False)]),
+    "multihead attention": lambda: (Attention(), [floats(5, 2, H)]),
+    "gpt block bf16": lambda: (Block().to(torch.bfloat16), [floats(2, 8, H, dtype=torch.bfloat16)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_i_plus_w_equals_b_exactly(case: str) -> None:
+    torch.manual_seed(0)
+    module, inputs = CASES[case]()
+    assert_same(module, inputs)
+
+
+def test_gpt_block_under_bf16_autocast() -> None:
+    torch.manual_seed(0)
+    module, x = Block(), floats(2, 8, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        split = assert_same(module, [x])
+    assert all(g.dtype == torch.float32 for g in split["params"].values())
+
+
+def test_w_does_the_weight_matmuls_and_i_the_rest() -> None:
+    """On a middle stage of Linears, I runs one matmul per Linear (the input gradient) and no
+    bias sum, W one matmul per Linear and the bias sums, and no autograd node at all."""
+    torch.manual_seed(0)
+    split = assert_same(mlp(), [floats(4, H)])
+    assert split["I"]["mm"] == 3 and split["I"]["sum"] == 0
+    assert split["W"]["mm"] == 3 and split["W"]["sum"] == 3
+    assert split["W"]["gelu_backward"] == 0
+    block = assert_same(Block(), [floats(2, 8, H)])
+    assert block["W"]["mm"] == 4, "qkv, proj, up, down"
+    assert block["W"]["native_layer_norm_backward"] == 0, "LayerNorm's gradients come in I"
+
+
+def test_interleaved_microbatches_and_any_backward() -> None:
+    """Three microbatches: I of each, W in reverse order; a fourth captured forward gets a
+    plain B and a fifth a user's `.backward()`; all sum to the plain gradients."""
+    torch.manual_seed(0)
+    plain, captured = Block(), Block()
+    captured.load_state_dict(plain.state_dict())
+    ids = {id(p) for p in captured.parameters()}
+    pending = []
+    for seed in range(5):
+        torch.manual_seed(seed)
+        x, g = floats(2, 8, H), torch.randn(2, 8, H)
+        full_backward((plain(x),), (g,), (x,))
+        leaf = x.detach().requires_grad_(True)
+        with capturing():
+            out = captured(leaf)
+        if seed < 3:
+            pending.append(input_backward((out,), (g,), (leaf,), ids)[1])
+        elif seed == 3:
+            full_backward((out,), (g,), (leaf,))
+        else:
+            out.backward(g)
+    for weight in reversed(pending):
+        weight.run()
+    for (name, a), b in zip(plain.named_parameters(), captured.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)  # summed in another order
+
+
+def test_outside_capturing_modules_are_untouched() -> None:
+    """After a capture no hook is left: autograd.grad on the weights works as before."""
+    module = mlp()
+    with capturing():
+        module(floats(4, H))
+    out = module(floats(4, H)).sum()
+    grads = torch.autograd.grad(out, list(module.parameters()))
+    assert all(g is not None for g in grads)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+
+
+class Scaled(nn.Linear):
+    """A subclass with its own forward: it must not inherit Linear's contract."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, 2 * self.weight, self.bias)
+
+
+class Diagonal(nn.Module):
+    """A user module registering a contract: y = x * d."""
+
+    def __init__(self, contract_ok: bool = True) -> None:
+        super().__init__()
+        self.d = nn.Parameter(torch.linspace(1, 2, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.d
+
+
+def _diagonal_grads(
+    module: nn.Module, x: torch.Tensor, g: torch.Tensor, names: Any
+) -> dict[str, torch.Tensor]:
+    return {"d": (x * g).reshape(-1, H).sum(0)}
+
+
+def test_subclass_with_own_forward_and_registered_contract() -> None:
+    torch.manual_seed(0)
+    register_weight_grad(Diagonal, _diagonal_grads)
+    module = nn.Sequential(Scaled(H, H), nn.GELU(), Diagonal(), nn.Linear(H, H))
+    split = assert_same(module, [floats(4, H)])
+    assert split["W"]["mm"] == 1, "only the plain Linear is deferred, not Scaled"
+    assert split["W"]["mul"] == 1, "Diagonal's contract runs in W"
+
+
+def test_a_contract_that_returns_a_wrong_shape_is_named() -> None:
+    class Bad(Diagonal):
+        pass
+
+    register_weight_grad(Bad, lambda m, x, g, n: {"d": g})
+    module = nn.Sequential(nn.Linear(H, H), Bad())
+    x = floats(4, H)
+    with capturing():
+        out = module(x)
+    _, weight = input_backward(
+        (out,), (torch.ones_like(out),), (x,), {id(p) for p in module.parameters()}
+    )
+    with pytest.raises(
+        RuntimeError, match=r"contract of Bad returned shape \(4, 16\) for parameter 'd'"
+    ):
+        weight.run()
