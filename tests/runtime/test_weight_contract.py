@@ -14,16 +14,24 @@ parameters and bf16 autocast.
 from __future__ import annotations
 
 import copy
+import runpy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from pipecc.runtime import PipelineRuntime, infer_boundaries, split_backward, weight_contract
+from pipecc.runtime.reference import gradients, reference_step
 from pipecc.runtime.split_backward import full_backward, input_backward
 from pipecc.runtime.weight_contract import capturing, register_weight_grad
 from test_split_backward import CountOps
 from torch import nn
 from torch.nn import functional as F
+
+from pipecc.api import compile_schedule
+from pipecc.ir.ops import Compute, Kind
 
 H = 16
 
@@ -292,3 +300,54 @@ def test_a_contract_that_returns_a_wrong_shape_is_named() -> None:
         RuntimeError, match=r"contract of Bad returned shape \(4, 16\) for parameter 'd'"
     ):
         weight.run()
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_zb", "dualpipev"])
+def test_the_runtime_defers_linear_weights_to_w(
+    schedule: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank holding both stages of a GPT (examples/gpt.py, untied): every W instruction
+    computes the weight gradients of the stage's Linears itself (deferred by its I), and the
+    step's gradients equal the single-process reference's."""
+    gpt_file = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "gpt.py"))
+    config = gpt_file["GPTConfig"](vocab=32, dim=16, heads=2, seq=8, layers=2, dropout=0.0)
+    stages = gpt_file["build_stages"](2, config)
+    reference = copy.deepcopy(stages)
+    batch = gpt_file["make_batch"](8, 0, config)
+    done: list[str] = []
+    monkeypatch.setattr(
+        weight_contract, "accumulate", lambda work: done.append(_key(work)) or _accumulate(work)
+    )
+    monkeypatch.setattr(split_backward, "accumulate", weight_contract.accumulate)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        program = compile_schedule(schedule, ranks=1, microbatches=4)
+        runtime = PipelineRuntime(
+            program,
+            {0: stages[0], 1: stages[1]},
+            infer_boundaries(stages, batch[0][:2]),
+            loss_fn=gpt_file["loss_fn"],
+        )
+        runtime.step(*batch)
+    finally:
+        dist.destroy_process_group()
+    _, want = reference_step(reference, batch, 4, gpt_file["loss_fn"])
+    got = gradients(stages)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7, msg=str(key))
+    split = {
+        s.chunk
+        for i in program.ranks[0]
+        if isinstance(i, Compute) and i.kind is Kind.I
+        for s in [i]
+    }
+    linears = {c: sum(isinstance(m, nn.Linear) for m in stages[c].modules()) for c in split}
+    assert len(done) == 4 * sum(linears.values()), "every contracted call of every microbatch"
+
+
+_accumulate = weight_contract.accumulate
+
+
+def _key(work: Any) -> str:
+    return type(work.module).__name__
