@@ -1,35 +1,50 @@
 """pipecc's runtime against torch.distributed.pipelining, on the same model and schedule.
 
-    .venv/bin/python benchmarks/runtime_vs_torch.py            # the full table (~5 min)
-    .venv/bin/python benchmarks/runtime_vs_torch.py --quick    # one configuration per schedule
+    .venv/bin/python benchmarks/runtime_vs_torch.py            # the full table
+    .venv/bin/python benchmarks/runtime_vs_torch.py --quick    # one configuration per model
+    .venv/bin/python benchmarks/runtime_vs_torch.py --models gpt --only zbv 1f1b
 
-P=2 ranks on gloo, one thread per rank; the model is L=8 blocks of Linear(H, H)+GELU cut
-into equal stages (2 for GPipe/1F1B, 4 for interleaved 1F1B (V=2), ZB-V and DualPipeV), MSE
-loss, 32 rows per microbatch. For every (schedule, H, M) both runtimes are built on copies of
-the same weights and stepped alternately, torch first then pipecc, in the same processes; a
-step is timed on rank 0 between a barrier before and a barrier after; the figure is the
-median of the timed steps after the warm-up. `ratio` = pipecc / torch (target ≤ 0.9).
-`pipecc` runs the default program (valid on every backend); `early` the same schedule
-compiled with `--comm-policy early-recv` (every receive posted at the start of the step: the
-policy for gloo, docs/compile.md); `aligned` the default compiled with `--align` for costs the
-runtime profiled.
-`bound` is the compute bound, timed in the same rounds: every rank runs the forward and
-backward of its own stages for all M microbatches with plain autograd and no messages,
-between the same barriers (so the slowest rank counts); `eff` = bound / step time, and `eff
-best` uses the fastest of the pipecc programs (pipecc, early, aligned) — one figure picked
-from three, so compare it with `eff torch` knowing that.
+P=2 ranks on gloo, one thread per rank, two models cut into equal stages (2 for GPipe/1F1B,
+4 for interleaved 1F1B (V=2), ZB-V and DualPipeV):
 
-The second table is the per-op overhead with a tiny model (H=16, L=8, 1F1B, M=16): (step
-time − the rank's plain-autograd time for the same ops) / compute ops per rank, on one
-process (P=1) and at P=2.
+* `mlp`: L=8 blocks of Linear(H, H)+GELU, MSE loss, 32 rows per microbatch, H=512, 1024;
+* `gpt`: examples/gpt.py, 8 pre-LN blocks of width D=128 and 256 (4 heads), 32 tokens, 4 rows
+  per microbatch, vocabulary 256, untied, no dropout, cross-entropy on int64 tokens.
+
+For every (schedule, model, M) both runtimes are built on copies of the same weights and
+stepped alternately in the same processes: 3 warm-up rounds, then `--steps` rounds (at
+least 3; 10 by default); in a round every runtime steps once, in turn. A step is timed on
+rank 0 between a barrier before and a barrier after; every figure is the median over the
+rounds (ms). The pipecc columns say the comm policy of their program:
+
+* `pipecc`: compiled with `--comm-policy early-recv`, which is what `pipecc run` picks on
+  gloo when it compiles the schedule itself (every receive posted at the start of the step;
+  docs/compile.md); `ratio` = pipecc / torch (target: median ≤ 1.00 over the
+  configurations, ≤ 1.05 in each);
+* `nccl-safe`: the default policy, valid on every backend (what `pipecc run` picks on NCCL);
+* `aligned` (with `--aligned`): the default compiled with `--align` for costs the runtime
+  profiled.
+
+`ideal` is the simulator's step for the op costs measured in the same run (the median F,
+B, I, W, F&B, F&I of every stage, recorded by the runtime in one profiled step of the pipecc
+program per round, after the timed ones), with zero message latency and zero host time
+(`comm`, `post`, `wait` = 0) under the rendezvous model: the schedule's own bubble.
+`ex torch` and `ex pipecc` are each runtime's excess over it (step − ideal), and `ex ratio`
+= ex pipecc / ex torch (target: median ≤ 0.5).
+
+The second table is the per-op overhead with a tiny model (MLP H=16, L=8, 1F1B, M=16):
+(step time − the rank's plain-autograd time for the same ops) / compute ops per rank, on
+one process (P=1) and at P=2.
 """
 
 from __future__ import annotations
 
 import argparse
+import runpy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,27 +53,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from pipecc.runtime import PipelineRuntime, Recorder, RuntimeConfig, infer_boundaries  # noqa: E402
-from pipecc.runtime.profile import comm_costs, compute_costs  # noqa: E402
+from pipecc.runtime.profile import KEYS, comm_costs, compute_costs  # noqa: E402
 from pipecc.runtime.spawn import spawn  # noqa: E402
 
 from pipecc.api import compile_schedule  # noqa: E402
 from pipecc.ir.ops import Compute, Fused  # noqa: E402
+from pipecc.ir.program import Program  # noqa: E402
 from pipecc.passes.align_comms import align_comms  # noqa: E402
-from pipecc.passes.insert_comms import (  # noqa: E402
-    EARLY_RECV,
-    POLICIES,
-    POLICY,
-    insert_comms,
-    strip_comms,
-)
+from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms  # noqa: E402
 from pipecc.semantics import CommModel  # noqa: E402
-from pipecc.semantics.costs import parse_cost_flag  # noqa: E402
+from pipecc.semantics.costs import CostModel, HostCost, StageCost, parse_cost_flag  # noqa: E402
+from pipecc.simulate.timeline import simulate  # noqa: E402
 
-ROWS = 32
+ROWS = 32  # per microbatch, the MLP
 BLOCKS = 8
+GPT_ROWS, GPT_TOKENS, GPT_VOCAB, GPT_HEADS = 4, 32, 256, 4
 # schedule name -> (torch class, stages per rank, placement style)
 SCHEDULES = {
     "gpipe": ("ScheduleGPipe", 1, "loop"),
@@ -67,26 +80,73 @@ SCHEDULES = {
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
+SIZES = {"mlp": (512, 1024), "gpt": (128, 256)}
 
 
 @dataclass(frozen=True)
 class Config:
     schedule: str
-    hidden: int
+    model: str  # "mlp" or "gpt"
+    size: int  # H (mlp) or D (gpt)
     microbatches: int
     steps: int
     warmup: int
     ranks: int = 2
-    align: bool = True
+    align: bool = False
+
+    @property
+    def rows(self) -> int:
+        return (ROWS if self.model == "mlp" else GPT_ROWS) * self.microbatches
 
 
-def build(hidden: int, stages: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    per = BLOCKS // stages
-    return [
-        nn.Sequential(*(m for _ in range(per) for m in (nn.Linear(hidden, hidden), nn.GELU())))
-        for _ in range(stages)
-    ]
+class Model:
+    """One model of the table: its stages, a batch, the loss and torch's static shapes."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.count = config.ranks * SCHEDULES[config.schedule][1]
+        if config.model == "gpt":
+            self.gpt = runpy.run_path(str(ROOT / "examples" / "gpt.py"))
+            self.gpt_config = self.gpt["GPTConfig"](
+                vocab=GPT_VOCAB, dim=config.size, heads=GPT_HEADS, seq=GPT_TOKENS,
+                layers=BLOCKS, tied=False, dropout=0.0,
+            )  # fmt: skip
+            self.loss: Callable[[Any, Any], torch.Tensor] = self.gpt["loss_fn"]
+        else:
+            self.loss = nn.functional.mse_loss
+
+    def stages(self) -> list[nn.Module]:
+        if self.config.model == "gpt":
+            return list(self.gpt["build_stages"](self.count, self.gpt_config))
+        torch.manual_seed(0)
+        hidden, per = self.config.size, BLOCKS // self.count
+        return [
+            nn.Sequential(*(m for _ in range(per) for m in (nn.Linear(hidden, hidden), nn.GELU())))
+            for _ in range(self.count)
+        ]
+
+    def batch(self, microbatches: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.config.rows if microbatches == 0 else self.config.rows // microbatches
+        if self.config.model == "gpt":
+            batch: tuple[torch.Tensor, torch.Tensor] = self.gpt["make_batch"](
+                rows, 1, self.gpt_config
+            )
+            return batch
+        generator = torch.Generator().manual_seed(1)
+        shape = (rows, self.config.size)
+        return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+    def shapes(self, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's static input and output examples of one stage, for one microbatch."""
+        c, size = self.config, self.config.size
+        if c.model == "mlp":
+            data = torch.empty(ROWS, size)
+            activation = torch.empty(ROWS, size, requires_grad=True)
+            return (data if stage == 0 else activation), activation
+        hidden = torch.empty(GPT_ROWS, GPT_TOKENS, size, requires_grad=True)
+        tokens = torch.zeros(GPT_ROWS, GPT_TOKENS, dtype=torch.int64)
+        logits = torch.empty(GPT_ROWS, GPT_TOKENS, GPT_VOCAB, requires_grad=True)
+        return (tokens if stage == 0 else hidden), (logits if stage == self.count - 1 else hidden)
 
 
 def stage_ids(name: str, rank: int, ranks: int) -> list[int]:
@@ -98,44 +158,42 @@ def stage_ids(name: str, rank: int, ranks: int) -> list[int]:
     return [rank + c * ranks for c in range(per_rank)]
 
 
-def make_torch(config: Config, stages: list[nn.Module], rank: int) -> Any:
+def make_torch(model: Model, stages: list[nn.Module], rank: int) -> Any:
     from torch.distributed.pipelining import PipelineStage, schedules
 
+    config = model.config
     cls_name, per_rank, _ = SCHEDULES[config.schedule]
-    count = len(stages)
     # Static shapes: torch's dynamic inference exchanges pickled objects (needs numpy).
-    data = torch.empty(ROWS, config.hidden)
-    activation = torch.empty(ROWS, config.hidden, requires_grad=True)
-    mine = [
-        PipelineStage(
-            stages[s],
-            s,
-            count,
-            torch.device("cpu"),
-            input_args=data if s == 0 else activation,
-            output_args=activation,
+    mine = []
+    for s in stage_ids(config.schedule, rank, config.ranks):
+        inputs, outputs = model.shapes(s)
+        device = torch.device("cpu")
+        mine.append(
+            PipelineStage(stages[s], s, model.count, device, input_args=inputs, output_args=outputs)
         )
-        for s in stage_ids(config.schedule, rank, config.ranks)
-    ]
     cls = getattr(schedules, cls_name)
-    loss = nn.functional.mse_loss
     if per_rank == 1:
-        return cls(mine[0], config.microbatches, loss_fn=loss)
-    return cls(mine, config.microbatches, loss_fn=loss)
+        return cls(mine[0], config.microbatches, loss_fn=model.loss)
+    return cls(mine, config.microbatches, loss_fn=model.loss)
 
 
 def make_pipecc(
-    config: Config, stages: list[nn.Module], rank: int, policy: str = POLICY
+    model: Model, stages: list[nn.Module], rank: int, *, early: bool
 ) -> PipelineRuntime:
+    config = model.config
     program = compile_schedule(
         config.schedule, ranks=config.ranks, microbatches=config.microbatches
     )
-    if policy != POLICY:
-        program = insert_comms(strip_comms(program), placement=POLICIES[policy])
+    if early:
+        program = insert_comms(strip_comms(program), placement=EARLY_RECV)
     modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
-    sample = torch.zeros(ROWS, config.hidden)
+    sample = model.batch(config.microbatches)[0]
     return PipelineRuntime(
-        program, modules, infer_boundaries(stages, sample), config=RuntimeConfig()
+        program,
+        modules,
+        infer_boundaries(stages, sample),
+        loss_fn=model.loss,
+        config=RuntimeConfig(),
     )
 
 
@@ -159,7 +217,7 @@ def stage_ids_first_last(schedule: Any, rank: int, ranks: int) -> tuple[bool, bo
     return any(s.is_first for s in stages), any(s.is_last for s in stages)
 
 
-def timed(fn: Any, modules: list[nn.Module]) -> float:
+def timed(fn: Callable[[], object], modules: list[nn.Module]) -> float:
     for module in modules:
         module.zero_grad(set_to_none=True)
     dist.barrier()
@@ -169,12 +227,12 @@ def timed(fn: Any, modules: list[nn.Module]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def compute_only(config: Config, stages: list[nn.Module], rank: int) -> Any:
+def compute_only(config: Config, stages: list[nn.Module], rank: int) -> Callable[[], None]:
     """This rank's arithmetic of one step without the pipeline: forward and backward of each
-    of its stages for every microbatch, plain autograd, no messages. Timed between the same
-    barriers as a step, it is the compute bound measured under the same load."""
+    of its stages for every microbatch, plain autograd, no messages (the per-op overhead
+    table subtracts it)."""
     mine = [stages[s] for s in stage_ids(config.schedule, rank, config.ranks)]
-    x = torch.randn(ROWS, config.hidden)
+    x = torch.randn(ROWS, config.size)
 
     def run() -> None:
         for module in mine:
@@ -185,12 +243,13 @@ def compute_only(config: Config, stages: list[nn.Module], rank: int) -> Any:
     return run
 
 
-def aligned(runtime: PipelineRuntime, stages: list[nn.Module], batch: Any) -> PipelineRuntime:
+def aligned(runtime: PipelineRuntime, stages: list[nn.Module], model: Model) -> PipelineRuntime:
     """The same schedule with its comm ops placed for measured costs (`compile --align`
     under the rendezvous model, gloo's): two profiled steps of the default program give the
-    median F, B, I, W, FB and message latency; the ranks average them with an all-reduce, so
+    mean F, B, I, W, FB and message latency; the ranks average them with an all-reduce, so
     every rank aligns with the same costs and gets the same program."""
     recorder = Recorder()
+    batch = model.batch()
     for step in range(2):
         recorder.step = step
         for module in runtime.modules.values():
@@ -207,94 +266,151 @@ def aligned(runtime: PipelineRuntime, stages: list[nn.Module], batch: Any) -> Pi
     pairs = zip(keys, values.tolist(), present.tolist(), strict=True)
     costs = ",".join(f"{k}={v / n:.4f}" for k, v, n in pairs if n > 0)
     program = align_comms(runtime.program, costs=parse_cost_flag(costs), model=CommModel.RENDEZVOUS)
-    sample = torch.zeros(ROWS, stages[0][0].in_features)
-    return PipelineRuntime(program, runtime.modules, infer_boundaries(stages, sample))
+    sample = model.batch(model.config.microbatches)[0]
+    return PipelineRuntime(
+        program, runtime.modules, infer_boundaries(stages, sample), loss_fn=model.loss
+    )
+
+
+def ideal_step(program: Program, recorder: Recorder, stages: int) -> float:
+    """The simulated step for the measured op costs of every stage (the median of each
+    (stage, op kind): a lower bound should not carry the host's hiccups), gathered from all
+    ranks (each stage is measured by the rank that holds it), with zero message latency and
+    zero host time, under the rendezvous model (ms)."""
+    samples: dict[tuple[int, str], list[float]] = {}
+    for kind, stage, seconds in recorder.computes:
+        samples.setdefault((stage, kind), []).append(seconds * 1e3)
+    table = torch.full((stages, len(KEYS)), -1.0, dtype=torch.float64)
+    for (stage, kind), values in samples.items():
+        table[stage, KEYS.index(kind)] = statistics.median(values)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    staged = tuple(
+        (stage, StageCost(**{k: v for k, v in zip(KEYS, row, strict=True) if v >= 0}))
+        for stage, row in enumerate(table.tolist())
+    )
+    costs = CostModel(StageCost(comm=0.0), staged, unit="ms", host=HostCost(0.0, 0.0, 0.0))
+    return simulate(program, costs, model=CommModel.RENDEZVOUS).step
 
 
 def run_config(config: Config, rank: int) -> dict[str, Any]:
-    _, per_rank, _ = SCHEDULES[config.schedule]
-    count = config.ranks * per_rank
-    torch_stages, pipecc_stages = build(config.hidden, count), build(config.hidden, count)
+    model = Model(config)
+    torch_stages, pipecc_stages = model.stages(), model.stages()
     mine = stage_ids(config.schedule, rank, config.ranks)
     mine_t, mine_p = [torch_stages[s] for s in mine], [pipecc_stages[s] for s in mine]
-    generator = torch.Generator().manual_seed(1)
-    rows = ROWS * config.microbatches
-    batch = (
-        torch.randn(rows, config.hidden, generator=generator),
-        torch.randn(rows, config.hidden, generator=generator),
-    )
-    baseline = make_torch(config, torch_stages, rank)
-    runtime = make_pipecc(config, pipecc_stages, rank)
-    early = make_pipecc(config, pipecc_stages, rank, EARLY_RECV.policy)
-    runners = {
+    batch = model.batch()
+    baseline = make_torch(model, torch_stages, rank)
+    early = make_pipecc(model, pipecc_stages, rank, early=True)
+    safe = make_pipecc(model, pipecc_stages, rank, early=False)
+    runners: dict[str, tuple[Callable[[], object], list[nn.Module]]] = {
         "torch": (lambda: torch_step(baseline, rank, config.ranks, batch), mine_t),
-        "pipecc": (lambda: runtime.step(*batch), mine_p),
-        "early": (lambda: early.step(*batch), mine_p),
+        "pipecc": (lambda: early.step(*batch), mine_p),
+        "nccl-safe": (lambda: safe.step(*batch), mine_p),
     }
     if config.align:
-        tuned = aligned(runtime, pipecc_stages, batch)
+        tuned = aligned(safe, pipecc_stages, model)
         runners["aligned"] = (lambda: tuned.step(*batch), mine_p)
-    runners["bound"] = (compute_only(config, pipecc_stages, rank), mine_p)
+    if config.model == "mlp":
+        runners["bound"] = (compute_only(config, pipecc_stages, rank), mine_p)
     times: dict[str, list[float]] = {name: [] for name in runners}
+    recorder = Recorder()
     for step in range(config.warmup + config.steps):
         for name, (run, modules) in runners.items():  # alternately, in the same processes
             elapsed = timed(run, modules)
             if step >= config.warmup:
                 times[name].append(elapsed)
+        if step >= config.warmup:  # one profiled step of the pipecc program, for `ideal`
+            recorder.step = step
+            timed(lambda: early.step(*batch, recorder=recorder), mine_p)
     result: dict[str, Any] = {name: statistics.median(t) for name, t in times.items()}
-    result["ops"] = sum(1 for _, instr, _ in runtime.plan if type(instr) in (Compute, Fused))
+    result["ideal"] = ideal_step(early.program, recorder, model.count)
+    result["ops"] = sum(1 for _, instr, _ in early.plan if type(instr) in (Compute, Fused))
     return result
 
 
 def worker(rank: int, world: int, configs: list[Config]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
     return [run_config(config, rank) for config in configs]
+
+
+COLUMNS = (
+    f"{'schedule':17} {'model':9} {'M':>3} {'torch':>7} {'pipecc':>7} {'ratio':>6} "
+    f"{'nccl-safe':>9} {'ratio':>6} {'ideal':>7} {'ex torch':>8} {'ex pipecc':>9} "
+    f"{'ex ratio':>8}"
+)
+
+
+def row(config: Config, r0: dict[str, Any]) -> str:
+    ideal = r0["ideal"]
+    ex_torch, ex_pipecc = r0["torch"] - ideal, r0["pipecc"] - ideal
+    extra = f" {r0['aligned'] / r0['torch']:7.2f}" if "aligned" in r0 else ""
+    return (
+        f"{config.schedule:17} {config.model + ' ' + str(config.size):9} "
+        f"{config.microbatches:3} {r0['torch']:7.1f} {r0['pipecc']:7.1f} "
+        f"{r0['pipecc'] / r0['torch']:6.2f} {r0['nccl-safe']:9.1f} "
+        f"{r0['nccl-safe'] / r0['torch']:6.2f} {ideal:7.1f} {ex_torch:8.1f} {ex_pipecc:9.1f} "
+        f"{ex_pipecc / ex_torch if ex_torch > 0 else float('nan'):8.2f}{extra}"
+    )
+
+
+def summary(configs: list[Config], rows: list[dict[str, Any]]) -> str:
+    ratios = [r["pipecc"] / r["torch"] for r in rows]
+    excess = [(r["pipecc"] - r["ideal"]) / (r["torch"] - r["ideal"]) for r in rows
+              if r["torch"] > r["ideal"]]  # fmt: skip
+    within = sum(ratio <= 1.05 for ratio in ratios)
+    return (
+        f"pipecc/torch: median {statistics.median(ratios):.2f} (target <= 1.00), "
+        f"max {max(ratios):.2f}, {within} of {len(ratios)} <= 1.05; "
+        f"excess over ideal, pipecc/torch: median {statistics.median(excess):.2f} "
+        f"(target <= 0.50) over {len(excess)} configurations"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="H=1024, M=8 only, 5 steps")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="one size and M=8, 5 rounds")
+    parser.add_argument("--steps", type=int, default=10, help="timed rounds (at least 3)")
     parser.add_argument("--only", nargs="*", default=list(SCHEDULES), help="schedule names")
+    parser.add_argument("--models", nargs="*", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--microbatches", nargs="*", type=int, default=[8, 16])
+    parser.add_argument("--aligned", action="store_true", help="add the --align column")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the per-op table")
     args = parser.parse_args()
-    hiddens, counts = ((1024,), (8,)) if args.quick else ((512, 1024), (8, 16))
-    steps = 5 if args.quick else args.steps
-    configs = [Config(name, h, m, steps, 3) for name in args.only for h in hiddens for m in counts]
-    results = spawn(worker, 2, configs, timeout=1200)
-    print(
-        f"{'schedule':17} {'H':>5} {'M':>3} {'torch':>7} {'pipecc':>7} {'ratio':>6} "
-        f"{'early':>7} {'ratio':>6} {'aligned':>7} {'ratio':>6} {'bound':>7} {'eff torch':>9} "
-        f"{'eff best':>10}"
-    )
-    for index, config in enumerate(configs):
-        r0 = results[0][index]
-        bound = r0["bound"]
-        best = min(r0["pipecc"], r0["early"], r0.get("aligned", r0["pipecc"]))
-        print(
-            f"{config.schedule:17} {config.hidden:5} {config.microbatches:3} "
-            f"{r0['torch']:7.1f} {r0['pipecc']:7.1f} {r0['pipecc'] / r0['torch']:6.2f} "
-            f"{r0['early']:7.1f} {r0['early'] / r0['torch']:6.2f} "
-            f"{r0['aligned']:7.1f} {r0['aligned'] / r0['torch']:6.2f} "
-            f"{bound:7.1f} {bound / r0['torch']:9.2f} {bound / best:10.2f}",
-            flush=True,
-        )
-    overhead()
+    steps = 5 if args.quick else max(3, args.steps)
+    counts = (8,) if args.quick else tuple(args.microbatches)
+    configs = [
+        Config(name, model, size, m, steps, 3, align=args.aligned)
+        for model in args.models
+        for size in (SIZES[model][1:] if args.quick else SIZES[model])
+        for name in args.only
+        for m in counts
+    ]
+    results = spawn(worker, 2, configs, timeout=3600)
+    aligned_note = "; last column: aligned/torch" if args.aligned else ""
+    print(f"medians of {steps} alternating rounds (ms); pipecc: early-recv policy, "
+          f"nccl-safe: default policy{aligned_note}")  # fmt: skip
+    print(COLUMNS, flush=True)
+    for config, r0 in zip(configs, results[0], strict=True):
+        print(row(config, r0), flush=True)
+    print(summary(configs, results[0]))
+    if not args.no_overhead:
+        overhead()
 
 
 def overhead() -> None:
     """Per compute op, beyond the math: tiny model, one process and two."""
     for ranks in (1, 2):
-        config = Config("1f1b", 16, 16, 20, 5, ranks=ranks, align=False)
+        config = Config("1f1b", "mlp", 16, 16, 20, 5, ranks=ranks)
         results = spawn(worker, ranks, [config], timeout=600)
         r0 = results[0][0]
         ops = r0["ops"]
         math = r0["bound"]
         per_torch = (r0["torch"] - math) / ops * 1e3
-        per_pipecc = (r0["pipecc"] - math) / ops * 1e3
-        per_early = (r0["early"] - math) / ops * 1e3
+        per_safe = (r0["nccl-safe"] - math) / ops * 1e3
+        per_early = (r0["pipecc"] - math) / ops * 1e3
         print(
             f"per-op overhead, H=16, P={ranks}, 1F1B M=16 ({ops} compute ops per rank): "
-            f"torch {per_torch:.0f} µs, pipecc {per_pipecc:.0f} µs, "
-            f"ratio {per_pipecc / per_torch:.2f}; early-recv {per_early:.0f} µs, "
+            f"torch {per_torch:.0f} µs, pipecc (nccl-safe) {per_safe:.0f} µs, "
+            f"ratio {per_safe / per_torch:.2f}; early-recv {per_early:.0f} µs, "
             f"ratio {per_early / per_torch:.2f}"
         )
 
