@@ -147,7 +147,7 @@ def _pre(module: nn.Module, args: tuple[Any, ...]) -> None:
     if not isinstance(x, torch.Tensor) or not x.requires_grad:
         return
     params = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-    if not params:
+    if not params or any(_hooked(p) for p in params.values()):
         return
     _State.swaps.append((module, params))
     for name, param in params.items():
@@ -157,13 +157,26 @@ def _pre(module: nn.Module, args: tuple[Any, ...]) -> None:
             weakref.finalize(param, CONTRACTED.discard, id(param))
 
 
+def _hooked(param: torch.Tensor) -> bool:
+    """Whether hooks wait for the parameter's gradient from autograd (a `register_hook`, a
+    post-accumulate hook, as DDP's): then its calls keep their ordinary edges."""
+    return bool(param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 def _post(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     if not _State.swaps or _State.swaps[-1][0] is not module:
         return None
     _, params = _State.swaps.pop()
     module._parameters.update(params)
-    if not isinstance(output, torch.Tensor) or output.grad_fn is None:
+    if output is None:  # the forward raised: the parameters are back, nothing to keep
         return None
+    if not isinstance(output, torch.Tensor) or output.grad_fn is None:
+        got = "a tensor without a graph" if isinstance(output, torch.Tensor) else type(output)
+        raise RuntimeError(
+            f"{type(module).__name__} has a weight-gradient contract, but its call returned "
+            f"{got} although its input needed a gradient (a forward pre-hook that detached "
+            "it?): the contract needs one tensor output that depends on the input"
+        )
     fn = contract_of(module)
     assert fn is not None  # _pre swapped only for a contract
     producer, replaced = _producer(output), None

@@ -351,3 +351,44 @@ _accumulate = weight_contract.accumulate
 
 def _key(work: Any) -> str:
     return type(work.module).__name__
+
+
+def test_hooked_parameters_keep_their_autograd_edges() -> None:
+    """A parameter whose gradient a hook waits for (`register_hook`, a post-accumulate hook
+    as DDP's) is not contracted: its hooks fire, with the right gradient."""
+    torch.manual_seed(0)
+    module, x = mlp(), floats(4, H)
+    full = run(copy.deepcopy(module), [x], split=False)  # (a deep copy drops tensor hooks)
+    seen: dict[str, torch.Tensor] = {}
+    module[0].weight.register_hook(lambda g: seen.setdefault("0.weight", g.clone()))
+
+    def accumulated(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        seen["2.weight"] = param.grad.clone()
+
+    module[2].weight.register_post_accumulate_grad_hook(accumulated)
+    split = run(module, [x], split=True)
+    for name, want in full["params"].items():
+        assert torch.equal(want, split["params"][name]), name
+    assert seen.keys() == {"0.weight", "2.weight"}
+    for name, got in seen.items():
+        assert torch.equal(got, full["params"][name]), name
+    assert split["W"]["mm"] == 1, "only the third Linear is deferred"
+
+
+def test_a_failed_forward_restores_the_parameters() -> None:
+    module = nn.Linear(3, 3)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), capturing():
+        module(floats(2, 4))
+    assert type(module._parameters["weight"]) is nn.Parameter
+
+
+def test_a_contracted_call_whose_output_lost_its_graph_is_an_error() -> None:
+    """A user's pre-hook detaches the input after the capture saw it needing a gradient:
+    the weight gradients would be lost, so the call fails and says why."""
+    module = nn.Linear(H, H)
+    module.register_forward_pre_hook(lambda m, args: (args[0].detach(),))
+    with pytest.raises(RuntimeError, match="Linear has a weight-gradient contract, but its call"):
+        with capturing():
+            module(floats(4, H))
+    assert type(module._parameters["weight"]) is nn.Parameter
