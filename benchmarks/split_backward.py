@@ -189,22 +189,42 @@ def matmul_counts(device: torch.device) -> str:
 
 
 def profile(stage: Stage, folder: Path, steps: int = 10) -> None:
-    """torch.profiler over `steps` steps of B and of the contract (after 2 untimed), one
-    table each of the aten ops' self CPU time; the backward of each microbatch is labelled
-    B, I or W, so the matmuls of W can be compared with the same matmuls inside B."""
+    """torch.profiler over `steps` rounds of B then the contract (2 untimed rounds first);
+    each microbatch's backward is labelled B, I or W, and every aten op's self CPU time is
+    summed under its label, so the weight-gradient matmuls of W can be set beside the same
+    matmuls inside B (same kernels, same shapes, same counts)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    for _ in range(2):
+        step(stage, "B")
+        step(stage, "contract")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            labelled_step(stage, "B", record_function)
+            labelled_step(stage, "contract", record_function)
+    totals: dict[tuple[str, str], list[float]] = {}
+    for event in prof.events():
+        if event.name in ("B", "I", "W"):
+            stack = list(event.cpu_children)
+            while stack:
+                child = stack.pop()
+                total = totals.setdefault((event.name, child.name), [0, 0.0])
+                total[0] += 1
+                total[1] += child.self_cpu_time_total
+                stack.extend(child.cpu_children)
+    calls = steps * MICROBATCHES
+    lines = [f"{stage.name}: aten self CPU time per microbatch (µs), {steps} rounds, "
+             f"allocator {'tuned' if TUNED in os.environ else 'default'}",
+             f"{'label':5} {'op':36} {'calls':>6} {'µs':>9} {'µs/call':>9}"]  # fmt: skip
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])
+    for (label, op), (count, micros) in ranked:
+        if micros / calls >= 2.0:
+            lines.append(f"{label:5} {op:36} {count / calls:6.1f} {micros / calls:9.1f} "
+                         f"{micros / count:9.1f}")  # fmt: skip
+    text = "\n".join(lines)
+    print(text, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
-    for variant in ("B", "contract"):
-        for _ in range(2):
-            step(stage, variant)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                labelled_step(stage, variant, record_function)
-        name = f"{stage.name.replace(' ', '_').replace('=', '')}_{variant}.txt"
-        text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        (folder / name).write_text(text)
-        print(f"wrote {folder / name}")
+    (folder / f"{stage.name.replace(' ', '_').replace('=', '')}.txt").write_text(text + "\n")
 
 
 def labelled_step(stage: Stage, variant: str, label: Callable[[str], object]) -> None:

@@ -227,9 +227,33 @@ def _arrived(
 
 
 def accumulate(work: Deferred) -> None:
-    """Add one call's weight gradients into `.grad`, as autograd's leaf accumulation does."""
-    grads = work.fn(work.module, work.x, work.g, work.params.keys())
-    for name, param in work.params.items():
+    """Add one call's weight gradients into `.grad`, as autograd's leaf accumulation does.
+
+    A Linear weight whose `.grad` already holds a gradient of its own dtype gets `gᵀ·x`
+    added by the matmul itself (`addmm_`), without a gradient block of its own: that block
+    (MBs) is what autograd allocates, adds and frees per Linear and microbatch, and with
+    glibc's default allocator each one is faulted in afresh. (The sum is rounded once
+    instead of twice, so from the second microbatch on it is not bit-identical to B's.)"""
+    names = set(work.params)
+    weight = work.params.get("weight")
+    if work.fn is linear_weight_grads and weight is not None and _fusable(weight, work.g):
+        assert weight.grad is not None  # _fusable
+        g2 = work.g.reshape(-1, work.g.shape[-1])
+        weight.grad.addmm_(g2.t(), work.x.reshape(-1, work.x.shape[-1]).to(g2.dtype))
+        names.discard("weight")
+    if names:
+        _add(work, names)
+
+
+def _fusable(weight: torch.Tensor, g: torch.Tensor) -> bool:
+    grad = weight.grad
+    return grad is not None and grad.dtype == g.dtype == weight.dtype and grad.is_contiguous()
+
+
+def _add(work: Deferred, names: set[str]) -> None:
+    grads = work.fn(work.module, work.x, work.g, names)
+    for name in names:
+        param = work.params[name]
         grad = grads.get(name)
         if grad is None or grad.shape != param.shape:
             got = "nothing" if grad is None else f"shape {tuple(grad.shape)}"

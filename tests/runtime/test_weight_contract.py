@@ -13,6 +13,7 @@ parameters and bf16 autocast.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import runpy
 from collections.abc import Callable
@@ -392,3 +393,29 @@ def test_a_contracted_call_whose_output_lost_its_graph_is_an_error() -> None:
         with capturing():
             module(floats(4, H))
     assert type(module._parameters["weight"]) is nn.Parameter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w_adds_into_existing_gradients_inside_the_matmul(dtype: torch.dtype) -> None:
+    """From the second microbatch on, W adds gᵀ·x into `.grad` with `addmm_` (no gradient
+    block of its own, no separate add); the sums equal B's up to rounding."""
+    torch.manual_seed(0)
+    module = mlp().to(dtype)
+    plain, captured = copy.deepcopy(module), copy.deepcopy(module)
+    ids = {id(p) for p in captured.parameters()}
+    counted = CountOps()
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x, g = floats(4, H, dtype=dtype), torch.randn(4, H, dtype=dtype)
+        full_backward((plain(x),), (g,), (x,))
+        leaf = x.detach().requires_grad_(True)
+        with capturing():
+            out = captured(leaf)
+        _, weight = input_backward((out,), (g,), (leaf,), ids)
+        with counted if seed == 1 else contextlib.nullcontext():
+            weight.run()
+    assert counted.ops["addmm_"] == 3 and counted.ops["mm"] == 0
+    assert counted.ops["add_"] == 3, "the bias gradients only"
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+    for (name, a), b in zip(plain.named_parameters(), captured.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name, **tolerance)
