@@ -115,7 +115,7 @@ def step(stage: Stage, variant: str) -> tuple[float, float]:
     leaves = [x.detach().requires_grad_(True) for x in stage.xs]
     sync(g.device)
     start = time.perf_counter()
-    with capturing() if variant == "contract" else nullcontext():
+    with capturing(module) if variant == "contract" else nullcontext():
         graphs = [(leaf, module(leaf)) for leaf in leaves]
     sync(g.device)
     middle = time.perf_counter()
@@ -179,7 +179,7 @@ def matmul_counts(device: torch.device) -> str:
         full_backward((stage.copies["B"](x),), (stage.g,), (x,))
     for variant in ("walk", "contract"):
         module = stage.copies[variant]
-        with capturing() if variant == "contract" else nullcontext():
+        with capturing(module) if variant == "contract" else nullcontext():
             out = module(x)
         with counts[f"{variant} I"]:
             _, weight = input_backward((out,), (stage.g,), (x,), stage.ids[variant])
@@ -231,7 +231,7 @@ def labelled_step(stage: Stage, variant: str, label: Callable[[str], object]) ->
     module, g = stage.copies[variant], stage.g
     module.zero_grad(set_to_none=True)
     leaves = [x.detach().requires_grad_(True) for x in stage.xs]
-    with capturing() if variant == "contract" else nullcontext():
+    with capturing(module) if variant == "contract" else nullcontext():
         graphs = [(leaf, module(leaf)) for leaf in leaves]
     if variant == "B":
         for leaf, out in graphs:

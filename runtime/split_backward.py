@@ -1,6 +1,6 @@
 """Split backward: `I` computes input gradients only, `W` later the weight gradients.
 
-Two methods. For a chunk whose forward ran inside `weight_contract.capturing()` and used
+Two methods. For a chunk whose forward ran inside `weight_contract.capturing(module)` and used
 modules with a weight-gradient contract (`nn.Linear`, or any class registered), `I` is one
 ordinary engine call over the whole graph in which each contracted call defers its input
 and output gradient to `W`, and `W` computes those weights' gradients directly

@@ -76,7 +76,7 @@ class StageOps:
         self.rng.seed(ctx.step, op.stage, op.mb)
         captured = ctx.training and op.chunk in self.split
         with self.autocast():
-            with capturing() if captured else contextlib.nullcontext():
+            with capturing(chunk.module) if captured else contextlib.nullcontext():
                 output = call(chunk.module, value)
             outputs = self.loss(ctx, op.mb, output) if chunk.last else None
         if outputs is None:

@@ -2,15 +2,16 @@
 
 A module class *registers a contract* (`register_weight_grad`) when its parameters'
 gradients are a function of its input and its output's gradient alone; `nn.Linear` is
-registered here: `dW = gᵀ·x`, `db = Σ g` over the rows. Inside `capturing()` (the runtime
+registered here: `dW = gᵀ·x`, `db = Σ g` over the rows. Inside `capturing(module)` (the runtime
 enters it around the forward of a chunk whose backward is split), each call of such a module
 whose input needs a gradient runs with its trainable parameters *detached*, so the autograd
 graph has no edge from that call to them, and a pre-hook on the node that made the call's
-output (`_producer`) keeps the input
-`x` and, when the backward reaches the output, receives its gradient `g`:
+output (`_producer`) keeps the input `x` and, when the backward reaches the output,
+receives its gradient `g`:
 
 * inside `input_backward` (`I`) the hook defers `(x, g)` to a store that `W` later turns
-  into the parameters' gradients, one matmul per Linear and no autograd engine at all;
+  into the parameters' gradients, one matmul per Linear and no autograd engine at all
+  (added into `.grad` by the matmul itself when it already holds one: `accumulate`);
 * in any other backward (`B`, or a user's own) it computes them at once, where the graph
   would have, so a captured forward is correct under every backward.
 
@@ -18,10 +19,11 @@ Everything else in the graph is untouched: a parameter used outside a contracted
 tied embedding, a LayerNorm, a raw `F.linear` on someone's weight) keeps its ordinary edge
 and gets its gradient from the engine, in `I`. That is DualPipe's weight-gradient store,
 here on stock modules: their forwards are not replaced, only their parameters are swapped
-for detached aliases for the duration of the call (global module hooks, installed for the
-extent of `capturing()` only), so outside it the modules behave exactly as before. A call
+for detached aliases for the duration of the call (`capturing(module)` gives each
+contracted submodule an instance-level `forward` for its extent only), so outside it the
+modules behave exactly as before. A call
 whose input needs no gradient (the first Linear of a first stage) is left alone, its
-weight gradient computed in `I`.
+weight gradient computed in `I`; so is a parameter with gradient hooks (`_hooked`).
 
 A subclass inherits a contract only if it keeps the registered class's `forward` (a
 subclass that computes something else must not get `gᵀ·x`).
@@ -38,7 +40,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 # (module, its input, its output's gradient, the names wanted) -> gradient by parameter name
 WeightFn = Callable[
@@ -100,34 +101,29 @@ class Deferred(NamedTuple):
 
 
 class _State:
-    """Process-wide: whether a capture is on, the swaps in progress, where `I` defers to.
+    """Process-wide: where `I` defers to. Not thread-local on purpose: on CUDA the autograd
+    engine runs hooks on its device threads, not on the thread that called it."""
 
-    Not thread-local on purpose: on CUDA the autograd engine runs hooks on its device
-    threads, not on the thread that called it."""
-
-    depth = 0
-    handles: list[RemovableHandle] = []
-    swaps: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
     store: list[Deferred] | None = None
 
 
 @contextmanager
-def capturing() -> Iterator[None]:
-    """Forwards inside run contracted calls as described in the module docstring."""
-    if _State.depth == 0:
-        _State.handles = [
-            nn.modules.module.register_module_forward_pre_hook(_pre),
-            nn.modules.module.register_module_forward_hook(_post, always_call=True),
-        ]
-    _State.depth += 1
+def capturing(module: nn.Module) -> Iterator[None]:
+    """Calls of `module`'s contracted submodules inside run as the module docstring says.
+
+    For the extent of the block each of them gets an instance attribute `forward` (which
+    `nn.Module.__call__` finds before the class's), removed on the way out; so hooks, the
+    call path and every other module are as without a capture."""
+    installed = [
+        m for m in module.modules() if contract_of(m) is not None and "forward" not in m.__dict__
+    ]
+    for sub in installed:
+        sub.__dict__["forward"] = partial(_captured_call, sub)
     try:
         yield
     finally:
-        _State.depth -= 1
-        if _State.depth == 0:
-            for handle in _State.handles:
-                handle.remove()
-            _State.handles = []
+        for sub in installed:
+            sub.__dict__.pop("forward", None)
 
 
 @contextmanager
@@ -140,21 +136,28 @@ def deferring(store: list[Deferred]) -> Iterator[None]:
         _State.store = previous
 
 
-def _pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-    if not args or not torch.is_grad_enabled() or contract_of(module) is None:
-        return
-    x = args[0]
-    if not isinstance(x, torch.Tensor) or not x.requires_grad:
-        return
+def _captured_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A contracted module's forward: its trainable parameters detached for the call, and a
+    pre-hook on its output's node for the output gradient (or the plain forward when there
+    is nothing to capture: no gradient wanted, no trainable parameter, a hooked one)."""
+    forward = type(module).forward
+    fn = contract_of(module)
+    x = args[0] if len(args) == 1 and not kwargs else None
+    if fn is None or not isinstance(x, torch.Tensor) or not x.requires_grad:
+        return forward(module, *args, **kwargs)
     params = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-    if not params or any(_hooked(p) for p in params.values()):
-        return
-    _State.swaps.append((module, params))
+    if not params or not torch.is_grad_enabled() or any(_hooked(p) for p in params.values()):
+        return forward(module, x)
     for name, param in params.items():
-        module._parameters[name] = param.detach()  # type: ignore[assignment]  # restored in _post
+        module._parameters[name] = param.detach()  # type: ignore[assignment]  # restored below
         if id(param) not in CONTRACTED:
             CONTRACTED.add(id(param))
             weakref.finalize(param, CONTRACTED.discard, id(param))
+    try:
+        output = forward(module, x)
+    finally:
+        module._parameters.update(params)
+    return _keep(module, fn, params, x, output)
 
 
 def _hooked(param: torch.Tensor) -> bool:
@@ -163,31 +166,26 @@ def _hooked(param: torch.Tensor) -> bool:
     return bool(param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
 
 
-def _post(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-    if not _State.swaps or _State.swaps[-1][0] is not module:
-        return None
-    _, params = _State.swaps.pop()
-    module._parameters.update(params)
-    if output is None:  # the forward raised: the parameters are back, nothing to keep
-        return None
+def _keep(
+    module: nn.Module, fn: WeightFn, params: dict[str, nn.Parameter], x: torch.Tensor, output: Any
+) -> Any:
+    """Hook the node of a contracted call's output; returns the output (a copy if needed)."""
     if not isinstance(output, torch.Tensor) or output.grad_fn is None:
         got = "a tensor without a graph" if isinstance(output, torch.Tensor) else type(output)
         raise RuntimeError(
-            f"{type(module).__name__} has a weight-gradient contract, but its call returned "
-            f"{got} although its input needed a gradient (a forward pre-hook that detached "
-            "it?): the contract needs one tensor output that depends on the input"
+            f"{type(module).__name__} has a weight-gradient contract, but its forward returned "
+            f"{got} for an input that needs a gradient: the contract needs one tensor output "
+            "that depends on the input"
         )
-    fn = contract_of(module)
-    assert fn is not None  # _pre swapped only for a contract
-    producer, replaced = _producer(output), None
+    producer = _producer(output)
     if producer is None:  # a view that is not a reshape: give the output a node of its own
-        producer = replaced = output.clone()
+        producer = output = output.clone()
     node = producer.grad_fn
     assert node is not None
     node.register_prehook(
-        partial(_arrived, module, fn, params, args[0], producer.output_nr, output.shape)
+        partial(_arrived, module, fn, params, x, producer.output_nr, output.shape)
     )
-    return replaced
+    return output
 
 
 def _producer(output: torch.Tensor) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""Weight gradients by contract: I + W under `capturing()` equals a full backward, bit for bit.
+"""I + W under `capturing(module)` equals a full backward, bit for bit.
 
 Every case builds a module, runs one copy plainly (forward, one engine call: B) and one with
 its forward captured and its backward split (I, then W), and compares every parameter's
@@ -125,7 +125,7 @@ def run(
     leaves = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     ids = {id(p) for p in module.parameters()}
     if split:
-        with capturing():
+        with capturing(module):
             out = module(*leaves)
     else:
         out = module(*leaves)
@@ -227,7 +227,7 @@ def test_interleaved_microbatches_and_any_backward() -> None:
         x, g = floats(2, 8, H), torch.randn(2, 8, H)
         full_backward((plain(x),), (g,), (x,))
         leaf = x.detach().requires_grad_(True)
-        with capturing():
+        with capturing(captured):
             out = captured(leaf)
         if seed < 3:
             pending.append(input_backward((out,), (g,), (leaf,), ids)[1])
@@ -242,14 +242,23 @@ def test_interleaved_microbatches_and_any_backward() -> None:
 
 
 def test_outside_capturing_modules_are_untouched() -> None:
-    """After a capture no hook is left: autograd.grad on the weights works as before."""
+    """After a capture nothing is left: autograd.grad on the weights works as before."""
     module = mlp()
-    with capturing():
+    with capturing(module):
+        assert all("forward" in m.__dict__ for m in module if isinstance(m, nn.Linear))
         module(floats(4, H))
     out = module(floats(4, H)).sum()
     grads = torch.autograd.grad(out, list(module.parameters()))
     assert all(g is not None for g in grads)
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+    assert all("forward" not in m.__dict__ for m in module.modules())
+    copied = copy.deepcopy(module)  # a copy made inside a capture computes with its own weights
+    with capturing(module):
+        inside = copy.deepcopy(module)
+    with torch.no_grad():
+        copied[0].weight.add_(1.0)
+        inside[0].weight.add_(1.0)
+    x = floats(4, H)
+    assert torch.equal(copied(x), inside(x))
 
 
 class Scaled(nn.Linear):
@@ -292,7 +301,7 @@ def test_a_contract_that_returns_a_wrong_shape_is_named() -> None:
     register_weight_grad(Bad, lambda m, x, g, n: {"d": g})
     module = nn.Sequential(nn.Linear(H, H), Bad())
     x = floats(4, H)
-    with capturing():
+    with capturing(module):
         out = module(x)
     _, weight = input_backward(
         (out,), (torch.ones_like(out),), (x,), {id(p) for p in module.parameters()}
@@ -379,20 +388,31 @@ def test_hooked_parameters_keep_their_autograd_edges() -> None:
 
 def test_a_failed_forward_restores_the_parameters() -> None:
     module = nn.Linear(3, 3)
-    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), capturing():
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), capturing(module):
         module(floats(2, 4))
     assert type(module._parameters["weight"]) is nn.Parameter
 
 
-def test_a_contracted_call_whose_output_lost_its_graph_is_an_error() -> None:
-    """A user's pre-hook detaches the input after the capture saw it needing a gradient:
-    the weight gradients would be lost, so the call fails and says why."""
-    module = nn.Linear(H, H)
-    module.register_forward_pre_hook(lambda m, args: (args[0].detach(),))
-    with pytest.raises(RuntimeError, match="Linear has a weight-gradient contract, but its call"):
-        with capturing():
+class Detaching(Diagonal):
+    """A module whose registered contract is wrong for it: its output has no graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.d).detach()
+
+
+def test_a_contracted_call_whose_output_has_no_graph_is_an_error() -> None:
+    """The weight gradients would be lost: the call fails and says why; a user's pre-hook
+    that detaches the input, by contrast, just makes the call an ordinary one."""
+    register_weight_grad(Detaching, _diagonal_grads)
+    module = Detaching()
+    with pytest.raises(RuntimeError, match="Detaching has a weight-gradient contract, but its"):
+        with capturing(module):
             module(floats(4, H))
-    assert type(module._parameters["weight"]) is nn.Parameter
+    assert type(module._parameters["d"]) is nn.Parameter
+    torch.manual_seed(0)
+    linear = nn.Sequential(nn.Linear(H, H), nn.Linear(H, H))
+    linear[1].register_forward_pre_hook(lambda m, args: (args[0].detach(),))
+    assert_same(linear, [floats(4, H)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -409,7 +429,7 @@ def test_w_adds_into_existing_gradients_inside_the_matmul(dtype: torch.dtype) ->
         x, g = floats(4, H, dtype=dtype), torch.randn(4, H, dtype=dtype)
         full_backward((plain(x),), (g,), (x,))
         leaf = x.detach().requires_grad_(True)
-        with capturing():
+        with capturing(captured):
             out = captured(leaf)
         _, weight = input_backward((out,), (g,), (leaf,), ids)
         with counted if seed == 1 else contextlib.nullcontext():
