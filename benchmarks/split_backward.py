@@ -204,7 +204,7 @@ def profile(stage: Stage, folder: Path, steps: int = 10) -> None:
             labelled_step(stage, "contract", record_function)
     totals: dict[tuple[str, str], list[float]] = {}
     for event in prof.events():
-        if event.name in ("B", "I", "W"):
+        if event.name in ("F", "F captured", "B", "I", "W"):
             stack = list(event.cpu_children)
             while stack:
                 child = stack.pop()
@@ -215,11 +215,11 @@ def profile(stage: Stage, folder: Path, steps: int = 10) -> None:
     calls = steps * MICROBATCHES
     lines = [f"{stage.name}: aten self CPU time per microbatch (µs), {steps} rounds, "
              f"allocator {'tuned' if TUNED in os.environ else 'default'}",
-             f"{'label':5} {'op':36} {'calls':>6} {'µs':>9} {'µs/call':>9}"]  # fmt: skip
+             f"{'label':10} {'op':36} {'calls':>6} {'µs':>9} {'µs/call':>9}"]  # fmt: skip
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])
     for (label, op), (count, micros) in ranked:
         if micros / calls >= 2.0:
-            lines.append(f"{label:5} {op:36} {count / calls:6.1f} {micros / calls:9.1f} "
+            lines.append(f"{label:10} {op:36} {count / calls:6.1f} {micros / calls:9.1f} "
                          f"{micros / count:9.1f}")  # fmt: skip
     text = "\n".join(lines)
     print(text, flush=True)
@@ -231,7 +231,8 @@ def labelled_step(stage: Stage, variant: str, label: Callable[[str], object]) ->
     module, g = stage.copies[variant], stage.g
     module.zero_grad(set_to_none=True)
     leaves = [x.detach().requires_grad_(True) for x in stage.xs]
-    with capturing(module) if variant == "contract" else nullcontext():
+    forward = "F captured" if variant == "contract" else "F"
+    with label(forward), capturing(module) if variant == "contract" else nullcontext():  # type: ignore[attr-defined]
         graphs = [(leaf, module(leaf)) for leaf in leaves]
     if variant == "B":
         for leaf, out in graphs:
