@@ -439,3 +439,32 @@ def test_w_adds_into_existing_gradients_inside_the_matmul(dtype: torch.dtype) ->
     tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
     for (name, a), b in zip(plain.named_parameters(), captured.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=name, **tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_contract_on_the_gpu(dtype: torch.dtype) -> None:
+    """On CUDA the engine runs the pre-hooks on its device thread: the store is not
+    thread-local, and I + W on a GPT block equals B there too (two microbatches; within
+    rounding, as SDPA's CUDA backward is not deterministic)."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    plain = Block().to(device, dtype)
+    captured = copy.deepcopy(plain)
+    ids = {id(p) for p in captured.parameters()}
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = torch.randn(2, 8, H, device=device, dtype=dtype)
+        g = torch.randn_like(x)
+        leaf = x.detach().requires_grad_(True)
+        want = full_backward((plain(x.requires_grad_(True)),), (g,), (x,))
+        with capturing(captured):
+            out = captured(leaf)
+        got, weight = input_backward((out,), (g,), (leaf,), ids)
+        assert weight.deferred, "the Linears deferred their weight work"
+        weight.run()
+        tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(want[0], got[0], **tolerance)  # SDPA's CUDA backward
+    for (name, a), b in zip(plain.named_parameters(), captured.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name, **tolerance)
