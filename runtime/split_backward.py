@@ -172,6 +172,7 @@ def input_backward(
 
     `params` holds the `id` of every parameter of the chunk; if any of them was ever
     detached by a captured call, the chunk uses the contract method (module docstring).
+    Both methods, as `full_backward`, take `inputs` that are leaves (the runtime's are).
     """
     if any(key in CONTRACTED for key in params):
         store: list[Deferred] = []
