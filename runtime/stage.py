@@ -97,6 +97,7 @@ class StageOps:
         input_grads, weight = input_backward(outputs, grads, saved.inputs, params)
         ctx.weights[(op.chunk, op.mb)] = weight
         self.hand_back(ctx, op, saved.inputs, input_grads)
+        self.drain(op.chunk)  # by contract, I leaves the gradients of non-Linear parameters
 
     def weight(self, ctx: StepContext, op: Compute) -> None:
         ctx.weights.pop((op.chunk, op.mb)).run()
