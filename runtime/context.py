@@ -14,13 +14,12 @@ from typing import NamedTuple
 import torch
 
 from pipecc.ir.keys import Message
-from pipecc.ir.ops import Msg, Recv, Send
+from pipecc.ir.ops import Recv, Send
 from pipecc.ir.printer import message
 
 from .comm import Posted
 from .split_backward import WeightGrad
 
-MessageKey = tuple[Msg, int, int, int]  # (what, pipe, receiving stage, mb)
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -53,7 +52,7 @@ class StepContext:
     training: bool  # False: forward only, nothing kept for a backward
     step: int = 0  # the runtime's step counter (the RNG derivation uses it)
     before_post: Callable[[], None] | None = None  # completes the step's shape gather
-    mail: dict[MessageKey, Tensors] = field(default_factory=dict)
+    mail: dict[Message, Tensors] = field(default_factory=dict)
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)
     pending: dict[int, Pending] = field(default_factory=dict)
@@ -78,6 +77,6 @@ class StepContext:
         if self.weights:
             found.append(f"I without its W: (chunk, mb) {sorted(self.weights)}")
         if self.mail:
-            names = sorted(message(Message(*key)) for key in self.mail)
+            names = sorted(message(key) for key in self.mail)
             found.append("tensors produced but never consumed: " + "; ".join(names))
         return found

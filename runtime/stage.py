@@ -23,12 +23,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError, ProgramError, SetupError
-from pipecc.ir.keys import Message
-from pipecc.ir.ops import Compute, Kind, Msg
-from pipecc.ir.printer import message
+from pipecc.ir.keys import Message, consumed, produced
+from pipecc.ir.ops import Compute, Kind
+from pipecc.ir.printer import describe, message
 
 from .config import LossFn
-from .context import MessageKey, Saved, StepContext, Tensors
+from .context import Saved, StepContext, Tensors
 from .precision import Fp32Grads
 from .rng import ForwardRng
 from .setup import Chunk
@@ -121,7 +121,7 @@ class StageOps:
             if ctx.inputs is None:
                 raise InputError(f"rank {self.rank} holds stage 0 and needs the step's inputs")
             return ctx.inputs[op.mb], ()
-        tensors = take(ctx, (Msg.ACT, op.pipe, op.stage, op.mb))
+        tensors = take(ctx, consumed(op.kind, op.pipe, op.stage, op.mb))
         boundary = self.boundaries.get(op.stage)
         carries = _carries(boundary, tensors)
         if ctx.training:
@@ -153,11 +153,11 @@ class StageOps:
     def hand_on(self, ctx: StepContext, op: Compute, output: object) -> Tensors:
         """Leave a forward's output tensors for the next stage (a send, or a local forward);
         return those a gradient comes back for."""
-        tensors, got = flatten(output, f"the output of {describe_op(op)}")
+        tensors, got = flatten(output, f"the output of {describe(op, places=True)}")
         expected = self.boundaries.get(op.stage + 1)
         if expected is not None:
             check_output(op, got, expected, training=ctx.training)
-        ctx.mail[(Msg.ACT, op.pipe, op.stage + 1, op.mb)] = tuple(t.detach() for t in tensors)
+        ctx.mail[produced(op.kind, op.pipe, op.stage, op.mb)] = tuple(t.detach() for t in tensors)
         carries = _carries(expected or got, tuple(tensors))
         return tuple(t for t, c in zip(tensors, carries, strict=True) if c)
 
@@ -165,7 +165,7 @@ class StageOps:
         """The outputs a backward starts from, with their gradients."""
         if self.chunks[op.chunk].last:
             return saved.outputs, tuple(torch.ones_like(o) for o in saved.outputs)
-        received = take(ctx, (Msg.GRAD, op.pipe, op.stage, op.mb))
+        received = take(ctx, consumed(op.kind, op.pipe, op.stage, op.mb))
         live = [(o, g) for o, g in zip(saved.outputs, received, strict=True) if o.requires_grad]
         return tuple(o for o, _ in live), tuple(g for _, g in live)
 
@@ -178,7 +178,7 @@ class StageOps:
         payload = tuple(
             g if g is not None else torch.zeros_like(x) for x, g in zip(inputs, grads, strict=True)
         )
-        ctx.mail[(Msg.GRAD, op.pipe, op.stage - 1, op.mb)] = payload
+        ctx.mail[produced(op.kind, op.pipe, op.stage, op.mb)] = payload
 
 
 def check_output(op: Compute, got: Boundary, expected: Boundary, *, training: bool) -> None:
@@ -190,8 +190,8 @@ def check_output(op: Compute, got: Boundary, expected: Boundary, *, training: bo
     )
     if not got.same_as(expected, grads=False) or lost:
         raise SetupError(
-            f"{describe_op(op)} returned {got.describe()}, but stage {op.stage + 1} takes "
-            f"{expected.describe()}"
+            f"{describe(op, places=True)} returned {got.describe()}, but stage "
+            f"{op.stage + 1} takes {expected.describe()}"
             + (" (a tensor that needs a gradient would get none back)" if lost else "")
         )
 
@@ -204,16 +204,12 @@ def _carries(boundary: Boundary | None, tensors: Tensors) -> tuple[bool, ...]:
     return tuple(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors)
 
 
-def take(ctx: StepContext, key: MessageKey) -> Tensors:
+def take(ctx: StepContext, key: Message) -> Tensors:
     """Take a message's tensors out of the mailbox; absent is a wrong program."""
     found = ctx.mail.pop(key, None)
     if found is None:
         raise ProgramError(
-            f"{message(Message(*key))} is not here: it was neither "
+            f"{message(key)} is not here: it was neither "
             "produced on this rank nor received by a completed wait before this instruction"
         )
     return found
-
-
-def describe_op(op: Compute) -> str:
-    return f"{op.kind.value}{op.chunk}.{op.mb} (stage {op.stage} of pipe {op.pipe})"

@@ -13,6 +13,7 @@ import time
 import torch
 
 from pipecc.diagnostics import ProgramError, RankError, RecvTimeoutError
+from pipecc.ir.keys import carried
 from pipecc.ir.ops import Msg, Recv, Send, Wait
 from pipecc.ir.printer import describe
 
@@ -42,7 +43,7 @@ class Transfers:
         post of a step first completes the step's shape gather (runtime/signatures.py)."""
         ctx.settle()
         if type(instr) is Send:
-            tensors = take(ctx, (instr.what, instr.pipe, instr.stage, instr.mb))
+            tensors = take(ctx, carried(instr))
             tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
         else:
             specs = self.specs[(instr.what, instr.pipe, instr.stage)]
@@ -84,8 +85,7 @@ class Transfers:
             released = time.perf_counter()
             waited.append(pending.instr)
             if type(pending.instr) is Recv:
-                recv = pending.instr
-                ctx.mail[(recv.what, recv.pipe, recv.stage, recv.mb)] = pending.tensors
+                ctx.mail[carried(pending.instr)] = pending.tensors
         return waited, released
 
     def _failure(self, where: str, op_index: int, pending: Pending, err: Exception) -> RankError:

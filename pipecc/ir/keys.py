@@ -3,7 +3,9 @@
 A forward of stage s consumes the activation of stage s-1 and produces the input of stage
 s+1; a backward (B or I) of stage s consumes the gradient from stage s+1 and produces the
 gradient for stage s-1; a W consumes what its I left behind. A message is named by the
-stage that receives it: (what, pipe, stage, mb), a `Message`.
+stage that receives it: (what, pipe, stage, mb), a `Message`; `consumed`, `produced` and
+`carried` name the message of a computation or a comm op (the runtime's mailbox is keyed by
+them), and `MessageKeys` builds its tables from the same two rules.
 
 `MessageKeys` answers these questions for one placement, and gives each message its dense
 integer key, the one encoding every layer uses (the wiring of the replay, the verifier, the
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pipecc.ir.ops import Compute, Kind, Msg
+from pipecc.ir.ops import Compute, Kind, Msg, Recv, Send
 from pipecc.ir.placement import Placement
 
 
@@ -48,6 +50,25 @@ class FlowTemplate(NamedTuple):
     what: Msg
     pipe: int
     stage: int  # the receiving stage
+
+
+def consumed(kind: Kind, pipe: int, stage: int, mb: int) -> Message:
+    """The message a computation (not a W) receives, when its stage has the neighbour it
+    comes from: a forward's activation, a backward's (B or I) output gradient."""
+    return Message(Msg.ACT if kind is Kind.F else Msg.GRAD, pipe, stage, mb)
+
+
+def produced(kind: Kind, pipe: int, stage: int, mb: int) -> Message:
+    """The message a computation (not a W) hands on, when its stage has the neighbour it goes
+    to: a forward's output for stage + 1, a backward's input gradient for stage - 1."""
+    if kind is Kind.F:
+        return Message(Msg.ACT, pipe, stage + 1, mb)
+    return Message(Msg.GRAD, pipe, stage - 1, mb)
+
+
+def carried(op: Send | Recv) -> Message:
+    """The message a send or a receive carries."""
+    return Message(op.what, op.pipe, op.stage, op.mb)
 
 
 _WHAT = (Msg.ACT, Msg.GRAD)
@@ -91,24 +112,19 @@ class MessageKeys:
     def _input(
         self, kind: Kind, pipe: int, stage: int, ranks: tuple[int, ...]
     ) -> FlowTemplate | None:
-        if kind is Kind.F:
-            if stage == 0:
-                return None
-            return self._template(Msg.ACT, pipe, stage, ranks[stage - 1], ranks[stage])
-        if kind is Kind.W or stage == len(ranks) - 1:
+        if kind is Kind.W or stage == (0 if kind is Kind.F else len(ranks) - 1):
             return None
-        return self._template(Msg.GRAD, pipe, stage, ranks[stage + 1], ranks[stage])
+        what, _, to, _ = consumed(kind, pipe, stage, 0)
+        src = ranks[stage - 1] if kind is Kind.F else ranks[stage + 1]
+        return self._template(what, pipe, to, src, ranks[stage])
 
     def _output(
         self, kind: Kind, pipe: int, stage: int, ranks: tuple[int, ...]
     ) -> FlowTemplate | None:
-        if kind is Kind.F:
-            if stage == len(ranks) - 1:
-                return None
-            return self._template(Msg.ACT, pipe, stage + 1, ranks[stage], ranks[stage + 1])
-        if kind is Kind.W or stage == 0:
+        if kind is Kind.W or stage == (len(ranks) - 1 if kind is Kind.F else 0):
             return None
-        return self._template(Msg.GRAD, pipe, stage - 1, ranks[stage], ranks[stage - 1])
+        what, _, to, _ = produced(kind, pipe, stage, 0)
+        return self._template(what, pipe, to, ranks[stage], ranks[to])
 
     def slot(self, pipe: int, stage: int, mb: int) -> int:
         """The dense index of (pipe, stage, mb): a message's key without its kind bit."""
