@@ -4,7 +4,8 @@ An instruction has a short form, its `label()` (`F0.3` = forward of chunk 0 on m
 3, `F0.4&B1.1` = a fused pair, `send act s2.3→r1`), for grids and pictures; and a long form,
 `describe` (`send act stage 2 mb 3 to rank 1 [group 0]`, with the pipe when the program has
 two), for listings, diagnostics, the simulator's and explain's reasons and the runtime's
-errors. `message` names a tensor that crosses a stage boundary the same way.
+errors. `message` names a tensor that crosses a stage boundary the same way; `torch_name`
+gives a computation's name in torch's notation (`1B7`), for the checks of torch programs.
 
 The grid reads like the papers' figures: one row per rank, one column per compute
 instruction. The listing shows every instruction of every rank with its index.
@@ -94,6 +95,14 @@ def describe(instr: Instr, *, pipes: bool = True, places: bool = False, groups: 
             return f"{kind.value} stage {stage}"
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
+
+
+def torch_name(op: Compute | StageOp) -> str:
+    """torch.distributed.pipelining's name of a computation or a stage action: stage, letter,
+    microbatch (`1B7`), or stage and action (`1UNSHARD`)."""
+    if isinstance(op, StageOp):
+        return f"{op.stage}{op.kind.value}"
+    return f"{op.stage}{op.kind.value}{op.mb}"
 
 
 def has_pipes(program: Program) -> bool:

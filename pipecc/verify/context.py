@@ -83,8 +83,3 @@ class Context:
 
     def note(self, rank: int, index: int, text: str) -> Note:
         return (self.span(rank, index), text)
-
-
-def torch_name(op: Compute) -> str:
-    """torch.distributed.pipelining's name of a computation: stage, letter, microbatch."""
-    return f"{op.stage}{op.kind.value}{op.mb}"

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 from pipecc.diagnostics import MismatchError, OrphanError
 from pipecc.ir.ops import Kind, Msg, Recv, Send, computations
-from pipecc.ir.printer import has_pipes, message
-from pipecc.verify.context import Context, torch_name
+from pipecc.ir.printer import has_pipes, message, torch_name
+from pipecc.verify.context import Context
 
 
 def check_matching(ctx: Context) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pipecc.diagnostics import Violation
 from pipecc.ir.ops import Compute, Instr, Kind, StageAction, StageOp, computations
+from pipecc.ir.printer import torch_name
 from pipecc.verify.context import Context
 
 
@@ -32,13 +33,6 @@ class ReduceGradError(Violation):
     """A stage's REDUCE_GRAD missing, repeated, or before its last backward."""
 
     code = "reduce-grad"
-
-
-def _torch(op: Compute | StageOp) -> str:
-    """torch's notation: `1B7`, `1UNSHARD`."""
-    if isinstance(op, StageOp):
-        return f"{op.stage}{op.kind.value}"
-    return f"{op.stage}{op.kind.value}{op.mb}"
 
 
 def _parts(instr: Instr) -> tuple[Compute, ...]:
@@ -72,7 +66,7 @@ def _check_homes(ctx: Context, rank: int, instrs: tuple[Instr, ...]) -> None:
         if holder is None or (holder.rank, holder.chunk) != (rank, instr.chunk):
             where = "no rank" if holder is None else f"rank {holder.rank} chunk {holder.chunk}"
             text = (
-                f"rank {rank} @{index} `{_torch(instr)}` (chunk {instr.chunk}) acts on stage "
+                f"rank {rank} @{index} `{torch_name(instr)}` (chunk {instr.chunk}) acts on stage "
                 f"{instr.stage}, which {where} holds"
             )
             cls = ReduceGradError if instr.kind is StageAction.REDUCE_GRAD else UnshardReshardError
@@ -90,7 +84,7 @@ def _check_pairs(ctx: Context, rank: int, instrs: tuple[Instr, ...]) -> None:
             if op.stage not in open_at:
                 _pair_error(
                     ctx, rank, index,
-                    f"`{_torch(op)}` computes on stage {op.stage} while it is sharded "
+                    f"`{torch_name(op)}` computes on stage {op.stage} while it is sharded "
                     f"(no `{op.stage}UNSHARD` before it since its last RESHARD)",
                 )  # fmt: skip
     for stage, index in sorted(open_at.items(), key=lambda item: item[1]):
@@ -102,14 +96,14 @@ def _pair_step(ctx: Context, rank: int, index: int, op: StageOp, open_at: dict[i
         if op.stage in open_at:
             _pair_error(
                 ctx, rank, index,
-                f"`{_torch(op)}` while stage {op.stage} is unsharded since its UNSHARD at "
+                f"`{torch_name(op)}` while stage {op.stage} is unsharded since its UNSHARD at "
                 f"@{open_at[op.stage]} (UNSHARD and RESHARD alternate)",
             )  # fmt: skip
         open_at[op.stage] = index
     elif open_at.pop(op.stage, None) is None:
         _pair_error(
             ctx, rank, index,
-            f"`{_torch(op)}` without an UNSHARD of stage {op.stage} before it "
+            f"`{torch_name(op)}` without an UNSHARD of stage {op.stage} before it "
             "(UNSHARD and RESHARD alternate, starting with UNSHARD)",
         )  # fmt: skip
 
@@ -146,11 +140,11 @@ def _check_reduce(ctx: Context, rank: int, instrs: tuple[Instr, ...]) -> None:
         elif stage in last and at[0] < last[stage][0]:
             index, op = last[stage]
             text = (
-                f"rank {rank} @{at[0]} `{stage}REDUCE_GRAD` comes before `{_torch(op)}` "
+                f"rank {rank} @{at[0]} `{stage}REDUCE_GRAD` comes before `{torch_name(op)}` "
                 f"(@{index}), the stage's last backward: torch scales and reduces the "
                 "gradients at REDUCE_GRAD, so the later backwards' gradients are left out"
             )
-            note = ctx.note(rank, index, f"`{_torch(op)}`, the stage's last backward, is here")
+            note = ctx.note(rank, index, f"`{torch_name(op)}`, the stage's last backward, is here")
             ctx.report(
                 ReduceGradError(text, ctx.span(rank, at[0]), notes=(note,), rank=rank, index=at[0])
             )
