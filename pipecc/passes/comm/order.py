@@ -82,7 +82,7 @@ def op_table(keys: StageMajorKeys, placement: CommPlacement) -> dict[Kind, list[
                     latency = latency_of[to] if src != dst else 0.0
                     output = (base * count, src, dst, what, to, latency)
                 duration = _ordering(placement.duration(Compute(kind, 0, pipe, stage, 0)))
-                row.append((-1 if needed is None else needed[0] * count, output, duration))
+                row.append((-1 if needed is None else needed.base * count, output, duration))
             by_pipe.append(row)
     return table
 
@@ -154,7 +154,7 @@ def collect(
                     )
             add_inputs(tuple(inputs))
             add_outputs(tuple(outputs))
-            signature = (type(instr), *((op[0], op[3]) for op in computations(instr)))
+            signature = (type(instr), *((op.kind, op.stage) for op in computations(instr)))
             if signature not in fused_durations:
                 fused_durations[signature] = _ordering(placement.duration(instr))
             duration = fused_durations[signature]
