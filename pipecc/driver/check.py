@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipecc.driver.compile import lower_program
+from pipecc.driver.compile import COMPUTE_ORDER, lower_program
 from pipecc.driver.load import load, needs_lowering
 from pipecc.driver.lowering import compute_order, lower_torch
 from pipecc.ir.program import Backend, Program
@@ -94,9 +94,12 @@ def verify_file(
     options: Options = DEFAULT_OPTIONS,
     style: LoweringStyle = LoweringStyle.PIPECC,
 ) -> Outcome:
-    """Load and verify one input (module docstring)."""
+    """Load and verify one input (module docstring). A .sched file verified with torch's
+    lowering is compiled to its compute order only, which torch's rules then lower."""
+    order = style is not LoweringStyle.PIPECC and not path.endswith((".json", ".csv"))
+    lowering = COMPUTE_ORDER if order else None
     program, notes = load(
-        path, ranks=ranks, microbatches=microbatches, defines=defines, lowering=None
+        path, ranks=ranks, microbatches=microbatches, defines=defines, lowering=lowering
     )
     report, notes = verify_program(program, options, notes, style, path)
     label = (

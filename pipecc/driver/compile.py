@@ -20,7 +20,7 @@ from pipecc.ir.program import Program
 from pipecc.passes.align_comms import align_comms
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import DEFAULT, POLICIES, insert_comms, strip_comms
-from pipecc.passes.torch_program import LoweringStyle, lower_in_style
+from pipecc.passes.torch_program import LoweringStyle, compute_only, lower_in_style
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
@@ -39,18 +39,23 @@ class Lowering:
     """How the comm ops are placed, an input of compilation beside the sizes: a named policy
     of `POLICIES` (None: the default, with hand-placed comm ops kept where the schedule put
     them), or an alignment for a cost model. Another policy than the default, and an
-    alignment, place every comm op again, hand-placed ones too."""
+    alignment, place every comm op again, hand-placed ones too. `comms=False` places none:
+    the compute order, which `verify --lowering torch` checks before torch's rules lower it."""
 
     policy: str | None = None
     align: Alignment | None = None
     style: LoweringStyle = LoweringStyle.PIPECC  # --lowering torch|torch-defer: torch's rules
+    comms: bool = True
 
 
 DEFAULT_LOWERING = Lowering()
+COMPUTE_ORDER = Lowering(comms=False)
 
 
 def lower_program(program: Program, lowering: Lowering = DEFAULT_LOWERING) -> Program:
     """Place the comm ops of a compute-only program (hand-placed ones may be present)."""
+    if not lowering.comms:
+        return compute_only(program)
     if lowering.style is not LoweringStyle.PIPECC:
         return lower_in_style(program, lowering.style)
     if lowering.align is not None:

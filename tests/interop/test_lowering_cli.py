@@ -153,3 +153,19 @@ def test_simulate_and_compile_take_the_torch_lowering(
     code, out, _ = run_cli(capsys, "compile", "zbv", "-P", "4", "-M", "8", "--lowering", "torch")
     assert code == 0
     assert json.loads(out)["comm"] == "torch"
+
+
+def test_verify_torch_lowers_a_sched_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify --lowering torch on a .sched file compiles its compute order only: pipecc's own
+    comm ops are never placed, to be stripped again before torch's rules lower it."""
+    import pipecc.driver.compile as compile_module
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pipecc's comm policy ran under --lowering torch")
+
+    monkeypatch.setattr(compile_module, "insert_comms", refuse)
+    monkeypatch.setattr(compile_module, "align_comms", refuse)
+    code, out, err = run_cli(capsys, "verify", "zb_h1", "-P", "4", "-M", "8", "--lowering", "torch")
+    assert code == 0 and ": ok (" in out, (out, err)
