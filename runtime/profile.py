@@ -47,8 +47,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-MessageKey = tuple[str, int, int, int]  # (what, pipe, receiving stage, mb)
-WaitedOp = tuple[bool, MessageKey]  # (a send?, its message)
+from pipecc.ir.keys import Message
+
+WaitedOp = tuple[bool, Message]  # (a send?, its message)
 KEYS = ("F", "B", "I", "W", "FB", "FI")
 
 
@@ -60,7 +61,7 @@ class Recorder:
     computes: list[tuple[str, int, float]] = field(default_factory=list)  # (kind, stage, s)
     posts: list[float] = field(default_factory=list)  # s of each Send/Recv instruction
     # (step, a send?, message, posted at, bytes): when each side's group went out
-    messages: list[tuple[int, bool, MessageKey, float, int]] = field(default_factory=list)
+    messages: list[tuple[int, bool, Message, float, int]] = field(default_factory=list)
     # (step, the ops waited for, (start, release, end))
     waits: list[tuple[int, tuple[WaitedOp, ...], tuple[float, float, float]]] = field(
         default_factory=list
@@ -73,7 +74,7 @@ class Recorder:
     def post(self, seconds: float) -> None:
         self.posts.append(seconds)
 
-    def posted(self, send: bool, key: MessageKey, at: float, nbytes: int) -> None:
+    def posted(self, send: bool, key: Message, at: float, nbytes: int) -> None:
         self.messages.append((self.step, send, key, at, nbytes))
 
     def wait(self, ops: tuple[WaitedOp, ...], times: tuple[float, float, float]) -> None:
@@ -130,7 +131,7 @@ def sync_times(records: list[Recorder]) -> list[float]:
 def wait_times(records: list[Recorder]) -> list[tuple[float, float, float]]:
     """Per wait that waits for a transfer: (its start, the moment its last transfer could
     start: both sides posted, its release)."""
-    posted: dict[tuple[int, MessageKey], float] = {}  # the later of the two sides' posts
+    posted: dict[tuple[int, Message], float] = {}  # the later of the two sides' posts
     for record in records:
         for step, _, key, at, _ in record.messages:
             posted[(step, key)] = max(posted.get((step, key), at), at)

@@ -12,11 +12,12 @@ import time
 
 import torch
 
+from pipecc.ir.keys import carried
 from pipecc.ir.ops import Compute, Fused, Kind, Recv, Send, Sequential, Wait
 
 from .context import StepContext
 from .interpreter import Interpreter
-from .profile import MessageKey, Recorder
+from .profile import Recorder
 
 
 class ProfilingInterpreter(Interpreter):
@@ -52,19 +53,15 @@ class ProfilingInterpreter(Interpreter):
             now = time.perf_counter()  # the group is posted (its ops go out from the poster)
             for _, op, tensors in group:
                 nbytes = sum(t.nbytes for t in tensors)
-                self.recorder.posted(type(op) is Send, _key(op), now, nbytes)
+                self.recorder.posted(type(op) is Send, carried(op), now, nbytes)
         self.recorder.post(time.perf_counter() - start)
 
     def wait(self, ctx: StepContext, index: int, instr: Wait) -> None:
         start = time.perf_counter()
         waited, released = self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
-        ops = tuple((type(op) is Send, _key(op)) for op in waited)
+        ops = tuple((type(op) is Send, carried(op)) for op in waited)
         self.recorder.wait(ops, (start, max(start, released), time.perf_counter()))
 
     def _synchronize(self) -> None:
         if self.cuda is not None:
             torch.cuda.synchronize(self.cuda)
-
-
-def _key(instr: Send | Recv) -> MessageKey:
-    return (instr.what.value, instr.pipe, instr.stage, instr.mb)

@@ -16,6 +16,7 @@ from pipecc.runtime.setup import backend_problem
 from torch import nn
 
 from pipecc.api import compile_schedule
+from pipecc.ir.keys import Message
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
@@ -134,7 +135,8 @@ def test_cost_file_round_trips_through_the_simulators_parser(tmp_path: Path) -> 
     for seconds in (0.0001, 0.0003):
         a.post(seconds)
     b.post(0.0002)  # post: the mean, 0.2 ms
-    act, grad, act2 = ("act", 0, 1, 0), ("grad", 0, 0, 0), ("act", 0, 1, 1)
+    act, grad = Message(Msg.ACT, 0, 1, 0), Message(Msg.GRAD, 0, 0, 0)
+    act2 = Message(Msg.ACT, 0, 1, 1)
     # act: rank 1 waits from 9.5; the transfer can start at 10 (both posted); released
     # at 10.0005. grad: the receive is posted last, at 20.001, and waited for at once;
     # released at 20.0018. act2: both posted at 30; rank 0 waits for its send at once and
