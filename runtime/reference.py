@@ -59,7 +59,7 @@ def reference_step(
     with rng.step_scope():
         for mb in range(microbatches):
             loss = _microbatch(stages, inputs[mb], targets[mb], loss_fn, rng, options, mb)
-            (loss * (1.0 / microbatches)).backward()  # type: ignore[no-untyped-call]  # as the runtime scales
+            torch.autograd.backward(loss * (1.0 / microbatches))  # as the runtime scales
             if precision is not None:
                 precision.drain(distinct_parameters(stages))
             total += float(loss.detach())
