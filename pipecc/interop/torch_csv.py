@@ -231,6 +231,12 @@ def _parse_cell(text: str, span: Span) -> Action:
     kind = ActionKind(name)
     if not kind.is_stage_op and not mb:
         raise InputError(f"{text!r} needs a microbatch number", span)
+    if kind.is_stage_op and mb:  # torch ignores it; counted, it would change M
+        raise InputError(
+            f"{text!r}: {name} acts on a whole stage and takes no microbatch number "
+            f"(write {stage}{name})",
+            span,
+        )
     return Action(int(stage), kind, int(mb) if mb else None, (), span)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from csv_mutants import mutated, reduce_first
@@ -145,3 +146,25 @@ def test_format_notes(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # 
     assert "torch adds its own when it lowers the file" in err
     code, out, err = run_cli(capsys, "compile", str(path), "--format", "listing")
     assert code == 0 and "UNSHARD stage 0" in out and not err
+
+
+@pytest.mark.parametrize("cell", ["0UNSHARD3", "0RESHARD0", "0REDUCE_GRAD12"])
+def test_stage_action_with_a_microbatch_is_refused_at_the_cell(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, cell: str
+) -> None:
+    # it named no microbatch to torch's runtime, and pipecc took its number for the largest
+    # microbatch: M grew and every real microbatch was reported missing its ops
+    rows = comms_csv("1f1b", 2, 2).splitlines()
+    kind = cell.rstrip("0123456789")[1:]
+    rows[0] = rows[0].replace(f"0{kind}", cell, 1)
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(rows) + "\n")
+    col = rows[0].split(",").index(cell)
+    col = 1 + sum(len(c) + 1 for c in rows[0].split(",")[:col])
+    for command in ("verify", "simulate", "compile"):
+        code, out, err = run_cli(capsys, command, str(path))
+        assert code == 2 and out == ""
+        assert err.startswith(
+            f"{path}:1:{col}: error: {cell!r}: {kind} acts on a whole stage and takes no "
+            "microbatch number"
+        ), err
