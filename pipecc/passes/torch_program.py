@@ -46,10 +46,14 @@ def lower_as_torch(program: Program, *, defer: bool) -> Program:
             f"torch.distributed.pipelining cannot run placement '{program.placement.name}' "
             f"({program.placement.num_pipes} pipes): there is no torch lowering to verify"
         )
-    if any(type(i) is StageOp for instrs in program.ranks for i in instrs):
+    held = [i for instrs in program.ranks for i in instrs if type(i) is StageOp]
+    if held:
+        style = LoweringStyle.TORCH_DEFER if defer else LoweringStyle.TORCH
         raise InputError(
-            "--lowering torch lowers a compute-only schedule, and torch's compute_only loader "
-            "refuses UNSHARD/RESHARD/REDUCE_GRAD (it adds its own): this input holds some"
+            f"--lowering {style.value} lowers a compute-only schedule, and torch's "
+            "compute_only loader refuses UNSHARD/RESHARD/REDUCE_GRAD (it adds its own): this "
+            "input holds some",
+            held[0].span,
         )
     compute = compute_actions(program)
     stage_rank = stage_ranks(program)

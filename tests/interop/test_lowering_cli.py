@@ -169,3 +169,18 @@ def test_verify_torch_lowers_a_sched_once(
     monkeypatch.setattr(compile_module, "align_comms", refuse)
     code, out, err = run_cli(capsys, "verify", "zb_h1", "-P", "4", "-M", "8", "--lowering", "torch")
     assert code == 0 and ": ok (" in out, (out, err)
+
+
+@pytest.mark.parametrize("style", ["torch", "torch-defer"])
+def test_stage_actions_in_a_compute_only_input_are_refused_at_the_cell(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, style: str
+) -> None:
+    path = tmp_path / "order.csv"
+    path.write_text("0UNSHARD,0F0,0B0,0REDUCE_GRAD,0RESHARD\n1F0,1B0\n")
+    code, out, err = run_cli(capsys, "verify", str(path), "--lowering", style)
+    assert code == 2 and out == ""
+    assert err.startswith(
+        f"{path}:1:1: error: --lowering {style} lowers a compute-only schedule, and torch's "
+        "compute_only loader refuses UNSHARD/RESHARD/REDUCE_GRAD (it adds its own): this "
+        "input holds some\n"
+    ), err
