@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from pipecc.commands.common import (
     SubParsers,
@@ -16,6 +17,7 @@ from pipecc.commands.common import (
 )
 from pipecc.diagnostics import InputError
 from pipecc.driver.lowering import add_lowering_arg
+from pipecc.interop.torch_csv import has_stage_ops
 from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
 from pipecc.render.svg import render_svg
@@ -73,8 +75,16 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
+    costs = load_costs(args)
+    if costs.names_stage_ops() and not has_stage_ops(program):
+        print(
+            "note: the costs name UNSHARD, RESHARD or REDUCE_GRAD, and this program holds none "
+            "(only a torch CSV's or torch's lowering has them: --lowering torch): they add no "
+            "time",
+            file=sys.stderr,
+        )
     timeline = simulate(
-        program, load_costs(args), model=CommModel(args.comm), stall_threshold=args.stall_threshold
+        program, costs, model=CommModel(args.comm), stall_threshold=args.stall_threshold
     )
     if args.svg:
         write_output(render_svg(timeline, arrows=args.arrows), args.svg)

@@ -151,6 +151,14 @@ class CostModel:
         value: float = getattr(self.stage(op.stage), op.kind.value)
         return value
 
+    def names_stage_ops(self) -> bool:
+        """Whether a duration is given to UNSHARD, RESHARD or REDUCE_GRAD anywhere."""
+        return any(
+            getattr(cost, key) is not None
+            for cost in (self.base, *(c for _, c in self.stages))
+            for key in STAGE_OP_KEYS
+        )
+
     def has_bytes(self) -> bool:
         """Whether activation sizes are given (for peak memory in bytes)."""
         return self.base.act_bytes is not None or any(

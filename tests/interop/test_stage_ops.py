@@ -168,3 +168,21 @@ def test_stage_action_with_a_microbatch_is_refused_at_the_cell(
             f"{path}:1:{col}: error: {cell!r}: {kind} acts on a whole stage and takes no "
             "microbatch number"
         ), err
+
+
+def test_a_stage_action_cost_on_a_program_without_them_is_noted(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # a .sched program (or a compute-only CSV under pipecc's lowering) holds no stage
+    # actions: the cost added nothing to the makespan, without a word
+    code, _, err = run_cli(
+        capsys, "simulate", "zb_h1", "-P", "2", "-M", "4", "--cost", "REDUCE_GRAD=3"
+    )
+    assert code == 0
+    assert (
+        "note: the costs name UNSHARD, RESHARD or REDUCE_GRAD, and this program holds none" in err
+    )
+    path = tmp_path / "zb.csv"
+    path.write_text(comms_csv("zb_h1", 2, 4))
+    code, _, err = run_cli(capsys, "simulate", str(path), "--cost", "REDUCE_GRAD=3")
+    assert code == 0 and "note:" not in err
