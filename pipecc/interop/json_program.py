@@ -276,16 +276,35 @@ def _read_sequential(obj: dict[str, Any], where: str, reader: _Reader) -> Sequen
     return Sequential(parts, reader.span(obj))
 
 
+def _read_fused(obj: dict[str, Any], op: str, where: str, reader: _Reader) -> Fused:
+    """`{"op": "F&B", "f": ..., "b": ...}`: a .sched file's overlapped pair."""
+    if "sequential" in obj:
+        raise reader.fail(
+            where,
+            "field 'sequential' belongs to OVERLAP_F_B (its sub-actions in 'ops', run in "
+            f"the order written); an {op} is an overlapped forward and backward and has none",
+        )
+    forward = _read_compute(obj.get("f"), f"{where}.f", reader)
+    backward = _read_compute(obj.get("b"), f"{where}.b", reader)
+    if forward.kind is not Kind.F or backward.kind.value != op[-1]:
+        raise reader.fail(where, f"a {op} holds an F in 'f' and a {op[-1]} in 'b'")
+    return Fused(forward, backward, reader.span(obj))
+
+
+def _read_stage_op(obj: dict[str, Any], op: str, where: str, reader: _Reader) -> StageOp:
+    """`{"op": "UNSHARD", "chunk", "pipe", "stage"}`: torch's per-stage actions."""
+    if "mb" in obj:
+        raise reader.fail(where, f"field 'mb': {op} acts on a whole stage and takes no microbatch")
+    chunk, pipe, stage = (reader.integer(obj, key, where) for key in ("chunk", "pipe", "stage"))
+    return StageOp(_STAGE_ACTIONS[op], chunk, pipe, stage, reader.span(obj))
+
+
 def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
     op = reader.field(obj, "op", where, lambda v: isinstance(v, str), "an op name")
     if op in _KINDS:
         return _read_compute(obj, where, reader)
     if op in ("F&B", "F&I"):
-        forward = _read_compute(obj.get("f"), f"{where}.f", reader)
-        backward = _read_compute(obj.get("b"), f"{where}.b", reader)
-        if forward.kind is not Kind.F or backward.kind.value != op[-1]:
-            raise reader.fail(where, f"a {op} holds an F in 'f' and a {op[-1]} in 'b'")
-        return Fused(forward, backward, reader.span(obj))
+        return _read_fused(obj, op, where, reader)
     if op == "OVERLAP_F_B":
         return _read_sequential(obj, where, reader)
     if op in ("send", "recv"):
@@ -310,8 +329,7 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
         )
         return Wait(tuple(ops), reader.span(obj))
     if op in _STAGE_ACTIONS:
-        chunk, pipe, stage = (reader.integer(obj, key, where) for key in ("chunk", "pipe", "stage"))
-        return StageOp(_STAGE_ACTIONS[op], chunk, pipe, stage, reader.span(obj))
+        return _read_stage_op(obj, op, where, reader)
     raise reader.fail(
         where,
         f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, send, "

@@ -74,13 +74,46 @@ def test_schema_validates_output() -> None:
     ],
 )
 def test_malformed_program_names_rank_and_index(edit, message: str) -> None:  # type: ignore[no-untyped-def]
-    data = json.loads(json_program.dumps(compile_bundled("1f1b", 2, 2)))
+    assert _refusal(edit, "1f1b") == f"error: {message}"
+
+
+def _refusal(edit, schedule: str) -> str:  # type: ignore[no-untyped-def]
+    """The reader's error on the JSON of `schedule` (P=2; M=2 for 1f1b, else 4) after `edit`."""
+    data = json.loads(
+        json_program.dumps(compile_bundled(schedule, 2, 2 if schedule == "1f1b" else 4))
+    )
     edit(data)
     with pytest.raises(InputError) as info:
         json_program.loads(json.dumps(data), "p.json")
-    assert str(info.value) == f"error: {message}"
+    return str(info.value)
 
 
 def test_malformed_json_gives_position(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"p.json:1:2: malformed JSON"):
         json_program.loads("{oops", "p.json")
+
+
+def _first(data: dict, op: str) -> dict:  # type: ignore[type-arg]
+    return next(i for rank in data["programs"] for i in rank if i["op"] == op)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (  # torch's sequential OVERLAP_F_B has its own shape; F&B stays overlapped
+            lambda d: _first(d, "F&B").__setitem__("sequential", True),
+            "field 'sequential' belongs to OVERLAP_F_B (its sub-actions in 'ops', run in the "
+            "order written); an F&B is an overlapped forward and backward and has none",
+        ),
+        (  # a stage action acts on a whole stage
+            lambda d: d["programs"][0].insert(0, {**_stage_op(), "mb": 3}),
+            "field 'mb': UNSHARD acts on a whole stage and takes no microbatch",
+        ),
+    ],
+)
+def test_a_field_the_new_ops_do_not_have_is_refused(edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    assert message in _refusal(edit, "dualpipev")
+
+
+def _stage_op() -> dict:  # type: ignore[type-arg]
+    return {"op": "UNSHARD", "chunk": 0, "pipe": 0, "stage": 0}
