@@ -31,6 +31,9 @@ example:
 """
 
 
+PROGRAM_SUFFIXES = (".json", ".csv")
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
     name: str
@@ -66,7 +69,7 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.ranks is None or args.microbatches is None:
-        raise InputError("compare needs -P/--ranks and -M/--microbatches")
+        args = _sizes_of_programs(args)
     costs = load_costs(args)
     rows = [_row(name, args, costs) for name in args.files]
     rows.sort(
@@ -83,8 +86,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes_of_programs(args: argparse.Namespace) -> argparse.Namespace:
+    """The sizes of the first file when every file is a program (.json, .csv) and -P or -M
+    is missing: a program knows them; a .sched needs them to compile."""
+    schedules = [name for name in args.files if not name.endswith(PROGRAM_SUFFIXES)]
+    if schedules:
+        raise InputError(
+            f"compare needs -P/--ranks and -M/--microbatches to compile {schedules[0]}"
+        )
+    first = load_input(args.files[0], args)
+    ranks = first.num_ranks if args.ranks is None else args.ranks
+    microbatches = first.num_microbatches if args.microbatches is None else args.microbatches
+    return argparse.Namespace(**{**vars(args), "ranks": ranks, "microbatches": microbatches})
+
+
 def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
-    if name.endswith((".json", ".csv")):
+    if name.endswith(PROGRAM_SUFFIXES):
         program = load_input(name, args)  # checked and lowered as every command does
         if (program.num_ranks, program.num_microbatches) != (args.ranks, args.microbatches):
             raise InputError(

@@ -143,3 +143,22 @@ def test_a_good_program_is_used_as_before(
     assert code == 0 and json.loads(out)["makespan"] > 0
     code, out, _ = run_cli(capsys, "compare", str(good), "zb_h1", "-P", "2", "-M", "2")
     assert code == 0 and "\ngood " in out and "\nzb_h1 " in out
+
+
+def test_compare_of_programs_takes_their_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a .json or .csv knows its P and M: -P/-M are needed only to compile a .sched
+    one = tmp_path / "one.csv"
+    one.write_text(torch_csv.dumps(compile_bundled("zb_h1", 2, 4), with_comms=True))
+    two = tmp_path / "two.json"
+    two.write_text(json_program.dumps(compile_bundled("1f1b", 2, 4)))
+    code, out, _ = run_cli(capsys, "compare", str(one), str(two))
+    assert code == 0 and out.startswith("# P=2 M=4 ") and "\none " in out and "\n1f1b " in out
+    code, _, err = run_cli(capsys, "compare", str(one), "zb_h1")
+    assert code == 2
+    assert "compare needs -P/--ranks and -M/--microbatches to compile zb_h1" in err
+    three = tmp_path / "three.csv"
+    three.write_text(torch_csv.dumps(compile_bundled("zb_h1", 2, 2)))
+    code, _, err = run_cli(capsys, "compare", str(one), str(three))
+    assert code == 2 and "three.csv: the program is for P=2 M=2, not -P 2 -M 4" in err
