@@ -73,6 +73,29 @@ def overlap_case(name: str) -> TorchCase:
     return TorchCase(f"overlap-{name}", written, "compute_only", microbatches, stages)
 
 
+# Other sizes, in both CSV forms: M not a multiple of P, M < P, three chunks per rank, and
+# B unsplit (gpipe, 1f1b, interleaved_1f1b) next to I+W (schedule, P, M, -D)
+SIZES = [
+    ("1f1b", 2, 1, {}), ("zb_h1", 2, 3, {}), ("interleaved_1f1b", 2, 3, {"V": 3}),
+    ("interleaved_zb", 2, 2, {"V": 3}), ("zbv", 2, 5, {}), ("gpipe", 4, 2, {}),
+    ("1f1b", 4, 3, {}), ("looped_bfs", 4, 2, {"V": 3}), ("zb_h2", 4, 7, {}),
+    ("dualpipev", 4, 9, {}),
+]  # fmt: skip
+
+
+def sized(
+    schedule: str, ranks: int, microbatches: int, defines: dict[str, int], form: str
+) -> TorchCase:
+    program = compile_schedule(schedule, ranks=ranks, microbatches=microbatches, defines=defines)
+    return TorchCase(
+        f"{schedule}{defines.get('V', '')}-P{ranks}-M{microbatches}-{form}",
+        torch_csv.dumps(program, with_comms=form != "torch-csv"),
+        TORCH_FORMAT[form],
+        microbatches,
+        program.placement.num_stages(0),
+    )
+
+
 @functools.cache
 def results(ranks: int) -> list[dict[str, dict[str, Any]]]:
     from pipecc.runtime.spawn import spawn
@@ -80,6 +103,7 @@ def results(ranks: int) -> list[dict[str, dict[str, Any]]]:
     cases = [export(s, ranks, form) for s in SCHEDULES for form in TORCH_FORMAT]
     cases += [mutant(s, ranks) for s in MUTANT_SCHEDULES]
     cases += [overlap_case(name) for name in OVERLAPS if OVERLAPS[name][1] == ranks]
+    cases += [sized(*size, form) for size in SIZES if size[1] == ranks for form in FORMATS]
     return spawn(run_cases, ranks, cases, timeout=60.0)
 
 
@@ -149,3 +173,17 @@ def test_sequential_overlap_trains_in_torch(name: str) -> None:
     assert not [r["error"] for r in per_rank if "error" in r]
     relative = max(r["diff"] for r in per_rank) / max(r["scale"] for r in per_rank)
     assert relative <= TOLERANCE
+
+
+@pytest.mark.parametrize("form", FORMATS)
+@pytest.mark.parametrize(("schedule", "ranks", "microbatches", "defines"), SIZES)
+def test_other_sizes_train_in_torch_runtime(
+    schedule: str, ranks: int, microbatches: int, defines: dict[str, int], form: str
+) -> None:
+    name = f"{schedule}{defines.get('V', '')}-P{ranks}-M{microbatches}-{form}"
+    per_rank = [by_case[name] for by_case in results(ranks)]
+    assert not [r["error"] for r in per_rank if "error" in r]
+    relative = max(r["diff"] for r in per_rank) / max(r["scale"] for r in per_rank)
+    assert relative <= TOLERANCE, f"max_rel_grad_diff {relative:.3g}"
+    for r in (r for r in per_rank if r["loss"] is not None):
+        assert r["loss"] == pytest.approx(r["want_loss"], rel=1e-6, abs=1e-7)
