@@ -115,6 +115,8 @@ class PipelineRuntime:
         if recorder is not None:
             interpreter = ProfilingInterpreter(interpreter, recorder)
         precision = self.grads if isinstance(self.grads, Fp32Grads) else None
+        if self.config.sync_duplicated:
+            shared.count_once(self.to_sum, self.rank)  # accumulated gradients counted once
         if precision is not None:
             precision.begin()
         with self.rng.step_scope():

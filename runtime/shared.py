@@ -150,6 +150,18 @@ def owned(groups: Sequence[Group], rank: int) -> list[torch.nn.Parameter]:
     return distinct([Group(g.keys, g.ranks, g.local[:1]) for g in mine])
 
 
+def count_once(buckets: Mapping[Bucket, list[Group]], rank: int) -> None:
+    """Before a step: keep what the gradient of each summed parameter already holds (the
+    same on every copy after the last step's sum) only in the owner's first copy (the lowest
+    holding rank's), so that the step's sum adds it once. Without this, a second step
+    without zeroing (gradient accumulation) would count the first step's sum once per copy."""
+    for groups in buckets.values():
+        for group in groups:
+            for index, param in enumerate(group.local):
+                if index > 0 or group.ranks[0] != rank:
+                    param.grad = None
+
+
 def sum_shared(
     channel: Channel,
     rank: int,

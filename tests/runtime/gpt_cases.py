@@ -3,7 +3,8 @@
 The model is examples/gpt.py at a small size. Each case builds the whole model on every
 rank, runs one or more steps through a `PipelineRuntime` and compares this rank's gradients
 with a single-process reference it computes itself (same RNG derivation, same autocast).
-Variants: plain, tied embeddings, dict boundaries, a shape change between steps, dropout,
+Variants: plain, tied embeddings, tied embeddings with gradients accumulated over two steps
+(no zeroing between), dict boundaries, a shape change between steps, dropout,
 bf16 parameters (with and without fp32 accumulation), autocast with a bf16 boundary, and
 AdamW training against single-process training. Functions here run in the spawned
 processes: keep them importable and picklable.
@@ -52,7 +53,7 @@ def _gpt() -> Any:
 def config(variant: str, seq: int = 8) -> Any:
     gpt = _gpt()
     dropout = 0.2 if variant == "dropout" else 0.0
-    tied = variant in ("tied", "undeclared")
+    tied = variant in ("tied", "undeclared", "accumulate")
     return gpt.GPTConfig(vocab=32, dim=16, heads=2, seq=seq, layers=0, tied=tied,
                          dropout=dropout)  # fmt: skip
 
@@ -161,15 +162,20 @@ def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
     reference = build(case.variant, num_stages)
     held = {slot.stage for slot in case.program.placement.chunks(rank)}
     worst, losses, specs = 0.0, [], []
+    accumulated: dict[Any, torch.Tensor] = {}
     for step in range(case.steps):
-        for stage in stages:
-            stage.zero_grad(set_to_none=True)
+        if case.variant != "accumulate":  # else: gradients accumulate over the steps
+            for stage in stages:
+                stage.zero_grad(set_to_none=True)
         data = batch(case.variant, case.program.num_microbatches, step)
         runtime.step(*data)
         specs.append({s: b.describe() for s, b in runtime.interpreter.stage.boundaries.items()})
         options = case.options._replace(step=step)
         want_loss, want = reference_step(reference, data, case.program.num_microbatches,
                                          loss_fn, options)  # fmt: skip
+        if case.variant == "accumulate":
+            accumulated = want = {k: accumulated[k] + v if accumulated else v
+                                  for k, v in want.items()}  # fmt: skip
         worst = max(worst, _worst(gradients(stages), want, held))
         losses.append((float(runtime.global_loss()), want_loss))
     main = None

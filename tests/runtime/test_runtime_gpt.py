@@ -17,7 +17,7 @@ from pipecc.runtime.spawn import spawn
 from runtime_cases import SCHEDULES, compile_case, microbatch_counts
 
 Results = list[dict[str, dict[str, Any]]]
-FEATURES = ("tied", "dict", "shapes", "dropout", "bf16", "bf16-fp32", "autocast")
+FEATURES = ("tied", "accumulate", "dict", "shapes", "dropout", "bf16", "bf16-fp32", "autocast")
 PLACEMENTS = {"loop": ("zb_h1", 4), "vshape": ("zbv", 4), "bidirectional": ("dualpipe", 4)}
 TOLERANCE = {"bf16": 2e-2, "bf16-fp32": 2e-2}
 TRAINING = ("1f1b", "zbv", "dualpipe")
@@ -32,7 +32,7 @@ def cases() -> tuple[GptCase, ...]:
     ]
     for variant in FEATURES:
         for placement, (name, m) in PLACEMENTS.items():
-            steps = 2 if variant == "shapes" else 1
+            steps = 2 if variant in ("shapes", "accumulate") else 1
             program = compile_case(name, 2, m)
             found.append(GptCase(f"{variant}-{placement}", program, variant, steps))
     found.append(GptCase("undeclared-dualpipe", compile_case("dualpipe", 2, 4), "undeclared"))
