@@ -13,6 +13,7 @@ compares every step with the single-process reference (runtime/checking.py).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -143,7 +144,10 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     )
     first = split_tree(model.make_batch(job.batch_size, seed=0)[0], program.num_microbatches,
                        "inputs", torch.device("cpu"))[0]  # fmt: skip
-    boundaries(first)  # computed before the timed steps (the first step finds it here)
+    # computed before the timed steps (the first step finds it here); when it fails, the
+    # first step reports that on every rank, naming the rank and the step
+    with contextlib.suppress(Exception):
+        boundaries(first)
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=model.loss_fn, config=config)
     out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": []}
     out["dtypes"] = param_dtypes(stages)

@@ -32,7 +32,7 @@ from .precision import Fp32Grads
 from .profile import Recorder
 from .profiling import ProfilingInterpreter
 from .rng import ForwardRng
-from .signatures import BoundaryFn, Gather, Seen, Signatures
+from .signatures import BoundaryFn, BoundaryFnError, Gather, Seen, Signatures
 from .specs import Boundary, Specs
 from .split_backward import split_chunks
 from .stage import StageOps
@@ -195,7 +195,12 @@ class PipelineRuntime:
 
     def _settle(self, gather: Gather, found: list[str]) -> None:
         """Complete the step's signature gather; check and switch to new boundaries."""
-        seen, boundaries = self.signatures.finish(gather, f"rank {self.rank}, step {self.steps}")
+        where = f"rank {self.rank}, step {self.steps}"
+        try:
+            seen, boundaries = self.signatures.finish(gather, where)
+        except BoundaryFnError as err:  # every rank reports it (the others are in _agree)
+            self._agree([*found, f"step {self.steps}: {err.message}"])
+            raise
         if seen is Seen.UNUSABLE:
             self._agree(found)
             raise SetupError("the pipeline cannot start: a rank's batch is unusable")

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import RankError, SetupError
+from pipecc.diagnostics import PipeccError, RankError, SetupError
 
 from .setup import gather_texts
 from .specs import normalise_boundaries, synthetic
@@ -37,6 +37,12 @@ from .trees import Boundary, flatten
 
 BoundaryFn = Callable[[Any], Mapping[int, object]]
 UNUSABLE = -1  # this rank's batch cannot be split: every rank goes to the checks
+
+
+class BoundaryFnError(SetupError):
+    """The boundary function failed on a sample of a new signature (raised, or returned
+    something that is not boundaries); the runtime reports it through every rank's checks,
+    so the ranks where it worked do not wait for this one."""
 
 
 class Gather(NamedTuple):
@@ -146,7 +152,14 @@ class Signatures:
         assert self.function is not None
         cpu = torch.device("cpu")
         sample = given.rebuild(synthetic(given.tensors, cpu))
-        return normalise_boundaries(self.function(sample))
+        try:
+            return normalise_boundaries(self.function(sample))
+        except Exception as err:  # the user's function: reported on every rank, not raised
+            text = err.message if isinstance(err, PipeccError) else _first_line(err)
+            raise BoundaryFnError(
+                f"the boundaries function failed on a sample microbatch {given.describe()}: "
+                f"{type(err).__name__}: {text}"
+            ) from err
 
     def _disagreement(self, text: str, codes: list[int]) -> str:
         texts = gather_texts(text, self.group, self.world, self.device)

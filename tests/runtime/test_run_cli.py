@@ -236,3 +236,33 @@ def test_model_file_boundaries_and_autocast(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "but stage 1 takes float32[8, 16, 31]" in result.stderr, result.stderr
     assert "note: the pipeline cannot start" not in result.stderr, "said once"
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("    raise RuntimeError('no shapes here')\n", "RuntimeError: no shapes here"),
+        ("    return {1: 42}\n", "expected TensorSpec(s), got 42"),
+    ],
+    ids=["raises", "returns-no-boundaries"],
+)
+def test_a_failing_boundaries_function_is_named_on_every_rank(
+    tmp_path: Path, body: str, said: str
+) -> None:
+    """A model file's boundaries() that raises or returns no boundaries: one error naming
+    each rank, the step and the function, exit 1, no traceback."""
+    model = tmp_path / "gpt_bad_boundaries.py"
+    model.write_text(
+        "import runpy\n"
+        f"gpt = runpy.run_path({str(ROOT / 'examples' / 'gpt.py')!r})\n"
+        "build_stages, make_batch, loss_fn = gpt['build_stages'], gpt['make_batch'], "
+        "gpt['loss_fn']\n"
+        "def boundaries(example):\n" + body
+    )
+    result = pipecc("run", "1f1b", "--nproc", "2", "-M", "4", "--model", str(model))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for rank in (0, 1):
+        line = f"rank {rank}: step 0: the boundaries function failed on a sample microbatch"
+        assert f"{line} int64[8, 16]: " in result.stderr, result.stderr
+    assert said in result.stderr, result.stderr
