@@ -6,7 +6,9 @@ that executes it: a compute op to `StageOps` (F, B, I, W; runtime/stage.py), a f
 receive and a wait to `Transfers` (runtime/transfers.py), torch's per-stage actions to
 runtime/stage_ops.py. It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe differ
 only in their programs. An exception inside an instruction becomes a `RankError` naming the
-rank, the step, the instruction index and the instruction.
+rank, the step, the instruction index and the instruction; a pipecc error raised there (a
+stage output that does not match the next stage's input, a loss that is not a scalar) keeps
+its kind and gets the same prefix.
 
 Subclasses change what happens around an instruction by overriding `compute`, `post` and
 `wait`: `ProfilingInterpreter` (runtime/profiling.py) times them.
@@ -39,7 +41,10 @@ class Interpreter:
         for index, instr, commit in plan:
             try:
                 self.dispatch(ctx, index, instr, commit)
-            except PipeccError:
+            except PipeccError as err:  # named where it happened, unless it says already
+                if not err.message.startswith("rank "):
+                    err.message = f"{self.where(ctx, index, instr)}: {err.message}"
+                    err.args = (err.message,)
                 raise
             except Exception as err:
                 raise RankError(

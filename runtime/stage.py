@@ -146,7 +146,12 @@ class StageOps:
                 return ()
         loss = self.loss_fn(unwrap(output), unwrap(self.target(ctx, mb)))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise InputError(f"the loss function must return a scalar tensor, got {loss!r}")
+            got = (
+                f"a tensor of shape {list(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else f"{loss!r}"[:80]
+            )
+            raise InputError(f"the loss function must return a scalar tensor, got {got}")
         ctx.losses[mb] = loss.detach()
         return (loss * ctx.scale,)
 

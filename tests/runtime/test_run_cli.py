@@ -266,3 +266,22 @@ def test_a_failing_boundaries_function_is_named_on_every_rank(
         line = f"rank {rank}: step 0: the boundaries function failed on a sample microbatch"
         assert f"{line} int64[8, 16]: " in result.stderr, result.stderr
     assert said in result.stderr, result.stderr
+
+
+def test_an_error_inside_an_instruction_names_rank_step_and_instruction(tmp_path: Path) -> None:
+    """A pipecc error raised while an instruction runs (here: a loss that is not a scalar)
+    names the rank, the step and the instruction, as any other exception there does."""
+    model = tmp_path / "gpt_vector_loss.py"
+    model.write_text(
+        "import runpy\n"
+        f"gpt = runpy.run_path({str(ROOT / 'examples' / 'gpt.py')!r})\n"
+        "build_stages, make_batch = gpt['build_stages'], gpt['make_batch']\n"
+        "def loss_fn(logits, targets):\n"
+        "    return logits.sum(dim=(1, 2))\n"
+    )
+    result = pipecc("run", "1f1b", "--nproc", "2", "-M", "4", "--model", str(model))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    first = result.stderr.splitlines()[0]
+    said = r"the loss function must return a scalar tensor, got a tensor of shape \[8\]$"
+    assert re.match(r"error: rank 1, step 0: instruction \d+ \(F0\.0\): " + said, first), first
