@@ -148,12 +148,12 @@ class Signatures:
                     f"boundaries were given for {expected.describe()}: pass a function of "
                     "a sample microbatch as the boundaries to learn new shapes"
                 )
-            return {**self.fixed}
+            return {0: given, **self.fixed}  # stage 0's input: so its output is checked too
         assert self.function is not None
         cpu = torch.device("cpu")
         sample = given.rebuild(synthetic(given.tensors, cpu))
         try:
-            return normalise_boundaries(self.function(sample))
+            return {0: given, **normalise_boundaries(self.function(sample))}
         except Exception as err:  # the user's function: reported on every rank, not raised
             text = err.message if isinstance(err, PipeccError) else _first_line(err)
             raise BoundaryFnError(

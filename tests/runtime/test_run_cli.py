@@ -285,3 +285,29 @@ def test_an_error_inside_an_instruction_names_rank_step_and_instruction(tmp_path
     first = result.stderr.splitlines()[0]
     said = r"the loss function must return a scalar tensor, got a tensor of shape \[8\]$"
     assert re.match(r"error: rank 1, step 0: instruction \d+ \(F0\.0\): " + said, first), first
+
+
+def test_explicit_boundaries_without_stage_0_still_check_stage_0(tmp_path: Path) -> None:
+    """boundaries() may leave out stage 0's input (the step's inputs): right specs run and
+    check; a wrong spec of stage 1 is found before the first step, on every rank, from stage
+    0's output (it failed at the first send, with a closed connection on the peer)."""
+    model = tmp_path / "gpt_specs.py"
+    model.write_text(
+        "import runpy, torch\n"
+        f"gpt = runpy.run_path({str(ROOT / 'examples' / 'gpt.py')!r})\n"
+        "build_stages, make_batch = gpt['build_stages'], gpt['make_batch']\n"
+        "loss_fn = gpt['loss_fn']\n"
+        "def boundaries(example):\n"
+        "    rows, seq = example.shape\n"
+        "    return {1: [((rows, seq, 32), torch.float32)]}\n"
+    )
+    result = pipecc("run", "1f1b", "--nproc", "2", "-M", "4", "--model", str(model), "--check")
+    assert result.returncode == 0, result.stderr
+    model.write_text(model.read_text().replace("seq, 32)", "seq, 31)"))
+    result = pipecc("run", "1f1b", "--nproc", "2", "-M", "4", "--model", str(model))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "error: the pipeline cannot start:",
+        "  rank 0: chunk 0 (stage 0 of pipe 0) returns float32[8, 16, 32] for input "
+        "int64[8, 16], but stage 1 takes (float32[8, 16, 31],)",
+    ], result.stderr
