@@ -133,7 +133,9 @@ def infer_boundaries(
 
     `sample` is the input of stage 0 for one microbatch, any pytree (only its structure,
     shapes, dtypes and constants are used). Entry 0 is the sample itself; entry len(stages)
-    is the model's output. `autocast`: the dtype the forwards run under, if any.
+    is the model's output, absent when it is not a pytree of tensors and constants (a
+    dataclass: only `loss_fn` reads it, nothing sends it). `autocast`: the dtype the forwards
+    run under, if any.
     """
     boundary = flatten(sample, "the sample input")[1]
     boundaries = {0: boundary}
@@ -141,6 +143,8 @@ def infer_boundaries(
         try:
             boundary = stage_output(stage, boundary, device, autocast)
         except InputError:
+            if index == len(stages) - 1:  # the model's output, which no stage receives
+                break
             raise
         except Exception as err:
             raise InputError(

@@ -4,10 +4,10 @@ The model is examples/gpt.py at a small size. Each case builds the whole model o
 rank, runs one or more steps through a `PipelineRuntime` and compares this rank's gradients
 with a single-process reference it computes itself (same RNG derivation, same autocast).
 Variants: plain, tied embeddings, tied embeddings with gradients accumulated over two steps
-(no zeroing between), dict boundaries, a shape change between steps, dropout,
-bf16 parameters (with and without fp32 accumulation), autocast with a bf16 boundary, and
-AdamW training against single-process training. Functions here run in the spawned
-processes: keep them importable and picklable.
+(no zeroing between), dict boundaries, a last stage returning a dataclass, a shape change
+between steps, dropout, bf16 parameters (with and without fp32 accumulation), autocast with
+a bf16 boundary, and AdamW training against single-process training. Functions here run in
+the spawned processes: keep them importable and picklable.
 """
 
 from __future__ import annotations
@@ -78,6 +78,25 @@ class DictStage(nn.Module):
         return {"h": h, "mask": mask, "plain": h.detach() * 0.5, "none": None, "k": 2}
 
 
+@dataclass
+class GptOutput:
+    """What an HF-style last stage returns: a dataclass (no pytree) that loss_fn reads."""
+
+    logits: torch.Tensor
+    aux: float = 0.0
+
+
+class DataclassOut(nn.Module):
+    """The last GPT stage, returning a `GptOutput`."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> GptOutput:
+        return GptOutput(self.inner(x))
+
+
 class Bf16Out(nn.Module):
     """A GPT stage ending with a Linear, so under bf16 autocast its output is bf16."""
 
@@ -95,6 +114,8 @@ def build(variant: str, num_stages: int) -> list[nn.Module]:
     torch.manual_seed(1)
     if variant == "dict":
         stages = [DictStage(s, i == 0, i == num_stages - 1) for i, s in enumerate(stages)]
+    if variant == "dataclass":
+        stages[-1] = DataclassOut(stages[-1])
     if variant == "autocast":
         stages = [Bf16Out(s, cfg.dim) if i < num_stages - 1 else s for i, s in enumerate(stages)]
     if variant in ("bf16", "bf16-fp32"):
@@ -108,7 +129,7 @@ def batch(variant: str, microbatches: int, step: int) -> tuple[Any, Any]:
 
 
 def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = output["logits"] if isinstance(output, dict) else output
+    logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
 

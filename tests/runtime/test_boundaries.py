@@ -3,6 +3,8 @@ explicit specs, signatures, the RNG derivation, shared-parameter detection."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from pipecc.runtime import TensorSpec, infer_boundaries, shared_parameters
@@ -62,6 +64,26 @@ def test_infer_boundaries_follows_pytrees_dtypes_and_gradients() -> None:
     assert value["none"] is None
     tuples = infer_boundaries([nn.Linear(3, 5), Split()], torch.zeros(2, 3))
     assert tuples[2].tensors == (TensorSpec((2,), I64, False), TensorSpec((2, 5), F32, True))
+
+
+@dataclasses.dataclass
+class Output:
+    """A model output that is not a pytree (as a user's own dataclass)."""
+
+    logits: torch.Tensor
+
+
+class ToOutput(nn.Module):
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(x * 2)
+
+
+def test_a_last_stage_may_return_what_only_the_loss_reads() -> None:
+    found = infer_boundaries([nn.Linear(3, 5), ToOutput()], torch.zeros(2, 3))
+    assert sorted(found) == [0, 1], "no entry for the model's output"
+    assert found[1].tensors == (TensorSpec((2, 5), F32, True),)
+    with pytest.raises(InputError, match="holds a Output"):  # between stages: refused
+        infer_boundaries([ToOutput(), nn.Identity()], torch.zeros(2, 3))
 
 
 def test_meta_forward_leaves_the_module_untouched() -> None:

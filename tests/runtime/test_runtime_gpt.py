@@ -17,7 +17,17 @@ from pipecc.runtime.spawn import spawn
 from runtime_cases import SCHEDULES, compile_case, microbatch_counts
 
 Results = list[dict[str, dict[str, Any]]]
-FEATURES = ("tied", "accumulate", "dict", "shapes", "dropout", "bf16", "bf16-fp32", "autocast")
+FEATURES = (
+    "tied",
+    "accumulate",
+    "dict",
+    "dataclass",
+    "shapes",
+    "dropout",
+    "bf16",
+    "bf16-fp32",
+    "autocast",
+)
 PLACEMENTS = {"loop": ("zb_h1", 4), "vshape": ("zbv", 4), "bidirectional": ("dualpipe", 4)}
 TOLERANCE = {"bf16": 2e-2, "bf16-fp32": 2e-2}
 TRAINING = ("1f1b", "zbv", "dualpipe")
