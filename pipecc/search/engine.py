@@ -15,7 +15,12 @@ a policy, one `RankPolicy` per rank. The search
 3. if the best order is above the lower bound, adds the given candidates (the bundled
    schedules' orders that fit), then polishes the best with single-op moves
    (`pipecc.search.polish`);
-4. stops at the evaluation budget, at the lower bound, or at the clock.
+4. stops at the evaluation budget, at the lower bound, or at the clock;
+5. with the optional exact solver installed (`pipecc[exact]`) and a small problem (P ≤ 4,
+   M ≤ 8), if the order is still above the bound, hands it to CP-SAT as a hint for an exact
+   polish on one worker of EXACT_WORK deterministic seconds at the default time limit (it
+   ends early at a proven optimum; its clock is EXACT_CLOCK, not the time limit, so that the
+   result does not depend on the machine), and keeps CP-SAT's order if it is better.
 
 Every order is valid and fits the cap by construction. The default budget is what the time
 limit allows at the reference machine's costs, so the same seed gives the same order
@@ -31,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
+from pipecc.search import exact
 from pipecc.search.bounds import lower_bound
 from pipecc.search.decoder import NO_LIMIT, Decoded, Policy, RankPolicy, Reserve, decode
 from pipecc.search.polish import Polisher
@@ -48,6 +54,9 @@ KEEP = 4  # restart points kept from the structured grid
 GRID_FIRST = 14  # the grid's plain policies, always decoded
 GRID_SHARE = 0.1  # of the decode budget, at most, for the rest of the grid (shuffled)
 PATIENCE = 150  # steps without improvement before a restart
+EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact polish takes on
+EXACT_WORK = 10.0  # CP-SAT's deterministic seconds for the exact polish
+EXACT_CLOCK = 120.0  # its wall-clock safety limit (the work limit ends it first)
 
 
 class SearchResult(NamedTuple):
@@ -227,13 +236,15 @@ def search(
     moves: int | None = None,
     bound: Bound = lower_bound,
     candidates: Sequence[Order] | Callable[[], Sequence[Order]] = (),
+    exact_work: float | None = None,
 ) -> SearchResult | None:
     """The best order found with `budget` decodes and `moves` polishing moves (by default
     what `time_limit` seconds allow at the reference costs; the clock stops the search at
     `time_limit` in any case); None when no order fits the memory
     cap (see `smallest_cap`). `candidates` (orders, such as the bundled schedules'; those
     that fit the cap count) start the polish if no decoded order beats them; given as a
-    function, they are only made when the climb ends above the bound."""
+    function, they are only made when the climb ends above the bound. `exact_work` is the
+    exact polish's deterministic time (default: `exact_budget`; 0 turns it off)."""
     began = time.perf_counter()
     target = bound(problem)
     default_budget, default_moves = budgets(problem, time_limit)
@@ -257,7 +268,14 @@ def search(
         order, rng, moves, lambda s: state.at_bound(s) or _past(deadline)
     )
     if polished_score < score:
-        order, policy = polished, ()
+        order, policy, score = polished, (), polished_score
+    work = exact_budget(problem, time_limit) if exact_work is None else exact_work
+    if work > 0 and not state.at_bound(score):
+        solved = exact.solve(
+            problem, time_limit=EXACT_CLOCK, hint=order, workers=1, work=work, seed=seed
+        )
+        if solved.order is not None and solved.value < score[0] - 1e-9:
+            order, policy = solved.order, ()
     evaluation = evaluate(problem, order)
     assert evaluation is not None and fits(problem, evaluation)
     return SearchResult(
@@ -278,6 +296,18 @@ def budgets(problem: Problem, time_limit: float) -> tuple[int, int]:
     return (
         max(KEEP, int(POLICY_SHARE * time_limit / decode_cost)),
         int((1 - POLICY_SHARE) * time_limit / move_cost),
+    )
+
+
+def exact_budget(problem: Problem, time_limit: float) -> float:
+    """The exact polish's default deterministic time, for problems up to EXACT_RANKS ranks
+    and EXACT_MICROBATCHES microbatches when OR-Tools is installed (else 0): EXACT_WORK at
+    the default time limit or above, in proportion below it."""
+    small = problem.ranks <= EXACT_RANKS and problem.microbatches <= EXACT_MICROBATCHES
+    if not (small and exact.available()):
+        return 0.0
+    return EXACT_WORK * min(
+        1.0, time_limit / default_time_limit(problem.ranks, problem.microbatches)
     )
 
 
