@@ -271,11 +271,8 @@ def search(
         order, policy, score = polished, (), polished_score
     work = exact_budget(problem, time_limit) if exact_work is None else exact_work
     if work > 0 and not state.at_bound(score):
-        solved = exact.solve(
-            problem, time_limit=EXACT_CLOCK, hint=order, workers=1, work=work, seed=seed
-        )
-        if solved.order is not None and solved.value < score[0] - 1e-9:
-            order, policy = solved.order, ()
+        solved = _exact_polish(problem, order, score, work, seed)
+        order, policy = (order, policy) if solved is None else (solved, ())
     evaluation = evaluate(problem, order)
     assert evaluation is not None and fits(problem, evaluation)
     return SearchResult(
@@ -297,6 +294,18 @@ def budgets(problem: Problem, time_limit: float) -> tuple[int, int]:
         max(KEEP, int(POLICY_SHARE * time_limit / decode_cost)),
         int((1 - POLICY_SHARE) * time_limit / move_cost),
     )
+
+
+def _exact_polish(
+    problem: Problem, order: Order, score: Score, work: float, seed: int
+) -> Order | None:
+    """CP-SAT's order from `order` within `work` deterministic seconds, if it is faster."""
+    solved = exact.solve(
+        problem, time_limit=EXACT_CLOCK, hint=order, workers=1, work=work, seed=seed
+    )
+    if solved.order is not None and solved.value < score[0] - 1e-9:
+        return solved.order
+    return None
 
 
 def exact_budget(problem: Problem, time_limit: float) -> float:
