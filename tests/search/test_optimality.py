@@ -4,9 +4,15 @@ more) and, with the optional exact solver, CP-SAT's proven optimum at P ≤ 4, M
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 from brute_force import CASES, Case, _FastReplay, case_optimum, rank_orders
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from sailsg_baseline import grid_problem, grid_profiles  # noqa: E402
 
 from pipecc.search import exact
 from pipecc.search.bounds import lower_bound
@@ -101,7 +107,20 @@ def test_search_reaches_the_exact_v_optimum(cost: str, ranks: int, mbs: int, cap
     problem = Problem.from_costs(
         parse_cost_flag(cost), ranks=ranks, microbatches=mbs, placement=Placement.VSHAPE, cap=cap
     )
-    limit = engine.default_time_limit(ranks, mbs)
+    _assert_reaches_the_exact_optimum(problem)
+
+
+@pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
+@pytest.mark.parametrize("cap", [4])  # at cap 8 the V-only search ends at 35.436, not 35.067
+def test_search_reaches_the_exact_v_optimum_on_the_grids_random_profile(cap: float) -> None:
+    """search_quality's random profile (last stage ×2) at P=4, M=8, V shape."""
+    profile = grid_profiles(4)[2]
+    assert profile.name.startswith("random")
+    _assert_reaches_the_exact_optimum(grid_problem(profile, 8, cap, placement=Placement.VSHAPE))
+
+
+def _assert_reaches_the_exact_optimum(problem: Problem) -> None:
+    limit = engine.default_time_limit(problem.ranks, problem.microbatches)
     decodes, moves = engine.budgets(problem, limit)
     found = engine.search(problem, time_limit=60 * limit, budget=decodes, moves=moves)
     assert found is not None
