@@ -51,7 +51,7 @@ from pipecc.search.problem import (  # noqa: E402
     evaluate,
     fits,
 )
-from pipecc.semantics.costs import parse_cost_flag  # noqa: E402
+from pipecc.semantics.costs import CostModel, StageCost, parse_cost_flag  # noqa: E402
 
 _KINDS = (OpKind.F, OpKind.I, OpKind.W)
 
@@ -303,25 +303,18 @@ def grid_problem(
     placement: Placement = Placement.LOOP,
     objective: Objective = Objective.MAKESPAN,
 ) -> Problem:
-    """The search problem of one grid cell (default memory: F +1, I 0, W -1 per share)."""
-    ranks = len(profile.f)
-    stages = ranks if placement is Placement.LOOP else 2 * ranks
-    scale = ranks / stages
-
-    def per_stage(values: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(values[s * ranks // stages] * scale for s in range(stages))
-
-    return Problem(
-        ranks=ranks,
+    """The search problem of one grid cell (default memory: F +1, I 0, W -1 per share): the
+    profile as per-share costs, cut for the placement by `Problem.from_costs`."""
+    shares = tuple(
+        (share, StageCost(F=f, I=i, W=w))
+        for share, (f, i, w) in enumerate(zip(profile.f, profile.i, profile.w, strict=True))
+    )
+    costs = CostModel(base=StageCost(comm=profile.comm), stages=shares)
+    return Problem.from_costs(
+        costs,
+        ranks=len(profile.f),
         microbatches=microbatches,
         placement=placement,
-        f=per_stage(profile.f),
-        i=per_stage(profile.i),
-        w=per_stage(profile.w),
-        comm=profile.comm,
-        mem_f=(scale,) * stages,
-        mem_i=(0.0,) * stages,
-        mem_w=(-scale,) * stages,
         cap=cap,
         objective=objective,
     )
