@@ -158,13 +158,22 @@ def _ranks(args: argparse.Namespace) -> int:
     raise InputError(f"{args.file}: a .sched file needs --nproc (or -P)")
 
 
+def _import_failure(err: ImportError) -> str:
+    """Why the runtime could not be imported: the runtime extra missing (torch, numpy), or
+    anything else, said as it is."""
+    missing = (err.name or "").split(".")[0]
+    if isinstance(err, ModuleNotFoundError) and missing in ("torch", "numpy"):
+        return f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}"
+    return f"pipecc run: the runtime could not be imported: {type(err).__name__}: {err}"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise InputError("--timeout must be positive")
     try:
         from pipecc.runtime.launcher import AUTOCAST, RunJob, backend_for, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
-        raise InputError(f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}") from None
+        raise InputError(_import_failure(err)) from None
     program, choice = _program(args, backend_for(_ranks(args)))
     batch = args.batch_size or 8 * program.num_microbatches
     job = RunJob(

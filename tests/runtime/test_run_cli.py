@@ -149,6 +149,33 @@ def test_unusable_input_exits_2(
     assert message in err
 
 
+@pytest.mark.parametrize(
+    ("missing", "message"),
+    [
+        ("torch", "error: pipecc run needs torch (pip install 'pipecc[runtime]')"),
+        ("pipecc.runtime.launcher", "error: pipecc run: the runtime could not be imported: "
+                                    "ModuleNotFoundError: import of pipecc.runtime.launcher "
+                                    "halted; None in sys.modules"),
+    ],
+)  # fmt: skip
+def test_a_runtime_that_cannot_be_imported_says_why(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    missing: str,
+    message: str,
+) -> None:
+    """Only a missing torch (or numpy) asks for the runtime extra; any other import failure
+    inside the runtime is reported as it is, not as a missing torch."""
+    if missing == "torch":  # the runtime imported afresh, torch not importable
+        for name in [n for n in sys.modules if n.startswith("pipecc.runtime")]:
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)
+    code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "2",
+                              "--model", MLP)  # fmt: skip
+    assert code == 2
+    assert err.startswith(message), err
+
+
 def test_bad_flag_exits_2() -> None:
     result = pipecc("run", "1f1b", "--nproc", "0", "-M", "4", "--model", MLP)
     assert result.returncode == 2
