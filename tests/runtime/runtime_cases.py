@@ -118,7 +118,8 @@ class Case:
 
     `mode`: train (one step, compared with the reference), forward (forward only), nosync
     (duplicated stages not summed), timeout (a second step in which rank 0 stays away),
-    profile (a train step with a `Recorder`, whose records come back).
+    profile (a train step with a `Recorder`, whose records come back), signatures (steps
+    whose input shapes the ranks disagree on, then one a rank cannot split).
     `pipelines`: run several pipelines side by side, each in a subgroup; pipeline rank r is
     global rank `pipeline[r]`.
     """
@@ -210,6 +211,8 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
     loss = run.runtime.step(run.inputs, run.targets, recorder=recorder)
     if case.mode == "timeout":
         return _timeout_case(run)
+    if case.mode == "signatures":
+        return _signatures_case(run)
     reference = build(case.model, len(run.stages))  # on the CPU
     microbatches = case.program.num_microbatches
     data = (_to(run.inputs, torch.device("cpu")), run.targets.cpu())
@@ -265,6 +268,25 @@ def _timeout_case(run: _Run) -> dict[str, Any]:
         try:
             run.runtime.step(run.inputs, run.targets)
             found[step] = {"error": None}
+        except PipeccError as err:
+            found[step] = {"error": type(err).__name__, "message": str(err)}
+    return found
+
+
+def _signatures_case(run: _Run) -> dict[str, Any]:
+    """After a good step (the caller's): step 2 gives the last rank twice the rows per
+    microbatch, step 3 a batch it cannot split into M, step 4 every rank the first shapes
+    again. On a bidirectional program every rank holds a stage 0, so every rank's code
+    counts."""
+    last = run.me == run.case.program.num_ranks - 1
+    inputs: torch.Tensor = run.inputs
+    wider = torch.cat([inputs, inputs]) if last else inputs
+    uneven = inputs[:-1] if last else inputs
+    found: dict[int, dict[str, Any]] = {}
+    for step, given in ((2, wider), (3, uneven), (4, inputs)):
+        try:
+            loss = run.runtime.step(given, run.targets)
+            found[step] = {"error": None, "loss": None if loss is None else float(loss)}
         except PipeccError as err:
             found[step] = {"error": type(err).__name__, "message": str(err)}
     return found

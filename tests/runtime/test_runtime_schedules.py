@@ -59,6 +59,7 @@ def feature_cases_2() -> list[Case]:
         Case("forward-zbv", compile_case("zbv", 2, 4), mode="forward"),
         Case("forward-dualpipe", dualpipe, mode="forward"),
         Case("profile-dualpipe", dualpipe, mode="profile"),
+        Case("signatures-dualpipe", dualpipe, mode="signatures"),
         Case("timeout", compile_case("1f1b", 2, 2), mode="timeout", timeout=1.0),  # the last
     ]
 
@@ -234,6 +235,23 @@ def test_a_rank_missing_from_a_step_times_out_the_shape_gather(group2: Results) 
         "error: rank 1, step 1: the step's shape signature, gathered from every rank before "
         "the program, did not complete within 1 s"
     ), result["message"]
+
+
+def test_ranks_that_disagree_on_the_shapes_or_cannot_split_stop_together(group2: Results) -> None:
+    """The signature agreement: inputs of different shapes on the two ranks holding a stage 0
+    (DualPipe) stop both ranks with the same error naming each rank's shapes; a batch one
+    rank cannot split stops both, that rank saying why; then a good step runs again."""
+    results = [r["signatures-dualpipe"] for r in group2]
+    for result in results:
+        disagree, uneven = result[2].get("message", ""), result[3].get("message", "")
+        assert result[2]["error"] == "SetupError"
+        assert "the ranks holding stage 0 were given inputs of different shapes" in disagree
+        assert "rank 0: float32[2, 6]" in disagree
+        assert "rank 1: float32[4, 6]" in disagree
+        assert result[3]["error"] == "SetupError"
+        assert "rank 1: inputs: 11 rows cannot be split into 6 equal microbatches" in uneven
+        assert result[4]["error"] is None
+    assert results[0][4]["loss"] is not None
 
 
 def test_profile_records_every_post_wait_and_the_sync(group2: Results) -> None:
