@@ -2,8 +2,9 @@
 
 Program ranks (0..P-1) are mapped to global ranks of the process group, so one pipeline can
 live inside a larger world (pipeline × data parallel). A group of posts goes out through
-`batch_isend_irecv`; on gloo it returns one work per op and every one of them is waited
-(pytorch#152938), on NCCL it may return one work for the whole group, shared by its ops.
+`batch_isend_irecv` where the backend coalesces it (NCCL: it may return one work for the whole
+group, shared by its ops); on gloo, which does not, each op goes to the process group
+directly, one work per op, and every one of them is waited (pytorch#152938).
 
 Posting never blocks the rank (DESIGN §5). On gloo it can: a send to a peer whose receive is
 already posted writes the data in the posting thread, and both sends and receives take the
@@ -90,8 +91,8 @@ class Channel:
         if not ops:
             return []
         if self._poster is None:
-            return [Posted(works) for works in _post_now(list(ops), batched, self.group)]
-        future = self._poster.submit(_post_now, list(ops), batched, self.group)  # in order
+            return [Posted(works) for works in _post_now(list(ops), batched)]
+        future = self._poster.submit(_post_now, list(ops), batched)  # in order
         return [Posted(future=future, index=i) for i in range(len(ops))]
 
     def complete(self, posted: Posted, deadline: float) -> None:
@@ -122,18 +123,32 @@ def uses_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     return device.type == "cuda" and "nccl" in dist.get_backend_config(group)
 
 
-def _post_now(
-    ops: list[dist.P2POp], batched: bool, group: dist.ProcessGroup | None
-) -> list[list[Work]]:
-    """Post `ops` now; for each op, the works that complete it."""
-    if not batched:
-        return [_single(op, group) for op in ops]
+def _post_now(ops: list[dist.P2POp], batched: bool) -> list[list[Work]]:
+    """Post `ops` now; for each op, the works that complete it. A group goes through
+    `batch_isend_irecv` only where the backend coalesces it (NCCL). Elsewhere (gloo) that
+    posts the ops one by one anyway, so each goes to its process group directly, without
+    the argument checks of `isend`/`irecv` (the ops come from a verified program): on gloo
+    this Python runs in the poster thread, holding the interpreter lock that the compute
+    thread needs (measured: docs/performance.md, "Less Python in the poster thread")."""
+    if not batched or not _coalesces(ops[0]):
+        return [_single(op) for op in ops]
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
     if len(works) == len(ops):
         return [[w] for w in works]
     return [works for _ in ops]
 
 
-def _single(op: dist.P2POp, group: dist.ProcessGroup | None) -> list[Work]:
-    work = op.op(op.tensor, op.peer, group=group)
+def _coalesces(op: dist.P2POp) -> bool:
+    return bool(op.group._get_backend(op.tensor.device).supports_coalescing)
+
+
+def _single(op: dist.P2POp) -> list[Work]:
+    """One op on its process group (`P2POp` resolved the group and the peer's rank in it);
+    a tensor subclass goes through `isend`/`irecv`, which dispatch on it."""
+    if type(op.tensor) is not torch.Tensor:
+        work = op.op(op.tensor, op.peer, group=op.group, tag=op.tag)
+        return [work] if work is not None else []
+    tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
+    post = op.group.send if op.op is dist.isend else op.group.recv
+    work = post([tensor], op.group_peer, op.tag)
     return [work] if work is not None else []

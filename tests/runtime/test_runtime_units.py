@@ -175,3 +175,55 @@ def test_comm_is_the_latency_that_reproduces_the_waits() -> None:
     slow = (20.0002, 20.0, 20.0006)  # came 0.2 ms after, still waited: 0.6 ms
     assert fit_latency([blocked, slow]) == pytest.approx(0.0005, abs=1e-8)
     assert fit_latency([]) == 0.0
+
+
+class _Group:
+    """A stand-in process group that records what is posted on it."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, torch.Tensor, int, int]] = []
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> str:
+        self.posted.append(("send", tensors[0], peer, tag))
+        return "work"
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> str:
+        self.posted.append(("recv", tensors[0], peer, tag))
+        return "work"
+
+
+class _Op:
+    """What `comm` reads of a `dist.P2POp`."""
+
+    def __init__(self, op: object, tensor: torch.Tensor, group: _Group) -> None:
+        self.op, self.tensor, self.group = op, tensor, group
+        self.peer, self.group_peer, self.tag = 5, 1, 0
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_a_post_goes_to_the_group_with_the_peers_rank_in_it() -> None:
+    """A plain tensor goes to the process group directly, with the peer's rank in the group
+    (not its global rank) and a complex tensor as its real view; a tensor subclass goes
+    through torch's isend/irecv (which dispatch on it) with the global rank."""
+    import torch.distributed as dist
+    from pipecc.runtime import comm
+
+    group = _Group()
+    plain, complex_ = torch.ones(3), torch.ones(3, dtype=torch.complex64)
+    assert comm._single(_Op(dist.isend, plain, group)) == ["work"]  # type: ignore[arg-type]
+    comm._single(_Op(dist.irecv, complex_, group))  # type: ignore[arg-type]
+    (kind, tensor, peer, tag), (kind2, tensor2, peer2, _) = group.posted
+    assert (kind, peer, tag, kind2, peer2) == ("send", 1, 0, "recv", 1)
+    assert tensor is plain and tensor2.dtype == torch.float32 and tensor2.shape == (3, 2)
+    seen: list[tuple[object, int, object]] = []
+
+    def isend(tensor: torch.Tensor, peer: int, *, group: object, tag: int) -> str:
+        seen.append((type(tensor), peer, group))
+        return "work"
+
+    sub = torch.ones(2).as_subclass(_Subclass)
+    assert comm._single(_Op(isend, sub, group)) == ["work"]  # type: ignore[arg-type]
+    assert seen == [(_Subclass, 5, group)] and len(group.posted) == 2
