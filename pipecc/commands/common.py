@@ -89,7 +89,9 @@ def load_input(path: str, args: argparse.Namespace) -> Program:
     gets its comm ops placed (DESIGN §1, §5). The command's --comm-policy and --align, where
     it has them, are inputs of that one compilation (`pipecc.driver.load`)."""
     sizes = {"ranks": args.ranks, "microbatches": args.microbatches}
-    program, _ = load(path, **sizes, defines=dict(args.defines), lowering=lowering(args))
+    program, notes = load(path, **sizes, defines=dict(args.defines), lowering=lowering(args))
+    for note in notes:  # what the reader ignored (CSV cells, unknown JSON fields), on stderr
+        print(f"note: {note}", file=sys.stderr)
     return program
 
 

@@ -58,7 +58,12 @@ def read_text(path: Path) -> str:
 
 def load_program(path: str | Path) -> Program:
     """Load a compiled program written by `pipecc compile` (JSON)."""
+    return read_program(path)[0]
+
+
+def read_program(path: str | Path) -> tuple[Program, tuple[str, ...]]:
+    """`load_program`, and the notes of the reading (fields it did not know, ignored)."""
     path = Path(path)
     text = read_text(path)
     with paused_gc():
-        return json_program.loads(text, str(path))
+        return json_program.read(text, str(path))

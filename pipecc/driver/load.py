@@ -16,7 +16,7 @@ from pipecc.driver.compile import (
     place_again,
     places_again,
 )
-from pipecc.driver.files import load_program, read_text
+from pipecc.driver.files import read_program, read_text
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Program
@@ -37,7 +37,8 @@ def needs_lowering(program: Program) -> bool:
 
 
 class Loaded(NamedTuple):
-    """A loaded program and the notes its reader left (ignored CSV cells, ...)."""
+    """A loaded program and the notes its reader left (ignored CSV cells, JSON fields this
+    version does not know)."""
 
     program: Program
     notes: tuple[str, ...]
@@ -62,7 +63,7 @@ def load(
     if path.endswith(".csv"):
         program, notes = _read_csv(path)
     elif path.endswith(".json"):
-        program, notes = load_program(path), ()
+        program, notes = read_program(path)
     else:
         p, m = _sizes(path, ranks, microbatches)
         lower = DEFAULT_LOWERING if lowering is None else lowering

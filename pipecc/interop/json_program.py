@@ -116,12 +116,41 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
 # ---- reading -------------------------------------------------------------------------------
 
 
+SPAN = ("line", "col")
+COMPUTE_FIELDS = frozenset(("op", "chunk", "pipe", "stage", "mb", *SPAN))
+HEADER_FIELDS = frozenset(
+    ("format", "schedule", "source", "ranks", "microbatches", "params", "comm",
+     "placement_name", "placement", "programs")
+)  # fmt: skip
+SHOWN_UNKNOWN = 8  # unknown fields named in the note; the rest are counted
+
+
 class _Reader:
-    """Checks fields as it reads them; errors name the file and the JSON path."""
+    """Checks fields as it reads them; errors name the file and the JSON path. Fields it
+    does not know are collected (`unknown`): the format lets a later version add fields,
+    so they are not an error, but they are never dropped silently either."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.source: SourceFile | None = None
+        self.unknown: list[str] = []
+
+    def known(self, obj: dict[str, Any], where: str, fields: frozenset[str]) -> None:
+        """Note the fields of `obj` outside `fields`."""
+        for key in obj:
+            if key not in fields:
+                self.unknown.append(f"{where}.{key}" if where else str(key))
+
+    def notes(self) -> tuple[str, ...]:
+        if not self.unknown:
+            return ()
+        shown = ", ".join(self.unknown[:SHOWN_UNKNOWN])
+        more = len(self.unknown) - SHOWN_UNKNOWN
+        rest = f" and {more} more" if more > 0 else ""
+        return (
+            f"{self.path}: ignored {len(self.unknown)} field(s) this version of pipecc does "
+            f"not know: {shown}{rest}",
+        )
 
     def fail(self, where: str, message: str) -> InputError:
         return InputError(f"{self.path}: {where}: {message}")
@@ -158,6 +187,11 @@ def _is_int(value: Any) -> bool:
 
 def loads(text: str, path: str = "<program>") -> Program:
     """Read a program written by `dumps`; InputError (naming rank and index) if malformed."""
+    return read(text, path)[0]
+
+
+def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
+    """`loads`, and the notes of the reading: the fields it did not know and ignored."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -165,6 +199,7 @@ def loads(text: str, path: str = "<program>") -> Program:
     reader = _Reader(path)
     if not isinstance(data, dict):
         raise reader.fail("top level", "expected a JSON object")
+    reader.known(data, "", HEADER_FIELDS)
     fmt = data.get("format")
     if fmt != FORMAT:
         raise reader.fail("format", f"expected {json.dumps(FORMAT)}, got {json.dumps(fmt)}")
@@ -201,7 +236,7 @@ def loads(text: str, path: str = "<program>") -> Program:
         for rank in range(num_ranks)
     )
     comm = str(data.get("comm", "unknown"))
-    return Program(
+    program = Program(
         schedule=str(data.get("schedule", Path(path).stem)),
         source=source,
         num_ranks=num_ranks,
@@ -212,6 +247,7 @@ def loads(text: str, path: str = "<program>") -> Program:
         ranks=ranks,
         backend=backend_of(comm),
     )
+    return program, reader.notes()
 
 
 def _source_file(source: str, path: str) -> SourceFile | None:
@@ -240,6 +276,8 @@ def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
     slots = []
     for i, entry in enumerate(entries):
         where = f"placement[{i}]"
+        if isinstance(entry, dict):
+            reader.known(entry, where, PLACEMENT_FIELDS)
         slots.append(
             StageSlot(
                 *(reader.integer(entry, key, where) for key in ("rank", "chunk", "pipe", "stage"))
@@ -251,6 +289,12 @@ def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
         raise reader.fail("placement", str(err)) from None
 
 
+PLACEMENT_FIELDS = frozenset(("rank", "chunk", "pipe", "stage"))
+FUSED_FIELDS = frozenset(("op", "f", "b", *SPAN))
+SEQUENTIAL_FIELDS = frozenset(("op", "sequential", "ops", *SPAN))
+COMM_FIELDS = frozenset(("op", "what", "peer", "pipe", "stage", "mb", "group", *SPAN))
+WAIT_FIELDS = frozenset(("op", "ops", *SPAN))
+STAGE_OP_FIELDS = frozenset(("op", "chunk", "pipe", "stage", *SPAN))
 _KINDS = {kind.value: kind for kind in Kind}
 _MSGS = {msg.value: msg for msg in Msg}
 _STAGE_ACTIONS = {action.value: action for action in StageAction}
@@ -263,6 +307,7 @@ def _read_compute(obj: Any, where: str, reader: _Reader, kind: Kind | None = Non
     chunk, pipe, stage, mb = (
         reader.integer(obj, key, where) for key in ("chunk", "pipe", "stage", "mb")
     )
+    reader.known(obj, where, COMPUTE_FIELDS)
     return Compute(kind, chunk, pipe, stage, mb, reader.span(obj))
 
 
@@ -273,6 +318,7 @@ def _read_sequential(obj: dict[str, Any], where: str, reader: _Reader) -> Sequen
         obj, "ops", where, lambda v: isinstance(v, list) and bool(v), "a non-empty list"
     )
     parts = tuple(_read_compute(item, f"{where}.ops[{i}]", reader) for i, item in enumerate(ops))
+    reader.known(obj, where, SEQUENTIAL_FIELDS)
     return Sequential(parts, reader.span(obj))
 
 
@@ -288,6 +334,7 @@ def _read_fused(obj: dict[str, Any], op: str, where: str, reader: _Reader) -> Fu
     backward = _read_compute(obj.get("b"), f"{where}.b", reader)
     if forward.kind is not Kind.F or backward.kind.value != op[-1]:
         raise reader.fail(where, f"a {op} holds an F in 'f' and a {op[-1]} in 'b'")
+    reader.known(obj, where, FUSED_FIELDS)
     return Fused(forward, backward, reader.span(obj))
 
 
@@ -296,6 +343,7 @@ def _read_stage_op(obj: dict[str, Any], op: str, where: str, reader: _Reader) ->
     if "mb" in obj:
         raise reader.fail(where, f"field 'mb': {op} acts on a whole stage and takes no microbatch")
     chunk, pipe, stage = (reader.integer(obj, key, where) for key in ("chunk", "pipe", "stage"))
+    reader.known(obj, where, STAGE_OP_FIELDS)
     return StageOp(_STAGE_ACTIONS[op], chunk, pipe, stage, reader.span(obj))
 
 
@@ -317,6 +365,7 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
             raise reader.fail(
                 where, f"field 'group' must be null or an integer ≥ 0, got {json.dumps(group)}"
             )
+        reader.known(obj, where, COMM_FIELDS)
         cls = Send if op == "send" else Recv
         return cls(what, peer, pipe, stage, mb, group, reader.span(obj))
     if op == "wait":
@@ -327,6 +376,7 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
             lambda v: isinstance(v, list) and bool(v) and all(_is_int(i) and i >= 0 for i in v),
             "a non-empty list of instruction indices",
         )
+        reader.known(obj, where, WAIT_FIELDS)
         return Wait(tuple(ops), reader.span(obj))
     if op in _STAGE_ACTIONS:
         return _read_stage_op(obj, op, where, reader)

@@ -162,3 +162,24 @@ def test_compare_of_programs_takes_their_sizes(
     three.write_text(torch_csv.dumps(compile_bundled("zb_h1", 2, 2)))
     code, _, err = run_cli(capsys, "compare", str(one), str(three))
     assert code == 2 and "three.csv: the program is for P=2 M=2, not -P 2 -M 4" in err
+
+
+@pytest.mark.parametrize("command", ["compile", "simulate", "explain", "compare", "verify"])
+def test_every_command_names_the_fields_it_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """A .json with a field this version does not know (here a typo of a send's `group`) is
+    still used, as the format allows, and every command says which fields it read past."""
+
+    def misspell(programs: list[list[dict]]) -> None:
+        send = next(op for op in programs[0] if op["op"] == "send")
+        send["gruop"] = send.pop("group")
+
+    path = str(_json_edited(tmp_path, "typo", misspell))
+    args = COMMANDS[command](path) if command in COMMANDS else ["verify", path]
+    exit_code, out, err = run_cli(capsys, *args)
+    assert exit_code == 0, err
+    assert out
+    note = "ignored 1 field(s) this version of pipecc does not know: programs[0]["
+    assert note in err + out
+    assert ".gruop" in err + out

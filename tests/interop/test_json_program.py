@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, compile_bundled
+from helpers import ROOT, SCHEDULES, compile_bundled
 
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
+from pipecc.ir.ops import Compute, Sequential, StageAction, StageOp
+from pipecc.ir.program import Program
 
 SCHEMA = ROOT / "docs" / "program.schema.json"
 
@@ -117,3 +120,48 @@ def test_a_field_the_new_ops_do_not_have_is_refused(edit, message: str) -> None:
 
 def _stage_op() -> dict:  # type: ignore[type-arg]
     return {"op": "UNSHARD", "chunk": 0, "pipe": 0, "stage": 0}
+
+
+def _every_instruction_kind() -> list[Program]:
+    """Programs that hold every instruction the writer writes: each bundled schedule, and
+    one with torch's OVERLAP_F_B and a stage action added (the reader does not check order)."""
+    programs = [compile_bundled(path.stem, 2, 4) for path in sorted(SCHEDULES.glob("*.sched"))]
+    base = programs[0]
+    computes = [i for i in base.ranks[0] if type(i) is Compute]
+    f, b = computes[0], computes[-1]
+    extra = (StageOp(StageAction.UNSHARD, 0, 0, 0, None), Sequential((f, b), None))
+    programs.append(replace(base, ranks=(base.ranks[0] + extra, *base.ranks[1:])))
+    return programs
+
+
+def test_the_reader_knows_every_field_the_writer_writes() -> None:
+    """No note for what pipecc wrote itself: a field added to the writer but not taught to
+    the reader would be reported as unknown."""
+    for program in _every_instruction_kind():
+        again, notes = json_program.read(json_program.dumps(program), "p.json")
+        assert again == program
+        assert notes == (), (program.schedule, notes)
+
+
+def test_fields_the_reader_does_not_know_are_named_not_dropped() -> None:
+    """The format lets a later version add fields, so an unknown one is read past, and it
+    is named in a note: in the header, in an op, inside a fused op, in the placement."""
+    data = json.loads(json_program.dumps(compile_bundled("dualpipe", 2, 4)))
+    data["producer"] = "a tool"
+    send = _first(data, "send")
+    send["gruop"] = send.pop("group")  # a typo: the send is read as posted alone
+    _first(data, "F&B")["f"]["shape"] = [4, 8]
+    data["placement"][1]["device"] = "cuda:1"
+    program, notes = json_program.read(json.dumps(data), "p.json")
+    assert program.num_ranks == 2
+    (note,) = notes
+    assert note.startswith("p.json: ignored 4 field(s) this version of pipecc does not know: ")
+    for path in ("producer", ".gruop", ".f.shape", "placement[1].device"):
+        assert path in note, (path, note)
+    for rank in data["programs"]:
+        for entry in rank:
+            entry["x"] = 1
+    total = 4 + sum(len(rank) for rank in data["programs"])
+    (note,) = json_program.read(json.dumps(data), "p.json")[1]
+    assert f"ignored {total} field(s)" in note
+    assert note.endswith(f" and {total - json_program.SHOWN_UNKNOWN} more")
