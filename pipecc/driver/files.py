@@ -3,6 +3,7 @@ pipecc."""
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -57,8 +58,12 @@ def read_text(path: Path) -> str:
 
 
 def load_program(path: str | Path) -> Program:
-    """Load a compiled program written by `pipecc compile` (JSON)."""
-    return read_program(path)[0]
+    """Load a compiled program written by `pipecc compile` (JSON). Fields this version does
+    not know are read past, each file's in one `UserWarning` naming them."""
+    program, notes = read_program(path)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return program
 
 
 def read_program(path: str | Path) -> tuple[Program, tuple[str, ...]]:

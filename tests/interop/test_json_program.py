@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -165,3 +166,18 @@ def test_fields_the_reader_does_not_know_are_named_not_dropped() -> None:
     (note,) = json_program.read(json.dumps(data), "p.json")[1]
     assert f"ignored {total} field(s)" in note
     assert note.endswith(f" and {total - json_program.SHOWN_UNKNOWN} more")
+
+
+def test_the_python_api_warns_of_the_fields_it_ignored(tmp_path: Path) -> None:
+    from pipecc.api import load_program
+
+    data = json.loads(json_program.dumps(compile_bundled("1f1b", 2, 2)))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a program pipecc wrote reads without a warning
+        load_program(path)
+    data["producer"] = "a tool"
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="ignored 1 field.*: producer"):
+        assert load_program(path).num_ranks == 2
