@@ -147,8 +147,8 @@ def _single(op: dist.P2POp) -> list[Work]:
     a tensor subclass goes through `isend`/`irecv`, which dispatch on it."""
     if type(op.tensor) is not torch.Tensor:
         work = op.op(op.tensor, op.peer, group=op.group, tag=op.tag)
-        return [work] if work is not None else []
-    tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
-    post = op.group.send if op.op is dist.isend else op.group.recv
-    work = post([tensor], op.group_peer, op.tag)
+    else:
+        tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
+        post = op.group.send if op.op is dist.isend else op.group.recv
+        work = post([tensor], op.group_peer, op.tag)
     return [work] if work is not None else []

@@ -116,12 +116,20 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
 # ---- reading -------------------------------------------------------------------------------
 
 
+# The fields the reader knows, per object (what `dumps` writes, and a fused op's
+# "sequential", which it refuses); tests/interop/test_json_program.py checks they agree.
 SPAN = ("line", "col")
-COMPUTE_FIELDS = frozenset(("op", "chunk", "pipe", "stage", "mb", *SPAN))
 HEADER_FIELDS = frozenset(
     ("format", "schedule", "source", "ranks", "microbatches", "params", "comm",
      "placement_name", "placement", "programs")
 )  # fmt: skip
+PLACEMENT_FIELDS = frozenset(("rank", "chunk", "pipe", "stage"))
+COMPUTE_FIELDS = frozenset(("op", "chunk", "pipe", "stage", "mb", *SPAN))
+FUSED_FIELDS = frozenset(("op", "f", "b", *SPAN))
+SEQUENTIAL_FIELDS = frozenset(("op", "sequential", "ops", *SPAN))
+COMM_FIELDS = frozenset(("op", "what", "peer", "pipe", "stage", "mb", "group", *SPAN))
+WAIT_FIELDS = frozenset(("op", "ops", *SPAN))
+STAGE_OP_FIELDS = frozenset(("op", "chunk", "pipe", "stage", *SPAN))
 SHOWN_UNKNOWN = 8  # unknown fields named in the note; the rest are counted
 
 
@@ -289,12 +297,6 @@ def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
         raise reader.fail("placement", str(err)) from None
 
 
-PLACEMENT_FIELDS = frozenset(("rank", "chunk", "pipe", "stage"))
-FUSED_FIELDS = frozenset(("op", "f", "b", *SPAN))
-SEQUENTIAL_FIELDS = frozenset(("op", "sequential", "ops", *SPAN))
-COMM_FIELDS = frozenset(("op", "what", "peer", "pipe", "stage", "mb", "group", *SPAN))
-WAIT_FIELDS = frozenset(("op", "ops", *SPAN))
-STAGE_OP_FIELDS = frozenset(("op", "chunk", "pipe", "stage", *SPAN))
 _KINDS = {kind.value: kind for kind in Kind}
 _MSGS = {msg.value: msg for msg in Msg}
 _STAGE_ACTIONS = {action.value: action for action in StageAction}
