@@ -4,13 +4,19 @@ One replay per model decides it (pipecc.semantics: straight-line programs with F
 matching have one outcome). When a replay gets stuck, its blocked state is a graph in which
 every stuck instruction or incomplete op points at what it waits for; networkx finds the
 cycle, and the report lists it hop by hop, then each rank's last completed instructions.
+
+Several models often get stuck the same way (a pair that sends before it receives hangs
+under nccl, nccl-single and rendezvous alike): one witness is reported per distinct cycle,
+naming every model it occurs under. Two witnesses are the same cycle when they are of one
+kind (deadlock or needs-buffering, cycle or chain), pass through the same set of (rank,
+instruction) pairs, and leave every rank stuck at the same instruction.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import networkx as nx
 
@@ -39,6 +45,20 @@ class Verdict:
     status: Status
 
 
+class _Witness(NamedTuple):
+    """What one model's failure is reported as: a deadlock or a needs-buffering violation,
+    shown by the blocked state of the replay under `model` (for a program that passes eager
+    only because its sends are buffered, the rendezvous replay's)."""
+
+    kind: Status
+    model: CommModel
+
+
+# the weakest model first: a cycle that several models share is explained by the rules of
+# the weakest of them (it needs no more than those)
+_WEAKEST_FIRST = (CommModel.EAGER, CommModel.RENDEZVOUS, CommModel.NCCL, CommModel.NCCL_SINGLE)
+
+
 class _Replays:
     """Each model replayed at most once, with its witness (a cycle, or a chain that ends
     at an op nothing matches) when it gets stuck."""
@@ -63,41 +83,63 @@ class _Replays:
         """Stuck on a cycle (not only on ops that nothing matches)."""
         return not self(model).finished and self.witness(model)[1]
 
+    def same_cycle(self, witness: _Witness) -> tuple[object, ...]:
+        """The key of a distinct cycle (module docstring): its kind, whether it closes, the
+        (rank, instruction) pairs on it, and where each rank is stuck."""
+        run = self(witness.model)
+        path, closed = self.witness(witness.model)
+        stuck_at = tuple(run.blocked_at(r) for r in range(run.program.num_ranks))
+        return (witness.kind, closed, frozenset(path), stuck_at)
+
 
 def check_deadlock(ctx: Context, models: tuple[CommModel, ...]) -> tuple[Verdict, ...]:
-    """Replay under each model; report a deadlock (or needs-buffering) witness per failure."""
+    """Replay under each model; report one deadlock (or needs-buffering) witness per
+    distinct cycle, naming the models it occurs under."""
     runs = _Replays(ctx)
     verdicts = []
+    cycles: dict[tuple[object, ...], list[_Witness]] = {}
     for model in models:
         status, witness = _judge(model, runs)
         verdicts.append(Verdict(model, status))
         if witness is not None:
-            ctx.report(_violation(ctx, witness, status, runs))
+            same = cycles.setdefault(runs.same_cycle(witness), [])
+            if witness not in same:
+                same.append(witness)
+    for same in cycles.values():
+        ctx.report(_violation(ctx, same, runs))
     return tuple(verdicts)
 
 
-def _judge(model: CommModel, runs: _Replays) -> tuple[Status, CommModel | None]:
-    """The verdict under `model`, and the model whose blocked state is the witness.
+def _judge(model: CommModel, runs: _Replays) -> tuple[Status, _Witness | None]:
+    """The verdict under `model`, and the witness to report for it.
 
-    Passing under eager is not safe when rendezvous hangs on a cycle: that is "needs
-    buffering". A hang whose root is an op nothing matches is a deadlock when a rank waits
-    on it, and otherwise left to the orphan check (the ranks end, the op never completes).
+    A program that completes under eager passes there, but passing under eager is not safe
+    when rendezvous hangs on a cycle: that is a needs-buffering violation (its witness is
+    the rendezvous cycle), and the models that hang on it say "needs buffering". A hang
+    whose root is an op nothing matches is a deadlock when a rank waits on it, and otherwise
+    left to the orphan check (the ranks end, the op never completes).
     """
     run = runs(model)
     eager, rendezvous = CommModel.EAGER, CommModel.RENDEZVOUS
     if run.finished:
         if model is eager and runs.cycle(rendezvous):
-            return Status.NEEDS_BUFFERING, rendezvous
+            return Status.PASSES, _Witness(Status.NEEDS_BUFFERING, rendezvous)
         return Status.PASSES, None
     if not runs.witness(model)[1]:
         blocked = any(run.blocked_at(r) is not None for r in range(run.program.num_ranks))
-        return (Status.DEADLOCK, model) if blocked else (Status.ORPHANED, None)
+        if not blocked:
+            return Status.ORPHANED, None
+        return Status.DEADLOCK, _Witness(Status.DEADLOCK, model)
     if runs(eager).finished and runs.cycle(rendezvous):
-        return Status.NEEDS_BUFFERING, model  # it runs only if sends never wait for receives
-    return Status.DEADLOCK, model
+        # it runs only if sends never wait for receives
+        return Status.NEEDS_BUFFERING, _Witness(Status.NEEDS_BUFFERING, model)
+    return Status.DEADLOCK, _Witness(Status.DEADLOCK, model)
 
 
-def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -> Violation:
+def _violation(ctx: Context, same: list[_Witness], runs: _Replays) -> Violation:
+    """One witness for the models in `same`, explained by the weakest model's replay."""
+    model = min((w.model for w in same), key=_WEAKEST_FIRST.index)
+    kind = same[0].kind
     run = runs(model)
     edges = {(s.rank, s.index): s for s in run.stuck}
     path, closed = runs.witness(model)
@@ -105,7 +147,7 @@ def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -
     for rank, _ in path:
         if rank not in ranks:
             ranks.append(rank)
-    name = run.model.value
+    name = ", ".join(w.model.value for w in same)
     if closed:
         who = " → ".join(str(r) for r in [*ranks, ranks[0]])
         head = (
@@ -119,17 +161,17 @@ def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -
             f"deadlock under {name}: rank {path[0][0]} waits forever for "
             f"{ctx.describe(*last)}, which nothing matches"
         )
-    if status is Status.NEEDS_BUFFERING:
+    if kind is Status.NEEDS_BUFFERING:
         head = (
             "needs buffering: the program completes only when sends are buffered "
             f"(eager); it hangs for large messages or across nodes. {head}"
         )
-    kind = (
+    shape = (
         "cycle (each line waits for the next, the last for the first):"
         if closed
         else "chain (each line waits for the next):"
     )
-    lines = [head, _stuck_line(ctx, run, ranks), f"  {kind}"]
+    lines = [head, _stuck_line(ctx, run, ranks), f"  {shape}"]
     lines += [_hop(ctx, run, edges[node]) for node in path]
     lines += _extra(run, runs)
     lines += _grid(ctx, run, ranks)
@@ -140,7 +182,7 @@ def _violation(ctx: Context, model: CommModel, status: Status, runs: _Replays) -
         if rank not in seen and run.blocked_at(rank) == index:
             seen.add(rank)
             notes.append(ctx.note(rank, index, f"rank {rank} is stuck here"))
-    cls = NeedsBufferingError if status is Status.NEEDS_BUFFERING else DeadlockError
+    cls = NeedsBufferingError if kind is Status.NEEDS_BUFFERING else DeadlockError
     return cls(
         "\n".join(lines), ctx.span(*first), notes=tuple(notes), rank=first[0], index=first[1]
     )
