@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from pipecc.commands.common import SubParsers, add_size_args, load_costs, positive
 from pipecc.diagnostics import InputError
-from pipecc.driver.check import Outcome, verify_file
+from pipecc.driver.check import Outcome, Unusable, input_label, verify_file
 from pipecc.driver.lowering import add_lowering_arg, requested_style
 from pipecc.driver.sweep import CompileFailure, SweepResult, parse_sizes, sweep_files
 from pipecc.passes.torch_program import LoweringStyle
@@ -45,7 +46,11 @@ examples:
   pipecc verify actions.csv --format github
   pipecc verify dualpipe -P 8 -M 20 --cost F=1,B=2,I=1,W=1,comm=0.1 --stall-budget 0
 
-exit codes: 0 verified, 1 a violation, 2 input pipecc cannot use.
+Several inputs are each verified and reported, whatever the others give: an input pipecc
+cannot use is one error (on stderr, and one line, object or ::error annotation in the report).
+
+exit codes: 0 every input verified, 1 a violation, 2 an input pipecc cannot use (whatever
+the others gave).
 """
 
 
@@ -135,21 +140,52 @@ def run(args: argparse.Namespace) -> int:
             options=options,
             jobs=jobs,
         )
+        _print_errors(results)
         print(_render_sweeps(results, args.format), end="")
-        return 0 if all(r.ok for r in results) else 1
-    outcomes = [
-        verify_file(
-            path,
-            ranks=args.ranks,
-            microbatches=args.microbatches,
-            defines=defines,
-            options=options,
-            style=style,
-        )
-        for path in args.files
-    ]
+        return _exit_code(results)
+    outcomes: list[Outcome | Unusable] = []
+    for path in args.files:
+        try:
+            outcomes.append(
+                verify_file(
+                    path,
+                    ranks=args.ranks,
+                    microbatches=args.microbatches,
+                    defines=defines,
+                    options=options,
+                    style=style,
+                )
+            )
+        except InputError as err:  # reported with the others' verdicts
+            outcomes.append(Unusable(path, input_label(path, args.ranks, args.microbatches), err))
+    _print_errors(outcomes)
     print(_render_outcomes(outcomes, args.format), end="")
-    return 0 if all(o.report.ok for o in outcomes) else 1
+    return _exit_code(outcomes)
+
+
+def _print_errors(results: list[Outcome | Unusable] | list[SweepResult | Unusable]) -> None:
+    """Each unusable input's full error (location, caret) on stderr, as every command
+    prints one; the report on stdout gives it one line among the others."""
+    errors = [str(found.error) for found in results if isinstance(found, Unusable)]
+    if errors:
+        print("\n\n".join(errors), file=sys.stderr)
+
+
+def _exit_code(results: list[Outcome | Unusable] | list[SweepResult | Unusable]) -> int:
+    """2 if any input was unusable (in a sweep: a size that does not compile), else 1 if
+    any violation, else 0."""
+    verdicts = [_verdict(r) for r in results]
+    return 2 if None in verdicts else 0 if all(verdicts) else 1
+
+
+def _verdict(found: Outcome | SweepResult | Unusable) -> bool | None:
+    """True verified, False a violation, None unusable (a sweep's size that does not
+    compile included)."""
+    if isinstance(found, Unusable):
+        return None
+    if isinstance(found, Outcome):
+        return found.report.ok
+    return None if isinstance(found.failed, CompileFailure) else found.ok
 
 
 def _stall_options(args: argparse.Namespace) -> tuple[CostModel | None, StallBudget | None]:
@@ -192,12 +228,28 @@ def parse_sweep(specs: list[str], args: argparse.Namespace) -> tuple[tuple[int, 
     return found["ranks"], found["microbatches"]
 
 
-def _render_outcomes(outcomes: list[Outcome], fmt: str) -> str:
+def _render_outcomes(outcomes: list[Outcome | Unusable], fmt: str) -> str:
     if fmt == "json":
-        data = [report.as_json(o.report, o.label, o.notes) for o in outcomes]
+        data = [_outcome_json(o) for o in outcomes]
         return json.dumps(data[0] if len(data) == 1 else data, indent=2) + "\n"
     render_one = report.github if fmt == "github" else report.text
-    return "".join(render_one(o.report, o.label, o.notes) for o in outcomes)
+    return "".join(
+        _unusable(o, fmt) if isinstance(o, Unusable) else render_one(o.report, o.label, o.notes)
+        for o in outcomes
+    )
+
+
+def _outcome_json(found: Outcome | Unusable) -> dict[str, object]:
+    if isinstance(found, Unusable):
+        return {"input": found.label, "ok": False, "error": report.error_json(found.error)}
+    return report.as_json(found.report, found.label, found.notes)
+
+
+def _unusable(found: Unusable, fmt: str) -> str:
+    """An unusable input in a text or github report: its one line, or its annotation."""
+    if fmt == "github":
+        return report.unusable_annotation(found.label, found.path, found.error) + "\n"
+    return report.unusable_line(found.label, found.error) + "\n"
 
 
 def _skips(result: SweepResult) -> list[str]:
@@ -225,42 +277,47 @@ def _spans(values: list[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs)
 
 
-def _render_sweeps(results: list[SweepResult], fmt: str) -> str:
+def _render_sweeps(results: list[SweepResult | Unusable], fmt: str) -> str:
     if fmt == "json":
-        data = [
-            {
-                "file": r.path,
-                "ok": r.ok,
-                "verified": r.verified,
-                "skipped": [
-                    {"ranks": s.ranks, "microbatches": s.microbatches, "reason": s.reason}
-                    for s in r.skipped
-                ],
-                "failed": _failure_json(r.failed),
-            }
-            for r in results
-        ]
+        data = [_sweep_json(r) for r in results]
         return json.dumps(data, indent=2) + "\n"
+    return "".join(
+        _unusable(r, fmt) if isinstance(r, Unusable) else _render_sweep(r, fmt) for r in results
+    )
+
+
+def _sweep_json(result: SweepResult | Unusable) -> dict[str, object]:
+    if isinstance(result, Unusable):
+        return {"file": result.path, "ok": False, "error": report.error_json(result.error)}
+    return {
+        "file": result.path,
+        "ok": result.ok,
+        "verified": result.verified,
+        "skipped": [
+            {"ranks": s.ranks, "microbatches": s.microbatches, "reason": s.reason}
+            for s in result.skipped
+        ],
+        "failed": _failure_json(result.failed),
+    }
+
+
+def _render_sweep(r: SweepResult, fmt: str) -> str:
+    """One file's sweep: its failure in full (if any), then its verdict line and skips."""
     out = []
-    for r in results:
-        if isinstance(r.failed, CompileFailure):
-            out.append(_compile_failure(r.failed, fmt))
-        elif r.failed is not None:
-            body = (report.github if fmt == "github" else report.text)(
-                r.failed.report, r.failed.label
-            )
-            out.append(body)
-        status = "ok" if r.failed is None else f"FAILED at {r.failed.label}"
-        lines = [
-            f"{r.path}: {status}: {r.verified} size(s) verified, {len(r.skipped)} skipped",
-            *_skips(r),
-        ]
-        text = "\n".join(lines)
-        out.append(
-            text + "\n"
-            if fmt == "text"
-            else "".join(f"::notice::{line.strip()}\n" for line in lines)
-        )
+    if isinstance(r.failed, CompileFailure):
+        out.append(_compile_failure(r.failed, fmt))
+    elif r.failed is not None:
+        body = (report.github if fmt == "github" else report.text)(r.failed.report, r.failed.label)
+        out.append(body)
+    status = "ok" if r.failed is None else f"FAILED at {r.failed.label}"
+    lines = [
+        f"{r.path}: {status}: {r.verified} size(s) verified, {len(r.skipped)} skipped",
+        *_skips(r),
+    ]
+    text = "\n".join(lines)
+    out.append(
+        text + "\n" if fmt == "text" else "".join(f"::notice::{line.strip()}\n" for line in lines)
+    )
     return "".join(out)
 
 
@@ -269,11 +326,9 @@ def _compile_failure(failure: CompileFailure, fmt: str) -> str:
     text = f"{failure.label}: does not compile, although its requires allow this size"
     if fmt != "github":
         return f"{err}\n\n{text}\n"
-    where = ""
-    if err.span is not None:
-        where = f" file={err.span.file},line={err.span.line},col={err.span.col},"
-    message = f"{text}: {err.message}".replace("%", "%25").replace("\n", "%0A")
-    return f"::error{where or ' '}title=pipecc verify [compile]::{message}\n"
+    title = f"pipecc verify [compile] {failure.label}"
+    shown = InputError(f"{text}: {err.message}", err.span)
+    return report.error_annotation(shown, title) + "\n"
 
 
 def _failure_json(failed: Outcome | CompileFailure | None) -> object:

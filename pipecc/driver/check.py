@@ -4,6 +4,9 @@ is compute-only, verify it.
     outcome = verify_file("schedules/zb_h1.sched", ranks=4, microbatches=8)
     outcome = verify_file("actions.csv")                  # torch CSV, lowered if compute-only
 
+An input pipecc cannot use raises its `InputError`; `pipecc verify` keeps it as an
+`Unusable` beside the other inputs' outcomes, so that every input gets its verdict.
+
 `pipecc.verify` itself never imports the compiler; this module decides when it runs.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pipecc.diagnostics import InputError
 from pipecc.driver.compile import COMPUTE_ORDER, lower_program
 from pipecc.driver.load import load, needs_lowering
 from pipecc.driver.lowering import compute_order, lower_torch
@@ -28,6 +32,23 @@ class Outcome:
     label: str
     report: Report
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Unusable:
+    """An input pipecc cannot use (unreadable, does not parse or compile, malformed): its
+    path as given, its label (as an Outcome's), and the error that says why (exit 2)."""
+
+    path: str
+    label: str
+    error: InputError
+
+
+def input_label(path: str, ranks: int | None, microbatches: int | None) -> str:
+    """How reports name an input: a .sched file with its sizes, a program by its path."""
+    if ranks is None or path.endswith((".json", ".csv")):
+        return path
+    return f"{path} P={ranks} M={microbatches}"
 
 
 UNRUNNABLE = "unrunnable-order"  # the compute order's own dependency cycle
@@ -102,9 +123,4 @@ def verify_file(
         path, ranks=ranks, microbatches=microbatches, defines=defines, lowering=lowering
     )
     report, notes = verify_program(program, options, notes, style, path)
-    label = (
-        path
-        if ranks is None or path.endswith((".json", ".csv"))
-        else (f"{path} P={ranks} M={microbatches}")
-    )
-    return Outcome(label, report, notes)
+    return Outcome(input_label(path, ranks, microbatches), report, notes)

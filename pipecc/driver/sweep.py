@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from pipecc.diagnostics import InputError, RequirementError, ScheduleError
-from pipecc.driver.check import Outcome
+from pipecc.driver.check import Outcome, Unusable
 from pipecc.driver.compile import compile_tree
 from pipecc.driver.files import read_text, resolve_schedule
 from pipecc.frontend.ast import ScheduleFile
@@ -145,25 +145,36 @@ def sweep_files(
     defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT_OPTIONS,
     jobs: int = 1,
-) -> list[SweepResult]:
+) -> list[SweepResult | Unusable]:
     """`sweep_file` for several files, the sizes of each rank count being one task spread
     over `jobs` processes (a sweep of every bundled schedule over P ≤ 16, M ≤ 64 compiles
-    and verifies ten thousand programs)."""
+    and verifies ten thousand programs). A file that cannot be read or parsed is an
+    Unusable in its place; the others are swept all the same."""
+    unusable = {path: found for path in paths if (found := _parse_error(path)) is not None}
     tasks = [
         (path, tuple(sizes((p,), microbatches)), dict(defines or {}), options)
         for path in paths
+        if path not in unusable
         for p in ranks
     ]
-    for path in paths:
-        Schedule(path)  # parse errors surface here, once, in this process
     if jobs <= 1 or len(tasks) < 2:
         parts = [_sweep_part(*task) for task in tasks]
     else:
         parts = _parallel(tasks, jobs)
     return [
-        _merge(path, [part for task, part in zip(tasks, parts, strict=True) if task[0] == path])
+        unusable.get(path)
+        or _merge(path, [part for task, part in zip(tasks, parts, strict=True) if task[0] == path])
         for path in paths
     ]
+
+
+def _parse_error(path: str) -> Unusable | None:
+    """Parse errors surface here, once per file, in this process."""
+    try:
+        Schedule(path)
+    except InputError as err:
+        return Unusable(path, path, err)
+    return None
 
 
 def _parallel(

@@ -203,7 +203,8 @@ def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise InputError(f"{path}:{err.lineno}:{err.colno}: malformed JSON: {err.msg}") from None
+        where = Span(SourceFile(path, text), err.lineno, err.colno)
+        raise InputError(f"malformed JSON: {err.msg}", where) from None
     reader = _Reader(path)
     if not isinstance(data, dict):
         raise reader.fail("top level", "expected a JSON object")

@@ -1,10 +1,11 @@
-"""A Report as text, JSON, or GitHub Actions annotations (`pipecc verify --format`)."""
+"""A Report as text, JSON, or GitHub Actions annotations (`pipecc verify --format`), and an
+input pipecc cannot use as one line, one JSON object or one annotation beside the reports."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipecc.diagnostics import Span, Violation
+from pipecc.diagnostics import ParseError, PipeccError, ScheduleError, Span, Violation
 from pipecc.verify import Report
 
 
@@ -100,17 +101,53 @@ def _escape(text: str, *, prop: bool = False) -> str:
     return text
 
 
-def annotation(v: Violation, label: str) -> str:
-    """`::error file=…,line=…,col=…,title=…::message` for one violation."""
+def error_annotation(err: PipeccError, title: str, *, file: str | None = None) -> str:
+    """`::error file=…,line=…,col=…,title=…::message` for an error at its span (or at
+    `file`, without a line, when it has none)."""
     props = []
-    if v.span is not None:
+    if err.span is not None:
         props += [
-            f"file={_escape(v.span.file, prop=True)}",
-            f"line={v.span.line}",
-            f"col={v.span.col}",
+            f"file={_escape(err.span.file, prop=True)}",
+            f"line={err.span.line}",
+            f"col={err.span.col}",
         ]
-    props.append(f"title={_escape(f'pipecc verify [{v.code}] {label}', prop=True)}")
-    return f"::error {','.join(props)}::{_escape(v.message)}"
+    elif file is not None:
+        props.append(f"file={_escape(file, prop=True)}")
+    props.append(f"title={_escape(title, prop=True)}")
+    return f"::error {','.join(props)}::{_escape(err.message)}"
+
+
+def annotation(v: Violation, label: str) -> str:
+    """The annotation of one violation, titled with its code and the input."""
+    return error_annotation(v, f"pipecc verify [{v.code}] {label}")
+
+
+def input_error_code(err: PipeccError) -> str:
+    """What kind of unusable input: `parse` (syntax), `compile` (a schedule that cannot be
+    compiled at these sizes, a violated `require` included), or `input` (unreadable file,
+    malformed JSON or CSV, unknown name)."""
+    if isinstance(err, ParseError):
+        return "parse"
+    if isinstance(err, ScheduleError):
+        return "compile"
+    return "input"
+
+
+def unusable_line(label: str, err: PipeccError) -> str:
+    """The one-line verdict of an input pipecc cannot use, beside the others' summaries."""
+    where = f"{err.span.location()}: " if err.span is not None else ""
+    first = err.message.splitlines()[0] if err.message else ""
+    return f"{label}: cannot use this input ({input_error_code(err)}): {where}{first}"
+
+
+def unusable_annotation(label: str, path: str, err: PipeccError) -> str:
+    """The `::error` of an input pipecc cannot use: at the error's file, line and column."""
+    return error_annotation(err, f"pipecc verify [{input_error_code(err)}] {label}", file=path)
+
+
+def error_json(err: PipeccError) -> dict[str, Any]:
+    """Why an input cannot be used: `code` (parse, compile, input), `message`, and where."""
+    return {"code": input_error_code(err), "message": err.message, **_span_json(err.span)}
 
 
 def github(report: Report, label: str, notes: tuple[str, ...] = ()) -> str:

@@ -93,8 +93,10 @@ def _refusal(edit, schedule: str) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_malformed_json_gives_position(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match=r"p.json:1:2: malformed JSON"):
+    with pytest.raises(InputError, match=r"p.json:1:2: error: malformed JSON") as info:
         json_program.loads("{oops", "p.json")
+    span = info.value.span  # a location of its own, for --format github's annotation
+    assert span is not None and (span.file, span.line, span.col) == ("p.json", 1, 2)
 
 
 def _first(data: dict, op: str) -> dict:  # type: ignore[type-arg]

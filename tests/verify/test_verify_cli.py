@@ -138,9 +138,6 @@ def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["schedules/1f1b.sched"], "a .sched file needs -P/--ranks and -M/--microbatches"),
-        (["missing.json"], "missing.json: no such file"),
-        (["zb_h2", "-P", "4", "-M", "3"], "requires M >= 2 * P - 1, got M=3, P=4"),
         (["zb_h1", "--sweep", "ranks=2..x"], "--sweep ranks='2..x': expected sizes like 2..8"),
         (["zb_h1", "--sweep", "ranks=4..2"], "sizes are integers ≥ 1 in ranges a..b with a ≤ b"),
         (["zb_h1", "--sweep", "stages=1..3"], "expected ranks=A..B or microbatches=A..B"),
@@ -153,6 +150,36 @@ def test_bad_input_exits_2(
     code, out, err = run_cli(capsys, "verify", *argv)
     assert code == 2 and out == ""
     assert message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message", "line"),
+    [
+        (
+            ["schedules/1f1b.sched"],
+            "a .sched file needs -P/--ranks and -M/--microbatches",
+            "schedules/1f1b.sched: cannot use this input (input): schedules/1f1b.sched: a .sched",
+        ),
+        (
+            ["missing.json"],
+            "missing.json: no such file",
+            "missing.json: cannot use this input (input): missing.json: no such file",
+        ),
+        (
+            ["zb_h2", "-P", "4", "-M", "3"],
+            "requires M >= 2 * P - 1, got M=3, P=4",
+            "zb_h2 P=4 M=3: cannot use this input (compile): ",
+        ),
+    ],
+)
+def test_unusable_input_exits_2_with_its_verdict_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str, line: str
+) -> None:
+    """The error in full on stderr, as every command prints it; one line in the report."""
+    code, out, err = run_cli(capsys, "verify", *argv)
+    assert code == 2
+    assert message in err and err.count("error:") == 1
+    assert out.startswith(line) and out.count("\n") == 1 and message in out
 
 
 def test_malformed_csv_points_at_the_cell(
