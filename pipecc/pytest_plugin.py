@@ -2,8 +2,11 @@
 
 Each (file, P, M) is one test item, `dualpipe.sched::P4-M8`; a size a `require` rejects is
 skipped with the requirement as the reason; a failing size shows the verifier's full
-report. Sizes come from `--pipecc-sizes` (the syntax of `pipecc verify --sweep`, default
-`ranks=2..8 microbatches=1..16`), the model from `--pipecc-comm` (default nccl, or `all`);
+report. A file that cannot be read or parsed is one failing item, `typo.sched::parse`, and
+no size items; a compile error that several sizes share (a misspelt name) fails at the
+first of them, and the others are skipped with a reason naming it. Sizes come from
+`--pipecc-sizes` (the syntax of `pipecc verify --sweep`, default `ranks=2..8
+microbatches=1..16`), the model from `--pipecc-comm` (default nccl, or `all`);
 `--pipecc-stall-budget 0 --pipecc-cost F=1,B=2,comm=0.1` also fails placement-bound waits.
 
 The plugin is registered through the `pytest11` entry point, so it loads wherever pipecc is
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import pytest
 
@@ -93,13 +96,23 @@ def _stall_options(config: pytest.Config) -> dict[str, Any]:
 
 
 class ScheduleFile(pytest.File):
-    """One .sched file: one item per size."""
+    """One .sched file, parsed once: one item per size, or one failing item if it cannot be
+    read or parsed. Remembers the compile errors its sizes raised, to report each once."""
+
+    schedule: Schedule
+    first_errors: dict[tuple[str | None, str], str]
 
     def collect(self) -> Iterator[pytest.Item]:
         ranks, microbatches = _sizes(self.config.getoption("pipecc_sizes"))
         comm = self.config.getoption("pipecc_comm")
         models = ALL_MODELS if comm == "all" else (CommModel(comm),)
         options = Options(models=models, **_stall_options(self.config))
+        try:
+            self.schedule = Schedule(str(self.path))
+        except InputError as err:
+            yield UnusableItem.from_parent(self, name="parse", error=err)
+            return
+        self.first_errors = {}
         for p in ranks:
             for m in microbatches:
                 yield SizeItem.from_parent(
@@ -117,15 +130,32 @@ class SizeItem(pytest.Item):
         self.options = options
 
     def runtest(self) -> None:
-        schedule = Schedule(str(self.path))
-        found = check_size(schedule, self.ranks, self.microbatches, {}, self.options)
+        file = cast("ScheduleFile", self.parent)
+        try:
+            found = check_size(file.schedule, self.ranks, self.microbatches, {}, self.options)
+        except InputError as err:
+            self._skip_if_reported(file, err)
+            raise
         if isinstance(found, Skip):
-            # reported at the .sched file rather than at this line of the plugin
-            raise pytest.skip.Exception(
-                f"P={self.ranks} M={self.microbatches}: {found.reason}", _use_item_location=True
-            )
+            self._skip(found.reason)
         if not found.report.ok:
             raise VerificationFailed(text(found.report, found.label))
+
+    def _skip_if_reported(self, file: ScheduleFile, err: InputError) -> None:
+        """A compile error that an earlier size of this file raised, at the same place with
+        the same message, is skipped here: it fails once, where it first appeared."""
+        where = err.span.location() if err.span is not None else None
+        first = file.first_errors.setdefault((where, err.message), self.name)
+        if first != self.name:
+            at = f"{where}: " if where else ""
+            said = err.message.splitlines()[0] if err.message else ""
+            self._skip(f"the same error as {self.path.name}::{first} ({at}{said})")
+
+    def _skip(self, reason: str) -> NoReturn:
+        # reported at the .sched file rather than at this line of the plugin
+        raise pytest.skip.Exception(
+            f"P={self.ranks} M={self.microbatches}: {reason}", _use_item_location=True
+        )
 
     def repr_failure(
         self, excinfo: pytest.ExceptionInfo[BaseException], style: str | None = None
@@ -136,6 +166,26 @@ class SizeItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.path, 0, f"{self.path.name} P={self.ranks} M={self.microbatches}"
+
+
+class UnusableItem(pytest.Item):
+    """A .sched file that cannot be read or parsed: one failure, with the error in full."""
+
+    def __init__(self, *, error: InputError, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.error = error
+
+    def runtest(self) -> None:
+        raise self.error
+
+    def repr_failure(
+        self, excinfo: pytest.ExceptionInfo[BaseException], style: str | None = None
+    ) -> str:
+        return str(excinfo.value)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        line = self.error.span.line - 1 if self.error.span is not None else 0
+        return self.path, line, f"{self.path.name}: cannot be read or parsed"
 
 
 class VerificationFailed(Exception):
