@@ -35,8 +35,8 @@ comm models (--comm):
                posting order; a group is one unit on every stream it touches
   nccl-single  one FIFO stream per rank for all peers
   rendezvous   a send and its receive complete together once both are posted (gloo)
-  eager        sends complete when posted (unbounded buffering); passing only here is
-               reported as "needs buffering"
+  eager        sends complete when posted (unbounded buffering); a program that passes
+               here only is still a "needs buffering" violation
   all          the verdict under each; exit 1 unless all pass
 
 examples:
