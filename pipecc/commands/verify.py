@@ -36,7 +36,7 @@ comm models (--comm):
   nccl-single  one FIFO stream per rank for all peers
   rendezvous   a send and its receive complete together once both are posted (gloo)
   eager        sends complete when posted (unbounded buffering); a program that passes
-               here only is still a "needs buffering" violation
+               only here passes eager but fails with a "needs-buffering" violation
   all          the verdict under each; exit 1 unless all pass
 
 examples:
