@@ -8,6 +8,7 @@ errors become `ParseError`s with file:line:col, a caret and what was expected th
 from __future__ import annotations
 
 import functools
+import re
 from importlib import resources
 from typing import Any
 
@@ -61,6 +62,7 @@ _TOKEN_WORDS = {
     "NAME": "a name",
     "INT": "an integer",
     "OPCODE": "an op (F0, B1, I1, W, ...)",
+    "OPNAME": "an op (F0, B1, I1, W, ...)",
     "MSGKIND": "'act' or 'grad'",
     "COMPOP": "a comparison",
     "__ANON_0": "'..'",
@@ -120,11 +122,10 @@ def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
     token_text = None
     if isinstance(err, lark.UnexpectedToken) and err.token.type != "$END":
         token_text = str(err.token)
-    hint = (
-        _hint(message, expected, token_text)
-        if not isinstance(err, lark.UnexpectedCharacters)
-        else ""
-    )
+    if isinstance(err, lark.UnexpectedCharacters):
+        hint = _dot_hint(source.text, err.pos_in_stream or 0)
+    else:
+        hint = _hint(message, expected, token_text)
     if expected and not hint.startswith("comparisons"):
         message += f"; expected {_describe_expected(set(expected))}"
     if hint:
@@ -144,6 +145,41 @@ def _hint(message: str, expected: Any, token: str | None) -> str:
     if "OPCODE" in names and token is not None and token.isidentifier():
         return "a block holds ops (F0, B1, I1, W, F0&B1), repeat/for/if/let, and send/recv/wait"
     return ""
+
+
+# What stands before and after a '.' that does not make an op name like F0.3.
+_BEFORE_DOT = re.compile(r"(?:(?<![A-Za-z0-9_])([FBIW])([0-9]*)|(\)))(\s*)$")
+_AFTER_DOT = re.compile(r"\s*([A-Za-z0-9_]*)")
+
+
+def _dot_hint(text: str, at: int) -> str:
+    """A hint for a '.' next to an op that is not the name pipecc prints (`F0.3`): `F0.i`,
+    `F.3`, `F(c).3`, `F0 .3`, `F0.3.1`. Empty when the '.' is not next to an op."""
+    if not text.startswith(".", at):
+        return ""
+    before = _BEFORE_DOT.search(text[max(0, at - 40) : at])
+    if before is None:
+        return ""
+    letter, digits, paren, space = before.groups()
+    after = _AFTER_DOT.match(text, at + 1)
+    shown = after.group(1) if after is not None and after.group(1) else "..."
+    if paren:
+        return f"a computed chunk takes its microbatch in brackets: {letter or 'F'}(c)[{shown}]"
+    if not digits:
+        return (
+            f"a dotted op name has its chunk: {letter}0.{shown if shown.isdigit() else 3}, "
+            f"or {letter}[{shown}] on a rank with one chunk"
+        )
+    if after is not None and text.startswith(".", after.end()):
+        return f"an op name has one dot: {letter}{digits}.{shown}"
+    if space:
+        return f"an op name is written without spaces: {letter}{digits}.{shown}"
+    if shown.isdigit():
+        return f"after the dot only an integer microbatch: {letter}{digits}.{shown}"
+    return (
+        f"after the dot only an integer microbatch ({letter}{digits}.3); "
+        f"write {letter}{digits}[{shown}] for an expression"
+    )
 
 
 def _token_width(err: lark.UnexpectedInput) -> int:
@@ -268,6 +304,32 @@ class _Builder(Transformer[Token, list[ast.Decl]]):
         if digits:
             chunk = ast.Num(int(digits), self._token_span(opcode))
         return ast.OpRef(kind, chunk, mb, self._span(meta))
+
+    def named_compute(
+        self, meta: Meta, name: Token, chunk: ast.Expr | None, mb: ast.Expr | None
+    ) -> ast.OpRef:
+        """`F0.3`, the name pipecc prints: exactly `F0[3]`."""
+        text = str(name)
+        digits, _, number = text[1:].partition(".")
+        if chunk is not None or mb is not None:
+            instead = (
+                f"{text[0]}(expr)[{number}] for a computed chunk"
+                if chunk is not None
+                else f"{text[0]}{digits}[expr] for a computed microbatch"
+            )
+            raise ParseError(
+                f"'{text}' already names chunk {digits} and microbatch {number}; write {instead}",
+                self._span(meta),
+            )
+        line, col = name.line or 1, name.column or 1
+        chunk_span = Span(self._source, line, col + 1, line, col + 1 + len(digits))
+        mb_span = Span(self._source, line, col + 2 + len(digits), line, col + len(text))
+        return ast.OpRef(
+            Kind(text[0]),
+            ast.Num(int(digits), chunk_span),
+            ast.Num(int(number), mb_span),
+            self._span(meta),
+        )
 
     def chunk_expr(self, meta: Meta, expr: ast.Expr) -> ast.Expr:
         return expr
