@@ -24,7 +24,13 @@ from pipecc.ir.ops import Kind, Msg
 @functools.cache
 def _parser() -> lark.Lark:
     grammar = resources.files("pipecc.grammars").joinpath("sched.lark").read_text("utf-8")
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    return lark.Lark(
+        grammar,
+        parser="lalr",
+        start=["start", "op_stmt"],
+        propagate_positions=True,
+        maybe_placeholders=True,
+    )
 
 
 def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
@@ -34,7 +40,7 @@ def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
     """
     source = SourceFile(path, text)
     try:
-        tree = _parser().parse(text)
+        tree = _parser().parse(text, start="start")
     except lark.UnexpectedInput as err:
         raise _parse_error(err, source) from err
     try:
@@ -44,6 +50,35 @@ def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
             raise err.orig_exc from None
         raise
     return ast.ScheduleFile(path, tuple(decls))
+
+
+def parse_op_name(text: str, path: str = "<op>") -> tuple[tuple[Kind, int, int], ...]:
+    """The computations an op's name names, as (kind, chunk, mb): `W0.0` and `W0[0]` give
+    ((W, 0, 0),), `F0.4&B1.1` and `F0[4]&B1[1]` the fused pair. Chunk and microbatch must be
+    integer literals (a name picks one instruction, nothing is evaluated).
+
+    Raises ParseError when the text is not one op statement or leaves a number out.
+    """
+    source = SourceFile(path, text)
+    try:
+        tree = _parser().parse(text, start="op_stmt")
+    except lark.UnexpectedInput as err:
+        raise _parse_error(err, source) from err
+    try:
+        stmt: object = _Builder(source).transform(tree)  # an op_stmt's tree builds an OpStmt
+    except lark.exceptions.VisitError as err:
+        if isinstance(err.orig_exc, ParseError):
+            raise err.orig_exc from None
+        raise
+    assert isinstance(stmt, ast.OpStmt)
+    named = []
+    for op in stmt.ops:
+        if not isinstance(op.chunk, ast.Num) or not isinstance(op.mb, ast.Num):
+            raise ParseError(
+                "an op's name gives its chunk and microbatch as numbers: F0.3 or F0[3]", op.span
+            )
+        named.append((op.kind, int(op.chunk.value), int(op.mb.value)))
+    return tuple(named)
 
 
 # ---- syntax errors -------------------------------------------------------------------------
