@@ -199,22 +199,35 @@ def _dot_hint(text: str, at: int) -> str:
     after = _AFTER_DOT.match(text, at + 1)
     shown = after.group(1) if after is not None and after.group(1) else "..."
     if paren:
-        return f"a computed chunk takes its microbatch in brackets: {letter or 'F'}(c)[{shown}]"
+        op = _op_before_paren(text, at - len(space) - 1) or "F(c)"
+        return f"a computed chunk takes its microbatch in brackets: {op}[{shown}]"
     if not digits:
-        return (
-            f"a dotted op name has its chunk: {letter}0.{shown if shown.isdigit() else 3}, "
-            f"or {letter}[{shown}] on a rank with one chunk"
-        )
+        example = f"{letter}0.{shown if shown.isdigit() else 3}"
+        if letter == "W":  # W[mb] needs a chunk too (docs/dsl.md §4.1)
+            return f"a dotted op name has its chunk: {example}"
+        one_chunk = f"{letter}[{shown}] on a rank with one chunk"
+        return f"a dotted op name has its chunk: {example}, or {one_chunk}"
     if after is not None and text.startswith(".", after.end()):
         return f"an op name has one dot: {letter}{digits}.{shown}"
     if space:
         return f"an op name is written without spaces: {letter}{digits}.{shown}"
-    if shown.isdigit():
-        return f"after the dot only an integer microbatch: {letter}{digits}.{shown}"
+    if shown.isdigit():  # the name itself is fine: it stands where a value is wanted
+        return f"{letter}{digits}.{shown} is an op: it stands in a block, not in an expression"
     return (
         f"after the dot only an integer microbatch ({letter}{digits}.3); "
         f"write {letter}{digits}[{shown}] for an expression"
     )
+
+
+def _op_before_paren(text: str, close: int) -> str:
+    """`I(c)` when `text[close]` is the ')' of an op's computed chunk; empty otherwise."""
+    depth = 0
+    for at in range(close, max(-1, close - 200), -1):
+        depth += {")": 1, "(": -1}.get(text[at], 0)
+        if depth == 0:
+            letter = text[at - 1] if at > 0 else ""
+            return text[at - 1 : close + 1] if letter in "FBIW" and letter else ""
+    return ""
 
 
 def _token_width(err: lark.UnexpectedInput) -> int:

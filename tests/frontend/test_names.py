@@ -170,7 +170,10 @@ ERRORS = {
     "B1.(M - 1)": "after the dot only an integer microbatch (B1.3); write B1[...] for an "
     "expression",
     "F.3": "a dotted op name has its chunk: F0.3, or F[3] on a rank with one chunk",
-    "I(c).3": "a computed chunk takes its microbatch in brackets: F(c)[3]",
+    "W.2": "a dotted op name has its chunk: W0.2",
+    "I(c).3": "a computed chunk takes its microbatch in brackets: I(c)[3]",
+    "B(c % 2).i": "a computed chunk takes its microbatch in brackets: B(c % 2)[i]",
+    "let x = F0.3": "F0.3 is an op: it stands in a block, not in an expression",
     "F0 .3": "an op name is written without spaces: F0.3",
     "F0.3.1": "an op name has one dot: F0.3",
 }
