@@ -11,6 +11,7 @@ import pytest
 from pipecc.api import compile_schedule
 from pipecc.cli import main
 from pipecc.diagnostics import ParseError, ScheduleError
+from pipecc.driver.load import load
 from pipecc.frontend import ast
 from pipecc.frontend.parser import parse
 from pipecc.ir.ops import Compute, Fused, is_compute
@@ -94,12 +95,14 @@ def _parsed_op(name: str) -> list[tuple[str, int, int]]:
 
 
 def _ops_of(program: Program) -> dict[str, list[tuple[str, int, int]]]:
+    """Each computation's and each fused op's name, with what it names."""
     names = {}
     for instrs in program.ranks:
         for instr in instrs:
             if isinstance(instr, Compute | Fused) and is_compute(instr):
                 parts = [instr] if isinstance(instr, Compute) else list(instr[:2])
                 names[instr.label()] = [(op.kind.value, op.chunk, op.mb) for op in parts]
+                names.update((op.label(), [(op.kind.value, op.chunk, op.mb)]) for op in parts)
     return names
 
 
@@ -115,6 +118,21 @@ def test_every_name_printed_by_the_commands_parses_as_its_op(
     assert printed <= set(ops)
     for label in printed:
         assert _parsed_op(label) == ops[label], label
+
+
+WITNESSES = sorted((ROOT / "docs" / "examples" / "verify").glob("*.[jc]s*"))
+
+
+@pytest.mark.parametrize("path", WITNESSES, ids=[p.name for p in WITNESSES])
+def test_every_name_in_a_verifier_witness_parses_as_its_op(
+    capsys: pytest.CaptureFixture[str], path: Path
+) -> None:
+    main(["verify", str(path), "--comm", "all"])
+    out, err = capsys.readouterr()
+    program, _ = load(str(path), lowering=None)
+    ops = _ops_of(program)
+    for label in set(_PRINTED.findall(out + err)):
+        assert label in ops and _parsed_op(label) == ops[label], label
 
 
 @pytest.mark.parametrize(
