@@ -69,7 +69,7 @@ def draw_figure(timeline: Timeline, *, arrows: bool = False) -> Figure:
         2,
         1,
         figsize=(width, chart_height + key_height + 0.2 * len(heading) + 0.3),
-        height_ratios=(chart_height, key_height),
+        gridspec_kw={"height_ratios": (chart_height, key_height)},
         layout="constrained",
     )
     _draw_boxes(axes, timeline, chunks)
