@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import PurePath
 
 from pipecc.api import compile_schedule, resolve_schedule, schedule_parameters
 from pipecc.commands.common import (
@@ -36,6 +37,9 @@ PROGRAM_SUFFIXES = (".json", ".csv")
 
 @dataclass(frozen=True, slots=True)
 class Row:
+    """One input's line: `label` names the input (unique in the table), `name` its schedule."""
+
+    label: str
     name: str
     timeline: Timeline | None
     skipped: str = ""
@@ -71,12 +75,13 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks is None or args.microbatches is None:
         args = _sizes_of_programs(args)
     costs = load_costs(args)
-    rows = [_row(name, args, costs) for name in args.files]
+    labels = input_labels(args.files, args.defines)
+    rows = [_row(name, label, args, costs) for name, label in zip(args.files, labels, strict=True)]
     rows.sort(
         key=lambda row: (
             row.timeline is None,
             row.timeline.makespan if row.timeline else 0.0,
-            row.name,
+            row.label,
         )
     )
     if args.json:
@@ -100,7 +105,33 @@ def _sizes_of_programs(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "ranks": ranks, "microbatches": microbatches})
 
 
-def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
+def input_labels(files: list[str], defines: list[tuple[str, int]]) -> list[str]:
+    """A label per input, unique in the table: a file by its name (`zbv_aligned.json`,
+    `zbv.csv`, `my.sched`; by the path as written when two names are alike), a bundled
+    schedule by its name; a schedule with the -D values it declares (`interleaved_1f1b -D
+    V=3`); an input given twice is numbered (`zbv #2`)."""
+    bases = [PurePath(name).name for name in files]  # a bundled name is its own
+    labels = [
+        (base if bases.count(base) == 1 else name) + _options(name, defines)
+        for name, base in zip(files, bases, strict=True)
+    ]
+    seen: dict[str, int] = {}
+    unique = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        unique.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return unique
+
+
+def _options(name: str, defines: list[tuple[str, int]]) -> str:
+    """` -D V=3`: the -D values a schedule declares (a program was compiled already)."""
+    if name.endswith(PROGRAM_SUFFIXES) or not defines:
+        return ""
+    declared = schedule_parameters(resolve_schedule(name))
+    return "".join(f" -D {key}={value}" for key, value in defines if key in declared)
+
+
+def _row(name: str, label: str, args: argparse.Namespace, costs: CostModel) -> Row:
     if name.endswith(PROGRAM_SUFFIXES):
         program = load_input(name, args)  # checked and lowered as every command does
         if (program.num_ranks, program.num_microbatches) != (args.ranks, args.microbatches):
@@ -117,32 +148,32 @@ def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
                 path, ranks=args.ranks, microbatches=args.microbatches, defines=defines
             )
         except RequirementError as err:  # not defined at these sizes; any other error is one
-            return Row(path.stem, None, err.message)
+            return Row(label, path.stem, None, err.message)
     if not args.per_stage:
         costs = costs.scaled(program.num_ranks / program.placement.num_stages(0))
-    return Row(program.schedule, simulate(program, costs, model=CommModel(args.comm)))
+    return Row(label, program.schedule, simulate(program, costs, model=CommModel(args.comm)))
 
 
 def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) -> str:
     best = min((row.timeline.makespan for row in rows if row.timeline), default=0.0)
     share = "per stage" if args.per_stage else "per 1/P of the model"
-    width = max(18, *(len(row.name) + 1 for row in rows))
+    width = max(18, *(len(row.label) + 1 for row in rows))
     lines = [
         f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
         f"{costs.describe()}",
-        f"{'schedule':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
+        f"{'input':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
         f"{'peak act':>9s} {'stall total':>12s}",
     ]
     for row in rows:
         if row.timeline is None:
-            lines.append(f"{row.name:{width}s} skipped: {row.skipped}")
+            lines.append(f"{row.label:{width}s} skipped: {row.skipped}")
             continue
         t = row.timeline
         peak = max(stats.peak_activations for stats in t.ranks)
         stalls = sum(s.length for stats in t.ranks for s in stats.stalls)
         ratio = t.makespan / best if best else 1.0
         lines.append(
-            f"{row.name:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
+            f"{row.label:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
             f"{peak:>9} {stalls:>12g}"
         )
     return "\n".join(lines) + "\n"
@@ -150,9 +181,10 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
 
 def _json(row: Row) -> dict[str, object]:
     if row.timeline is None:
-        return {"schedule": row.name, "skipped": row.skipped}
+        return {"label": row.label, "schedule": row.name, "skipped": row.skipped}
     t = row.timeline
     return {
+        "label": row.label,
         "schedule": row.name,
         "makespan": t.makespan,
         "bubble_ratio": t.bubble_ratio,

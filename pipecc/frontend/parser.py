@@ -8,6 +8,7 @@ errors become `ParseError`s with file:line:col, a caret and what was expected th
 from __future__ import annotations
 
 import functools
+import re
 from importlib import resources
 from typing import Any
 
@@ -23,7 +24,13 @@ from pipecc.ir.ops import Kind, Msg
 @functools.cache
 def _parser() -> lark.Lark:
     grammar = resources.files("pipecc.grammars").joinpath("sched.lark").read_text("utf-8")
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    return lark.Lark(
+        grammar,
+        parser="lalr",
+        start=["start", "op_stmt"],
+        propagate_positions=True,
+        maybe_placeholders=True,
+    )
 
 
 def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
@@ -33,7 +40,7 @@ def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
     """
     source = SourceFile(path, text)
     try:
-        tree = _parser().parse(text)
+        tree = _parser().parse(text, start="start")
     except lark.UnexpectedInput as err:
         raise _parse_error(err, source) from err
     try:
@@ -43,6 +50,35 @@ def parse(text: str, path: str = "<input>") -> ast.ScheduleFile:
             raise err.orig_exc from None
         raise
     return ast.ScheduleFile(path, tuple(decls))
+
+
+def parse_op_name(text: str, path: str = "<op>") -> tuple[tuple[Kind, int, int], ...]:
+    """The computations an op's name names, as (kind, chunk, mb): `W0.0` and `W0[0]` give
+    ((W, 0, 0),), `F0.4&B1.1` and `F0[4]&B1[1]` the fused pair. Chunk and microbatch must be
+    integer literals (a name picks one instruction, nothing is evaluated).
+
+    Raises ParseError when the text is not one op statement or leaves a number out.
+    """
+    source = SourceFile(path, text)
+    try:
+        tree = _parser().parse(text, start="op_stmt")
+    except lark.UnexpectedInput as err:
+        raise _parse_error(err, source) from err
+    try:
+        stmt: object = _Builder(source).transform(tree)  # an op_stmt's tree builds an OpStmt
+    except lark.exceptions.VisitError as err:
+        if isinstance(err.orig_exc, ParseError):
+            raise err.orig_exc from None
+        raise
+    assert isinstance(stmt, ast.OpStmt)
+    named = []
+    for op in stmt.ops:
+        if not isinstance(op.chunk, ast.Num) or not isinstance(op.mb, ast.Num):
+            raise ParseError(
+                "an op's name gives its chunk and microbatch as numbers: F0.3 or F0[3]", op.span
+            )
+        named.append((op.kind, int(op.chunk.value), int(op.mb.value)))
+    return tuple(named)
 
 
 # ---- syntax errors -------------------------------------------------------------------------
@@ -61,6 +97,7 @@ _TOKEN_WORDS = {
     "NAME": "a name",
     "INT": "an integer",
     "OPCODE": "an op (F0, B1, I1, W, ...)",
+    "OPNAME": "an op (F0, B1, I1, W, ...)",
     "MSGKIND": "'act' or 'grad'",
     "COMPOP": "a comparison",
     "__ANON_0": "'..'",
@@ -120,11 +157,10 @@ def _parse_error(err: lark.UnexpectedInput, source: SourceFile) -> ParseError:
     token_text = None
     if isinstance(err, lark.UnexpectedToken) and err.token.type != "$END":
         token_text = str(err.token)
-    hint = (
-        _hint(message, expected, token_text)
-        if not isinstance(err, lark.UnexpectedCharacters)
-        else ""
-    )
+    if isinstance(err, lark.UnexpectedCharacters):
+        hint = _dot_hint(source.text, err.pos_in_stream or 0)
+    else:
+        hint = _hint(message, expected, token_text)
     if expected and not hint.startswith("comparisons"):
         message += f"; expected {_describe_expected(set(expected))}"
     if hint:
@@ -143,6 +179,54 @@ def _hint(message: str, expected: Any, token: str | None) -> str:
         return "is a '}' missing?"
     if "OPCODE" in names and token is not None and token.isidentifier():
         return "a block holds ops (F0, B1, I1, W, F0&B1), repeat/for/if/let, and send/recv/wait"
+    return ""
+
+
+# What stands before and after a '.' that does not make an op name like F0.3.
+_BEFORE_DOT = re.compile(r"(?:(?<![A-Za-z0-9_])([FBIW])([0-9]*)|(\)))(\s*)$")
+_AFTER_DOT = re.compile(r"\s*([A-Za-z0-9_]*)")
+
+
+def _dot_hint(text: str, at: int) -> str:
+    """A hint for a '.' next to an op that is not the name pipecc prints (`F0.3`): `F0.i`,
+    `F.3`, `F(c).3`, `F0 .3`, `F0.3.1`. Empty when the '.' is not next to an op."""
+    if not text.startswith(".", at):
+        return ""
+    before = _BEFORE_DOT.search(text[max(0, at - 40) : at])
+    if before is None:
+        return ""
+    letter, digits, paren, space = before.groups()
+    after = _AFTER_DOT.match(text, at + 1)
+    shown = after.group(1) if after is not None and after.group(1) else "..."
+    if paren:
+        op = _op_before_paren(text, at - len(space) - 1) or "F(c)"
+        return f"a computed chunk takes its microbatch in brackets: {op}[{shown}]"
+    if not digits:
+        example = f"{letter}0.{shown if shown.isdigit() else 3}"
+        if letter == "W":  # W[mb] needs a chunk too (docs/dsl.md §4.1)
+            return f"a dotted op name has its chunk: {example}"
+        one_chunk = f"{letter}[{shown}] on a rank with one chunk"
+        return f"a dotted op name has its chunk: {example}, or {one_chunk}"
+    if after is not None and text.startswith(".", after.end()):
+        return f"an op name has one dot: {letter}{digits}.{shown}"
+    if space:
+        return f"an op name is written without spaces: {letter}{digits}.{shown}"
+    if shown.isdigit():  # the name itself is fine: it stands where a value is wanted
+        return f"{letter}{digits}.{shown} is an op: it stands in a block, not in an expression"
+    return (
+        f"after the dot only an integer microbatch ({letter}{digits}.3); "
+        f"write {letter}{digits}[{shown}] for an expression"
+    )
+
+
+def _op_before_paren(text: str, close: int) -> str:
+    """`I(c)` when `text[close]` is the ')' of an op's computed chunk; empty otherwise."""
+    depth = 0
+    for at in range(close, max(-1, close - 200), -1):
+        depth += {")": 1, "(": -1}.get(text[at], 0)
+        if depth == 0:
+            letter = text[at - 1] if at > 0 else ""
+            return text[at - 1 : close + 1] if letter in "FBIW" and letter else ""
     return ""
 
 
@@ -268,6 +352,32 @@ class _Builder(Transformer[Token, list[ast.Decl]]):
         if digits:
             chunk = ast.Num(int(digits), self._token_span(opcode))
         return ast.OpRef(kind, chunk, mb, self._span(meta))
+
+    def named_compute(
+        self, meta: Meta, name: Token, chunk: ast.Expr | None, mb: ast.Expr | None
+    ) -> ast.OpRef:
+        """`F0.3`, the name pipecc prints: exactly `F0[3]`."""
+        text = str(name)
+        digits, _, number = text[1:].partition(".")
+        if chunk is not None or mb is not None:
+            instead = (
+                f"{text[0]}(expr)[{number}] for a computed chunk"
+                if chunk is not None
+                else f"{text[0]}{digits}[expr] for a computed microbatch"
+            )
+            raise ParseError(
+                f"'{text}' already names chunk {digits} and microbatch {number}; write {instead}",
+                self._span(meta),
+            )
+        line, col = name.line or 1, name.column or 1
+        chunk_span = Span(self._source, line, col + 1, line, col + 1 + len(digits))
+        mb_span = Span(self._source, line, col + 2 + len(digits), line, col + len(text))
+        return ast.OpRef(
+            Kind(text[0]),
+            ast.Num(int(digits), chunk_span),
+            ast.Num(int(number), mb_span),
+            self._span(meta),
+        )
 
     def chunk_expr(self, meta: Meta, expr: ast.Expr) -> ast.Expr:
         return expr

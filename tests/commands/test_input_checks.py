@@ -142,7 +142,7 @@ def test_a_good_program_is_used_as_before(
     code, out, _ = run_cli(capsys, "simulate", str(good), "--json")
     assert code == 0 and json.loads(out)["makespan"] > 0
     code, out, _ = run_cli(capsys, "compare", str(good), "zb_h1", "-P", "2", "-M", "2")
-    assert code == 0 and "\ngood " in out and "\nzb_h1 " in out
+    assert code == 0 and "\ngood.csv " in out and "\nzb_h1 " in out
 
 
 def test_compare_of_programs_takes_their_sizes(
@@ -154,7 +154,8 @@ def test_compare_of_programs_takes_their_sizes(
     two = tmp_path / "two.json"
     two.write_text(json_program.dumps(compile_bundled("1f1b", 2, 4)))
     code, out, _ = run_cli(capsys, "compare", str(one), str(two))
-    assert code == 0 and out.startswith("# P=2 M=4 ") and "\none " in out and "\n1f1b " in out
+    assert code == 0 and out.startswith("# P=2 M=4 ")
+    assert "\none.csv " in out and "\ntwo.json " in out
     code, _, err = run_cli(capsys, "compare", str(one), "zb_h1")
     assert code == 2
     assert "compare needs -P/--ranks and -M/--microbatches to compile zb_h1" in err
