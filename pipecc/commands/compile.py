@@ -72,7 +72,7 @@ def register(commands: SubParsers) -> None:
         help="place comm ops for --cost/--cost-file under --comm (docs/align.md)",
     )
     add_policy_arg(cmd)
-    add_cost_args(cmd)
+    add_cost_args(cmd, backend=True)
     cmd.set_defaults(run=run)
 
 

@@ -7,9 +7,19 @@ import argparse
 import json
 import os
 
-from pipecc.commands.common import SubParsers, add_size_args, load_costs, positive
+from pipecc.commands.common import (
+    SubParsers,
+    add_backend_arg,
+    add_policy_arg,
+    add_size_args,
+    backend_of,
+    comm_model,
+    load_costs,
+    lowering,
+    positive,
+)
 from pipecc.diagnostics import InputError
-from pipecc.driver.check import Outcome, verify_file
+from pipecc.driver.check import Outcome, Resolution, verify_file
 from pipecc.driver.lowering import add_lowering_arg, requested_style
 from pipecc.driver.sweep import CompileFailure, SweepResult, parse_sizes, sweep_files
 from pipecc.passes.torch_program import LoweringStyle
@@ -64,8 +74,19 @@ def register(commands: SubParsers) -> None:
         help=".sched file, bundled schedule name, .json program or torch .csv",
     )
     add_size_args(cmd)
+    add_backend_arg(cmd)
     cmd.add_argument(
-        "--comm", choices=COMMS, default="nccl", help="comm model to verify under (default: nccl)"
+        "--comm",
+        choices=COMMS,
+        help="comm model to verify under (default: the backend's, nccl or rendezvous with "
+        "--backend gloo)",
+    )
+    add_policy_arg(cmd)
+    cmd.add_argument(
+        "--align",
+        action="store_true",
+        help="place comm ops for --cost/--cost-file under --comm, as 'pipecc run --align' "
+        "does (docs/align.md)",
     )
     cmd.add_argument(
         "--max-activations",
@@ -111,7 +132,7 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    models = ALL_MODELS if args.comm == "all" else (CommModel(args.comm),)
+    models = ALL_MODELS if args.comm == "all" else (comm_model(args),)
     costs, budget = _stall_options(args)
     options = Options(
         models=models,
@@ -124,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
     style = requested_style(args)
     if args.sweep and style is not LoweringStyle.PIPECC:
         raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
+    backend = backend_of(args)
+    resolution = Resolution(backend, lowering(args, backend))
+    if args.sweep and resolution != Resolution():
+        raise InputError(
+            "--sweep verifies the default lowering for nccl; give --backend, --comm-policy "
+            "or --align without --sweep"
+        )
     if args.sweep:
         ranks, microbatches = parse_sweep(args.sweep, args)
         jobs = args.jobs or os.cpu_count() or 1
@@ -145,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             defines=defines,
             options=options,
             style=style,
+            resolution=resolution,
         )
         for path in args.files
     ]
@@ -156,7 +185,7 @@ def _stall_options(args: argparse.Namespace) -> tuple[CostModel | None, StallBud
     """--stall-budget with its cost model; a cost model alone is an error (simulate shows the
     waits without a budget)."""
     if args.stall_budget is None:
-        if args.cost or args.cost_file:
+        if (args.cost or args.cost_file) and not args.align:
             raise InputError(
                 "--cost/--cost-file are for --stall-budget (to see the waits "
                 "without a budget, use 'pipecc simulate')"
