@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from pipecc.diagnostics import InputError
 from pipecc.driver.compile import Alignment, Lowering
-from pipecc.driver.load import DEFAULT_BACKEND, Request, Resolved, RunBackend, resolve
+from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
 from pipecc.driver.lowering import requested_style
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
@@ -88,10 +88,10 @@ def load_input(path: str, args: argparse.Namespace) -> Program:
     program (.json), or a torch.distributed.pipelining action CSV (.csv), resolved for the
     command's --backend as `pipecc run` resolves it there (`pipecc.driver.load.resolve`):
     its --comm-policy, --align and --lowering, where it has them, are inputs of that one
-    resolution. The notes (what the reader ignored, the comm ops a flag replaced, a
-    placement for another backend) go to stderr."""
+    resolution. Its notes (what the reader ignored, the comm ops a flag replaced) go to
+    stderr."""
     resolved = resolve(request(path, args))
-    print_notes(resolved)
+    print_notes(resolved.notes)
     return resolved.program
 
 
@@ -104,9 +104,9 @@ def request(path: str, args: argparse.Namespace, backend: RunBackend | None = No
     )
 
 
-def print_notes(resolved: Resolved) -> None:
-    """A resolution's notes on stderr, one `note:` line each."""
-    for note in (*resolved.notes, *filter(None, (resolved.placed_for,))):
+def print_notes(notes: tuple[str, ...]) -> None:
+    """Notes on stderr, one `note:` line each."""
+    for note in notes:
         print(f"note: {note}", file=sys.stderr)
 
 
@@ -155,10 +155,12 @@ def add_policy_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--comm-policy",
         choices=sorted(POLICIES),
-        help="where sends, receives and waits go: default (the default for a .sched file; "
-        "safe under every comm model) or early-recv (every receive posted at the start of "
-        "the step: faster on gloo, deadlocks under NCCL; docs/compile.md). A .json program "
-        "keeps its own placement unless this is given",
+        help="where sends, receives and waits go: default (safe under every comm model) or "
+        "early-recv (every receive posted at the start of the step: faster on gloo, "
+        "deadlocks under NCCL; docs/compile.md). Given, it places every comm op afresh, "
+        "hand-placed ones and a .json's included, and says how many it replaced; without "
+        "it a compute-only input gets the backend's policy (gloo: early-recv, nccl: "
+        "default) and any other keeps its comm ops",
     )
 
 

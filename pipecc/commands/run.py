@@ -56,9 +56,11 @@ examples:
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
   pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy default --check
   pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
+  pipecc run dl.sched --nproc 2 -M 2 --model examples/mlp.py --unverified --timeout 5
 
-exit codes: 0 ok; 1 the check failed or a rank failed (the message names the rank and
-instruction); 2 input pipecc cannot use.
+exit codes: 0 ok; 1 the program fails verification (refused, with verify's report), the
+check failed or a rank failed (the message names the rank and instruction); 2 input pipecc
+cannot use.
 """
 
 
@@ -175,7 +177,7 @@ def _program(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Ver
     if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
         refuse_invalid(source.label, source.program if resolved is None else resolved.program)
     assert resolved is not None, "a compute order that cannot run fails check_order"
-    print_notes(resolved)
+    print_notes((*resolved.notes, *filter(None, (resolved.placed_for,))))
     if not ok:
         print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
     if not (ok or args.unverified):

@@ -34,8 +34,12 @@ DESCRIPTION = """\
 Prove a schedule or program free of deadlocks and mismatched messages under a comm model,
 and check its data dependencies, coverage, placement and memory. FILE is a .sched file (with
 -P/-M, or --sweep), a bundled schedule's name, a compiled program (.json), or a
-torch.distributed.pipelining action CSV (.csv; compute-only CSVs are lowered with the default
+torch.distributed.pipelining action CSV (.csv; compute-only CSVs are lowered with the backend's
 comm policy first). Every violation names the instruction and its source line.
+
+The program verified is the one `pipecc run` runs on --backend (default nccl), with the same
+--comm-policy, --align or --lowering: `pipecc verify X --backend B [flags]` proves what
+`pipecc run X [flags]` runs on B (docs/runtime.md).
 """
 
 EPILOG = """\
@@ -54,6 +58,7 @@ examples:
   pipecc verify prog.json --comm all
   pipecc verify actions.csv --format github
   pipecc verify dualpipe -P 8 -M 20 --cost F=1,B=2,I=1,W=1,comm=0.1 --stall-budget 0
+  pipecc verify zb_h1 -P 4 -M 8 --backend gloo     # what pipecc run runs on gloo
 
 exit codes: 0 verified, 1 a violation, 2 input pipecc cannot use.
 """

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -190,8 +190,7 @@ def resolve_source(
             refuse_invalid(source.label, program)
         how = f"comm ops as in the input ({program.comm})"
         resolved = Resolved(program, source.label, how, Choice.PROGRAM, source.notes)
-    note = placed_for_note(resolved, backend)
-    return resolved if note is None else _with_placed_for(resolved, note)
+    return replace(resolved, placed_for=placed_for_note(resolved, backend))
 
 
 def _hand_placed(source: Source) -> Resolved:
@@ -262,12 +261,6 @@ def placed_for_note(resolved: Resolved, backend: RunBackend) -> str | None:
         f"{resolved.label} is placed by the {program.comm} comm policy, {target.value}'s; a "
         f"compute-only input gets {backend.policy} on {backend.value} (--comm-policy "
         f"{backend.policy} places it for {backend.value})"
-    )
-
-
-def _with_placed_for(resolved: Resolved, note: str) -> Resolved:
-    return Resolved(
-        resolved.program, resolved.label, resolved.how, resolved.choice, resolved.notes, note
     )
 
 
