@@ -172,3 +172,28 @@ def _sends_after_w(program: Program) -> int:
             elif type(instr) is Send and instr.what is Msg.GRAD:
                 found += type(last) is Compute and last.kind is Kind.W
     return found
+
+
+@pytest.mark.parametrize("backend", list(RunBackend))
+def test_comm_defaults_to_the_backends_model(
+    capsys: pytest.CaptureFixture[str], backend: RunBackend
+) -> None:
+    """Without --comm, verify and simulate use the backend's comm model; --comm still wins."""
+    model = backend.comm_model.value
+    code, out, err = run_cli(capsys, "verify", "zb_h1", *SIZES, "--backend", backend.value)
+    assert code == 0, out + err
+    assert out.splitlines()[0].endswith(f"; {model} passes)"), out
+    code, out, err = run_cli(capsys, "simulate", "zb_h1", *SIZES, "--backend", backend.value)
+    assert code == 0, err
+    assert f"  comm {model}  " in out.splitlines()[0], out
+    code, out, _ = run_cli(capsys, "verify", "zb_h1", *SIZES, "--backend", backend.value,
+                           "--comm", "eager")  # fmt: skip
+    assert out.splitlines()[0].endswith("; eager passes)"), out
+
+
+def test_sweep_takes_no_resolution_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(
+        capsys, "verify", "zb_h1", "--sweep", "ranks=2..3", "microbatches=4", "--backend", "gloo"
+    )
+    assert code == 2
+    assert "--sweep verifies the default lowering for nccl" in err
