@@ -159,8 +159,10 @@ def read_source(
 def resolve(request: Request, *, checked: bool = True) -> Resolved:
     """The program `request` runs (module docstring). With `checked`, a .json or .csv is
     first put through the verifier's input checks and refused (`RefusedProgramError`, exit
-    2) when it fails them; without, one kept as it is is left to the caller's verification
-    (`pipecc verify`, `pipecc run`), and a compute order is still checked before lowering."""
+    2) when it fails them; without, the caller verifies what it gets and checks a
+    compute-only one's order before (`driver.check.verify_source`, for `pipecc verify` and
+    `pipecc run`). The compute order of one whose comm ops a flag places afresh is always
+    checked first."""
     source = read_source(
         request.path,
         ranks=request.ranks,
@@ -180,7 +182,7 @@ def resolve_source(
     elif source.compiled and not is_compute_only(program):
         resolved = _hand_placed(source)
     elif source.compiled or needs_lowering(program):
-        if not source.compiled:
+        if checked and not source.compiled:
             refuse_invalid(source.label, program)
         lowered = lower_program(program, Lowering(policy=backend.policy))
         how = f"comm ops placed by {backend.policy} ({backend.value}'s default)"
@@ -224,6 +226,8 @@ def _replaced(source: Source, lowering: Lowering) -> Resolved:
 
 def _flag(lowering: Lowering) -> str:
     """The flag that asked for `lowering`, as the user wrote it."""
+    if not lowering.comms:
+        return "the compute order (no comm ops)"
     if lowering.style is not LoweringStyle.PIPECC:
         return f"--lowering {lowering.style.value}"
     if lowering.align is not None:
