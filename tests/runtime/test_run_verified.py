@@ -99,8 +99,10 @@ def test_unverified_runs_it_and_hangs_at_the_witness(deadlock: str) -> None:
     ), result.stdout
     # the witness: rank 0 at @5 (wait 4, its send of mb 1), rank 1 at @5 (its send of grad 0)
     assert "stuck: rank 0 at @5 wait 4; rank 1 at @5 wait 4" in result.stderr, result.stderr
-    errors = [line for line in result.stderr.splitlines() if "did not complete within 5 s" in line]
-    assert len(errors) == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert any("did not complete within 5 s" in line for line in lines), result.stderr
+    # the rank that timed out first stops the other: its wait times out or fails with it
     for rank, what in ((0, "send act pipe 0 stage 1 mb 1"), (1, "send grad pipe 0 stage 0 mb 0")):
-        said = rf"rank {rank}, step 0: instruction 5 \(wait 4\): {what} .*\(instruction 4\)"
-        assert any(re.search(said, line) for line in errors), result.stderr
+        at = r"step 0: instruction 5 \(wait 4\)"
+        said = rf"^(error|note): rank {rank}, {at}: {what} .*\(instruction 4\)"
+        assert any(re.search(said, line) for line in lines), result.stderr
