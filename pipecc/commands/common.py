@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from pipecc.diagnostics import InputError
 from pipecc.driver.compile import Alignment, Lowering
-from pipecc.driver.load import load
+from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
 from pipecc.driver.lowering import requested_style
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
@@ -85,18 +85,34 @@ def add_input_args(parser: argparse.ArgumentParser) -> None:
 
 def load_input(path: str, args: argparse.Namespace) -> Program:
     """A Program from `path`, by extension: a .sched file compiled for -P/-M/-D, a compiled
-    program (.json), or a torch.distributed.pipelining action CSV (.csv); a compute-only one
-    gets its comm ops placed (DESIGN §1, §5). The command's --comm-policy and --align, where
-    it has them, are inputs of that one compilation (`pipecc.driver.load`)."""
+    program (.json), or a torch.distributed.pipelining action CSV (.csv), resolved for the
+    command's --backend as `pipecc run` resolves it there (`pipecc.driver.load.resolve`):
+    its --comm-policy, --align and --lowering, where it has them, are inputs of that one
+    resolution. Its notes (what the reader ignored, the comm ops a flag replaced) go to
+    stderr."""
+    resolved = resolve(request(path, args))
+    print_notes(resolved.notes)
+    return resolved.program
+
+
+def request(path: str, args: argparse.Namespace, backend: RunBackend | None = None) -> Request:
+    """The resolution the command's flags ask for, on `backend` (default: its --backend)."""
+    backend = backend or backend_of(args)
     sizes = {"ranks": args.ranks, "microbatches": args.microbatches}
-    program, notes = load(path, **sizes, defines=dict(args.defines), lowering=lowering(args))
-    for note in notes:  # what the reader ignored (CSV cells, unknown JSON fields), on stderr
+    return Request(
+        path, **sizes, defines=dict(args.defines), backend=backend, lowering=lowering(args, backend)
+    )
+
+
+def print_notes(notes: tuple[str, ...]) -> None:
+    """Notes on stderr, one `note:` line each."""
+    for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    return program
 
 
-def lowering(args: argparse.Namespace) -> Lowering:
-    """How the command's flags ask for the comm ops to be placed."""
+def lowering(args: argparse.Namespace, backend: RunBackend = DEFAULT_BACKEND) -> Lowering:
+    """How the command's flags ask for the comm ops to be placed (an alignment under
+    --comm, else the backend's comm model)."""
     policy = getattr(args, "comm_policy", None)
     style = requested_style(args)  # --lowering torch|torch-defer (docs/interop.md)
     if style is not LoweringStyle.PIPECC:
@@ -105,7 +121,33 @@ def lowering(args: argparse.Namespace) -> Lowering:
         return Lowering(policy=policy)
     if policy is not None:
         raise InputError("--align and --comm-policy both place the comm ops: give one of them")
-    return Lowering(align=Alignment(load_costs(args), CommModel(args.comm)))
+    return Lowering(align=Alignment(load_costs(args), comm_model(args, backend)))
+
+
+def add_backend_arg(parser: argparse.ArgumentParser) -> None:
+    """--backend: resolve the program as `pipecc run` does on that backend."""
+    parser.add_argument(
+        "--backend",
+        choices=tuple(b.value for b in RunBackend),
+        default=DEFAULT_BACKEND.value,
+        help="resolve the program as 'pipecc run' does on this backend (default: nccl): a "
+        "compute-only input gets its comm policy (gloo: early-recv, nccl: default), and "
+        "--comm defaults to its comm model (gloo: rendezvous, nccl: nccl); hand-placed comm "
+        "ops and a .json's are kept (docs/runtime.md)",
+    )
+
+
+def backend_of(args: argparse.Namespace) -> RunBackend:
+    """The command's --backend (nccl where it has no such flag)."""
+    return RunBackend(getattr(args, "backend", DEFAULT_BACKEND.value))
+
+
+def comm_model(args: argparse.Namespace, backend: RunBackend | None = None) -> CommModel:
+    """The command's --comm, else the comm model of `backend` (default: its --backend)."""
+    given = getattr(args, "comm", None)
+    if given is not None and given != "all":
+        return CommModel(given)
+    return (backend or backend_of(args)).comm_model
 
 
 def add_policy_arg(parser: argparse.ArgumentParser) -> None:
@@ -113,10 +155,12 @@ def add_policy_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--comm-policy",
         choices=sorted(POLICIES),
-        help="where sends, receives and waits go: default (the default for a .sched file; "
-        "safe under every comm model) or early-recv (every receive posted at the start of "
-        "the step: faster on gloo, deadlocks under NCCL; docs/compile.md). A .json program "
-        "keeps its own placement unless this is given",
+        help="where sends, receives and waits go: default (safe under every comm model) or "
+        "early-recv (every receive posted at the start of the step: faster on gloo, "
+        "deadlocks under NCCL; docs/compile.md). Given, it places every comm op afresh, "
+        "hand-placed ones and a .json's included, and says how many it replaced; without "
+        "it a compute-only input gets the backend's policy (gloo: early-recv, nccl: "
+        "default) and any other keeps its comm ops",
     )
 
 
@@ -134,8 +178,11 @@ def write_output(text: str, output: str | None) -> None:
 COMM_MODELS = tuple(model.value for model in CommModel)
 
 
-def add_cost_args(parser: argparse.ArgumentParser) -> None:
-    """--cost, --cost-file and --comm: the simulator's inputs (DESIGN §6)."""
+def add_cost_args(parser: argparse.ArgumentParser, *, backend: bool = False) -> None:
+    """--cost, --cost-file and --comm: the simulator's inputs (DESIGN §6). With `backend`,
+    also --backend, and --comm defaults to the backend's comm model."""
+    if backend:
+        add_backend_arg(parser)
     parser.add_argument(
         "--cost",
         metavar="K=V,...",
@@ -151,8 +198,9 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--comm",
         choices=COMM_MODELS,
-        default="nccl",
-        help="how sends and receives complete (DESIGN §5; default nccl)",
+        default=None if backend else "nccl",
+        help="how sends and receives complete (DESIGN §5; default: "
+        + ("the backend's, nccl or rendezvous with --backend gloo)" if backend else "nccl)"),
     )
 
 

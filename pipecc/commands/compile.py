@@ -27,11 +27,16 @@ microbatch, resolve every W to its I, and place sends, receives and waits with t
 comm policy (docs/compile.md). FILE is a .sched file, the name of a bundled schedule (see
 'pipecc list'), or a compiled program (.json) to convert to another format.
 
+The program is the one `pipecc run` runs on --backend (default nccl; docs/runtime.md): a
+compute-only input gets the backend's comm policy (gloo: early-recv, nccl: default), a
+.sched file's hand-placed comm ops are kept, a .json's comm ops too.
+
 --comm-policy early-recv posts every receive at the start of the step: faster on gloo, where
 each posted op progresses on its own, but it deadlocks under NCCL (verify it with --comm
 rendezvous; the runtime refuses it on NCCL). --align places every send, receive and wait for
 the given costs and comm model instead, so that no rank waits for a message it could have
-had (docs/align.md). Either keeps the compute order and places hand-placed comm ops again.
+had (docs/align.md). Either keeps the compute order and places hand-placed comm ops again
+(a note says how many it replaced).
 """
 
 EPILOG = """\
@@ -49,6 +54,7 @@ examples:
   pipecc compile zb_h1 -P 4 -M 8 --format torch-csv
   pipecc compile zb_h1 -P 4 -M 8 --cost F=1,I=1,W=1,comm=0.2 --align -o zb_h1.json
   pipecc compile zb_h1 -P 4 -M 8 --comm-policy early-recv -o zb_h1_gloo.json
+  pipecc compile zb_h1 -P 4 -M 8 --backend gloo -o zb_h1_gloo.json   # the same program
 """
 
 
@@ -72,7 +78,7 @@ def register(commands: SubParsers) -> None:
         help="place comm ops for --cost/--cost-file under --comm (docs/align.md)",
     )
     add_policy_arg(cmd)
-    add_cost_args(cmd)
+    add_cost_args(cmd, backend=True)
     cmd.set_defaults(run=run)
 
 

@@ -7,20 +7,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipecc.commands.common import (
     SubParsers,
     add_input_args,
     add_policy_arg,
-    load_input,
+    lowering,
     positive,
+    print_notes,
     write_output,
 )
 from pipecc.diagnostics import InputError, ProgramError
-from pipecc.driver.load import load, needs_lowering
+from pipecc.driver.check import Resolution, verify_source
+from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
+from pipecc.driver.lowering import add_lowering_arg
 from pipecc.ir.program import Program
+from pipecc.verify import Options, report
 
 DESCRIPTION = """\
 Run a schedule on P local processes (gloo on CPU; NCCL when there is a GPU per rank) with the
@@ -32,10 +38,15 @@ consecutive stages, deterministic), make_batch(num_rows, seed) -> (inputs, targe
 optionally loss_fn(output, target) (default: mean squared error, for floating targets),
 boundaries(example_inputs) (explicit boundary specs) and autocast (a torch dtype).
 
-When pipecc compiles the program itself (a .sched file, a bundled name, a compute-only
-.json or .csv) and no --comm-policy is given, it places the comm ops for the backend:
-early-recv on gloo, the default (NCCL-safe) policy on NCCL. A compiled .json runs as
-compiled.
+The program is resolved as `pipecc verify FILE --backend B` resolves it, B being the backend
+this run uses: a compute-only input (a .sched file that places no comm op by hand, a
+compute-only .json or .csv) gets the backend's comm policy (early-recv on gloo, the default
+on NCCL); a .sched file's hand-placed sends, receives and waits are kept; a .json or .csv
+with comm ops runs as it is; --comm-policy, --align or --lowering place every comm op
+afresh, and a note says how many of the input's they replaced. Before any process starts,
+that exact program is verified under the backend's comm model (gloo: rendezvous, NCCL:
+nccl) with verify's checks; a program that fails is refused (exit 1, with verify's report)
+unless --unverified. The first line says which program runs and that it verified.
 """
 
 EPILOG = """\
@@ -45,9 +56,11 @@ examples:
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
   pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy default --check
   pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
+  pipecc run dl.sched --nproc 2 -M 2 --model examples/mlp.py --unverified --timeout 5
 
-exit codes: 0 ok; 1 the check failed or a rank failed (the message names the rank and
-instruction); 2 input pipecc cannot use.
+exit codes: 0 ok; 1 the program fails verification (refused, with verify's report), the
+check failed or a rank failed (the message names the rank and instruction); 2 input pipecc
+cannot use.
 """
 
 
@@ -107,6 +120,20 @@ def register(commands: SubParsers) -> None:
         "--profile", metavar="FILE", help="write measured per-(stage, op) costs as a TOML cost file"
     )
     add_policy_arg(cmd)
+    cmd.add_argument(
+        "--align",
+        action="store_true",
+        help="place comm ops for --cost/--cost-file under the backend's comm model (docs/align.md)",
+    )
+    cmd.add_argument("--cost", metavar="K=V,...", help="durations and latency for --align")
+    cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --align")
+    add_lowering_arg(cmd)
+    cmd.add_argument(
+        "--unverified",
+        action="store_true",
+        help="run a program that fails verification anyway (to reproduce a hang: with a "
+        "short --timeout); it still says so",
+    )
     cmd.set_defaults(run=run)
 
 
@@ -117,14 +144,53 @@ def _count(text: str) -> int:
     return value
 
 
-def _program(args: argparse.Namespace, backend: str) -> tuple[Program, str]:
-    """The program to run, and where its comm policy came from: `flag` (--comm-policy),
-    `program` (a compiled .json keeps its own) or `backend` (compiled here, for it)."""
-    choice = "flag" if args.comm_policy is not None else "program"
-    if args.comm_policy is None and _compiled_here(args):
-        choice = "backend"
-        args = argparse.Namespace(**{**vars(args), "comm_policy": _policy_for(backend)})
-    program = load_input(args.file, args)
+class Verified(NamedTuple):
+    """The program `pipecc run` runs, and what its verification said."""
+
+    resolved: Resolved
+    backend: RunBackend
+    ok: bool
+
+    def line(self) -> str:
+        """`program: ..., verified under rendezvous (gloo): ok`"""
+        verdict = "ok" if self.ok else "FAILED, run anyway (--unverified)"
+        return f"program: {self.resolved.description}, verified under {self.model}: {verdict}"
+
+    @property
+    def model(self) -> str:
+        return f"{self.backend.comm_model.value} ({self.backend.value})"
+
+
+def _program(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Verified:
+    """The program to run on the backend `backend_for` picks for its ranks, resolved as
+    `pipecc verify --backend` resolves it, verified once under that backend's comm model
+    with verify's checks, and refused (exit 1, verify's report on stderr) when it fails,
+    unless --unverified."""
+    source = read_source(
+        args.file, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
+    )
+    _check_sizes(args, source.program)
+    backend = RunBackend(backend_for(source.program.num_ranks))
+    resolution = Resolution(backend, lowering(args, backend))
+    outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
+    ok = outcome.report.ok
+    if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
+        refuse_invalid(source.label, source.program if resolved is None else resolved.program)
+    assert resolved is not None, "a compute order that cannot run fails check_order"
+    print_notes((*resolved.notes, *filter(None, (resolved.placed_for,))))
+    if not ok:
+        print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
+    if not (ok or args.unverified):
+        raise ProgramError(
+            f"{outcome.label}: refused: it fails verification under "
+            f"{backend.comm_model.value} ({backend.value}), as reported above; --unverified "
+            "runs it anyway"
+        )
+    return Verified(resolved, backend, ok)
+
+
+def _check_sizes(args: argparse.Namespace, program: Program) -> None:
+    """--nproc and -M, where given, agree with a compiled program's sizes."""
     if args.ranks is not None and program.num_ranks != args.ranks:
         raise InputError(
             f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"
@@ -134,28 +200,6 @@ def _program(args: argparse.Namespace, backend: str) -> tuple[Program, str]:
             f"{args.file}: the program is for {program.num_microbatches} "
             f"microbatches, not -M {args.microbatches}"
         )
-    return program, choice
-
-
-def _compiled_here(args: argparse.Namespace) -> bool:
-    """A .sched file (or a bundled name), or a compute-only .json or .csv."""
-    if not args.file.endswith((".json", ".csv")):
-        return True
-    return needs_lowering(load(args.file, lowering=None).program)
-
-
-def _policy_for(backend: str) -> str:
-    """The comm policy that suits the backend: early receives on gloo (each receive posted
-    at the start of the step; faster, docs/performance.md), the NCCL-safe default on NCCL."""
-    return "early-recv" if backend == "gloo" else "default"
-
-
-def _ranks(args: argparse.Namespace) -> int:
-    if args.ranks is not None:
-        return int(args.ranks)
-    if args.file.endswith((".json", ".csv")):
-        return load(args.file, lowering=None).program.num_ranks
-    raise InputError(f"{args.file}: a .sched file needs --nproc (or -P)")
 
 
 def _import_failure(err: ImportError) -> str:
@@ -170,11 +214,16 @@ def _import_failure(err: ImportError) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise InputError("--timeout must be positive")
+    if not args.align and (args.cost or args.cost_file):
+        raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     try:
         from pipecc.runtime.launcher import AUTOCAST, RunJob, backend_for, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(_import_failure(err)) from None
-    program, choice = _program(args, backend_for(_ranks(args)))
+    verified = _program(args, backend_for)
+    program = verified.resolved.program
+    if not args.json:
+        print(verified.line(), flush=True)
     batch = args.batch_size or 8 * program.num_microbatches
     job = RunJob(
         program=program,
@@ -193,7 +242,10 @@ def run(args: argparse.Namespace) -> int:
     if args.profile is not None and report.cost_file is not None:
         write_output(report.cost_file, args.profile)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
-    fields["comm_choice"] = choice
+    fields["comm_choice"] = verified.resolved.choice.value
+    fields["program"] = verified.resolved.description
+    fields["verified"] = verified.backend.comm_model.value
+    fields["verified_ok"] = verified.ok
     tolerance = args.tolerance if args.tolerance is not None else fields["tolerance"]
     fields["tolerance"] = tolerance
     failure = _failure(fields, tolerance) if args.check else None

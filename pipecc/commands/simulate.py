@@ -10,6 +10,7 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    comm_model,
     load_costs,
     load_input,
     positive,
@@ -22,7 +23,6 @@ from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
 from pipecc.render.svg import render_svg
 from pipecc.render.trace import render_trace
-from pipecc.semantics import CommModel
 from pipecc.simulate.timeline import Timeline, simulate
 
 DESCRIPTION = """\
@@ -54,7 +54,7 @@ def register(commands: SubParsers) -> None:
     )
     add_input_args(cmd)
     add_lowering_arg(cmd)
-    add_cost_args(cmd)
+    add_cost_args(cmd, backend=True)
     cmd.add_argument(
         "--stall-threshold",
         type=float,
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     timeline = simulate(
-        program, costs, model=CommModel(args.comm), stall_threshold=args.stall_threshold
+        program, costs, model=comm_model(args), stall_threshold=args.stall_threshold
     )
     if args.svg:
         write_output(render_svg(timeline, arrows=args.arrows), args.svg)

@@ -8,9 +8,19 @@ import json
 import os
 import sys
 
-from pipecc.commands.common import SubParsers, add_size_args, load_costs, positive
+from pipecc.commands.common import (
+    SubParsers,
+    add_backend_arg,
+    add_policy_arg,
+    add_size_args,
+    backend_of,
+    comm_model,
+    load_costs,
+    lowering,
+    positive,
+)
 from pipecc.diagnostics import InputError
-from pipecc.driver.check import Outcome, Unusable, input_label, verify_file
+from pipecc.driver.check import Outcome, Resolution, Unusable, input_label, verify_file
 from pipecc.driver.lowering import add_lowering_arg, requested_style
 from pipecc.driver.sweep import CompileFailure, SweepResult, parse_sizes, sweep_files
 from pipecc.passes.torch_program import LoweringStyle
@@ -25,8 +35,12 @@ DESCRIPTION = """\
 Prove a schedule or program free of deadlocks and mismatched messages under a comm model,
 and check its data dependencies, coverage, placement and memory. FILE is a .sched file (with
 -P/-M, or --sweep), a bundled schedule's name, a compiled program (.json), or a
-torch.distributed.pipelining action CSV (.csv; compute-only CSVs are lowered with the default
+torch.distributed.pipelining action CSV (.csv; compute-only CSVs are lowered with the backend's
 comm policy first). Every violation names the instruction and its source line.
+
+The program verified is the one `pipecc run` runs on --backend (default nccl), with the same
+--comm-policy, --align or --lowering: `pipecc verify X --backend B [flags]` proves what
+`pipecc run X [flags]` runs on B (docs/runtime.md).
 """
 
 EPILOG = """\
@@ -45,6 +59,7 @@ examples:
   pipecc verify prog.json --comm all
   pipecc verify actions.csv --format github
   pipecc verify dualpipe -P 8 -M 20 --cost F=1,B=2,I=1,W=1,comm=0.1 --stall-budget 0
+  pipecc verify zb_h1 -P 4 -M 8 --backend gloo     # what pipecc run runs on gloo
 
 Several inputs are each verified and reported, whatever the others give: an input pipecc
 cannot use is one error (on stderr, and one line, object or ::error annotation in the report).
@@ -69,8 +84,19 @@ def register(commands: SubParsers) -> None:
         help=".sched file, bundled schedule name, .json program or torch .csv",
     )
     add_size_args(cmd)
+    add_backend_arg(cmd)
     cmd.add_argument(
-        "--comm", choices=COMMS, default="nccl", help="comm model to verify under (default: nccl)"
+        "--comm",
+        choices=COMMS,
+        help="comm model to verify under (default: the backend's, nccl or rendezvous with "
+        "--backend gloo)",
+    )
+    add_policy_arg(cmd)
+    cmd.add_argument(
+        "--align",
+        action="store_true",
+        help="place comm ops for --cost/--cost-file under --comm, as 'pipecc run --align' "
+        "does (docs/align.md)",
     )
     cmd.add_argument(
         "--max-activations",
@@ -116,7 +142,7 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    models = ALL_MODELS if args.comm == "all" else (CommModel(args.comm),)
+    models = ALL_MODELS if args.comm == "all" else (comm_model(args),)
     costs, budget = _stall_options(args)
     options = Options(
         models=models,
@@ -129,6 +155,13 @@ def run(args: argparse.Namespace) -> int:
     style = requested_style(args)
     if args.sweep and style is not LoweringStyle.PIPECC:
         raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
+    backend = backend_of(args)
+    resolution = Resolution(backend, lowering(args, backend))
+    if args.sweep and resolution != Resolution():
+        raise InputError(
+            "--sweep verifies the default lowering for nccl; give --backend, --comm-policy "
+            "or --align without --sweep"
+        )
     if args.sweep:
         ranks, microbatches = parse_sweep(args.sweep, args)
         jobs = args.jobs or os.cpu_count() or 1
@@ -154,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
                     defines=defines,
                     options=options,
                     style=style,
+                    resolution=resolution,
                 )
             )
         except InputError as err:  # reported with the others' verdicts
@@ -192,7 +226,7 @@ def _stall_options(args: argparse.Namespace) -> tuple[CostModel | None, StallBud
     """--stall-budget with its cost model; a cost model alone is an error (simulate shows the
     waits without a budget)."""
     if args.stall_budget is None:
-        if args.cost or args.cost_file:
+        if (args.cost or args.cost_file) and not args.align:
             raise InputError(
                 "--cost/--cost-file are for --stall-budget (to see the waits "
                 "without a budget, use 'pipecc simulate')"

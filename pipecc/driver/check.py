@@ -16,8 +16,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pipecc.diagnostics import InputError
-from pipecc.driver.compile import COMPUTE_ORDER, lower_program
-from pipecc.driver.load import load, needs_lowering
+from pipecc.driver.compile import DEFAULT_LOWERING, Lowering, lower_program
+from pipecc.driver.load import (
+    DEFAULT_BACKEND,
+    Choice,
+    Resolved,
+    RunBackend,
+    Source,
+    needs_lowering,
+    read_source,
+    resolve_source,
+)
 from pipecc.driver.lowering import compute_order, lower_torch
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.torch_lowering import MalformedSchedule
@@ -106,6 +115,17 @@ def _verify_torch_lowering(
     return verify(lowered, options), (*notes, note)
 
 
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """The backend and the --comm-policy/--align a program is resolved for (`resolve`)."""
+
+    backend: RunBackend = DEFAULT_BACKEND
+    lowering: Lowering = DEFAULT_LOWERING
+
+
+DEFAULT_RESOLUTION = Resolution()
+
+
 def verify_file(
     path: str,
     *,
@@ -114,13 +134,41 @@ def verify_file(
     defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT_OPTIONS,
     style: LoweringStyle = LoweringStyle.PIPECC,
+    resolution: Resolution = DEFAULT_RESOLUTION,
 ) -> Outcome:
-    """Load and verify one input (module docstring). A .sched file verified with torch's
-    lowering is compiled to its compute order only, which torch's rules then lower."""
-    order = style is not LoweringStyle.PIPECC and not path.endswith((".json", ".csv"))
-    lowering = COMPUTE_ORDER if order else None
-    program, notes = load(
-        path, ranks=ranks, microbatches=microbatches, defines=defines, lowering=lowering
+    """Load and verify one input (module docstring): the program `pipecc run` runs on
+    `resolution.backend` with the same flags (`pipecc.driver.load.resolve`). A .sched file
+    verified with torch's lowering is compiled to its compute order only, which torch's
+    rules then lower."""
+    source = read_source(path, ranks=ranks, microbatches=microbatches, defines=defines)
+    if style is not LoweringStyle.PIPECC:
+        report, notes = verify_program(source.program, options, source.notes, style, path)
+        return Outcome(source.label, report, notes)
+    return verify_source(source, options, resolution)[0]
+
+
+def verify_source(
+    source: Source, options: Options, resolution: Resolution = DEFAULT_RESOLUTION
+) -> tuple[Outcome, Resolved | None]:
+    """Resolve an input as `pipecc run` does on `resolution.backend` and verify that program
+    once; the resolved program too, None when its compute order cannot run (a violation)."""
+    # a compute order that cannot run is a violation of a .json or .csv; a .sched file's
+    # compilation stops on it (exit 2)
+    if not source.compiled and needs_lowering(source.program):
+        refused = check_order(source.program, options)
+        if refused is not None:
+            return Outcome(source.label, refused, source.notes), None
+    resolved = resolve_source(source, resolution.backend, resolution.lowering, checked=False)
+    notes = (*resolved.notes, *_lowered_note(source, resolved))
+    report, notes = verify_program(resolved.program, options, notes)
+    return Outcome(source.label, report, notes), resolved
+
+
+def _lowered_note(source: Source, resolved: Resolved) -> tuple[str, ...]:
+    """The note of a compute-only .json or .csv lowered by the backend's policy."""
+    if source.compiled or resolved.choice is not Choice.BACKEND:
+        return ()
+    return (
+        f"compute-only input: sends, receives and waits placed by the {resolved.program.comm} "
+        "comm policy (docs/compile.md), then verified",
     )
-    report, notes = verify_program(program, options, notes, style, path)
-    return Outcome(input_label(path, ranks, microbatches), report, notes)

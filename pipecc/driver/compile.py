@@ -105,10 +105,24 @@ def compile_tree(
 ) -> Program:
     """Compile a parsed .sched file for one size (a sweep parses once, compiles many)."""
     with paused_gc():
-        streams = expand(tree, ranks=ranks, microbatches=microbatches, defines=defines)
-        program = assign_microbatches(streams)
-        del streams  # freed before lowering, which reuses its memory
+        program = order_tree(tree, ranks=ranks, microbatches=microbatches, defines=defines)
         return lower_program(program, lowering)
+
+
+def order_tree(
+    tree: ScheduleFile,
+    *,
+    ranks: int,
+    microbatches: int,
+    defines: Mapping[str, int] | None = None,
+) -> Program:
+    """A parsed .sched file expanded for one size, every op given its microbatch, before any
+    lowering: the compute order, with the sends, receives and waits the schedule places by
+    hand (docs/dsl.md §7). The op streams are freed on return, before lowering reuses their
+    memory."""
+    with paused_gc():
+        streams = expand(tree, ranks=ranks, microbatches=microbatches, defines=defines)
+        return assign_microbatches(streams)
 
 
 def compile_schedule(
@@ -125,6 +139,19 @@ def compile_schedule(
     return compile_source(
         text, str(path), ranks=ranks, microbatches=microbatches, defines=defines, lowering=lowering
     )
+
+
+def compile_order(
+    name_or_path: str | Path,
+    *,
+    ranks: int,
+    microbatches: int,
+    defines: Mapping[str, int] | None = None,
+) -> Program:
+    """A .sched file (or a bundled schedule by name) before lowering (`order_tree`)."""
+    path = resolve_schedule(str(name_or_path))
+    tree = parse(read_text(path), str(path))
+    return order_tree(tree, ranks=ranks, microbatches=microbatches, defines=defines)
 
 
 def schedule_parameters(path: str | Path) -> tuple[str, ...]:

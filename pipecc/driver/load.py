@@ -1,9 +1,25 @@
 """A Program from any input: a .sched file (compiled for the sizes), a compiled program
-(.json) or a torch.distributed.pipelining action CSV (.csv), chosen by extension."""
+(.json) or a torch.distributed.pipelining action CSV (.csv), chosen by extension, resolved
+for the backend it will run on.
+
+`resolve` is the one decision every command makes the same way (`pipecc run` on its real
+backend, `compile`, `verify` and `simulate` on `--backend`), so that `pipecc verify X
+--backend B [flags]` proves what `pipecc run X [flags]` runs on B:
+
+- an explicit `--comm-policy`, `--align` or `--lowering torch*` places every comm op
+  afresh, the input's own included, and a note says how many it replaced;
+- otherwise a compute-only input (a .sched file that places no comm op by hand, a
+  compute-only .json or .csv) gets the backend's policy (`RunBackend.policy`: early-recv on
+  gloo, the default on nccl);
+- a .sched file's hand-placed sends, receives and waits are kept (the default policy places
+  the messages it leaves out), and a .json or .csv with comm ops runs as it is.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -11,18 +27,45 @@ from pipecc.diagnostics import InputError, RefusedProgramError
 from pipecc.driver.compile import (
     DEFAULT_LOWERING,
     Lowering,
-    compile_schedule,
+    compile_order,
     lower_program,
-    place_again,
-    places_again,
 )
 from pipecc.driver.files import read_program, read_text
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
-from pipecc.ir.program import Program
-from pipecc.passes.insert_comms import strip_comms
+from pipecc.ir.program import Backend, Program
+from pipecc.passes.insert_comms import DEFAULT, EARLY_RECV, strip_comms
 from pipecc.passes.torch_program import LoweringStyle
+from pipecc.semantics import CommModel
 from pipecc.verify import check_input, check_order
+
+
+class RunBackend(enum.Enum):
+    """The torch.distributed backend a program runs on (`pipecc run`: gloo on CPU, nccl with
+    a GPU per rank), and what the resolution takes from it."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+    @property
+    def comm_model(self) -> CommModel:
+        """How its sends and receives complete (DESIGN §5): gloo progresses every posted op on
+        its own (rendezvous), nccl runs a pair's ops in order on one stream."""
+        return CommModel.RENDEZVOUS if self is RunBackend.GLOO else CommModel.NCCL
+
+    @property
+    def policy(self) -> str:
+        """The comm policy a compute-only input gets here: early receives on gloo (faster
+        there, docs/performance.md), the default, safe under every model, on nccl."""
+        return EARLY_RECV.policy if self is RunBackend.GLOO else DEFAULT.policy
+
+
+DEFAULT_BACKEND = RunBackend.NCCL
+
+
+def comm_ops(program: Program) -> int:
+    """The number of sends, receives and waits in `program`."""
+    return sum(type(x) in (Send, Recv, Wait) for instrs in program.ranks for x in instrs)
 
 
 def is_compute_only(program: Program) -> bool:
@@ -44,6 +87,187 @@ class Loaded(NamedTuple):
     notes: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Source:
+    """An input as read, before any comm op is placed: a .sched file's compute order with
+    the comm ops it places by hand (`compiled`), or a .json or .csv as its reader made it."""
+
+    label: str  # the input, with P and M for a .sched file
+    program: Program
+    notes: tuple[str, ...]  # what the reader ignored (CSV cells, unknown JSON fields)
+    compiled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What decides the program: the input and its sizes, the backend it runs on, and the
+    command's --comm-policy/--align/--lowering (`DEFAULT_LOWERING`: none of them given)."""
+
+    path: str
+    ranks: int | None = None
+    microbatches: int | None = None
+    defines: Mapping[str, int] = field(default_factory=dict)
+    backend: RunBackend = DEFAULT_BACKEND
+    lowering: Lowering = DEFAULT_LOWERING
+
+
+class Choice(enum.Enum):
+    """Where the placement of the resolved program's comm ops came from."""
+
+    BACKEND = "backend"  # a compute-only input, placed by the backend's policy
+    HAND = "hand-placed"  # a .sched file's own comm ops, kept
+    PROGRAM = "program"  # a .json or .csv with comm ops, as it is
+    FLAG = "flag"  # --comm-policy, --align or --lowering
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """The exact program a command runs, and how it was resolved."""
+
+    program: Program
+    label: str
+    how: str  # "hand-placed comm ops kept", "comm ops placed by early-recv (gloo's default)"
+    choice: Choice
+    notes: tuple[str, ...]  # the reader's, and the replacement of the input's comm ops
+    placed_for: str | None = None  # a note: the program was placed for another backend
+
+    @property
+    def description(self) -> str:
+        """One line: which program, and how its comm ops were placed."""
+        return f"{self.label}, {self.how}"
+
+
+def read_source(
+    path: str,
+    *,
+    ranks: int | None = None,
+    microbatches: int | None = None,
+    defines: Mapping[str, int] | None = None,
+) -> Source:
+    """Read an input by extension; a .sched file is expanded for the sizes, not lowered."""
+    if path.endswith(".csv"):
+        program, notes = _read_csv(path)
+        return Source(path, program, notes, compiled=False)
+    if path.endswith(".json"):
+        program, notes = read_program(path)
+        return Source(path, program, notes, compiled=False)
+    p, m = _sizes(path, ranks, microbatches)
+    order = compile_order(path, ranks=p, microbatches=m, defines=defines)
+    return Source(f"{path} P={p} M={m}", order, (), compiled=True)
+
+
+def resolve(request: Request, *, checked: bool = True) -> Resolved:
+    """The program `request` runs (module docstring). With `checked`, a .json or .csv is
+    first put through the verifier's input checks and refused (`RefusedProgramError`, exit
+    2) when it fails them; without, the caller verifies what it gets and checks a
+    compute-only one's order before (`driver.check.verify_source`, for `pipecc verify` and
+    `pipecc run`). The compute order of one whose comm ops a flag places afresh is always
+    checked first."""
+    source = read_source(
+        request.path,
+        ranks=request.ranks,
+        microbatches=request.microbatches,
+        defines=request.defines,
+    )
+    return resolve_source(source, request.backend, request.lowering, checked=checked)
+
+
+def resolve_source(
+    source: Source, backend: RunBackend, lowering: Lowering, *, checked: bool = True
+) -> Resolved:
+    """`resolve` for an input already read."""
+    program = source.program
+    if lowering != DEFAULT_LOWERING:
+        resolved = _replaced(source, lowering)
+    elif source.compiled and not is_compute_only(program):
+        resolved = _hand_placed(source)
+    elif source.compiled or needs_lowering(program):
+        if checked and not source.compiled:
+            refuse_invalid(source.label, program)
+        lowered = lower_program(program, Lowering(policy=backend.policy))
+        how = f"comm ops placed by {backend.policy} ({backend.value}'s default)"
+        resolved = Resolved(lowered, source.label, how, Choice.BACKEND, source.notes)
+    else:
+        if checked:
+            refuse_invalid(source.label, program)
+        how = f"comm ops as in the input ({program.comm})"
+        resolved = Resolved(program, source.label, how, Choice.PROGRAM, source.notes)
+    return replace(resolved, placed_for=placed_for_note(resolved, backend))
+
+
+def _hand_placed(source: Source) -> Resolved:
+    """A .sched file's hand-placed comm ops, kept; the default policy places the rest."""
+    hand = comm_ops(source.program)
+    program = lower_program(source.program)
+    more = comm_ops(program) - hand
+    rest = f", {more} more placed by the default policy" if more else ""
+    how = f"{hand} hand-placed comm ops kept{rest}"
+    return Resolved(program, source.label, how, Choice.HAND, source.notes)
+
+
+def _replaced(source: Source, lowering: Lowering) -> Resolved:
+    """An explicit --comm-policy, --align or --lowering: every comm op placed afresh from the
+    compute order, and a note naming how many of the input's it replaced."""
+    program, flag = source.program, _flag(lowering)
+    if lowering.style is not LoweringStyle.PIPECC:
+        refuse_torch_lowering(source.label, program, lowering.style, compiled=source.compiled)
+    if not source.compiled:
+        refuse_invalid(source.label, strip_comms(program))
+    placed = comm_ops(program)
+    lowered = lower_program(strip_comms(program), lowering)
+    notes = source.notes
+    how = f"comm ops placed by {flag}"
+    if placed:
+        what = "hand-placed sends, receives and waits" if source.compiled else "comm ops"
+        notes = (*notes, f"{flag} replaced the {placed} {what} of {source.label}")
+        how = f"{how}, replacing the input's {placed}"
+    return Resolved(lowered, source.label, how, Choice.FLAG, notes)
+
+
+def _flag(lowering: Lowering) -> str:
+    """The flag that asked for `lowering`, as the user wrote it."""
+    if not lowering.comms:
+        return "the compute order (no comm ops)"
+    if lowering.style is not LoweringStyle.PIPECC:
+        return f"--lowering {lowering.style.value}"
+    if lowering.align is not None:
+        return f"--align under {lowering.align.model.value}"
+    return f"--comm-policy {lowering.policy}"
+
+
+def placed_for(program: Program) -> RunBackend | None:
+    """The backend whose own policy placed `program` (early-recv: gloo, whose posted ops
+    progress on their own; the default: nccl), or None when no backend's policy did (an
+    alignment, torch's rules, a CSV's own comm cells)."""
+    for backend in RunBackend:
+        if program.comm == backend.policy:
+            return backend
+    return None
+
+
+def placed_for_note(resolved: Resolved, backend: RunBackend) -> str | None:
+    """A note when the program was placed for another backend than the one it runs on: one
+    that needs independent progress (`Backend.INDEPENDENT_PROGRESS`) on nccl, or one kept
+    from the input with another backend's policy."""
+    program = resolved.program
+    target = placed_for(program)
+    if target is None or target is backend:
+        return None
+    if program.backend is Backend.INDEPENDENT_PROGRESS:
+        return (
+            f"{resolved.label} is placed by the {program.comm} comm policy, for gloo: it needs "
+            f"every posted op to progress on its own, and {backend.value}'s ordered streams "
+            "deadlock on it by design (--comm-policy default places it for nccl)"
+        )
+    if resolved.choice is not Choice.PROGRAM:
+        return None
+    return (
+        f"{resolved.label} is placed by the {program.comm} comm policy, {target.value}'s; a "
+        f"compute-only input gets {backend.policy} on {backend.value} (--comm-policy "
+        f"{backend.policy} places it for {backend.value})"
+    )
+
+
 def load(
     path: str,
     *,
@@ -52,33 +276,21 @@ def load(
     defines: Mapping[str, int] | None = None,
     lowering: Lowering | None = DEFAULT_LOWERING,
 ) -> Loaded:
-    """The one entry point to a Program from any input, chosen by extension: a .sched file
-    (which needs the sizes) compiled with `lowering`, a compiled program (.json) or a torch
-    action CSV (.csv). A compute-only .json or .csv is lowered with `lowering`; a lowered one
-    gets its comm ops placed again only if `lowering` asks for an alignment or another policy
-    (`place_again`). Either is first put through the verifier's input checks and refused
-    (`RefusedProgramError`, exit 2) when it fails them: a command never runs a program with
-    a missing computation, a misplaced op or an op before its data. `lowering=None` returns a
-    .json or .csv as it was read, unchecked (`pipecc verify` reports its defects itself)."""
-    if path.endswith(".csv"):
-        program, notes = _read_csv(path)
-    elif path.endswith(".json"):
-        program, notes = read_program(path)
-    else:
-        p, m = _sizes(path, ranks, microbatches)
-        lower = DEFAULT_LOWERING if lowering is None else lowering
-        program = compile_schedule(path, ranks=p, microbatches=m, defines=defines, lowering=lower)
-        return Loaded(program, ())
-    if lowering is None:
-        return Loaded(program, notes)
-    if needs_lowering(program):
-        refuse_invalid(path, program)
-        return Loaded(lower_program(program, lowering), notes)
-    refuse_torch_lowering(path, program, lowering.style)
-    # a program whose comm ops are placed again is checked for its compute order; one kept,
-    # in full
-    refuse_invalid(path, strip_comms(program) if places_again(program, lowering) else program)
-    return Loaded(place_again(program, lowering), notes)
+    """A Program from any input, resolved for nccl (`resolve`), checked; `lowering=None`
+    returns a .json or .csv as it was read, unchecked (`pipecc verify` reports its defects
+    itself), and a .sched file as the default lowering compiles it."""
+    if lowering is None and path.endswith((".json", ".csv")):
+        source = read_source(path)
+        return Loaded(source.program, source.notes)
+    request = Request(
+        path,
+        ranks,
+        microbatches,
+        defines or {},
+        lowering=DEFAULT_LOWERING if lowering is None else lowering,
+    )
+    resolved = resolve(request)
+    return Loaded(resolved.program, resolved.notes)
 
 
 def refuse_invalid(label: str, program: Program) -> None:
@@ -92,9 +304,12 @@ def refuse_invalid(label: str, program: Program) -> None:
     raise RefusedProgramError(label, report.violations, found)
 
 
-def refuse_torch_lowering(path: str, program: Program, style: LoweringStyle) -> None:
-    """--lowering torch* lowers a compute order: an input with comm ops is bad input."""
-    if style is not LoweringStyle.PIPECC and not is_compute_only(program):
+def refuse_torch_lowering(
+    path: str, program: Program, style: LoweringStyle, *, compiled: bool = False
+) -> None:
+    """--lowering torch* lowers a compute order: a .json or .csv with comm ops is bad input
+    (a .sched file's hand-placed ones are replaced, as another --comm-policy replaces them)."""
+    if style is not LoweringStyle.PIPECC and not compiled and not is_compute_only(program):
         raise InputError(
             f"{path}: --lowering {style.value} lowers a compute-only schedule, and this input "
             "already has its sends and receives (torch runs them as written: check it without "

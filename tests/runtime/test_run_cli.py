@@ -46,6 +46,8 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert FIELDS <= set(report)
     assert report["schedule"] == "dualpipev"
     assert (report["comm"], report["comm_choice"]) == ("early-recv", "backend"), "gloo's policy"
+    assert report["program"] == "dualpipev P=2 M=4, comm ops placed by early-recv (gloo's default)"
+    assert (report["verified"], report["verified_ok"]) == ("rendezvous", True), "verified first"
     assert (report["ranks"], report["microbatches"], report["steps"]) == (2, 4, 2)
     assert report["batch_size"] == 32, "default batch size is 8·M"
     assert report["max_rel_grad_diff"] <= 1e-6

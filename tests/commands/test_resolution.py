@@ -1,0 +1,199 @@
+"""`pipecc verify X --backend B [flags]` proves what `pipecc run X [flags]` runs on B: for every
+kind of input (a .sched file without and with hand-placed comm ops, a bundled name, a .json
+with comm ops and a compute-only one, a torch CSV with and without comm cells), every way of
+placing the comm ops (none given, --comm-policy, --align, --lowering torch where it applies)
+and both backends, the program `run` would execute (its resolution, called with the backend:
+no process starts) is byte for byte the JSON `compile --backend B` writes and the program
+`verify --backend B` checks. The rule that decides it (docs/runtime.md) is checked beside."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, compile_bundled, run_cli
+
+import pipecc.driver.check
+from pipecc.cli import build_parser
+from pipecc.commands import run as run_command
+from pipecc.driver.load import RunBackend
+from pipecc.interop import json_program, torch_csv
+from pipecc.ir.ops import Compute, Instr, Kind, Msg, Send, is_compute
+from pipecc.ir.program import Program
+from pipecc.passes.torch_program import compute_only
+from pipecc.verify import Options, Report, verify
+
+MODEL = str(ROOT / "examples" / "mlp.py")
+# ZB-H1 with each gradient sent after the W that follows its I (docs/dsl.md §7.1): some comm
+# ops placed by hand, where the default policy would not put them, the rest by the policy
+HAND_PLACED = """\
+schedule zb_h1_send_late
+placement loop
+require M >= P
+phase warmup   { repeat P - rank { F } }
+phase fill     { repeat rank { I F } }
+phase steady   { repeat M - P { if rank > 0 { I W send grad F } else { I W F } } }
+phase cooldown { repeat P - rank { if rank > 0 { I W send grad } else { I W } } }
+phase drain    { repeat rank { W } }
+"""
+P, M = 2, 4
+SIZES = ("-P", str(P), "-M", str(M))
+
+
+def _write(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+# input kind -> (its path in a folder, whether it holds comm ops, whether it is a .sched)
+INPUTS: dict[str, Callable[[Path], str]] = {
+    "sched": lambda tmp: str(ROOT / "schedules" / "zb_h1.sched"),
+    "sched-hand-placed": lambda tmp: _write(tmp, "send_late.sched", HAND_PLACED),
+    "bundled": lambda tmp: "1f1b",
+    "json": lambda tmp: _write(tmp, "zbv.json", json_program.dumps(compile_bundled("zbv", P, M))),
+    "json-compute-only": lambda tmp: _write(
+        tmp, "zbv_order.json", json_program.dumps(compute_only(compile_bundled("zbv", P, M)))
+    ),
+    "csv": lambda tmp: _write(tmp, "zb_h1.csv", torch_csv.dumps(compile_bundled("zb_h1", P, M))),
+    "csv-comms": lambda tmp: _write(
+        tmp, "zb_h1_comms.csv", torch_csv.dumps(compile_bundled("zb_h1", P, M), with_comms=True)
+    ),
+}
+WITH_COMMS = {"sched-hand-placed", "json", "csv-comms"}
+FLAGS = {
+    "none": (),
+    "default": ("--comm-policy", "default"),
+    "early-recv": ("--comm-policy", "early-recv"),
+    "align": ("--align", "--cost", "F=1,B=2,I=1,W=1,comm=0.25"),
+    "torch": ("--lowering", "torch"),
+}
+
+
+def _sizes(kind: str) -> tuple[str, ...]:
+    return SIZES if kind.startswith(("sched", "bundled")) else ()
+
+
+def _illegal(kind: str, flag: str) -> bool:
+    """torch's lowering lowers a compute order: a .json or .csv with comm ops is refused."""
+    return flag == "torch" and kind in WITH_COMMS and kind != "sched-hand-placed"
+
+
+def run_program(path: str, args: tuple[str, ...], backend: RunBackend) -> Program:
+    """The program `pipecc run PATH ARGS` executes on `backend` (no process starts)."""
+    parsed = build_parser().parse_args(["run", path, "--model", MODEL, "--unverified", *args])
+    return run_command._program(parsed, lambda ranks: backend.value).resolved.program
+
+
+def verified_program(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *argv: str
+) -> Program:
+    """The one program `pipecc verify ARGV` checks."""
+    seen: list[Program] = []
+
+    def recording(program: Program, options: Options) -> Report:
+        seen.append(program)
+        return verify(program, options)
+
+    monkeypatch.setattr(pipecc.driver.check, "verify", recording)
+    code, out, err = run_cli(capsys, "verify", *argv)
+    assert code in (0, 1), out + err
+    assert len(seen) == 1, "verified once"
+    return seen[0]
+
+
+CASES = [
+    (kind, flag, backend)
+    for kind in INPUTS
+    for flag in FLAGS
+    for backend in RunBackend
+    if not _illegal(kind, flag)
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "flag", "backend"), CASES, ids=[f"{k}-{f}-{b.value}" for k, f, b in CASES]
+)
+def test_run_executes_what_compile_writes_and_verify_checks(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    flag: str,
+    backend: RunBackend,
+) -> None:
+    path = INPUTS[kind](tmp_path)
+    args = (*_sizes(kind), *FLAGS[flag])
+    ran = json_program.dumps(run_program(path, args, backend))
+    capsys.readouterr()
+    out = tmp_path / "compiled.json"
+    code, _, err = run_cli(
+        capsys, "compile", path, *args, "--backend", backend.value, "-o", str(out)
+    )
+    assert code == 0, err
+    assert out.read_text() == ran, "compile --backend writes what run executes"
+    checked = verified_program(capsys, monkeypatch, path, *args, "--backend", backend.value)
+    assert json_program.dumps(checked) == ran, "verify --backend checks what run executes"
+    _check_rule(kind, flag, backend, json_program.loads(ran), err)
+
+
+def _check_rule(kind: str, flag: str, backend: RunBackend, ran: Program, err: str) -> None:
+    """The rule of docs/runtime.md: the backend's policy for a compute-only input, the input's
+    own comm ops kept otherwise, every op placed afresh (and said) with a flag."""
+    hand, model = _sends_after_w(ran), backend.comm_model.value
+    if flag == "none":
+        assert "replaced" not in err
+        if kind == "sched-hand-placed":
+            assert (ran.comm, hand) == ("default", 3), "kept; the rest placed by the default"
+        elif kind in WITH_COMMS:
+            assert ran.comm in ("default", "torch-csv"), "as in the input"
+        else:
+            assert ran.comm == backend.policy, "a compute-only input gets the backend's policy"
+        return
+    assert hand == 0, "every comm op placed afresh"
+    expected = {"align": "aligned", "torch": "torch"}.get(flag, flag)
+    assert ran.comm.startswith(expected), ran.comm
+    if kind in WITH_COMMS:
+        said = " ".join(FLAGS[flag][:2]) if flag != "align" else f"--align under {model}"
+        assert re.search(f"note: {said} replaced the \\d+ ", err), err
+
+
+def _sends_after_w(program: Program) -> int:
+    """The gradient sends whose rank's last compute op before them is a W: where the
+    hand-placed schedule puts them, and no policy does."""
+    found = 0
+    for instrs in program.ranks:
+        last: Instr | None = None
+        for instr in instrs:
+            if is_compute(instr):
+                last = instr
+            elif type(instr) is Send and instr.what is Msg.GRAD:
+                found += type(last) is Compute and last.kind is Kind.W
+    return found
+
+
+@pytest.mark.parametrize("backend", list(RunBackend))
+def test_comm_defaults_to_the_backends_model(
+    capsys: pytest.CaptureFixture[str], backend: RunBackend
+) -> None:
+    """Without --comm, verify and simulate use the backend's comm model; --comm still wins."""
+    model = backend.comm_model.value
+    code, out, err = run_cli(capsys, "verify", "zb_h1", *SIZES, "--backend", backend.value)
+    assert code == 0, out + err
+    assert out.splitlines()[0].endswith(f"; {model} passes)"), out
+    code, out, err = run_cli(capsys, "simulate", "zb_h1", *SIZES, "--backend", backend.value)
+    assert code == 0, err
+    assert f"  comm {model}  " in out.splitlines()[0], out
+    code, out, _ = run_cli(capsys, "verify", "zb_h1", *SIZES, "--backend", backend.value,
+                           "--comm", "eager")  # fmt: skip
+    assert out.splitlines()[0].endswith("; eager passes)"), out
+
+
+def test_sweep_takes_no_resolution_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(
+        capsys, "verify", "zb_h1", "--sweep", "ranks=2..3", "microbatches=4", "--backend", "gloo"
+    )
+    assert code == 2
+    assert "--sweep verifies the default lowering for nccl" in err
