@@ -157,8 +157,18 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_costs(args: argparse.Namespace) -> CostModel:
-    """The cost model from --cost-file and --cost (flags win)."""
+    """The cost model from --cost-file and --cost (flags win), as given: per share of the
+    model (`program_costs` converts it for a program)."""
     model = load_cost_file(args.cost_file) if args.cost_file else CostModel()
     if args.cost:
         model = model.overridden_by(parse_cost_flag(args.cost))
     return model
+
+
+def program_costs(costs: CostModel, program: Program) -> CostModel:
+    """`costs` as `program`'s stages run them (docs/simulate.md), saying on stderr how a
+    file measured on another cut was converted."""
+    converted = costs.for_program(program)
+    if note := converted.conversion():
+        print(f"note: {note}", file=sys.stderr)
+    return converted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 
 from pipecc.api import compile_schedule, resolve_schedule, schedule_parameters
@@ -16,13 +17,17 @@ from pipecc.commands.common import (
 )
 from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
-from pipecc.semantics.costs import CostModel
+from pipecc.semantics.costs import CostModel, Cut
 from pipecc.simulate.timeline import Timeline, simulate
 
 EPILOG = """\
-The costs are for one rank's share of the model (1/P of it): a schedule that cuts the model
-into S stages per pipe (interleaved, ZB-V, DualPipeV: 2P) runs each stage at P/S of them, so
-every row trains the same model. --per-stage uses the costs as given for every stage instead.
+The costs are for one rank's share of the model (1/P of it), as in every command
+(docs/simulate.md): a schedule that cuts the model into S stages per pipe (interleaved, ZB-V,
+DualPipeV: 2P) runs each stage at P/S of them, so every row trains the same model and each
+row's makespan is `pipecc simulate`'s. --per-stage uses the global costs as given for every
+stage instead. `peak act` counts one stage's activations for one microbatch (DESIGN §2, as
+simulate's); `peak shares` is the same peak in shares of the model (a V-shape stage is half
+a share), the column that compares memory across rows.
 -D values apply to the schedules that declare that parameter. A schedule whose `require`
 rejects the sizes is listed as skipped, with the reason.
 
@@ -39,6 +44,7 @@ class Row:
     name: str
     timeline: Timeline | None
     skipped: str = ""
+    note: str = ""  # how a measured cost file was converted for this row's program
 
 
 def register(commands: SubParsers) -> None:
@@ -72,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         args = _sizes_of_programs(args)
     costs = load_costs(args)
     rows = [_row(name, args, costs) for name in args.files]
+    for note in dict.fromkeys(row.note for row in rows if row.note):  # each once, in order
+        print(f"note: {note}", file=sys.stderr)
     rows.sort(
         key=lambda row: (
             row.timeline is None,
@@ -118,9 +126,12 @@ def _row(name: str, args: argparse.Namespace, costs: CostModel) -> Row:
             )
         except RequirementError as err:  # not defined at these sizes; any other error is one
             return Row(path.stem, None, err.message)
-    if not args.per_stage:
-        costs = costs.scaled(program.num_ranks / program.placement.num_stages(0))
-    return Row(program.schedule, simulate(program, costs, model=CommModel(args.comm)))
+    if args.per_stage:
+        costs = costs.as_stage_costs(Cut.of(program))
+    else:
+        costs = costs.for_program(program)  # as simulate's: docs/simulate.md
+    timeline = simulate(program, costs, model=CommModel(args.comm))
+    return Row(program.schedule, timeline, note=costs.conversion())
 
 
 def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) -> str:
@@ -131,7 +142,7 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
         f"{costs.describe()}",
         f"{'schedule':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
-        f"{'peak act':>9s} {'stall total':>12s}",
+        f"{'peak act':>9s} {'peak shares':>12s} {'stall total':>12s}",
     ]
     for row in rows:
         if row.timeline is None:
@@ -143,9 +154,16 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         ratio = t.makespan / best if best else 1.0
         lines.append(
             f"{row.name:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
-            f"{peak:>9} {stalls:>12g}"
+            f"{peak:>9} {peak_shares(t):>12g} {stalls:>12g}"
         )
     return "\n".join(lines) + "\n"
+
+
+def peak_shares(timeline: Timeline) -> float:
+    """The largest peak of live activations in shares of the model (1/P of it): a stage of
+    a program with S stages per pipe is P/S shares (DESIGN §2's unit times that)."""
+    peak = max(stats.peak_activations for stats in timeline.ranks)
+    return peak * Cut.of(timeline.program).shares
 
 
 def _json(row: Row) -> dict[str, object]:
@@ -157,5 +175,6 @@ def _json(row: Row) -> dict[str, object]:
         "makespan": t.makespan,
         "bubble_ratio": t.bubble_ratio,
         "peak_activations": max(s.peak_activations for s in t.ranks),
+        "peak_shares": peak_shares(t),
         "stall_total": sum(s.length for r in t.ranks for s in r.stalls),
     }

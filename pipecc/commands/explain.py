@@ -6,7 +6,14 @@ import argparse
 import json
 
 from pipecc.analysis.critical_path import critical_path
-from pipecc.commands.common import SubParsers, add_cost_args, add_input_args, load_costs, load_input
+from pipecc.commands.common import (
+    SubParsers,
+    add_cost_args,
+    add_input_args,
+    load_costs,
+    load_input,
+    program_costs,
+)
 from pipecc.diagnostics import InputError
 from pipecc.ir.printer import describe
 from pipecc.semantics import CommModel
@@ -58,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                 else ""
             )
         )
-    timeline = simulate(program, load_costs(args), model=CommModel(args.comm))
+    costs = program_costs(load_costs(args), program)
+    timeline = simulate(program, costs, model=CommModel(args.comm))
     links = critical_path(timeline.replay, rank, index)
     if args.json:
         print(json.dumps([link.to_json() for link in links]))
