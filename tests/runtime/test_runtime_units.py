@@ -20,7 +20,7 @@ from pipecc.ir.keys import Message
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
-from pipecc.semantics.costs import load_cost_file
+from pipecc.semantics.costs import Cut, load_cost_file
 
 
 def test_a_gloo_only_program_is_refused_on_nccl() -> None:
@@ -154,9 +154,12 @@ def test_cost_file_round_trips_through_the_simulators_parser(tmp_path: Path) -> 
     a.sync(40.0, 40.010)
     b.sync(40.002, 40.011)  # from the last start to the last end: 9 ms
     path = tmp_path / "costs.toml"
-    path.write_text(render_cost_file([a, b], "measured here\nsecond line"))
+    loop = compile_schedule("1f1b", ranks=2, microbatches=2)
+    path.write_text(render_cost_file([a, b], "measured here\nsecond line", measured_on=loop))
     assert path.read_text().startswith("# measured here\n# second line\n\n[cost]\n")
     model = load_cost_file(path)
+    assert model.measured == Cut(2, 2, "loop")
+    assert model.base.F == pytest.approx(3.0), "per share: a loop stage is one share"
     # rank 1's late wait adds nothing; the others: 10 + c, 20.001 + c, 30 + c
     assert model.base.comm == pytest.approx((0.5 + 0.8 + 0.6) / 3, abs=1e-4)
     assert model.base.bytes == 128
