@@ -253,6 +253,21 @@ def test_every_command_takes_the_v_profile(
         capsys.readouterr()
         assert main(args) == 0, args
         captured = capsys.readouterr()
-        if args[0] != "search":
-            shown = captured.err + captured.out
-            assert "measured on vshape P=2 (4 stages), converted for loop P=2" in shown, args
+        shown = captured.err + captured.out
+        assert "measured on vshape P=2 (4 stages), converted for loop P=2" in shown, args
+
+
+def test_compare_per_stage_takes_costs_as_given_and_refuses_a_converted_profile(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = ["-P", "4", "-M", "8", "--cost", "F=1,B=2,I=1,W=1,comm=0.1"]
+    rows = _json(capsys, "compare", "zbv", *flags, "--per-stage", "--json")
+    one = _json(capsys, "simulate", "zbv", "-P", "4", "-M", "8", "--json",
+                "--cost", "F=2,B=4,I=2,W=2,comm=0.1")  # fmt: skip
+    assert isinstance(rows, list) and isinstance(one, dict)
+    assert rows[0]["makespan"] == pytest.approx(one["makespan"]), "each stage at the costs given"
+    capsys.readouterr()
+    code = main(["compare", "zb_h1", "-P", "2", "-M", "4", "--cost-file", str(PROFILE),
+                 "--per-stage"])  # fmt: skip
+    assert code == 2
+    assert "measured on vshape P=2 (4 stages), so per stage they are not" in capsys.readouterr().err

@@ -14,6 +14,8 @@ from pipecc.commands.common import SubParsers, positive, write_output
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
 from pipecc.render.grid import format_timeline
+from pipecc.search.engine import placements
+from pipecc.search.problem import Placement
 from pipecc.search.run import (
     Outcome,
     Request,
@@ -22,7 +24,7 @@ from pipecc.search.run import (
 )
 from pipecc.search.sched import write_sched
 from pipecc.semantics import CommModel
-from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
+from pipecc.semantics.costs import CostModel, Cut, load_cost_file, parse_cost_flag
 from pipecc.simulate.timeline import simulate
 
 DESCRIPTION = """\
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     request = _request(args)
     _note_host_costs(request.costs)
+    _note_conversions(request)
     outcome = run_search(request)
     _write(args, outcome)
     total = time.perf_counter() - began
@@ -171,6 +174,16 @@ def _note_host_costs(costs: CostModel) -> None:
             " them, as pipecc compare does)",
             file=sys.stderr,
         )
+
+
+def _note_conversions(request: Request) -> None:
+    """Say (on stderr) how a profile measured on another cut is converted for each
+    placement searched (docs/simulate.md)."""
+    for placement in placements(request.placement):
+        stages = request.ranks * (1 if placement is Placement.LOOP else 2)
+        cut = Cut(request.ranks, stages, placement.value)
+        if note := request.costs.for_cut(cut).conversion():
+            print(f"note: {note}", file=sys.stderr)
 
 
 def _write(args: argparse.Namespace, outcome: Outcome) -> None:

@@ -112,6 +112,9 @@ def costs_toml(problem: Problem, unit: str = "") -> str:
     ]
     if unit:
         lines.append(f'unit = "{unit}"')
+    # the cut the tables name (docs/simulate.md): another program converts them
+    lines.append(f'placement = "{problem.placement.value}"')
+    lines += [f"ranks = {problem.ranks}", f"stages = {problem.num_stages}"]
     lines.append(f"comm = {problem.comm!r}")
     for s in range(problem.num_stages):
         lines += ["", f"[cost.stage.{s}]", f"F = {problem.f[s]!r}", f"I = {problem.i[s]!r}"]

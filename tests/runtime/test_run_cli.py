@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -64,8 +63,6 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert model.base.bytes == 8 * 16 * 4, "one microbatch: 8 rows × 16 fp32"
     assert [stage for stage, _ in model.stages] == [0, 1, 2, 3]
     assert model.measured == Cut(2, 4, "vshape"), "the file says what it was measured on"
-    mean = statistics.fmean(cost.F for _, cost in model.stages if cost.F is not None)
-    assert model.base.F == pytest.approx(mean * 4 / 2, abs=1e-3), "[cost] is per share"
 
 
 @pytest.mark.parametrize(

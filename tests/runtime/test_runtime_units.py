@@ -170,6 +170,23 @@ def test_cost_file_round_trips_through_the_simulators_parser(tmp_path: Path) -> 
     assert model.stage(0).FB == pytest.approx(2.5)
 
 
+def test_a_v_shape_profile_is_per_share_and_says_what_it_ran(tmp_path: Path) -> None:
+    """[cost] is the mean over the stages times S/P (a V stage is half a share); the
+    tables stay as measured; placement, ranks and stages name the program."""
+    a, b = Recorder(step=0), Recorder(step=0)
+    for stage, recorder in ((0, a), (3, a), (1, b), (2, b)):
+        recorder.compute("F", stage, 0.001 * (stage + 1))  # 1, 2, 3, 4 ms: the mean 2.5
+    vee = compile_schedule("zbv", ranks=2, microbatches=2)
+    path = tmp_path / "v.toml"
+    path.write_text(render_cost_file([a, b], "a V shape", measured_on=vee))
+    model = load_cost_file(path)
+    assert model.measured == Cut(2, 4, "vshape")
+    assert model.base.F == pytest.approx(5.0), "per share: two V stages"
+    assert [cost.F for _, cost in model.stages] == pytest.approx([1, 2, 3, 4])
+    loop = model.for_program(compile_schedule("1f1b", ranks=2, microbatches=2))
+    assert [loop.stage(s).F for s in (0, 1)] == pytest.approx([3, 7]), "stages 2s, 2s+1 added"
+
+
 def test_comm_is_the_latency_that_reproduces_the_waits() -> None:
     """Under the rendezvous rule a wait is released at max(start, ready + comm)."""
     blocked = (9.9, 10.0, 10.0004)  # waiting before the transfer could start: 0.4 ms
