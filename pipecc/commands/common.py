@@ -139,14 +139,16 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cost",
         metavar="K=V,...",
-        help="durations, comm latency and host time, e.g. F=1,B=2,I=1,W=1,FB=2.5,comm=0.1,"
-        "post=0.05,wait=0.01,sync=3 (docs/simulate.md; default F=1,B=2,I=1,W=1)",
+        help="durations (per share, 1/P, of the model), comm latency and host time, e.g. "
+        "F=1,B=2,I=1,W=1,FB=2.5,comm=0.1,post=0.05,wait=0.01,sync=3 (docs/simulate.md; "
+        "default F=1,B=2,I=1,W=1)",
     )
     parser.add_argument(
         "--cost-file",
         metavar="TOML",
-        help="a cost file ([cost] and [cost.stage.N]; `pipecc run --profile` "
-        "writes one); --cost overrides its global values",
+        help="a cost file ([cost] per share, [cost.stage.N] for the program's stage N; "
+        "`pipecc run --profile` writes one, converted for the program); --cost overrides "
+        "its global values",
     )
     parser.add_argument(
         "--comm",
