@@ -233,6 +233,8 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             f"measured on {backend_for(program.num_ranks)} over {job.steps} timed step(s), "
             "means in ms: F, B, I, W, FB, FI = the",
             "wall time of each compute op (FB/FI: a fused F&B/F&I, under its forward's stage);",
+            "[cost] holds them per share of the model (1/P: the mean over the stages x S/P);",
+            "placement, ranks, stages = the program measured on (P, S stages per pipe);",
             "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
             "post = host time of a send or recv; wait = host time of a wait after its release;",
             "comm = the latency under which the rendezvous rule reproduces the run's waits;",
@@ -241,4 +243,5 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "bytes = median message size",
         )
     )
-    return render_cost_file(records, header, shared=results[0]["shared_stages"])
+    shared = results[0]["shared_stages"]
+    return render_cost_file(records, header, measured_on=program, shared=shared)

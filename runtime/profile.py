@@ -5,9 +5,12 @@ instruction and of every post, when each message was posted on each side, when e
 started and was released, and the duplicated-stage gradient sum. `render_cost_file` merges
 the records of all ranks into the simulator's TOML cost format (DESIGN §6):
 
-    [cost]            unit = "ms"; F, B, I, W, FB, FI (ms); post, wait (ms per op);
+    [cost]            unit = "ms"; placement, ranks, stages: the program's placement, its P
+                      and its stages per pipe S (what the profile was measured on);
+                      F, B, I, W, FB, FI (ms per share of the model, 1/P of it: the mean
+                      over every stage times S/P); post, wait (ms per op);
                       comm (ms per message); bytes (per message); sync (ms per step)
-    [cost.stage.N]    the same durations measured on stage N alone
+    [cost.stage.N]    the durations measured on stage N alone (ms, as measured)
 
 Stage N is the `stage` of the program (pipe 0's numbering); with two pipes (DualPipe) stage N
 of both pipes is one model stage and their samples are merged. A fused op is recorded as FB
@@ -37,7 +40,9 @@ one.
 - `sync`: per step, from the moment the last holder of a duplicated stage starts the
   gradient sum to the moment the last one has finished it.
 
-Ranks of `pipecc run` share one host, so their monotonic clocks agree.
+Ranks of `pipecc run` share one host, so their monotonic clocks agree. Every command that
+reads the file converts it for the program it is applied to (docs/simulate.md): a V-shape
+profile (2P stages) applied to a loop program adds stage 2s and 2s+1 into stage s.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pipecc.ir.keys import Message
+from pipecc.ir.program import Program
 
 WaitedOp = tuple[bool, Message]  # (a send?, its message)
 KEYS = ("F", "B", "I", "W", "FB", "FI")
@@ -176,20 +182,37 @@ def comm_costs(records: list[Recorder]) -> dict[str, float]:
 
 
 def render_cost_file(
-    records: list[Recorder], header: str, *, shared: Sequence[Sequence[int]] = ()
+    records: list[Recorder],
+    header: str,
+    *,
+    measured_on: Program,
+    shared: Sequence[Sequence[int]] = (),
 ) -> str:
-    """The TOML text: a comment header, `[cost]` (with `shared`, the groups of stages that
-    hold one parameter, where there are any), then `[cost.stage.N]` tables."""
+    """The TOML text: a comment header, `[cost]` (what it was measured on, the durations per
+    share, with `shared`, the groups of stages that hold one parameter, where there are any),
+    then `[cost.stage.N]` tables."""
     top, per_stage = compute_costs(records)
+    ranks, stages = measured_on.num_ranks, measured_on.placement.num_stages(0)
+    top = {key: round(value * stages / ranks, 4) for key, value in top.items()}  # per share
     top.update(comm_costs(records))
     top.update(host_costs(records))
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    lines += ["", "[cost]", 'unit = "ms"', *_table(top)]
+    lines += ["", "[cost]", 'unit = "ms"', *_measured_on(measured_on), *_table(top)]
     if shared:
         lines.append(f"shared = {[list(group) for group in shared]}")
     for stage, costs in per_stage.items():
         lines += ["", f"[cost.stage.{stage}]", *_table(costs)]
     return "\n".join(lines) + "\n"
+
+
+def _measured_on(program: Program) -> list[str]:
+    """The `[cost]` keys naming the cut the profile was measured on (docs/simulate.md)."""
+    placement = program.placement
+    return [
+        f'placement = "{placement.name}"',
+        f"ranks = {program.num_ranks}",
+        f"stages = {placement.num_stages(0)}",
+    ]
 
 
 def _table(values: dict[str, float]) -> list[str]:

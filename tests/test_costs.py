@@ -8,7 +8,7 @@ import pytest
 
 from pipecc.diagnostics import CostModelError
 from pipecc.semantics import Overhead
-from pipecc.semantics.costs import HostCost, load_cost_file, parse_cost_flag
+from pipecc.semantics.costs import Cut, HostCost, load_cost_file, parse_cost_flag
 
 
 def test_host_keys_from_the_flag() -> None:
@@ -33,7 +33,9 @@ def test_host_keys_from_a_file_and_the_flag_overrides(tmp_path: Path) -> None:
     assert model.host == HostCost(0.06, 0.004, 8.5)
     merged = model.overridden_by(parse_cost_flag("post=0.1"))
     assert merged.host == HostCost(0.1, 0.004, 8.5)
-    assert model.scaled(2.0).host == model.host, "host time does not scale with the stages"
+    v_cut = model.for_cut(Cut(ranks=2, stages=4))
+    assert v_cut.host == model.host, "host time does not scale with the stages"
+    assert v_cut.stage(0).F == 0.5
 
 
 @pytest.mark.parametrize(

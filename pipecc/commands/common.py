@@ -186,14 +186,16 @@ def add_cost_args(parser: argparse.ArgumentParser, *, backend: bool = False) -> 
     parser.add_argument(
         "--cost",
         metavar="K=V,...",
-        help="durations, comm latency and host time, e.g. F=1,B=2,I=1,W=1,FB=2.5,comm=0.1,"
-        "post=0.05,wait=0.01,sync=3 (docs/simulate.md; default F=1,B=2,I=1,W=1)",
+        help="durations (per share, 1/P, of the model), comm latency and host time, e.g. "
+        "F=1,B=2,I=1,W=1,FB=2.5,comm=0.1,post=0.05,wait=0.01,sync=3 (docs/simulate.md; "
+        "default F=1,B=2,I=1,W=1)",
     )
     parser.add_argument(
         "--cost-file",
         metavar="TOML",
-        help="a cost file ([cost] and [cost.stage.N]; `pipecc run --profile` "
-        "writes one); --cost overrides its global values",
+        help="a cost file ([cost] per share, [cost.stage.N] for the program's stage N; "
+        "`pipecc run --profile` writes one, converted for the program); --cost overrides "
+        "its global values",
     )
     parser.add_argument(
         "--comm",
@@ -205,8 +207,18 @@ def add_cost_args(parser: argparse.ArgumentParser, *, backend: bool = False) -> 
 
 
 def load_costs(args: argparse.Namespace) -> CostModel:
-    """The cost model from --cost-file and --cost (flags win)."""
+    """The cost model from --cost-file and --cost (flags win), as given: per share of the
+    model (`program_costs` converts it for a program)."""
     model = load_cost_file(args.cost_file) if args.cost_file else CostModel()
     if args.cost:
         model = model.overridden_by(parse_cost_flag(args.cost))
     return model
+
+
+def program_costs(costs: CostModel, program: Program) -> CostModel:
+    """`costs` as `program`'s stages run them (docs/simulate.md), saying on stderr how a
+    file measured on another cut was converted."""
+    converted = costs.for_program(program)
+    if note := converted.conversion():
+        print(f"note: {note}", file=sys.stderr)
+    return converted

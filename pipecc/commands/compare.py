@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import PurePath
 
@@ -17,13 +18,17 @@ from pipecc.commands.common import (
 )
 from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
-from pipecc.semantics.costs import CostModel
+from pipecc.semantics.costs import CostModel, Cut
 from pipecc.simulate.timeline import Timeline, simulate
 
 EPILOG = """\
-The costs are for one rank's share of the model (1/P of it): a schedule that cuts the model
-into S stages per pipe (interleaved, ZB-V, DualPipeV: 2P) runs each stage at P/S of them, so
-every row trains the same model. --per-stage uses the costs as given for every stage instead.
+The costs are for one rank's share of the model (1/P of it), as in every command
+(docs/simulate.md): a schedule that cuts the model into S stages per pipe (interleaved, ZB-V,
+DualPipeV: 2P) runs each stage at P/S of them, so every row trains the same model and each
+row's makespan is `pipecc simulate`'s. --per-stage uses the global costs as given for every
+stage instead. `peak act` counts one stage's activations for one microbatch (DESIGN §2, as
+simulate's); `peak shares` is the same peak in shares of the model (a V-shape stage is half
+a share), the column that compares memory across rows.
 -D values apply to the schedules that declare that parameter. A schedule whose `require`
 rejects the sizes is listed as skipped, with the reason.
 
@@ -43,6 +48,7 @@ class Row:
     name: str
     timeline: Timeline | None
     skipped: str = ""
+    note: str = ""  # how a measured cost file was converted for this row's program
 
 
 def register(commands: SubParsers) -> None:
@@ -77,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     costs = load_costs(args)
     labels = input_labels(args.files, args.defines)
     rows = [_row(name, label, args, costs) for name, label in zip(args.files, labels, strict=True)]
+    for note in dict.fromkeys(row.note for row in rows if row.note):  # each once, in order
+        print(f"note: {note}", file=sys.stderr)
     rows.sort(
         key=lambda row: (
             row.timeline is None,
@@ -149,9 +157,12 @@ def _row(name: str, label: str, args: argparse.Namespace, costs: CostModel) -> R
             )
         except RequirementError as err:  # not defined at these sizes; any other error is one
             return Row(label, path.stem, None, err.message)
-    if not args.per_stage:
-        costs = costs.scaled(program.num_ranks / program.placement.num_stages(0))
-    return Row(label, program.schedule, simulate(program, costs, model=CommModel(args.comm)))
+    if args.per_stage:
+        costs = costs.as_stage_costs(Cut.of(program))
+    else:
+        costs = costs.for_program(program)  # as simulate's: docs/simulate.md
+    timeline = simulate(program, costs, model=CommModel(args.comm))
+    return Row(label, program.schedule, timeline, note=costs.conversion())
 
 
 def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) -> str:
@@ -162,7 +173,7 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
         f"{costs.describe()}",
         f"{'input':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
-        f"{'peak act':>9s} {'stall total':>12s}",
+        f"{'peak act':>9s} {'peak shares':>12s} {'stall total':>12s}",
     ]
     for row in rows:
         if row.timeline is None:
@@ -174,9 +185,16 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         ratio = t.makespan / best if best else 1.0
         lines.append(
             f"{row.label:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
-            f"{peak:>9} {stalls:>12g}"
+            f"{peak:>9} {peak_shares(t):>12g} {stalls:>12g}"
         )
     return "\n".join(lines) + "\n"
+
+
+def peak_shares(timeline: Timeline) -> float:
+    """The largest peak of live activations in shares of the model (1/P of it): a stage of
+    a program with S stages per pipe is P/S shares (DESIGN §2's unit times that)."""
+    peak = max(stats.peak_activations for stats in timeline.ranks)
+    return peak * Cut.of(timeline.program).shares
 
 
 def _json(row: Row) -> dict[str, object]:
@@ -189,5 +207,6 @@ def _json(row: Row) -> dict[str, object]:
         "makespan": t.makespan,
         "bubble_ratio": t.bubble_ratio,
         "peak_activations": max(s.peak_activations for s in t.ranks),
+        "peak_shares": peak_shares(t),
         "stall_total": sum(s.length for r in t.ranks for s in r.stalls),
     }

@@ -7,7 +7,14 @@ import difflib
 import json
 
 from pipecc.analysis.critical_path import critical_path
-from pipecc.commands.common import SubParsers, add_cost_args, add_input_args, load_costs, load_input
+from pipecc.commands.common import (
+    SubParsers,
+    add_cost_args,
+    add_input_args,
+    load_costs,
+    load_input,
+    program_costs,
+)
 from pipecc.diagnostics import InputError, ParseError
 from pipecc.frontend.parser import parse_op_name
 from pipecc.ir.ops import computations, is_compute
@@ -137,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
     rank, which = args.op
     index = _index(program, rank, which)
-    timeline = simulate(program, load_costs(args), model=CommModel(args.comm))
+    costs = program_costs(load_costs(args), program)
+    timeline = simulate(program, costs, model=CommModel(args.comm))
     links = critical_path(timeline.replay, rank, index)
     if args.json:
         print(json.dumps([link.to_json() for link in links]))

@@ -14,6 +14,8 @@ from pipecc.commands.common import SubParsers, positive, write_output
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
 from pipecc.render.grid import format_timeline
+from pipecc.search.engine import placements
+from pipecc.search.problem import Placement
 from pipecc.search.run import (
     Outcome,
     Request,
@@ -22,16 +24,18 @@ from pipecc.search.run import (
 )
 from pipecc.search.sched import write_sched
 from pipecc.semantics import CommModel
-from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
+from pipecc.semantics.costs import CostModel, Cut, load_cost_file, parse_cost_flag
 from pipecc.simulate.timeline import simulate
 
 DESCRIPTION = """\
 Search the op order (forwards F, input gradients I, weight gradients W) of every rank for
-the shortest step under the given per-stage costs and a per-rank memory cap, lower it to a
-program aligned for --comm, verify it under every comm model, and report it with a lower
-bound (docs/search.md). Costs and memory are for one rank's share (1/P) of the model:
-[cost] and [cost.stage.N] with N < P, as 'pipecc run --profile' writes them for a loop
-schedule; a V shape (--placement vshape) cuts each share in two stages of half the cost.
+the shortest step under the given costs and a per-rank memory cap, lower it to a program
+aligned for --comm, verify it under every comm model, and report it with a lower bound
+(docs/search.md). Costs follow every command's convention (docs/simulate.md): [cost] and
+--mem are per share (1/P) of the model, a V shape (--placement vshape) cuts each share in
+two stages of half the cost; a [cost.stage.N] table is stage N of the placement's cut; a
+profile ('pipecc run --profile') measured on another cut is converted. The makespan and
+baseline lines are simulated as 'pipecc compare' simulates the program and the bundled one.
 """
 
 EPILOG = """\
@@ -61,7 +65,7 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument("-M", "--microbatches", type=positive, required=True, help="microbatches")
     cmd.add_argument("--cost", metavar="K=V,...", help="per-share costs, e.g. F=1,I=1,W=1,comm=0.2")
     cmd.add_argument(
-        "--cost-file", metavar="TOML", help="per-share cost file ([cost.stage.N], N < P)"
+        "--cost-file", metavar="TOML", help="a cost file or profile (docs/simulate.md)"
     )
     cmd.add_argument(
         "--memory",
@@ -144,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     request = _request(args)
     _note_host_costs(request.costs)
+    _note_conversions(request)
     outcome = run_search(request)
     _write(args, outcome)
     total = time.perf_counter() - began
@@ -151,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(outcome.to_json()))
     else:
         print(_table(outcome, total), end="")
-        timeline = simulate(outcome.lowered.program, outcome.lowered.costs, model=outcome.comm)
+        program = outcome.lowered.program
+        timeline = simulate(program, request.costs.for_program(program), model=outcome.comm)
         print(format_timeline(timeline, width=120), end="")
     return 0
 
@@ -164,10 +170,20 @@ def _note_host_costs(costs: CostModel) -> None:
     if given:
         print(
             f"note: the search's latency model has no host time: {', '.join(given)} are not"
-            " in its figures nor in OUT.costs.toml (pipecc simulate with the given costs"
-            " adds them)",
+            " in its search nor in OUT.costs.toml (its makespan and baseline lines include"
+            " them, as pipecc compare does)",
             file=sys.stderr,
         )
+
+
+def _note_conversions(request: Request) -> None:
+    """Say (on stderr) how a profile measured on another cut is converted for each
+    placement searched (docs/simulate.md)."""
+    for placement in placements(request.placement):
+        stages = request.ranks * (1 if placement is Placement.LOOP else 2)
+        cut = Cut(request.ranks, stages, placement.value)
+        if note := request.costs.for_cut(cut).conversion():
+            print(f"note: {note}", file=sys.stderr)
 
 
 def _write(args: argparse.Namespace, outcome: Outcome) -> None:

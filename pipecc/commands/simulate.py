@@ -14,6 +14,7 @@ from pipecc.commands.common import (
     load_costs,
     load_input,
     positive,
+    program_costs,
     write_output,
 )
 from pipecc.diagnostics import InputError
@@ -75,7 +76,7 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     program = load_input(args.file, args)
-    costs = load_costs(args)
+    costs = program_costs(load_costs(args), program)
     if costs.names_stage_ops() and not has_stage_ops(program):
         print(
             "note: the costs name UNSHARD, RESHARD or REDUCE_GRAD, and this program holds none "

@@ -114,7 +114,7 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--cost",
         metavar="K=V,...",
-        help="durations and latency for --stall-budget (docs/simulate.md)",
+        help="durations (per share of the model) and latency for --stall-budget (docs/simulate.md)",
     )
     cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --stall-budget")
     cmd.add_argument(

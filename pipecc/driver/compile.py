@@ -59,7 +59,8 @@ def lower_program(program: Program, lowering: Lowering = DEFAULT_LOWERING) -> Pr
     if lowering.style is not LoweringStyle.PIPECC:
         return lower_in_style(program, lowering.style)
     if lowering.align is not None:
-        return align_comms(program, costs=lowering.align.costs, model=lowering.align.model)
+        costs = lowering.align.costs.for_program(program)  # per share → per stage (§6)
+        return align_comms(program, costs=costs, model=lowering.align.model)
     if lowering.policy is None or lowering.policy == DEFAULT.policy:
         return insert_comms(program)
     return insert_comms(strip_comms(program), placement=POLICIES[lowering.policy])

@@ -4,7 +4,8 @@ Every bundled schedule whose placement is the problem's (loop or vshape) and whi
 for the problem's P and M without fused ops is turned into an `Order` (a full backward B is
 an I followed at once by its W: the same durations, B = I + W, and the same memory, B's
 change being I's plus W's). Those that fit the memory cap are candidates of the search and
-the `baseline` of its report.
+the `baseline` of its report, where each is simulated as `pipecc compare` simulates it (the
+compiled program, the costs converted for it, the comm model).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import NamedTuple
 from pipecc.api import bundled_schedules, compile_schedule, read_text
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import Compute, Fused, Kind
+from pipecc.ir.program import Program
 from pipecc.search.problem import OpKind, Order, Problem, SearchOp, evaluate, fits
 
 _SPLIT = {
@@ -28,11 +30,13 @@ _SPLIT = {
 
 
 class Bundled(NamedTuple):
-    """A bundled schedule's order for the problem and its latency-model makespan."""
+    """A bundled schedule's order for the problem, its latency-model makespan and its
+    compiled program (the default comm placement, as `pipecc compare` compiles it)."""
 
     name: str
     order: Order
     score: float
+    program: Program
 
 
 @functools.lru_cache(maxsize=8)
@@ -41,12 +45,13 @@ def bundled_orders(problem: Problem) -> tuple[Bundled, ...]:
     cap, best first."""
     found = []
     for name, path in bundled_schedules().items():
-        order = _order(name, path, problem)
-        if order is None:
+        compiled = _order(name, path, problem)
+        if compiled is None:
             continue
+        order, program = compiled
         evaluation = evaluate(problem, order)
         if evaluation is not None and fits(problem, evaluation):
-            found.append(Bundled(name, order, evaluation.score(problem.objective)))
+            found.append(Bundled(name, order, evaluation.score(problem.objective), program))
     return tuple(sorted(found, key=lambda b: (b.score, b.name)))
 
 
@@ -56,7 +61,7 @@ def _placement_line(path: Path) -> str | None:
     return found[1] if found else "loop"
 
 
-def _order(name: str, path: Path, problem: Problem) -> Order | None:
+def _order(name: str, path: Path, problem: Problem) -> tuple[Order, Program] | None:
     if _placement_line(path) != problem.placement.value:  # spares compiling the others
         return None
     try:
@@ -74,4 +79,4 @@ def _order(name: str, path: Path, problem: Problem) -> Order | None:
             elif type(instr) is Fused:  # two ops overlapped: not in the search's op set
                 return None
         ranks.append(tuple(ops))
-    return tuple(ranks)
+    return tuple(ranks), program

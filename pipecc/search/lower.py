@@ -112,6 +112,9 @@ def costs_toml(problem: Problem, unit: str = "") -> str:
     ]
     if unit:
         lines.append(f'unit = "{unit}"')
+    # the cut the tables name (docs/simulate.md): another program converts them
+    lines.append(f'placement = "{problem.placement.value}"')
+    lines += [f"ranks = {problem.ranks}", f"stages = {problem.num_stages}"]
     lines.append(f"comm = {problem.comm!r}")
     for s in range(problem.num_stages):
         lines += ["", f"[cost.stage.{s}]", f"F = {problem.f[s]!r}", f"I = {problem.i[s]!r}"]
@@ -119,12 +122,20 @@ def costs_toml(problem: Problem, unit: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def aligned_makespan(problem: Problem, order: Order, *, model: CommModel) -> float:
-    """The step of `order` aligned for `model`, under `model` (no checks: for comparing
-    bundled schedules, which are verified where they are shipped)."""
-    costs = stage_costs(problem)
-    program = align_comms(to_program(problem, order), costs=costs, model=model)
-    return simulate(program, costs, model=model).makespan
+def compare_makespan(program: Program, costs: CostModel, *, model: CommModel) -> float:
+    """The makespan `pipecc compare` prints for `program` with `costs` (as given: per share,
+    converted for the program, host time included) under `model`."""
+    return simulate(program, costs.for_program(program), model=model).makespan
+
+
+def adopt(problem: Problem, program: Program, *, model: CommModel, unit: str = "") -> Lowered:
+    """A bundled schedule's own program (verified where it is shipped) as the result, with
+    the cut's costs."""
+    costs = stage_costs(problem, unit)
+    makespan = simulate(program, costs, model=model).makespan
+    return Lowered(
+        program, costs, makespan, simulate(program, costs, model=CommModel.EAGER).makespan
+    )
 
 
 def lower(

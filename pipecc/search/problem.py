@@ -16,10 +16,12 @@ evaluator of the search is tested against:
 - each op changes its rank's memory when it runs: F by `mem_f`, I by `mem_i`, W by `mem_w`
   of its stage; a rank's peak is the largest running total (from 0) along its order.
 
-Costs are given for one rank's share (1/P) of the model (`[cost]` and `[cost.stage.N]`,
-N < P, as `pipecc run --profile` writes them for a loop schedule). A placement with S stages
-runs stage s at P/S of share ⌊s·P/S⌋'s duration and memory, so that loop and V placements
-are compared on the same model and the same memory.
+Costs follow the one convention of every command (docs/simulate.md): `[cost]` is per share
+(1/P) of the model, and `CostModel.for_cut` turns it into the durations of each stage of the
+placement's cut (S = P or 2P stages, each P/S shares); a `[cost.stage.N]` table is stage N of
+that cut, and a profile measured on another cut is converted. Memory (`--mem`) is per share:
+a stage holds P/S of it, so that loop and V placements are compared on the same model and
+the same memory.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipecc.diagnostics import CostModelError
-from pipecc.semantics.costs import CostModel
+from pipecc.semantics.costs import CostModel, Cut
 
 
 class Placement(enum.Enum):
@@ -156,26 +158,21 @@ class Problem:
         mem: MemDeltas = DEFAULT_MEM,
         objective: Objective = Objective.MAKESPAN,
     ) -> Problem:
-        """The problem for per-share costs (`[cost]` + `[cost.stage.N]`, N < P).
+        """The problem for costs as given (per share, `CostModel.for_cut`).
 
-        Raises CostModelError for an override of a share N ≥ P or per-share message
-        latencies that differ (the search's latency model has one `comm`)."""
-        shares = share_costs(costs, ranks)
+        Raises CostModelError for a stage table the cut does not have or message latencies
+        that differ between stages (the search's latency model has one `comm`)."""
         stages = ranks if placement is Placement.LOOP else 2 * ranks
+        cost = stage_costs(costs.for_cut(Cut(ranks, stages, placement.value)), stages)
         scale = ranks / stages
-        share_of = [s * ranks // stages for s in range(stages)]
-
-        def per_stage(values: tuple[float, ...]) -> tuple[float, ...]:
-            return tuple(values[share_of[s]] * scale for s in range(stages))
-
         return cls(
             ranks=ranks,
             microbatches=microbatches,
             placement=placement,
-            f=per_stage(shares.f),
-            i=per_stage(shares.i),
-            w=per_stage(shares.w),
-            comm=shares.comm,
+            f=cost.f,
+            i=cost.i,
+            w=cost.w,
+            comm=cost.comm,
             mem_f=(mem.F * scale,) * stages,
             mem_i=(mem.I * scale,) * stages,
             mem_w=(mem.W * scale,) * stages,
@@ -184,8 +181,8 @@ class Problem:
         )
 
 
-class ShareCosts(NamedTuple):
-    """Durations per share (index = share, one rank's 1/P of the model) and the latency."""
+class StageCosts(NamedTuple):
+    """Durations per stage of a cut (index = stage) and the latency."""
 
     f: tuple[float, ...]
     i: tuple[float, ...]
@@ -193,23 +190,16 @@ class ShareCosts(NamedTuple):
     comm: float
 
 
-def share_costs(costs: CostModel, ranks: int) -> ShareCosts:
-    """Resolve per-share durations from a cost model given for one rank's share."""
-    for stage, _ in costs.stages:
-        if stage >= ranks:
-            raise CostModelError(
-                f"[cost.stage.{stage}]: costs are per share (1/P) of the model, N must be"
-                f" < P={ranks}; a V-shape profile has 2P stages: share N is its stages 2N"
-                " and 2N+1 together (add their durations)"
-            )
-    resolved = [costs.stage(s) for s in range(ranks)]
+def stage_costs(costs: CostModel, stages: int) -> StageCosts:
+    """The per-stage durations of a cost model converted for a cut of `stages` stages."""
+    resolved = [costs.stage(s) for s in range(stages)]
     latencies = {cost.comm for cost in resolved}
     if len(latencies) > 1:
         raise CostModelError(
-            f"comm differs between shares ({', '.join(f'{c:g}' for c in sorted(latencies))}):"
+            f"comm differs between stages ({', '.join(f'{c:g}' for c in sorted(latencies))}):"
             " the search's latency model has one message latency; give comm under [cost] only"
         )
-    return ShareCosts(
+    return StageCosts(
         tuple(c.F for c in resolved),
         tuple(c.I for c in resolved),
         tuple(c.W for c in resolved),

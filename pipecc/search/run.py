@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from pipecc.diagnostics import InputError, PipeccError
+from pipecc.ir.program import Program
 from pipecc.search.baseline import Bundled, bundled_orders
 from pipecc.search.bounds import lower_bound
 from pipecc.search.engine import (
@@ -24,7 +25,7 @@ from pipecc.search.engine import (
     search,
     smallest_cap,
 )
-from pipecc.search.lower import Lowered, aligned_makespan, costs_toml, lower
+from pipecc.search.lower import Lowered, adopt, compare_makespan, costs_toml, lower
 from pipecc.search.problem import (
     Evaluation,
     MemDeltas,
@@ -54,12 +55,14 @@ class Request(NamedTuple):
 
 
 class Baseline(NamedTuple):
-    """The best bundled schedule that fits the cap, simulated like the result."""
+    """The best bundled schedule that fits the cap, simulated like the result: as `pipecc
+    compare` simulates it (its compiled program, the given costs converted for it)."""
 
     name: str
     makespan: float
     order: Order
     problem: Problem
+    program: Program
 
 
 class NoScheduleError(PipeccError):
@@ -75,16 +78,13 @@ class Outcome(NamedTuple):
     problem: Problem
     order: Order
     lowered: Lowered
+    makespan: float  # the written program's, as `pipecc compare` simulates it
     comm: CommModel
     lower_bound: float
     seconds: float
     baseline: Baseline | None
     chosen_by: str
     costs_text: str
-
-    @property
-    def makespan(self) -> float:
-        return self.lowered.makespan
 
     @property
     def gap(self) -> float:
@@ -189,8 +189,7 @@ def run_search(req: Request) -> Outcome:
             f"no schedule fits --memory {req.cap:g}: the smallest cap that has one is {need:g}"
             f" ({placement} placement, one microbatch in flight at a time)"
         )
-    best = min(results, key=lambda r: (r.score, r.problem.placement.value))
-    return _finish(req, best, bundled, searched, seconds)
+    return _finish(req, results, bundled, searched, seconds)
 
 
 def _problem(req: Request, placement: Placement) -> Problem:
@@ -211,28 +210,33 @@ def _bundled_candidates(problem: Problem) -> list[Order]:
 
 def _finish(
     req: Request,
-    best: SearchResult,
+    results: list[SearchResult],
     bundled: dict[Placement, tuple[Bundled, ...]],
     searched: list[Problem],
     seconds: float,
 ) -> Outcome:
     unit = req.costs.unit
-    lowered = lower(best.problem, best.order, model=req.comm, unit=unit)
+    best, lowered, makespan = _best(req, results)
     baseline = _baseline(req, bundled, searched)
     problem, order, chosen = best.problem, best.order, "search"
     same = [b.name for b in bundled.get(problem.placement, []) if b.order == order]
     if same:
         chosen = f"search (the bundled {same[0]}'s order was the best found)"
-    faster = baseline is not None and baseline.makespan < lowered.makespan - 1e-9
+    faster = baseline is not None and baseline.makespan < makespan - 1e-9
     if faster and baseline is not None and best.problem.objective is Objective.MAKESPAN:
         problem, order = baseline.problem, baseline.order
         lowered = lower(problem, order, model=req.comm, unit=unit)
+        makespan = compare_makespan(lowered.program, req.costs, model=req.comm)
+        if makespan > baseline.makespan + 1e-9:  # its own placement beats the alignment
+            lowered = adopt(problem, baseline.program, model=req.comm, unit=unit)
+            makespan = baseline.makespan
         chosen = f"the bundled {baseline.name} (faster under {req.comm.value})"
     return Outcome(
         result=best,
         problem=problem,
         order=order,
         lowered=lowered,
+        makespan=makespan,
         comm=req.comm,
         lower_bound=lower_bound(replace(problem, objective=Objective.MAKESPAN)),
         seconds=seconds,
@@ -242,12 +246,29 @@ def _finish(
     )
 
 
+def _best(req: Request, results: list[SearchResult]) -> tuple[SearchResult, Lowered, float]:
+    """The result to keep: the best objective; for the makespan, the shortest as `pipecc
+    compare` simulates it (with host time, under --comm), since the search's latency model
+    can rank placements otherwise (--placement auto)."""
+    ranked = sorted(results, key=lambda r: (r.score, r.problem.placement.value))
+    if req.objective != Objective.MAKESPAN.value:
+        ranked = ranked[:1]
+    found = []
+    for result in ranked:
+        lowered = lower(result.problem, result.order, model=req.comm, unit=req.costs.unit)
+        found.append(
+            (compare_makespan(lowered.program, req.costs, model=req.comm), result, lowered)
+        )
+    makespan, best, lowered = min(found, key=lambda item: item[0])
+    return best, lowered, makespan
+
+
 def _baseline(
     req: Request, bundled: dict[Placement, tuple[Bundled, ...]], problems: list[Problem]
 ) -> Baseline | None:
-    """The bundled schedules in latency-model order; each is aligned and simulated under
-    --comm until the next one's latency-model step (a floor for every comm model) cannot
-    beat the best so far."""
+    """The bundled schedules in latency-model order; each is simulated as `pipecc compare`
+    does (its compiled program, the given costs, --comm) until the next one's latency-model
+    step (a floor for every comm model and host time) cannot beat the best so far."""
     entries = sorted(
         ((entry, problem) for problem in problems for entry in bundled.get(problem.placement, ())),
         key=lambda pair: (pair[0].score, pair[0].name),
@@ -256,7 +277,7 @@ def _baseline(
     for entry, problem in entries:
         if best is not None and entry.score >= best.makespan - 1e-9:
             break
-        makespan = aligned_makespan(problem, entry.order, model=req.comm)
+        makespan = compare_makespan(entry.program, req.costs, model=req.comm)
         if best is None or makespan < best.makespan:
-            best = Baseline(entry.name, makespan, entry.order, problem)
+            best = Baseline(entry.name, makespan, entry.order, problem, entry.program)
     return best

@@ -26,10 +26,22 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   gradients, and so pays `sync`, when its placement puts the group's stages
                   on more than one rank (global only; `pipecc run --profile` writes it)
     unit          the name of the time unit, for display ("ms" in files the runtime writes)
+    placement, ranks, stages
+                  the cut a file's costs were measured on (a file only; `pipecc run --profile`
+                  writes them): its placement's name, its P and its stages per pipe S
 
 Defaults: F=1, B=2, I=1, W=1. Given only B, I = W = B/2; given I and W, B = I + W; given B
 and I, W = B - I. A stage override `[cost.stage.N]` applies to stage N of every pipe (the two
 pipes of DualPipe hold the same layers at the same stage index).
+
+The convention (docs/simulate.md, DESIGN §6): global costs are per share of the model (1/P).
+`CostModel.for_program` turns a model as given into the one stage of a program runs: the
+work of a stage (F, B, I, W, FB, FI, UNSHARD, RESHARD, REDUCE_GRAD, act_bytes) is scaled to
+the stage's part of the model (P/S shares); a message's latency and size (comm, bytes) and
+host time (post, wait, sync) are not. A `[cost.stage.N]` table is stage N of that program,
+used as given; a file that says what it was measured on (`ranks`, `stages`) is converted to
+the program's cut where the two differ. Every command calls it; the simulator and the replay
+engine take the converted model (per stage).
 """
 
 from __future__ import annotations
@@ -43,13 +55,42 @@ from typing import Any, cast
 
 from pipecc.diagnostics import CostModelError
 from pipecc.ir.ops import Compute, Fused, Kind, Send, Sequential, StageOp
+from pipecc.ir.program import Program
 
 # torch's per-stage actions (docs/interop.md): 0 unless given
 STAGE_OP_KEYS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 
 DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes", *STAGE_OP_KEYS)
 HOST_KEYS = ("post", "wait", "sync")  # global only: a rank's host time, a step's sync
-GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "shared", "unit")
+CUT_KEYS = ("placement", "ranks", "stages")  # what a file was measured on (a file only)
+GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "shared", "unit", *CUT_KEYS)
+# the work of one stage: scaled to the stage's part of the model (module docstring)
+WORK_KEYS = ("F", "B", "I", "W", "FB", "FI", *STAGE_OP_KEYS, "act_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """How a program cuts the model: P ranks, S stages per pipe (each stage P/S shares of
+    the model, a share being 1/P of it), and the placement's name (for messages)."""
+
+    ranks: int
+    stages: int
+    placement: str = ""
+
+    @classmethod
+    def of(cls, program: Program) -> Cut:
+        """The cut of `program` (pipe 0's stages: DualPipe's two pipes hold the same ones)."""
+        placement = program.placement
+        return cls(program.num_ranks, placement.num_stages(0), placement.name)
+
+    @property
+    def shares(self) -> float:
+        """How many shares (1/P of the model) one stage holds: P/S."""
+        return self.ranks / self.stages
+
+    def describe(self) -> str:
+        name = f"{self.placement} " if self.placement else ""
+        return f"{name}P={self.ranks} ({self.stages} stages)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +167,11 @@ class CostModel:
     unit: str = ""
     host: HostCost = HostCost()
     shared: tuple[tuple[int, ...], ...] = ()
+    measured: Cut | None = None  # the cut a file says it was measured on
+    applied: Cut | None = None  # the program's cut, once `for_program` has converted it
+    origin: str = ""  # the file the costs came from, for messages
+    default_scale: float = 1.0  # the defaults F=1, B=2 per share, times this per stage
+    given: CostModel | None = field(default=None, compare=False, repr=False)  # before
     _resolved: dict[int, ResolvedCost] = field(default_factory=dict, compare=False, repr=False)
 
     def stage(self, stage: int) -> ResolvedCost:
@@ -133,7 +179,7 @@ class CostModel:
         cached = self._resolved.get(stage)
         if cached is None:
             raw = dict(self.stages).get(stage, StageCost()).over(self.base)
-            cached = _resolve(raw, self.bandwidth)
+            cached = _resolve(raw, self.bandwidth, self.default_scale)
             self._resolved[stage] = cached
         return cached
 
@@ -187,26 +233,95 @@ class CostModel:
         """The duplicated-stage gradient sum's time per step (0 where not given)."""
         return self.host.sync or 0.0
 
-    def scaled(self, factor: float) -> CostModel:
-        """Compute durations multiplied by `factor` (comm and sizes unchanged): the same
-        model cut into more, smaller stages."""
-        if factor == 1:
+    def for_program(self, program: Program) -> CostModel:
+        """The costs as `program`'s stages run them: the one conversion every command
+        applies (module docstring). A model already converted for this cut is returned as
+        it is."""
+        return self.for_cut(Cut.of(program))
+
+    def for_cut(self, cut: Cut) -> CostModel:
+        """`for_program` for a cut without a program (the search's loop and V cuts).
+
+        Global work is per share of the measured P (the program's where none is given):
+        times P/S of the cut. Stage tables are the cut's stages as given; measured on
+        another number of stages, they are added or divided over the same part of the
+        model. Raises CostModelError for a table naming a stage the cut does not have."""
+        if self.applied is not None:
+            if (self.applied.ranks, self.applied.stages) != (cut.ranks, cut.stages):
+                raise ValueError(f"costs for {self.applied.describe()} applied to {cut}")
             return self
+        measured = self.measured
+        ranks = measured.ranks if measured is not None else cut.ranks
+        factor = ranks / cut.stages
+        base = _scaled(self.base, factor)
+        if measured is None or measured.stages == cut.stages:
+            self._check_stages(cut)
+            stages, shared = self.stages, self.shared
+        else:
+            stages = self._recut(measured, cut)
+            shared = _recut_shared(self.shared, measured.stages, cut.stages)
+        return replace(
+            self,
+            base=base,
+            stages=stages,
+            shared=shared,
+            default_scale=factor,
+            applied=cut,
+            given=self,
+            _resolved={},
+        )
 
-        def scale(cost: StageCost) -> StageCost:
-            values = {key: getattr(cost, key) for key in ("F", "B", "I", "W", "FB", "FI")}
-            return replace(cost, **{k: v * factor for k, v in values.items() if v is not None})
+    def as_stage_costs(self, cut: Cut) -> CostModel:
+        """The global costs as one stage's of `cut`, unscaled (compare --per-stage); stage
+        tables as given. A file measured on another cut is refused: its figures are for
+        that cut's stages."""
+        if self.measured is not None and self.measured.stages != cut.stages:
+            raise CostModelError(
+                f"{self.origin or 'the costs'}: measured on {self.measured.describe()}, so "
+                f"per stage they are not {cut.describe()}'s; without --per-stage they are "
+                "converted"
+            )
+        self._check_stages(cut)
+        return replace(self, applied=cut, given=self, _resolved={})
 
-        base = self.base
-        if all(getattr(base, key) is None for key in ("F", "B", "I", "W")):
-            base = replace(base, F=1.0, B=2.0)  # scale the defaults too
-        return CostModel(
-            scale(base),
-            tuple((n, scale(c)) for n, c in self.stages),
-            self.bandwidth,
-            self.unit,
-            self.host,
-            self.shared,
+    def conversion(self) -> str:
+        """What `for_program` did to a measured file, in one line ('' if nothing)."""
+        measured, cut = self.measured, self.applied
+        if measured is None or cut is None:
+            return ""
+        if (measured.ranks, measured.stages) == (cut.ranks, cut.stages):
+            return ""
+        tables = self.given is not None and bool(self.given.stages)
+        how = f"; {_recut_rule(measured.stages, cut.stages)}" if tables else ""
+        if tables and measured.stages == cut.stages:
+            how = "; its stage tables name the same stages"
+        return (
+            f"{self.origin or 'the costs'}: measured on {measured.describe()}, converted for "
+            f"{cut.describe()}: [cost] per share of P={measured.ranks}, "
+            f"×{ratio(measured.ranks, cut.stages)} per stage{how}"
+        )
+
+    def _check_stages(self, cut: Cut) -> None:
+        for stage, _ in self.stages:
+            if stage >= cut.stages:
+                raise CostModelError(
+                    f"{self.origin or '--cost'}: [cost.stage.{stage}] names a stage that "
+                    f"{cut.describe()} does not have (stages 0..{cut.stages - 1}); a "
+                    "[cost.stage.N] table is stage N of the program it is applied to (a file "
+                    "with `ranks` and `stages`, as a profile writes, is converted instead)"
+                )
+
+    def _recut(self, measured: Cut, cut: Cut) -> tuple[tuple[int, StageCost], ...]:
+        """The stage tables of a file measured on `measured`, for the stages of `cut`."""
+        if not self.stages:
+            return ()
+        factor = measured.ranks / measured.stages
+        base = _scaled(self.base, factor)
+        tables = dict(self.stages)
+        raw = [tables.get(j, StageCost()).over(base) for j in range(measured.stages)]
+        done = [_resolve(cost, self.bandwidth, factor) for cost in raw]
+        return tuple(
+            (s, _recut_stage(raw, done, s, measured.stages, cut.stages)) for s in range(cut.stages)
         )
 
     def overridden_by(self, other: CostModel) -> CostModel:
@@ -218,10 +333,27 @@ class CostModel:
             unit=other.unit or self.unit,
             host=other.host.over(self.host),
             shared=other.shared or self.shared,
+            measured=self.measured,
+            origin=self.origin,
         )
 
     def describe(self) -> str:
-        """One line: the global costs as given (for report headers)."""
+        """One line: the global costs as given, and what stage 0 runs (for report headers);
+        'per share' with the stage's figures where the conversion changed them."""
+        resolved = self.stage(0)
+        figures = (
+            f"F={_fmt(resolved.F)}, B={_fmt(resolved.B)}, I={_fmt(resolved.I)}, "
+            f"W={_fmt(resolved.W)}, comm={_fmt(resolved.comm)}"
+        )
+        source, cut = self.given, self.applied
+        if source is None or cut is None:
+            return f"{self._given()} ({figures})"
+        unchanged = source.measured is None and cut.ranks == cut.stages
+        if unchanged:
+            return f"{source._given()} ({figures})"
+        return f"{source._given()} per share (a stage of {cut.stages}: {figures})"
+
+    def _given(self) -> str:
         given = [
             f"{k}={_fmt(getattr(self.base, k))}"
             for k in DURATION_KEYS
@@ -236,16 +368,78 @@ class CostModel:
         ]
         if self.shared:
             given.append(f"shared={format_shared(self.shared)}")
-        resolved = self.stage(0)
-        shown = ", ".join(given) if given else "defaults"
-        return (
-            f"{shown} (F={_fmt(resolved.F)}, B={_fmt(resolved.B)}, I={_fmt(resolved.I)}, "
-            f"W={_fmt(resolved.W)}, comm={_fmt(resolved.comm)})"
-        )
+        return ", ".join(given) if given else "defaults"
 
 
 def _fmt(value: float) -> str:
     return f"{value:g}"
+
+
+def ratio(numerator: int, denominator: int) -> str:
+    """`2/4` → `1/2`, `4/4` → `1`: a scale factor as a fraction."""
+    divisor = math.gcd(numerator, denominator)
+    top, bottom = numerator // divisor, denominator // divisor
+    return str(top) if bottom == 1 else f"{top}/{bottom}"
+
+
+def _scaled(cost: StageCost, factor: float) -> StageCost:
+    """The work of one stage multiplied by `factor` (latency and sizes of messages stay)."""
+    if factor == 1:
+        return cost
+    values = {key: getattr(cost, key) for key in WORK_KEYS}
+    return replace(cost, **{k: v * factor for k, v in values.items() if v is not None})
+
+
+def _recut_stage(
+    raw: list[StageCost], done: list[ResolvedCost], stage: int, measured: int, stages: int
+) -> StageCost:
+    """Stage `stage` of `stages` from the `measured` stages: each measured stage's work
+    weighted by the part of it that lies in this stage; the latency and message size of the
+    measured stage where this one begins (its messages cross that boundary)."""
+    # in units of 1/(measured·stages) of the model: this stage is [stage·measured, +measured),
+    # measured stage j is [j·stages, +stages)
+    low, high = stage * measured, (stage + 1) * measured
+    weights = []
+    for j in range(measured):
+        overlap = min(high, (j + 1) * stages) - max(low, j * stages)
+        if overlap > 0:
+            weights.append((j, overlap / stages))
+    first = raw[weights[0][0]]
+    work = {key: _weighted(done, weights, key) for key in WORK_KEYS}
+    for key in STAGE_OP_KEYS:  # 0 unless given: given where any measured stage gives it
+        if all(getattr(raw[j], key) is None for j, _ in weights):
+            work[key] = None
+    return StageCost(**work, comm=first.comm, bytes=first.bytes)
+
+
+def _recut_rule(measured: int, stages: int) -> str:
+    """How stage s of `stages` is made of the `measured` stages, in words."""
+    if measured % stages == 0:
+        k = measured // stages
+        return f"stage s = measured stages {k}s..{k}s+{k - 1} added"
+    if stages % measured == 0:
+        k = stages // measured
+        return f"stage s = 1/{k} of measured stage s//{k}"
+    return "each stage = the measured stages' work over the same part of the model"
+
+
+def _weighted(done: list[ResolvedCost], weights: list[tuple[int, float]], key: str) -> float | None:
+    """Σ weight · `key` of the weighted stages; None where one of them has no value."""
+    total = 0.0
+    for j, weight in weights:
+        value: float | None = getattr(done[j], key)
+        if value is None:
+            return None
+        total += value * weight
+    return total
+
+
+def _recut_shared(
+    groups: tuple[tuple[int, ...], ...], measured: int, stages: int
+) -> tuple[tuple[int, ...], ...]:
+    """`shared` groups of measured stages as the stages of the new cut that hold them."""
+    mapped = (tuple(sorted({s * stages // measured for s in group})) for group in groups)
+    return tuple(sorted(group for group in mapped if len(group) > 1))
 
 
 def format_shared(groups: tuple[tuple[int, ...], ...]) -> str:
@@ -253,13 +447,15 @@ def format_shared(groups: tuple[tuple[int, ...], ...]) -> str:
     return "/".join("+".join(str(stage) for stage in group) for group in groups)
 
 
-def _resolve(cost: StageCost, bandwidth: float | None) -> ResolvedCost:
-    F = cost.F if cost.F is not None else 1.0
+def _resolve(cost: StageCost, bandwidth: float | None, scale: float = 1.0) -> ResolvedCost:
+    """Defaults and derivations applied; the defaults F=1 and B=2 are per share, times
+    `scale` (a converted model's shares per stage)."""
+    F = cost.F if cost.F is not None else scale
     B, I, W = cost.B, cost.I, cost.W  # noqa: E741
     if B is None and I is not None and W is not None:
         B = I + W
     if B is None:
-        B = 2.0 if I is None and W is None else (I or W or 1.0) * 2
+        B = 2.0 * scale if I is None and W is None else (I or W or 1.0) * 2
     if I is None and W is None:
         I = W = B / 2  # noqa: E741
     elif I is None:
@@ -396,6 +592,7 @@ def load_cost_file(path: str | Path) -> CostModel:
 
 def _model(values: dict[str, Any], stages: Any, where: str) -> CostModel:
     unit = str(values.pop("unit", ""))
+    measured = _measured(values, where)
     shared = _shared(values.pop("shared"), where) if "shared" in values else ()
     bandwidth = values.pop("bandwidth", None)
     host = HostCost(
@@ -417,11 +614,42 @@ def _model(values: dict[str, Any], stages: Any, where: str) -> CostModel:
         unit=unit,
         host=host,
         shared=shared,
+        measured=measured,
+        origin="" if where == "--cost" else where,
     )
+    if measured is not None:
+        model._check_stages(measured)
     model.stage(0)  # resolve once, so inconsistent values fail here with the file's name
     for stage, _ in overrides:
         model.stage(stage)
     return model
+
+
+def _measured(values: dict[str, Any], where: str) -> Cut | None:
+    """`placement`, `ranks`, `stages`: the cut a file was measured on (popped from
+    `values`); `ranks` and `stages` come together, `placement` is its name."""
+    given = {key: values.pop(key) for key in CUT_KEYS if key in values}
+    if not given:
+        return None
+    if where == "--cost":
+        raise CostModelError(
+            f"--cost: {', '.join(given)}: what costs were measured on is given in a cost file only"
+        )
+    if "ranks" not in given or "stages" not in given:
+        raise CostModelError(
+            f"{where}: give ranks and stages together (the P and the stages per pipe the "
+            "costs were measured on)"
+        )
+    sizes = []
+    for key in ("ranks", "stages"):
+        value = given[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CostModelError(f"{where}: {key} must be a positive integer, got {value!r}")
+        sizes.append(value)
+    placement = given.get("placement", "")
+    if not isinstance(placement, str):
+        raise CostModelError(f"{where}: placement must be a name, got {placement!r}")
+    return Cut(sizes[0], sizes[1], placement)
 
 
 def _shared(value: Any, where: str) -> tuple[tuple[int, ...], ...]:

@@ -116,6 +116,8 @@ def _verify(program: Program, options: Options) -> Report:
     if options.max_activations is not None:
         check_memory(ctx, found, options.max_activations)
     waits = _check_waits(ctx, options, verdicts)
+    if waits and options.costs is not None and (converted := _conversion(options.costs, program)):
+        notes = (*notes, converted)
     return Report(
         program=program,
         options=options,
@@ -126,6 +128,11 @@ def _verify(program: Program, options: Options) -> Report:
         notes=notes,
         waits=waits,
     )
+
+
+def _conversion(costs: CostModel, program: Program) -> str:
+    """How a cost file measured on another cut was converted for the stall budget."""
+    return costs.for_program(program).conversion()
 
 
 def _check_waits(

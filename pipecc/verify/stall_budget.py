@@ -62,7 +62,9 @@ def check_stalls(
     ctx: Context, costs: CostModel, model: CommModel, budget: StallBudget
 ) -> WaitTotals | None:
     """Report every placement-bound wait over `budget` under `model`; None when the program
-    does not run to completion there (the deadlock check reports that)."""
+    does not run to completion there (the deadlock check reports that). `costs` are
+    converted for the program as in every command (per share of the model, docs/simulate.md)."""
+    costs = costs.for_program(ctx.program)
     run = replay(ctx.program, model=model, timing=CostTiming(costs), wiring=ctx.wiring)
     if not run.finished:
         return None

@@ -20,7 +20,7 @@ import pytest
 
 from pipecc.api import compile_schedule
 from pipecc.cli import main
-from pipecc.semantics.costs import load_cost_file
+from pipecc.semantics.costs import Cut, load_cost_file
 from pipecc.simulate.timeline import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +64,7 @@ def test_json_check_and_profile(tmp_path: Path) -> None:
     assert model.host.sync is None, "DualPipeV holds every stage once: nothing to sum"
     assert model.base.bytes == 8 * 16 * 4, "one microbatch: 8 rows × 16 fp32"
     assert [stage for stage, _ in model.stages] == [0, 1, 2, 3]
+    assert model.measured == Cut(2, 4, "vshape"), "the file says what it was measured on"
 
 
 @pytest.mark.parametrize(
@@ -88,7 +89,8 @@ def test_profile_of_tied_weights_names_the_shared_stages(
     model = load_cost_file(costs)
     assert model.shared == (shared,), costs.read_text()
     assert (model.sync > 0) is summed, costs.read_text()
-    timeline = simulate(compile_schedule(name, ranks=2, microbatches=2), model)
+    program = compile_schedule(name, ranks=2, microbatches=2)
+    timeline = simulate(program, model.for_program(program))
     assert timeline.sync == model.sync
     assert timeline.step == timeline.makespan + model.sync
 

@@ -20,7 +20,7 @@ from pipecc.ir.keys import Message
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
-from pipecc.semantics.costs import load_cost_file
+from pipecc.semantics.costs import Cut, load_cost_file
 
 
 def test_a_gloo_only_program_is_refused_on_nccl() -> None:
@@ -154,9 +154,12 @@ def test_cost_file_round_trips_through_the_simulators_parser(tmp_path: Path) -> 
     a.sync(40.0, 40.010)
     b.sync(40.002, 40.011)  # from the last start to the last end: 9 ms
     path = tmp_path / "costs.toml"
-    path.write_text(render_cost_file([a, b], "measured here\nsecond line"))
+    loop = compile_schedule("1f1b", ranks=2, microbatches=2)
+    path.write_text(render_cost_file([a, b], "measured here\nsecond line", measured_on=loop))
     assert path.read_text().startswith("# measured here\n# second line\n\n[cost]\n")
     model = load_cost_file(path)
+    assert model.measured == Cut(2, 2, "loop")
+    assert model.base.F == pytest.approx(3.0), "per share: a loop stage is one share"
     # rank 1's late wait adds nothing; the others: 10 + c, 20.001 + c, 30 + c
     assert model.base.comm == pytest.approx((0.5 + 0.8 + 0.6) / 3, abs=1e-4)
     assert model.base.bytes == 128
@@ -165,6 +168,23 @@ def test_cost_file_round_trips_through_the_simulators_parser(tmp_path: Path) -> 
     assert model.host.sync == pytest.approx(9.0, abs=1e-4)
     assert model.stage(1).F == pytest.approx(4.0) and model.stage(0).B == pytest.approx(2.0)
     assert model.stage(0).FB == pytest.approx(2.5)
+
+
+def test_a_v_shape_profile_is_per_share_and_says_what_it_ran(tmp_path: Path) -> None:
+    """[cost] is the mean over the stages times S/P (a V stage is half a share); the
+    tables stay as measured; placement, ranks and stages name the program."""
+    a, b = Recorder(step=0), Recorder(step=0)
+    for stage, recorder in ((0, a), (3, a), (1, b), (2, b)):
+        recorder.compute("F", stage, 0.001 * (stage + 1))  # 1, 2, 3, 4 ms: the mean 2.5
+    vee = compile_schedule("zbv", ranks=2, microbatches=2)
+    path = tmp_path / "v.toml"
+    path.write_text(render_cost_file([a, b], "a V shape", measured_on=vee))
+    model = load_cost_file(path)
+    assert model.measured == Cut(2, 4, "vshape")
+    assert model.base.F == pytest.approx(5.0), "per share: two V stages"
+    assert [cost.F for _, cost in model.stages] == pytest.approx([1, 2, 3, 4])
+    loop = model.for_program(compile_schedule("1f1b", ranks=2, microbatches=2))
+    assert [loop.stage(s).F for s in (0, 1)] == pytest.approx([3, 7]), "stages 2s, 2s+1 added"
 
 
 def test_comm_is_the_latency_that_reproduces_the_waits() -> None:

@@ -39,16 +39,34 @@ def test_v_stages_run_at_half_their_share(tmp_path: object) -> None:
     assert vee.mem_f == (0.5,) * 4 and vee.mem_w == (-0.5,) * 4 and vee.comm == 0.5
 
 
-def test_share_override_beyond_p_is_refused(tmp_path: pytest.TempPathFactory) -> None:
+def test_stage_tables_name_the_cuts_stages(tmp_path: pytest.TempPathFactory) -> None:
+    """A [cost.stage.N] table is stage N of the placement's cut, used as given; global costs
+    are per share (a V stage runs half of one)."""
     path = tmp_path / "c.toml"  # type: ignore[operator]
     path.write_text("[cost]\nF=1\n[cost.stage.1]\nF=3\n[cost.stage.2]\nF=2\n")
     costs = load_cost_file(path)
     loop = Problem.from_costs(costs, ranks=3, microbatches=1, placement=Placement.LOOP, cap=1)
     assert loop.f == (1, 3, 2)
     vee = Problem.from_costs(costs, ranks=3, microbatches=1, placement=Placement.VSHAPE, cap=1)
-    assert vee.f == (0.5, 0.5, 1.5, 1.5, 1, 1)  # stage s runs share ⌊s/2⌋ at half
-    with pytest.raises(CostModelError, match="N must be < P=2"):
+    assert vee.f == (0.5, 3, 2, 0.5, 0.5, 0.5)
+    with pytest.raises(CostModelError, match=r"\[cost.stage.2\] names a stage that loop P=2"):
         Problem.from_costs(costs, ranks=2, microbatches=1, placement=Placement.LOOP, cap=1)
+
+
+def test_a_v_profile_is_converted_for_the_loop_cut(tmp_path: pytest.TempPathFactory) -> None:
+    """A file measured on a V shape (2P stages): the loop's stage s adds stages 2s and 2s+1;
+    per-share globals apply to both cuts."""
+    path = tmp_path / "v.toml"  # type: ignore[operator]
+    path.write_text(
+        '[cost]\nplacement = "vshape"\nranks = 2\nstages = 4\nF = 2\nI = 2\nW = 2\n'
+        "[cost.stage.0]\nF = 1\n[cost.stage.1]\nF = 2\n[cost.stage.2]\nF = 3\n"
+        "[cost.stage.3]\nF = 4\nI = 0.5\n"
+    )
+    costs = load_cost_file(path)
+    loop = Problem.from_costs(costs, ranks=2, microbatches=1, placement=Placement.LOOP, cap=1)
+    assert loop.f == (3, 7) and loop.i == (2, 1.5) and loop.w == (2, 2)
+    vee = Problem.from_costs(costs, ranks=2, microbatches=1, placement=Placement.VSHAPE, cap=1)
+    assert vee.f == (1, 2, 3, 4) and vee.i == (1, 1, 1, 0.5)
 
 
 def test_evaluate_replays_in_the_latency_model() -> None:

@@ -84,7 +84,7 @@ def test_bad_input_exits_2(
     assert message in err
 
 
-def test_a_share_override_beyond_p_exits_2(
+def test_a_stage_table_beyond_the_cut_exits_2(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     costs = tmp_path / "v.toml"
@@ -92,7 +92,7 @@ def test_a_share_override_beyond_p_exits_2(
     code, _, err = _search(capsys, "-P", "2", "-M", "2", "--cost-file", str(costs),
                            "--memory", "2")  # fmt: skip
     assert code == 2
-    assert "N must be < P=2" in err and "stages 2N and 2N+1" in err
+    assert "[cost.stage.3] names a stage that loop P=2 (2 stages) does not have" in err
 
 
 @pytest.mark.parametrize(("ranks", "placement"), [(2, "vshape"), (4, "loop")])
@@ -137,4 +137,4 @@ def test_host_costs_of_a_profile_are_named_as_left_out(
                              "--memory", "2", "--json")  # fmt: skip
     assert code == 0
     assert set(json.loads(out)) == KEYS  # stdout stays one JSON object
-    assert "no host time: post=0.1 are not in its figures" in err
+    assert "no host time: post=0.1 are not in its search" in err
