@@ -24,7 +24,7 @@ from pipecc.search.engine import (
     search,
     smallest_cap,
 )
-from pipecc.search.lower import Lowered, aligned_makespan, costs_toml, lower
+from pipecc.search.lower import ALIGNED, Lowered, Placing, costs_toml, lower, placed_makespan
 from pipecc.search.problem import (
     Evaluation,
     MemDeltas,
@@ -48,9 +48,15 @@ class Request(NamedTuple):
     mem: MemDeltas
     placement: str  # loop | vshape | auto
     objective: str
-    comm: CommModel
+    comm: CommModel  # the model the result is placed for (aligned) and reported under
     time_limit: float | None
     seed: int = 0
+    policy: str = ALIGNED  # how its comm ops are placed (lower.Placing)
+    backend: str = "nccl"  # the backend it is placed for: gloo or nccl
+
+    @property
+    def placing(self) -> Placing:
+        return Placing(self.policy, self.comm)
 
 
 class Baseline(NamedTuple):
@@ -76,6 +82,8 @@ class Outcome(NamedTuple):
     order: Order
     lowered: Lowered
     comm: CommModel
+    placing: Placing
+    backend: str
     lower_bound: float
     seconds: float
     baseline: Baseline | None
@@ -121,6 +129,8 @@ class Outcome(NamedTuple):
             "placement": self.problem.placement.value,
             "seconds": self.seconds,
             "baseline": None if base is None else {"name": base.name, "makespan": base.makespan},
+            "backend": self.backend,
+            "comm": self.lowered.program.comm,
         }
 
     def header(self) -> str:
@@ -217,7 +227,7 @@ def _finish(
     seconds: float,
 ) -> Outcome:
     unit = req.costs.unit
-    lowered = lower(best.problem, best.order, model=req.comm, unit=unit)
+    lowered = lower(best.problem, best.order, placing=req.placing, unit=unit)
     baseline = _baseline(req, bundled, searched)
     problem, order, chosen = best.problem, best.order, "search"
     same = [b.name for b in bundled.get(problem.placement, []) if b.order == order]
@@ -226,7 +236,7 @@ def _finish(
     faster = baseline is not None and baseline.makespan < lowered.makespan - 1e-9
     if faster and baseline is not None and best.problem.objective is Objective.MAKESPAN:
         problem, order = baseline.problem, baseline.order
-        lowered = lower(problem, order, model=req.comm, unit=unit)
+        lowered = lower(problem, order, placing=req.placing, unit=unit)
         chosen = f"the bundled {baseline.name} (faster under {req.comm.value})"
     return Outcome(
         result=best,
@@ -234,6 +244,8 @@ def _finish(
         order=order,
         lowered=lowered,
         comm=req.comm,
+        placing=req.placing,
+        backend=req.backend,
         lower_bound=lower_bound(replace(problem, objective=Objective.MAKESPAN)),
         seconds=seconds,
         baseline=baseline,
@@ -245,9 +257,9 @@ def _finish(
 def _baseline(
     req: Request, bundled: dict[Placement, tuple[Bundled, ...]], problems: list[Problem]
 ) -> Baseline | None:
-    """The bundled schedules in latency-model order; each is aligned and simulated under
-    --comm until the next one's latency-model step (a floor for every comm model) cannot
-    beat the best so far."""
+    """The bundled schedules in latency-model order; each is placed like the result and
+    simulated under --comm until the next one's latency-model step (a floor for every comm
+    model) cannot beat the best so far."""
     entries = sorted(
         ((entry, problem) for problem in problems for entry in bundled.get(problem.placement, ())),
         key=lambda pair: (pair[0].score, pair[0].name),
@@ -256,7 +268,7 @@ def _baseline(
     for entry, problem in entries:
         if best is not None and entry.score >= best.makespan - 1e-9:
             break
-        makespan = aligned_makespan(problem, entry.order, model=req.comm)
+        makespan = placed_makespan(problem, entry.order, req.placing)
         if best is None or makespan < best.makespan:
             best = Baseline(entry.name, makespan, entry.order, problem)
     return best
