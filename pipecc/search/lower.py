@@ -19,6 +19,7 @@ from pipecc.ir.ops import Compute, Kind
 from pipecc.ir.placement import loop_placement, vshape_placement
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.align_comms import POLICY, align_comms
+from pipecc.passes.comm.placement import backend_of
 from pipecc.passes.insert_comms import POLICIES, insert_comms
 from pipecc.search.problem import (
     OpKind,
@@ -57,8 +58,7 @@ class Placing(NamedTuple):
     @property
     def backend(self) -> Backend:
         """What the placed program needs of the backend (Program.backend)."""
-        found = POLICIES.get(self.policy)
-        return Backend.ANY if found is None else found.backend
+        return backend_of(self.policy)
 
     @property
     def verified_under(self) -> tuple[CommModel, ...]:
