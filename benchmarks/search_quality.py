@@ -143,7 +143,7 @@ def measure(profile: Profile, mbs: int, cap: float, *, exact_limit: float = 0.0)
     problems = {p: grid_problem(profile, mbs, cap, placement=p) for p in Placement}
     outcome = run(profile, mbs, cap, "auto")
     makespan = outcome.lowered.makespan  # eager: the latency model
-    nccl = lower(outcome.problem, outcome.order, model=CommModel.NCCL).makespan
+    nccl = lower(outcome.problem, outcome.order).makespan  # aligned for nccl
     best, proven = _exact(problems, outcome, exact_limit) if exact_limit > 0 else (None, False)
     bundled = tuple(_fitting(problems[where], name) for _, name, where in SCHEDULES)
     sail = sailsg_schedule(problems[Placement.LOOP])

@@ -30,7 +30,7 @@ from .checking import check_run
 from .config import RuntimeConfig
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .pipeline import PipelineRuntime
-from .profile import Recorder, render_cost_file
+from .profile import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
 from .reference import Options, ParamKey, default_tolerance
 from .shared import shared_parameters, shared_stages
 from .spawn import spawn
@@ -77,6 +77,11 @@ class RunReport:
     tolerance: float = 1e-5  # the default --check tolerance for the run's dtypes
     worst_params: list[dict[str, Any]] = field(default_factory=list)  # with --check
     cost_file: str | None = None
+    # with --profile, two or more timed steps: the largest spread of a (stage, op)
+    # (runtime/profile.py), where it is ("stage 1 W"), and the bound it is held to
+    profile_spread: float | None = None
+    profile_spread_at: str | None = None
+    profile_spread_bound: float | None = None
 
 
 def backend_for(ranks: int) -> str:
@@ -99,6 +104,7 @@ def run_job(job: RunJob) -> RunReport:
     losses = [loss for r in results for mb, loss in r["losses"][last].items()]
     checked = _check(job, model, results, backend) if job.check else None
     program = job.program
+    worst = worst_spread(_records(results)) if job.profile else None
     return RunReport(
         schedule=program.schedule,
         ranks=program.num_ranks,
@@ -118,6 +124,9 @@ def run_job(job: RunJob) -> RunReport:
         ),
         worst_params=[] if checked is None else [d._asdict() for d in checked.worst],
         cost_file=_cost_text(job, results) if job.profile else None,
+        profile_spread=None if worst is None else worst.spread,
+        profile_spread_at=None if worst is None else f"stage {worst.stage} {worst.kind}",
+        profile_spread_bound=SPREAD_BOUND if job.profile else None,
     )
 
 
@@ -222,8 +231,11 @@ def _check(job: RunJob, model: ModelFile, results: list[dict[str, Any]], backend
     return check_run(model, num_stages, batches, job.program.num_microbatches, options, grads)
 
 
+def _records(results: list[dict[str, Any]]) -> list[Recorder]:
+    return [record for result in results for record in result["records"]]
+
+
 def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
-    records = [record for result in results for record in result["records"]]
     program = job.program
     header = "\n".join(
         (
@@ -231,8 +243,9 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             f"M={program.num_microbatches}, batch {job.batch_size} rows, model {job.model}, "
             f"comm policy {program.comm}",
             f"measured on {backend_for(program.num_ranks)} over {job.steps} timed step(s), "
-            "means in ms: F, B, I, W, FB, FI = the",
-            "wall time of each compute op (FB/FI: a fused F&B/F&I, under its forward's stage);",
+            "in ms: F, B, I, W, FB, FI = the",
+            "wall time of each compute op (FB/FI: a fused F&B/F&I, under its forward's stage),",
+            "the median over the timed steps of each step's mean;",
             "[cost] holds them per share of the model (1/P: the mean over the stages x S/P);",
             "placement, ranks, stages = the program measured on (P, S stages per pipe);",
             "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
@@ -240,8 +253,9 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "comm = the latency under which the rendezvous rule reproduces the run's waits;",
             "sync = the gradient sum of parameters held by several ranks (duplicated stages,",
             "shared weights), per step; shared = the groups of stages that hold one parameter;",
-            "bytes = median message size",
+            "bytes = median message size; [profile]: the timed steps and the spread of the",
+            "per-step means, (Q3 - Q1) / median, worst over (stage, op) and per stage",
         )
     )
     shared = results[0]["shared_stages"]
-    return render_cost_file(records, header, measured_on=program, shared=shared)
+    return render_cost_file(_records(results), header, measured_on=program, shared=shared)

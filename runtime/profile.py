@@ -16,11 +16,21 @@ Stage N is the `stage` of the program (pipe 0's numbering); with two pipes (Dual
 of both pipes is one model stage and their samples are merged. A fused op is recorded as FB
 (F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up.
 
-Every duration is the **mean** of its samples (`comm`, below, is fitted the same way). The
-simulator adds durations up along the critical path, and the mean is the figure whose sum is
-the expected total; host noise only ever adds time (a descheduled thread, a late wake-up),
-so a median would leave that tail out of every op and predict a step shorter than any real
-one.
+Every compute duration is, per (stage, op), the **median over the timed steps of each step's
+mean** of its samples. Within a step the mean: the simulator adds durations up along the
+critical path, and the mean is the figure whose sum is the expected total; host noise only
+ever adds time (a descheduled thread, a late wake-up), so a median over single ops would
+leave that tail out of every op and predict a step shorter than any real one. Across steps
+the median: one step disturbed as a whole (another process taking the cores for a while)
+moves a mean over all samples, not the median of ten steps. The global `[cost]` durations
+are the same over all stages of an op kind.
+
+The **spread** of a (stage, op) is the relative interquartile range of its per-step means:
+(Q3 − Q1) / median, with the quartiles of `statistics.quantiles(method="inclusive")`; it
+needs two timed steps. The `[profile]` table records the number of timed steps, the worst
+spread and where it is, and the bound `pipecc run` refuses a profile above
+(`SPREAD_BOUND`); `[profile.stage.N]` holds every (stage, op)'s spread (`F_spread`, ...). `post`,
+`wait`, `sync` and `comm` are the means (the fit) over all timed steps, as below.
 
 - `post`: host time of one send or receive instruction on the compute thread: preparing its
   buffer and, at the last op of a group, handing the group to the poster thread (gloo) or
@@ -49,14 +59,19 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipecc.ir.keys import Message
 from pipecc.ir.program import Program
 
 WaitedOp = tuple[bool, Message]  # (a send?, its message)
 KEYS = ("F", "B", "I", "W", "FB", "FI")
+# the largest spread (relative interquartile range of the per-step means of one (stage, op))
+# of a profile `pipecc run --profile` writes without --allow-noisy-profile
+SPREAD_BOUND = 0.1
+Samples = dict[int, list[float]]  # step -> the seconds of one (stage, op) measured in it
 
 
 @dataclass
@@ -94,20 +109,89 @@ def _mean_ms(samples: Iterable[float]) -> float:
     return round(statistics.fmean(samples) * 1e3, 4)
 
 
-def compute_costs(records: list[Recorder]) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
-    """Mean durations (ms) per op kind, overall and per stage."""
-    overall: dict[str, list[float]] = defaultdict(list)
-    staged: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+class Figure(NamedTuple):
+    """One (stage, op)'s duration over the timed steps: the median of the per-step means
+    (ms) and their spread (module docstring; None with one step)."""
+
+    ms: float
+    spread: float | None
+
+
+class Spread(NamedTuple):
+    """The worst (stage, op) of a profile: where, and its spread."""
+
+    stage: int
+    kind: str
+    spread: float
+
+    def describe(self) -> str:
+        return f"stage {self.stage} {self.kind}: spread {self.spread:.3f}"
+
+
+def relative_iqr(values: Sequence[float]) -> float | None:
+    """(Q3 − Q1) / median of `values` (inclusive quartiles); None for fewer than two."""
+    if len(values) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    middle = statistics.median(values)
+    return (q3 - q1) / middle if middle > 0 else 0.0
+
+
+def figure(samples: Samples) -> Figure:
+    """The median over steps of each step's mean, and the spread of those means."""
+    means = [statistics.fmean(seconds) for _, seconds in sorted(samples.items()) if seconds]
+    spread = relative_iqr(means)
+    return Figure(
+        round(statistics.median(means) * 1e3, 4), None if spread is None else round(spread, 4)
+    )
+
+
+def _samples(records: list[Recorder]) -> tuple[dict[str, Samples], dict[int, dict[str, Samples]]]:
+    """The compute samples by op kind and by (stage, op kind), each by step."""
+    overall: dict[str, Samples] = defaultdict(lambda: defaultdict(list))
+    staged: dict[int, dict[str, Samples]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
     for record in records:
         for kind, stage, seconds in record.computes:
-            overall[kind].append(seconds)
-            staged[stage][kind].append(seconds)
-    top = {k: _mean_ms(overall[k]) for k in KEYS if overall[k]}
+            overall[kind][record.step].append(seconds)
+            staged[stage][kind][record.step].append(seconds)
+    return overall, staged
+
+
+def compute_figures(
+    records: list[Recorder],
+) -> tuple[dict[str, Figure], dict[int, dict[str, Figure]]]:
+    """Every op kind's figure, overall and per stage."""
+    overall, staged = _samples(records)
+    top = {k: figure(overall[k]) for k in KEYS if k in overall}
     per_stage = {
-        stage: {k: _mean_ms(kinds[k]) for k in KEYS if kinds[k]}
+        stage: {k: figure(kinds[k]) for k in KEYS if k in kinds}
         for stage, kinds in sorted(staged.items())
     }
     return top, per_stage
+
+
+def compute_costs(records: list[Recorder]) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """Durations (ms) per op kind, overall and per stage: the median over steps of each
+    step's mean (with one step, the mean)."""
+    top, per_stage = compute_figures(records)
+    return (
+        {k: f.ms for k, f in top.items()},
+        {stage: {k: f.ms for k, f in kinds.items()} for stage, kinds in per_stage.items()},
+    )
+
+
+def worst_spread(records: list[Recorder]) -> Spread | None:
+    """The (stage, op) whose per-step means spread most; None with fewer than two steps."""
+    _, per_stage = compute_figures(records)
+    found = [
+        Spread(stage, kind, f.spread)
+        for stage, kinds in per_stage.items()
+        for kind, f in kinds.items()
+        if f.spread is not None
+    ]
+    return max(found, key=lambda s: (s.spread, -s.stage), default=None)
 
 
 def host_costs(records: list[Recorder]) -> dict[str, float]:
@@ -190,7 +274,7 @@ def render_cost_file(
 ) -> str:
     """The TOML text: a comment header, `[cost]` (what it was measured on, the durations per
     share, with `shared`, the groups of stages that hold one parameter, where there are any),
-    then `[cost.stage.N]` tables."""
+    the `[cost.stage.N]` tables, then `[profile]` (what the figures are over, their spread)."""
     top, per_stage = compute_costs(records)
     ranks, stages = measured_on.num_ranks, measured_on.placement.num_stages(0)
     top = {key: round(value * stages / ranks, 4) for key, value in top.items()}  # per share
@@ -202,7 +286,7 @@ def render_cost_file(
         lines.append(f"shared = {[list(group) for group in shared]}")
     for stage, costs in per_stage.items():
         lines += ["", f"[cost.stage.{stage}]", *_table(costs)]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *_profile_table(records)]) + "\n"
 
 
 def _measured_on(program: Program) -> list[str]:
@@ -215,5 +299,23 @@ def _measured_on(program: Program) -> list[str]:
     ]
 
 
-def _table(values: dict[str, float]) -> list[str]:
+def _profile_table(records: list[Recorder]) -> list[str]:
+    """`[profile]`: the timed steps, the worst spread, the bound; the spread of every
+    (stage, op) as `F_spread`, ... under `[profile.stage.N]` (none with one step)."""
+    lines = ["", "[profile]", f"steps = {len({record.step for record in records})}"]
+    worst = worst_spread(records)
+    if worst is None:
+        return lines
+    lines += [
+        f"spread = {worst.spread}",
+        f'spread_at = "stage {worst.stage} {worst.kind}"',
+        f"spread_bound = {SPREAD_BOUND}",
+    ]
+    for stage, figures in compute_figures(records)[1].items():
+        spreads = {f"{k}_spread": f.spread for k, f in figures.items() if f.spread is not None}
+        lines += ["", f"[profile.stage.{stage}]", *_table(spreads)]
+    return lines
+
+
+def _table(values: Mapping[str, float]) -> list[str]:
     return [f"{key} = {value}" for key, value in values.items()]

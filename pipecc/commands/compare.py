@@ -8,11 +8,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from pipecc.api import compile_schedule, resolve_schedule, schedule_parameters
+from pipecc.api import resolve_schedule, schedule_parameters
 from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_size_args,
+    comm_model,
     load_costs,
     load_input,
 )
@@ -67,7 +68,7 @@ def register(commands: SubParsers) -> None:
         help=".sched files, bundled names, compiled programs (.json) or torch action CSVs",
     )
     add_size_args(cmd)
-    add_cost_args(cmd)
+    add_cost_args(cmd, backend=True)
     cmd.add_argument(
         "--per-stage",
         action="store_true",
@@ -78,6 +79,7 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args = argparse.Namespace(**{**vars(args), "comm": comm_model(args).value})
     if args.ranks is None or args.microbatches is None:
         args = _sizes_of_programs(args)
     costs = load_costs(args)
@@ -151,10 +153,9 @@ def _row(name: str, label: str, args: argparse.Namespace, costs: CostModel) -> R
         path = resolve_schedule(name)
         declared = schedule_parameters(path)
         defines = {k: v for k, v in args.defines if k in declared}
-        try:
-            program = compile_schedule(
-                path, ranks=args.ranks, microbatches=args.microbatches, defines=defines
-            )
+        given = argparse.Namespace(**{**vars(args), "defines": list(defines.items())})
+        try:  # resolved for --backend as `pipecc run` resolves it there
+            program = load_input(str(path), given)
         except RequirementError as err:  # not defined at these sizes; any other error is one
             return Row(label, path.stem, None, err.message)
     if args.per_stage:

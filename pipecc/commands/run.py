@@ -28,6 +28,10 @@ from pipecc.driver.lowering import add_lowering_arg
 from pipecc.ir.program import Program
 from pipecc.verify import Options, report
 
+# the timed and warm-up steps of `pipecc run --profile` unless --steps and --warmup say
+PROFILE_STEPS = 10
+PROFILE_WARMUP = 2
+
 DESCRIPTION = """\
 Run a schedule on P local processes (gloo on CPU; NCCL when there is a GPU per rank) with the
 stages of a model file, time its steps, and optionally check every gradient against a
@@ -81,8 +85,16 @@ def register(commands: SubParsers) -> None:
         metavar="N",
         help="rows per step, split evenly into M microbatches (default: 8·M)",
     )
-    cmd.add_argument("--steps", type=positive, default=1, help="timed steps (default: 1)")
-    cmd.add_argument("--warmup", type=_count, default=0, help="untimed steps first (default: 0)")
+    cmd.add_argument(
+        "--steps",
+        type=positive,
+        help=f"timed steps (default: 1; with --profile {PROFILE_STEPS})",
+    )
+    cmd.add_argument(
+        "--warmup",
+        type=_count,
+        help=f"untimed steps first (default: 0; with --profile {PROFILE_WARMUP})",
+    )
     cmd.add_argument(
         "--check",
         action="store_true",
@@ -117,7 +129,17 @@ def register(commands: SubParsers) -> None:
         help="seconds a rank may wait for a message (default: 300)",
     )
     cmd.add_argument(
-        "--profile", metavar="FILE", help="write measured per-(stage, op) costs as a TOML cost file"
+        "--profile",
+        metavar="FILE",
+        help="write measured per-(stage, op) costs as a TOML cost file: the median over the "
+        "timed steps of each step's mean, and their spread; refused (exit 1) when a spread "
+        "exceeds the bound (docs/runtime.md)",
+    )
+    cmd.add_argument(
+        "--allow-noisy-profile",
+        action="store_true",
+        help="write the --profile file even when its spread exceeds the bound, or with one "
+        "timed step (no spread)",
     )
     add_policy_arg(cmd)
     cmd.add_argument(
@@ -135,6 +157,35 @@ def register(commands: SubParsers) -> None:
         "short --timeout); it still says so",
     )
     cmd.set_defaults(run=run)
+
+
+def _timing(args: argparse.Namespace) -> tuple[int, int]:
+    """(timed steps, warm-up steps): the flags, else 1 and 0, or with --profile enough
+    steps for a median and a spread. A profile of one step has no spread: refused unless
+    --allow-noisy-profile."""
+    profile = args.profile is not None
+    steps = args.steps or (PROFILE_STEPS if profile else 1)
+    warmup = args.warmup if args.warmup is not None else (PROFILE_WARMUP if profile else 0)
+    if profile and steps < 2 and not args.allow_noisy_profile:
+        raise InputError(
+            f"--profile with --steps {steps}: the spread of a profile needs 2 or more timed "
+            f"steps (default with --profile: {PROFILE_STEPS}); --allow-noisy-profile writes it "
+            "without one"
+        )
+    return steps, warmup
+
+
+def _noisy(fields: dict[str, Any], args: argparse.Namespace) -> str | None:
+    """Why the profile is not written: its worst spread is over the bound (None: write it)."""
+    spread, bound = fields["profile_spread"], fields["profile_spread_bound"]
+    if args.profile is None or args.allow_noisy_profile or spread is None or spread <= bound:
+        return None
+    return (
+        f"{args.profile}: not written: the profile is noisy: {fields['profile_spread_at']} "
+        f"has a spread of {spread:.3g} (the interquartile range of its per-step means over "
+        f"their median), over the bound {bound:g}; measure on a quieter machine or over more "
+        "--steps, or give --allow-noisy-profile"
+    )
 
 
 def _count(text: str) -> int:
@@ -220,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         from pipecc.runtime.launcher import AUTOCAST, RunJob, backend_for, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(_import_failure(err)) from None
+    steps, warmup = _timing(args)
     verified = _program(args, backend_for)
     program = verified.resolved.program
     if not args.json:
@@ -229,8 +281,8 @@ def run(args: argparse.Namespace) -> int:
         program=program,
         model=args.model,
         batch_size=batch,
-        steps=args.steps,
-        warmup=args.warmup,
+        steps=steps,
+        warmup=warmup,
         check=args.check,
         timeout=args.timeout,
         profile=args.profile is not None,
@@ -239,9 +291,10 @@ def run(args: argparse.Namespace) -> int:
         autocast=AUTOCAST.get(args.autocast),
     )
     report = run_job(job)
-    if args.profile is not None and report.cost_file is not None:
-        write_output(report.cost_file, args.profile)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
+    noisy = _noisy(fields, args)
+    if args.profile is not None and report.cost_file is not None and noisy is None:
+        write_output(report.cost_file, args.profile)
     fields["comm_choice"] = verified.resolved.choice.value
     fields["program"] = verified.resolved.description
     fields["verified"] = verified.backend.comm_model.value
@@ -252,9 +305,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(fields))
     else:
-        _print_summary(fields, args, failure)
+        _print_summary(fields, args, failure, written=noisy is None)
     if failure is not None:
         raise ProgramError(f"check failed: {failure}")
+    if noisy is not None:
+        raise ProgramError(noisy)
     return 0
 
 
@@ -273,7 +328,9 @@ def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
     return None
 
 
-def _print_summary(fields: dict[str, Any], args: argparse.Namespace, failure: str | None) -> None:
+def _print_summary(
+    fields: dict[str, Any], args: argparse.Namespace, failure: str | None, *, written: bool
+) -> None:
     print(
         f"{fields['schedule']}  P={fields['ranks']} M={fields['microbatches']}  "
         f"batch {fields['batch_size']} rows  backend {fields['backend']}  comm {fields['comm']}"
@@ -292,5 +349,15 @@ def _print_summary(fields: dict[str, Any], args: argparse.Namespace, failure: st
         f"step {fields['step_ms']:.3f} ms (median of {fields['steps']} step(s) after "
         f"{fields['warmup']} warm-up)"
     )
-    if args.profile is not None:
+    if args.profile is None:
+        return
+    spread = fields["profile_spread"]
+    if spread is None:
+        print("profile spread: not measured (one timed step)")
+    else:
+        print(
+            f"profile spread {spread:.3g} at {fields['profile_spread_at']} (interquartile range "
+            f"of the per-step means / median; bound {fields['profile_spread_bound']:g})"
+        )
+    if written:
         print(f"wrote {args.profile}")

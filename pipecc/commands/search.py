@@ -13,8 +13,11 @@ from pathlib import Path
 from pipecc.commands.common import SubParsers, positive, write_output
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
+from pipecc.ir.program import Backend
+from pipecc.passes.insert_comms import POLICIES
 from pipecc.render.grid import format_timeline
 from pipecc.search.engine import placements
+from pipecc.search.lower import ALIGNED, Placing
 from pipecc.search.problem import Placement
 from pipecc.search.run import (
     Outcome,
@@ -29,28 +32,44 @@ from pipecc.simulate.timeline import simulate
 
 DESCRIPTION = """\
 Search the op order (forwards F, input gradients I, weight gradients W) of every rank for
-the shortest step under the given costs and a per-rank memory cap, lower it to a program
-aligned for --comm, verify it under every comm model, and report it with a lower bound
+the shortest step under the given costs and a per-rank memory cap, place its comm ops for
+--backend, verify it under that backend's comm models, and report it with a lower bound
 (docs/search.md). Costs follow every command's convention (docs/simulate.md): [cost] and
 --mem are per share (1/P) of the model, a V shape (--placement vshape) cuts each share in
 two stages of half the cost; a [cost.stage.N] table is stage N of the placement's cut; a
-profile ('pipecc run --profile') measured on another cut is converted. The makespan and
-baseline lines are simulated as 'pipecc compare' simulates the program and the bundled one.
+profile ('pipecc run --profile') measured on another cut is converted.
+
+The placement is the one 'pipecc run' gives a compute-only program on that backend: on
+nccl the alignment for NCCL's ordered streams, verified under every comm model; on gloo the
+early-recv policy (every receive posted at the start of the step), verified under
+rendezvous and eager. The makespan and baseline lines are simulated as 'pipecc compare
+--backend' simulates the written program and the bundled one on that backend, under --comm.
 """
 
 EPILOG = """\
 output (--json: one object): makespan (of the written program under --comm; with
 --comm eager, the latency model the search optimises), lower_bound, gap, peak (per rank, in
 --mem units), placement, seconds (search time, from the parsed input to the chosen order),
-baseline ({name, makespan} of the best bundled schedule that fits the cap, or null).
+baseline ({name, makespan} of the best bundled schedule that fits the cap, placed like the
+result, or null), backend, comm (the written program's placement: aligned, early-recv, ...).
 
 examples:
   pipecc search -P 4 -M 16 --cost-file costs.toml --memory 6 -o best.json --sched best.sched
   pipecc search -P 8 -M 32 --cost F=1,I=1,W=1,comm=1 --memory 4 --placement auto --json
+  pipecc search -P 2 -M 8 --cost-file prof.toml --memory 2 --backend gloo -o best.json
 
 exit codes: 0 a schedule was found; 1 no schedule fits the cap (the message gives the
 smallest cap that has one); 2 input pipecc cannot use.
 """
+
+
+# how `pipecc run` places a compute-only program on each backend, for the search: gloo's
+# early-recv (every receive posted at the start; faster on gloo than an alignment,
+# docs/performance.md run 4), the alignment for NCCL's ordered streams on nccl
+BACKEND_PLACING = {
+    "gloo": Placing("early-recv", CommModel.RENDEZVOUS),
+    "nccl": Placing(ALIGNED, CommModel.NCCL),
+}
 
 
 def register(commands: SubParsers) -> None:
@@ -98,12 +117,7 @@ def _add_choices(cmd: argparse.ArgumentParser) -> None:
         help="loop (default), vshape, or auto: both, the faster wins",
     )
     cmd.add_argument("--objective", choices=("makespan", "span"), default="makespan")
-    cmd.add_argument(
-        "--comm",
-        choices=[model.value for model in CommModel],
-        default="nccl",
-        help="the comm model the program is aligned for (default nccl)",
-    )
+    _add_backend(cmd)
     cmd.add_argument(
         "--time-limit",
         metavar="SECONDS",
@@ -112,6 +126,49 @@ def _add_choices(cmd: argparse.ArgumentParser) -> None:
         "at most 25 s; docs/search.md)",
     )
     cmd.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+
+def _add_backend(cmd: argparse.ArgumentParser) -> None:
+    """Where the result runs and how its comm ops are placed for it."""
+    cmd.add_argument(
+        "--backend",
+        choices=tuple(BACKEND_PLACING),
+        default="nccl",
+        help="the backend the program is placed for, as 'pipecc run' places a compute-only "
+        "program there (default nccl: aligned for nccl; gloo: early-recv, run under "
+        "rendezvous)",
+    )
+    cmd.add_argument(
+        "--comm-policy",
+        choices=(ALIGNED, *sorted(POLICIES)),
+        help="how the comm ops are placed: aligned (for the cut's costs under --comm), "
+        "default or early-recv (gloo only); default: the backend's",
+    )
+    cmd.add_argument(
+        "--comm",
+        choices=[model.value for model in CommModel],
+        help="the comm model the program is aligned for and reported under (default: the "
+        "backend's: nccl, or rendezvous on gloo)",
+    )
+
+
+def _placing(args: argparse.Namespace) -> Placing:
+    """--backend, --comm-policy and --comm → the placement; early-recv only where every
+    posted op progresses on its own (gloo; the rendezvous and eager models)."""
+    default = BACKEND_PLACING[args.backend]
+    placing = Placing(
+        args.comm_policy or default.policy,
+        CommModel(args.comm) if args.comm else default.model,
+    )
+    if placing.backend is Backend.INDEPENDENT_PROGRESS:
+        if args.backend != "gloo" or placing.model not in placing.verified_under:
+            raise InputError(
+                f"--comm-policy {placing.policy} needs every posted op to progress on its own "
+                f"(--backend gloo, --comm rendezvous or eager); it deadlocks under "
+                f"{args.backend if args.backend != 'gloo' else placing.model.value}'s ordered "
+                "streams"
+            )
+    return placing
 
 
 def _costs(args: argparse.Namespace) -> CostModel:
@@ -130,6 +187,7 @@ def _request(args: argparse.Namespace) -> Request:
         raise InputError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}"
         )
+    placing = _placing(args)
     return Request(
         ranks=args.ranks,
         microbatches=args.microbatches,
@@ -138,9 +196,11 @@ def _request(args: argparse.Namespace) -> Request:
         mem=parse_mem(args.mem),
         placement=args.placement,
         objective=args.objective,
-        comm=CommModel(args.comm),
+        comm=placing.model,
         time_limit=args.time_limit,
         seed=args.seed,
+        policy=placing.policy,
+        backend=args.backend,
     )
 
 
@@ -207,6 +267,8 @@ def _table(outcome: Outcome, total: float) -> str:
         outcome.header().splitlines()[0],
         f"makespan     {outcome.makespan:g} ({outcome.comm.value})   "
         f"latency model {outcome.lowered.eager_makespan:g}",
+        f"placed       {outcome.placing.describe()} (backend {outcome.backend}), verified under "
+        + ", ".join(model.value for model in outcome.placing.verified_under),
         f"lower bound  {outcome.lower_bound:g}   gap {outcome.gap:.2%}",
         *([f"span         {outcome.span:g} (the objective, latency model)"] if span else []),
         f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g})",

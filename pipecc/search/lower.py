@@ -1,11 +1,13 @@
-"""A found order → a verified, aligned pipecc Program, and the per-stage costs of its cut.
+"""A found order → a verified, placed pipecc Program, and the per-stage costs of its cut.
 
-The compute order becomes a compute-only Program with the loop or V placement; the
-alignment pass (`--align`, docs/align.md) places its sends, receives and waits for the cut's
-costs under the chosen comm model; the result is then verified under every comm model, its
-compute order is checked to be the searched one, its memory is checked against the cap, and
-it is simulated. This module is the search's only door into the compiler, the verifier and
-the simulator.
+The compute order becomes a compute-only Program with the loop or V placement; its sends,
+receives and waits are placed as a `Placing` says: by the alignment pass (`--align`,
+docs/align.md) for the cut's costs under a comm model (the search's placement for NCCL), or
+by a named lowering policy (early-recv: the placement `pipecc run` gives a compute-only
+program on gloo). The result is then verified under every comm model its placement is meant
+to run under (`Placing.verified_under`), its compute order is checked to be the searched
+one, its memory is checked against the cap, and it is simulated. This module is the
+search's only door into the compiler, the verifier and the simulator.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import NamedTuple
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import Compute, Kind
 from pipecc.ir.placement import loop_placement, vshape_placement
-from pipecc.ir.program import Program
-from pipecc.passes.align_comms import align_comms
+from pipecc.ir.program import Backend, Program
+from pipecc.passes.align_comms import POLICY, align_comms
+from pipecc.passes.comm.placement import backend_of
+from pipecc.passes.insert_comms import POLICIES, insert_comms, strip_comms
 from pipecc.search.problem import (
     OpKind,
     Order,
@@ -32,6 +36,7 @@ from pipecc.simulate.timeline import simulate
 from pipecc.verify import ALL_MODELS, Options, verify
 
 SOURCE = "pipecc search"
+ALIGNED = POLICY  # the alignment's policy name, "aligned"
 _KINDS = {OpKind.F: Kind.F, OpKind.I: Kind.I, OpKind.W: Kind.W}
 _OP_KINDS = {kind: op for op, kind in _KINDS.items()}
 
@@ -42,12 +47,41 @@ class LoweringError(PipeccError):
     exit_code = 1
 
 
+class Placing(NamedTuple):
+    """How the comm ops of a found order are placed, and the comm model it is reported
+    under: `policy` is "aligned" (the alignment pass for the cut's costs under `model`) or a
+    lowering policy of `POLICIES` ("default", "early-recv"), placed with unit costs."""
+
+    policy: str
+    model: CommModel
+
+    @property
+    def backend(self) -> Backend:
+        """What the placed program needs of the backend (Program.backend)."""
+        return backend_of(self.policy)
+
+    @property
+    def verified_under(self) -> tuple[CommModel, ...]:
+        """The comm models the placed program must complete under: every one, or for a
+        placement that needs independent progress (early-recv: gloo) the two that give it."""
+        if self.backend is Backend.INDEPENDENT_PROGRESS:
+            return (CommModel.RENDEZVOUS, CommModel.EAGER)
+        return ALL_MODELS
+
+    def describe(self) -> str:
+        """`aligned for nccl` or `early-recv`."""
+        return f"{ALIGNED} for {self.model.value}" if self.policy == ALIGNED else self.policy
+
+
+NCCL_ALIGNED = Placing(ALIGNED, CommModel.NCCL)
+
+
 class Lowered(NamedTuple):
     """The aligned program, the cut's costs, and its makespans under the two models."""
 
     program: Program
     costs: CostModel
-    makespan: float  # under the comm model it was aligned for
+    makespan: float  # under the placing's comm model
     eager_makespan: float  # the latency model: what the search optimised
 
 
@@ -128,6 +162,15 @@ def compare_makespan(program: Program, costs: CostModel, *, model: CommModel) ->
     return simulate(program, costs.for_program(program), model=model).makespan
 
 
+def as_run_on(program: Program, backend: str) -> Program:
+    """A bundled schedule's compiled program as `pipecc run` runs it on `backend`: on gloo
+    its compute order placed by the early-recv policy (a bundled schedule places no comm op
+    by hand), on nccl as compiled (the default policy)."""
+    if backend != "gloo":
+        return program
+    return insert_comms(strip_comms(program), placement=POLICIES["early-recv"])
+
+
 def adopt(problem: Problem, program: Program, *, model: CommModel, unit: str = "") -> Lowered:
     """A bundled schedule's own program (verified where it is shipped) as the result, with
     the cut's costs."""
@@ -138,14 +181,34 @@ def adopt(problem: Problem, program: Program, *, model: CommModel, unit: str = "
     )
 
 
+def place(program: Program, costs: CostModel, placing: Placing) -> Program:
+    """The compute-only `program` with its comm ops placed as `placing` says."""
+    if placing.policy == ALIGNED:
+        return align_comms(program, costs=costs, model=placing.model)
+    return insert_comms(program, placement=POLICIES[placing.policy])
+
+
+def placed_makespan(problem: Problem, order: Order, placing: Placing) -> float:
+    """The step of `order` placed as `placing` says, under its comm model (no checks: for
+    comparing bundled schedules, which are verified where they are shipped)."""
+    costs = stage_costs(problem)
+    program = place(to_program(problem, order), costs, placing)
+    return simulate(program, costs, model=placing.model).makespan
+
+
 def lower(
-    problem: Problem, order: Order, *, model: CommModel, name: str = "search", unit: str = ""
+    problem: Problem,
+    order: Order,
+    *,
+    placing: Placing = NCCL_ALIGNED,
+    name: str = "search",
+    unit: str = "",
 ) -> Lowered:
-    """Align `order` for `model`, verify it under every comm model and check it (module
-    docstring); raises LoweringError if any check fails."""
+    """Place `order` as `placing` says, verify it under the comm models it is meant for and
+    check it (module docstring); raises LoweringError if any check fails."""
     costs = stage_costs(problem, unit)
-    program = align_comms(to_program(problem, order, name), costs=costs, model=model)
-    report = verify(program, Options(models=ALL_MODELS))
+    program = place(to_program(problem, order, name), costs, placing)
+    report = verify(program, Options(models=placing.verified_under))
     if not report.ok:
         raise LoweringError(f"the searched program fails verification: {report.violations[0]}")
     if compute_order(program) != order:
@@ -153,7 +216,7 @@ def lower(
     evaluation = evaluate(problem, order)
     if evaluation is None or not fits(problem, evaluation):
         raise LoweringError("the searched order does not run within the memory cap")
-    makespan = simulate(program, costs, model=model).makespan
+    makespan = simulate(program, costs, model=placing.model).makespan
     eager = simulate(program, costs, model=CommModel.EAGER).makespan
     if abs(eager - evaluation.makespan) > 1e-6 * max(1.0, eager):
         raise LoweringError(

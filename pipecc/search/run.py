@@ -25,7 +25,16 @@ from pipecc.search.engine import (
     search,
     smallest_cap,
 )
-from pipecc.search.lower import Lowered, adopt, compare_makespan, costs_toml, lower
+from pipecc.search.lower import (
+    ALIGNED,
+    Lowered,
+    Placing,
+    adopt,
+    as_run_on,
+    compare_makespan,
+    costs_toml,
+    lower,
+)
 from pipecc.search.problem import (
     Evaluation,
     MemDeltas,
@@ -49,9 +58,15 @@ class Request(NamedTuple):
     mem: MemDeltas
     placement: str  # loop | vshape | auto
     objective: str
-    comm: CommModel
+    comm: CommModel  # the model the result is placed for (aligned) and reported under
     time_limit: float | None
     seed: int = 0
+    policy: str = ALIGNED  # how its comm ops are placed (lower.Placing)
+    backend: str = "nccl"  # the backend it is placed for: gloo or nccl
+
+    @property
+    def placing(self) -> Placing:
+        return Placing(self.policy, self.comm)
 
 
 class Baseline(NamedTuple):
@@ -80,6 +95,8 @@ class Outcome(NamedTuple):
     lowered: Lowered
     makespan: float  # the written program's, as `pipecc compare` simulates it
     comm: CommModel
+    placing: Placing
+    backend: str
     lower_bound: float
     seconds: float
     baseline: Baseline | None
@@ -121,6 +138,8 @@ class Outcome(NamedTuple):
             "placement": self.problem.placement.value,
             "seconds": self.seconds,
             "baseline": None if base is None else {"name": base.name, "makespan": base.makespan},
+            "backend": self.backend,
+            "comm": self.lowered.program.comm,
         }
 
     def header(self) -> str:
@@ -225,9 +244,9 @@ def _finish(
     faster = baseline is not None and baseline.makespan < makespan - 1e-9
     if faster and baseline is not None and best.problem.objective is Objective.MAKESPAN:
         problem, order = baseline.problem, baseline.order
-        lowered = lower(problem, order, model=req.comm, unit=unit)
+        lowered = lower(problem, order, placing=req.placing, unit=unit)
         makespan = compare_makespan(lowered.program, req.costs, model=req.comm)
-        if makespan > baseline.makespan + 1e-9:  # its own placement beats the alignment
+        if makespan > baseline.makespan + 1e-9:  # its own placement beats ours
             lowered = adopt(problem, baseline.program, model=req.comm, unit=unit)
             makespan = baseline.makespan
         chosen = f"the bundled {baseline.name} (faster under {req.comm.value})"
@@ -238,6 +257,8 @@ def _finish(
         lowered=lowered,
         makespan=makespan,
         comm=req.comm,
+        placing=req.placing,
+        backend=req.backend,
         lower_bound=lower_bound(replace(problem, objective=Objective.MAKESPAN)),
         seconds=seconds,
         baseline=baseline,
@@ -255,7 +276,7 @@ def _best(req: Request, results: list[SearchResult]) -> tuple[SearchResult, Lowe
         ranked = ranked[:1]
     found = []
     for result in ranked:
-        lowered = lower(result.problem, result.order, model=req.comm, unit=req.costs.unit)
+        lowered = lower(result.problem, result.order, placing=req.placing, unit=req.costs.unit)
         found.append(
             (compare_makespan(lowered.program, req.costs, model=req.comm), result, lowered)
         )
@@ -266,9 +287,10 @@ def _best(req: Request, results: list[SearchResult]) -> tuple[SearchResult, Lowe
 def _baseline(
     req: Request, bundled: dict[Placement, tuple[Bundled, ...]], problems: list[Problem]
 ) -> Baseline | None:
-    """The bundled schedules in latency-model order; each is simulated as `pipecc compare`
-    does (its compiled program, the given costs, --comm) until the next one's latency-model
-    step (a floor for every comm model and host time) cannot beat the best so far."""
+    """The bundled schedules in latency-model order; each is simulated as `pipecc compare
+    --backend` does (its compiled program as `pipecc run` places it on the backend, the given
+    costs, --comm) until the next one's latency-model step (a floor for every comm model and
+    host time) cannot beat the best so far."""
     entries = sorted(
         ((entry, problem) for problem in problems for entry in bundled.get(problem.placement, ())),
         key=lambda pair: (pair[0].score, pair[0].name),
@@ -277,7 +299,8 @@ def _baseline(
     for entry, problem in entries:
         if best is not None and entry.score >= best.makespan - 1e-9:
             break
-        makespan = compare_makespan(entry.program, req.costs, model=req.comm)
+        program = as_run_on(entry.program, req.backend)
+        makespan = compare_makespan(program, req.costs, model=req.comm)
         if best is None or makespan < best.makespan:
-            best = Baseline(entry.name, makespan, entry.order, problem, entry.program)
+            best = Baseline(entry.name, makespan, entry.order, problem, program)
     return best

@@ -4,6 +4,8 @@ raise   rank 1's stage raises in its second forward
 kill    rank 1 kills its own process (SIGKILL) in its third forward, mid-step
 random  every process draws different weights, so --check must fail
 sleep   rank 1 sleeps in its first forward longer than the test's --timeout
+noisy   stage 0's forward sleeps 20 ms in every odd step (every row of the batch starts with the
+        step's seed), so a profile's per-step means of stage 0 F spread far over any bound
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ HIDDEN = 4
 
 
 class Stage(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, index: int) -> None:
         super().__init__()
         self.linear = nn.Linear(HIDDEN, HIDDEN)
         self.calls = 0
+        self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -35,16 +38,19 @@ class Stage(nn.Module):
                 os.kill(os.getpid(), signal.SIGKILL)
             if FAULT == "sleep" and self.calls == 1:
                 time.sleep(30)
+        if FAULT == "noisy" and self.index == 0 and round(float(x[0, 0])) % 2:
+            time.sleep(0.02)
         return torch.tanh(self.linear(x))
 
 
 def build_stages(num_stages: int) -> list[nn.Module]:
     torch.manual_seed(os.getpid() if FAULT == "random" else 0)
-    return [Stage() for _ in range(num_stages)]
+    return [Stage(index) for index in range(num_stages)]
 
 
 def make_batch(num_rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(num_rows, HIDDEN, generator=generator), torch.randn(
-        num_rows, HIDDEN, generator=generator
-    )
+    inputs = torch.randn(num_rows, HIDDEN, generator=generator)
+    if FAULT == "noisy":
+        inputs[:, 0] = seed
+    return inputs, torch.randn(num_rows, HIDDEN, generator=generator)

@@ -16,7 +16,8 @@ from pipecc.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")
 MLP = str(ROOT / "examples" / "mlp.py")
-KEYS = {"makespan", "lower_bound", "gap", "peak", "placement", "seconds", "baseline"}
+KEYS = {"makespan", "lower_bound", "gap", "peak", "placement", "seconds", "baseline", "backend",
+        "comm"}  # fmt: skip
 
 
 def _search(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -1,0 +1,63 @@
+"""`pipecc run --profile` refuses a noisy profile (exit 1, naming the worst (stage, op) and its
+spread, the file not written) unless --allow-noisy-profile, and profiles 10 steps after 2
+warm-up by default. The noise is made, not hoped for: the fault model's stage 0 sleeps 20 ms
+in every odd step, so stage 0 F's per-step means spread by about 2, far over the bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from pipecc.runtime.profile import SPREAD_BOUND
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPECC = str(Path(sys.executable).parent / "pipecc")
+FAULTY = str(Path(__file__).with_name("fault_model.py"))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PIPECC_TEST_FAULT="noisy")
+    return subprocess.run(
+        [PIPECC, "run", "1f1b", "--nproc", "2", "-M", "2", "--model", FAULTY, *args],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_a_noisy_profile_is_refused_unless_allowed(tmp_path: Path) -> None:
+    costs = tmp_path / "costs.toml"
+    refused = _run("--steps", "4", "--warmup", "0", "--profile", str(costs))
+    assert refused.returncode == 1, refused.stderr
+    found = re.search(
+        r"not written: the profile is noisy: (stage \d+ \w+) has a spread of ([0-9.]+)",
+        refused.stderr,
+    )
+    assert found, refused.stderr
+    assert float(found[2]) > SPREAD_BOUND
+    assert f"profile spread {found[2]} at {found[1]}" in refused.stdout
+    assert not costs.exists()
+
+    allowed = _run("--profile", str(costs), "--allow-noisy-profile", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    report = json.loads(allowed.stdout)
+    assert (report["steps"], report["warmup"]) == (10, 2), "--profile's default steps"
+    assert report["profile_spread"] > SPREAD_BOUND
+    assert report["profile_spread_bound"] == SPREAD_BOUND
+    profile = tomllib.loads(costs.read_text())["profile"]
+    assert profile["steps"] == 10
+    assert profile["spread"] == report["profile_spread"]
+    assert profile["spread_at"] == report["profile_spread_at"]
+    assert profile["stage"]["0"]["F_spread"] > 1.0, "the odd steps' 20 ms"
+
+
+def test_a_one_step_profile_has_no_spread_and_is_refused_before_any_process() -> None:
+    result = _run("--steps", "1", "--profile", "never.toml")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "--profile with --steps 1: the spread of a profile needs 2 or more timed" in (
+        result.stderr
+    )
+    assert not (ROOT / "never.toml").exists()
