@@ -213,15 +213,25 @@ def test_integer_targets_without_loss_fn_name_loss_fn(
 def test_rank_error_names_rank_and_instruction(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A bug in the user's model: the line naming the rank, the step and the instruction,
+    then the exception's full traceback, down to the user's file and line."""
     code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "4",
                               "--model", FAULTY, fault="raise")  # fmt: skip
     assert code == 1
-    first = err.splitlines()[0]
+    first, second, *rest = err.splitlines()
     assert re.fullmatch(
         r"error: rank 1, step 0: instruction \d+ \(F0\.\d\): ValueError: stage exploded on purpose",
         first,
     ), err
-    assert "Traceback" not in err
+    assert second == "Traceback (most recent call last):", err
+    line = _line_of(FAULTY, 'raise ValueError("stage exploded on purpose")')
+    assert f'  File "{FAULTY}", line {line}, in forward' in rest, err
+    assert "ValueError: stage exploded on purpose" in rest, "the traceback ends with the error"
+
+
+def _line_of(path: str, text: str) -> int:
+    lines = Path(path).read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if text in line)
 
 
 def test_killed_rank_stops_the_others(
