@@ -13,6 +13,7 @@ without torch. docs/runtime.md describes the API.
 from __future__ import annotations
 
 from .config import RuntimeConfig, mse_loss
+from .partition import pipeline_boundaries, split_model
 from .pipeline import PipelineRuntime
 from .profile import Recorder
 from .shared import shared_parameters
@@ -26,5 +27,7 @@ __all__ = [
     "TensorSpec",
     "infer_boundaries",
     "mse_loss",
+    "pipeline_boundaries",
     "shared_parameters",
+    "split_model",
 ]

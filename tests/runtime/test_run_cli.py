@@ -133,7 +133,11 @@ def test_without_check_diffs_are_null(
     [
         (["--batch-size", "10"], "--batch-size 10 cannot be split into 4 equal microbatches"),
         (["--model", "no/such/model.py"], "no/such/model.py: no such model file"),
-        (["--model", __file__], "must define build_stages()"),
+        (
+            ["--model", __file__],
+            "must define build_stage(stage, num_stages) (one stage) or "
+            "build_stages(num_stages) (all of them)",
+        ),
         (["--timeout", "0"], "--timeout must be positive"),
     ],
 )
