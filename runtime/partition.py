@@ -4,12 +4,15 @@
 copy of the model with the other stages' layers removed, every remaining name unchanged, so
 a checkpoint of the whole model loads into it by name and its gradients compare by name
 with a single-process reference; only then are its tensors allocated (`to_empty`) and the
-caller's initialisation run on them. The facts follow torchtitan's pipeline split: deep-copy
-the meta model, then for each stage delete the layers of other stages from a
-`ModuleList`/`ModuleDict` (the kept ones keep their keys) and set any other module the stage
-does not hold to None, so the model's forward must skip a None part, as torchtitan's models
-do (`if self.embed is not None`), and iterate over its layer containers rather than index
-them by position.
+caller's initialisation run on them. It splits as torchtitan's pipeline split does: a deep
+copy of the meta model per stage, the layers of other stages deleted from the layer
+containers (a container the stage holds nothing of stays, empty), and any other module the
+stage does not hold set to None, so the model's forward skips a None part, as torchtitan's
+models do (`if self.embed is not None`). Unlike torchtitan, which rebuilds a `ModuleList`
+from the kept layers (renumbering them: only a `ModuleDict` keeps its keys there), every
+container here keeps the keys of its kept layers, so the names are the whole model's in
+any container; the forward iterates over its containers (positions change, names do not),
+and names may be nested at any depth (`trunk.layers.3`).
 
 `pipeline_boundaries` finds every stage's input boundary without any rank needing another
 rank's modules: stage by stage, in pipeline order, the lowest rank holding stage s computes
@@ -58,8 +61,9 @@ def split_model(
     holds the module and everything under it, e.g. `["embed", "blocks.0", "blocks.1"]`), or
     the name of the model's layer container (a ModuleList, ModuleDict or Sequential): its
     layers cut into `num_stages` consecutive runs of equal size (the first stages one more
-    when they do not divide), the modules registered before it on the first stage, those
-    after it on the last. Every parameter and buffer of the model must belong to a stage.
+    when they do not divide), the modules registered before it (beside it, and beside each
+    module above it) on the first stage, those after it on the last. Every parameter and
+    buffer of the model must belong to a stage.
     `init(module)` initialises the materialized stage (its parameters and its buffers, which
     `to_empty` leaves uninitialised like the parameters); None leaves them uninitialised, to
     load a checkpoint into right after. `model` itself is left on the meta device, unchanged.
@@ -137,25 +141,29 @@ def _cut(
         end = start + size + (index < extra)
         found.append(keys[start:end])
         start = end
-    top = name.split(".")[0]
-    order = [child for child, _ in model.named_children()]
-    found[0][:0] = order[: order.index(top)]
-    found[-1].extend(order[order.index(top) + 1 :])
+    parts = name.split(".")  # at each level up, siblings before go first, after go last
+    for depth in reversed(range(len(parts))):
+        parent = ".".join(parts[:depth])
+        prefix = parent + "." if parent else ""
+        order = [prefix + child for child, _ in names[parent].named_children()]
+        at = order.index(prefix + parts[depth])
+        found[0][:0] = order[:at]
+        found[-1].extend(order[at + 1 :])
     return found
 
 
 def _prune(module: torch.nn.Module, prefix: str, keep: frozenset[str]) -> None:
     """Remove from `module` (named `prefix`) every part not held: kept names keep their
-    whole subtree; a container's other entries are deleted (keys of the rest unchanged),
-    any other module not held becomes None; parameters and buffers registered on a module
-    only partly held stay only when named."""
+    whole subtree; a container's other entries are deleted (keys of the rest unchanged; a
+    container held not at all stays, empty), any other module not held becomes None;
+    parameters and buffers registered on a module only partly held stay only when named."""
     for name, child in list(module._modules.items()):
         if child is None:
             continue
         fqn = prefix + name
         if fqn in keep:
             continue
-        if any(k.startswith(fqn + ".") for k in keep):
+        if isinstance(child, CONTAINERS) or any(k.startswith(fqn + ".") for k in keep):
             _prune(child, fqn + ".", keep)
         elif isinstance(module, CONTAINERS):
             del module._modules[name]

@@ -287,3 +287,40 @@ def test_pipecc_run_checks_the_gpt_example(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert report["max_rel_grad_diff"] <= 1e-6
     assert abs(report["loss"] - report["reference_loss"]) <= 1e-6 * report["reference_loss"]
+
+
+def test_a_container_a_stage_holds_nothing_of_stays_empty() -> None:
+    """A stage of the embedding alone keeps `blocks` as an empty ModuleList, so the forward's
+    loop over it runs no layer (torchtitan's choice), and computes the embedding."""
+    layers = [["embed"], [f"blocks.{i}" for i in range(model.BLOCKS)] + ["head"]]
+    first = split_model(meta_model(), 0, 2, layers=layers, init=model.init)
+    assert isinstance(first.blocks, nn.ModuleList) and len(first.blocks) == 0
+    assert first.head is None
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(first(x), first.embed(x))
+
+
+def test_the_cut_of_a_nested_container() -> None:
+    """HF's layout: the layers inside `model`, the embedding before them, the norm after,
+    the LM head beside `model`: every part on a stage, each once."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(5, 3)
+            self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
+            self.norm = nn.LayerNorm(3)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Inner()
+            self.lm_head = nn.Linear(3, 5)
+
+    with torch.device("meta"):
+        meta = Outer()
+    assert stage_layers(meta, 2, "model.layers") == [
+        ["model.embed", "model.layers.0", "model.layers.1"],
+        ["model.layers.2", "model.layers.3", "model.norm", "lm_head"],
+    ]
