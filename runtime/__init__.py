@@ -13,6 +13,7 @@ without torch. docs/runtime.md describes the API.
 from __future__ import annotations
 
 from .config import RuntimeConfig, mse_loss
+from .interpreter import InstructionError
 from .partition import pipeline_boundaries, split_model
 from .pipeline import PipelineRuntime
 from .profile import Recorder
@@ -21,6 +22,7 @@ from .specs import Boundary, TensorSpec, infer_boundaries
 
 __all__ = [
     "Boundary",
+    "InstructionError",
     "PipelineRuntime",
     "Recorder",
     "RuntimeConfig",

@@ -13,8 +13,13 @@ from typing import Any
 
 import own_stage_model as model
 import torch
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, pipeline_boundaries, split_model
-from pipecc.runtime.interpreter import InstructionError
+from pipecc.runtime import (
+    InstructionError,
+    PipelineRuntime,
+    RuntimeConfig,
+    pipeline_boundaries,
+    split_model,
+)
 
 from pipecc.api import compile_schedule
 from pipecc.diagnostics import PipeccError
