@@ -23,6 +23,7 @@ weights).
 from __future__ import annotations
 
 import runpy
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,7 @@ def load_model(path: str) -> ModelFile:
     except Exception as err:
         raise InputError(
             f"{path}: the model file fails to load: {type(err).__name__}: {err}"
+            + _user_frames(err, path)
         ) from err
     builders = {name: names.get(name) for name in ("build_stage", "build_stages")}
     if not any(callable(value) for value in builders.values()):
@@ -111,6 +113,19 @@ def load_model(path: str) -> ModelFile:
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
         autocast, builders["build_stage"], path,
     )  # fmt: skip
+
+
+def _user_frames(err: BaseException, path: str) -> str:
+    """The traceback of `err` from its first frame in the model file on (the user's code,
+    with what it called), or nothing when no frame is in the file (a SyntaxError names
+    its line itself)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    mine = str(Path(path).resolve())
+    start = next((i for i, f in enumerate(frames) if str(Path(f.filename).resolve()) == mine), None)
+    if start is None:
+        return ""
+    lines = traceback.format_list(frames[start:])
+    return "\nTraceback (most recent call last):\n" + "".join(lines).rstrip()
 
 
 def check_targets(path: str, model: ModelFile, targets: object) -> None:

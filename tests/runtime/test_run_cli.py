@@ -352,3 +352,21 @@ def test_explicit_boundaries_without_stage_0_still_check_stage_0(tmp_path: Path)
         "  rank 0: chunk 0 (stage 0 of pipe 0) returns float32[8, 16, 32] for input "
         "int64[8, 16], but stage 1 takes (float32[8, 16, 31],)",
     ], result.stderr
+
+
+def test_a_model_file_that_fails_to_load_shows_its_own_frames(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the model file at import: exit 2, the error, then the traceback from the
+    file's first frame on (none of pipecc's or runpy's), down to the failing line."""
+    model = tmp_path / "broken.py"
+    model.write_text("def helper():\n    return {}['missing']\n\n\nVALUE = helper()\n")
+    code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "2",
+                              "--model", str(model))  # fmt: skip
+    assert code == 2
+    lines = err.splitlines()
+    assert lines[0] == f"error: {model}: the model file fails to load: KeyError: 'missing'"
+    assert lines[1] == "Traceback (most recent call last):"
+    files = [line for line in lines if line.startswith("  File ")]
+    assert files == [f'  File "{model}", line 5, in <module>',
+                     f'  File "{model}", line 2, in helper'], err  # fmt: skip
