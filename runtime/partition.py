@@ -204,9 +204,13 @@ def pipeline_boundaries(
     config = config or RuntimeConfig()
     group = config.group
     rank_map = tuple(config.rank_map or dist.get_process_group_ranks(group or dist.group.WORLD))
-    me = rank_map.index(dist.get_rank())
+    me = rank_map.index(dist.get_rank()) if dist.get_rank() in rank_map else -1
+    world = dist.get_world_size(group)
     placement = program.placement
-    mine = {slot.stage: modules.get(slot.chunk) for slot in placement.chunks(me)}
+    # not in the program (another world size, a wrong rank map): the runtime refuses that
+    # on its first step, before it calls this
+    held = placement.chunks(me) if 0 <= me < program.num_ranks else ()
+    mine = {slot.stage: modules.get(slot.chunk) for slot in held}
     holders: dict[int, int] = {}  # the lowest rank holding each stage
     for rank in range(program.num_ranks):
         for slot in placement.chunks(rank):
@@ -222,7 +226,7 @@ def pipeline_boundaries(
             if holders[stage] == me:
                 last = stage == num_stages - 1
                 text = _output_of(mine.get(stage), boundary, device, config.autocast, last)
-            texts = gather_texts(text, group, program.num_ranks, device)
+            texts = gather_texts(text, group, world, device)
             reply = json.loads(next(t for t in texts if t))
             if "error" in reply:
                 raise InputError(
