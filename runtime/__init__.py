@@ -13,6 +13,8 @@ without torch. docs/runtime.md describes the API.
 from __future__ import annotations
 
 from .config import RuntimeConfig, mse_loss
+from .interpreter import InstructionError
+from .partition import pipeline_boundaries, split_model
 from .pipeline import PipelineRuntime
 from .profile import Recorder
 from .shared import shared_parameters
@@ -20,11 +22,14 @@ from .specs import Boundary, TensorSpec, infer_boundaries
 
 __all__ = [
     "Boundary",
+    "InstructionError",
     "PipelineRuntime",
     "Recorder",
     "RuntimeConfig",
     "TensorSpec",
     "infer_boundaries",
     "mse_loss",
+    "pipeline_boundaries",
     "shared_parameters",
+    "split_model",
 ]

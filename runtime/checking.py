@@ -37,7 +37,7 @@ def check_run(
 ) -> CheckResult:
     """`grads[rank][step]`: each rank's gradients of each step, keyed (stage, name)."""
     with threads(RANK_THREADS):
-        stages = [s.to(options.device) for s in model.build_stages(num_stages)]
+        stages = [s.to(options.device) for s in model.all_stages(num_stages)]
         worst_abs = worst_rel = loss = 0.0
         found: dict[tuple[int, str, int], ParamDiff] = {}
         for step, batch in enumerate(batches):

@@ -16,7 +16,9 @@ goes on; a `wait` first waits for its post to have happened. On NCCL a post only
 work on a CUDA stream, so it happens in the calling thread.
 
 Completing a work: on gloo, `wait(timeout)` blocks the host and raises when the peer has not
-matched in time (or has died: gloo reports the closed connection). On NCCL, `wait()` only
+matched in time (or has died: gloo reports the closed connection); gloo raises a
+RuntimeError either way, so a failure after the deadline becomes an `OpTimeout`, a
+`TimeoutError`, which the transfers recognise by its type. On NCCL, `wait()` only
 orders the current CUDA stream after the transfer and returns at once, so the host never
 blocks in the hot loop; a transfer that never completes is then caught by NCCL's watchdog,
 after the process group's timeout.
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 Work = dist.Work
+CLOCK_SLACK = 0.01  # seconds: gloo counts a wait's timeout in whole milliseconds
 
 
 class Posted:
@@ -58,8 +61,13 @@ class Posted:
             try:
                 self._works = self._future.result(timeout)[self._index]
             except FutureTimeout:
-                raise RuntimeError("Timed out waiting for the op to be posted") from None
+                raise OpTimeout("the op was not posted before its deadline") from None
         return self._works
+
+
+class OpTimeout(TimeoutError):
+    """A posted op that did not complete (or was not posted) by its deadline. Gloo reports a
+    timed-out wait as a plain RuntimeError, so the deadline having passed is what says it."""
 
 
 class Channel:
@@ -99,7 +107,12 @@ class Channel:
         """Wait for one posted op until `deadline` (a `time.monotonic()` value)."""
         for work in posted.works(max(deadline - time.monotonic(), 0.001)):
             if self.blocking:
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                try:
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                except RuntimeError as err:
+                    if time.monotonic() >= deadline - CLOCK_SLACK:
+                        raise OpTimeout(str(err)) from err
+                    raise  # the peer failed (closed, reset) before the deadline
             else:
                 work.wait()
 

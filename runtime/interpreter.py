@@ -5,16 +5,20 @@ that executes it: a compute op to `StageOps` (F, B, I, W; runtime/stage.py), a f
 `FusedOps` (runtime/fused.py), a sequential one (torch's OVERLAP_F_B) part by part, a send or
 receive and a wait to `Transfers` (runtime/transfers.py), torch's per-stage actions to
 runtime/stage_ops.py. It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe differ
-only in their programs. An exception inside an instruction becomes a `RankError` naming the
-rank, the step, the instruction index and the instruction; a pipecc error raised there (a
-stage output that does not match the next stage's input, a loss that is not a scalar) keeps
-its kind and gets the same prefix.
+only in their programs. An exception inside an instruction (the user's module or loss, or a
+bug) becomes an `InstructionError`: a `RankError` whose one-line message names the rank, the
+step, the instruction index and the instruction, raised from the exception, which keeps its
+full traceback (`details()`; `pipecc run` prints it under the line). A pipecc error raised
+there (a stage output that does not match the next stage's input, a loss that is not a
+scalar) keeps its kind and gets the same prefix, and no traceback: it is one message.
 
 Subclasses change what happens around an instruction by overriding `compute`, `post` and
 `wait`: `ProfilingInterpreter` (runtime/profiling.py) times them.
 """
 
 from __future__ import annotations
+
+import traceback
 
 from pipecc.diagnostics import PipeccError, RankError
 from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
@@ -26,6 +30,18 @@ from .plan import Plan
 from .stage import StageOps
 from .stage_ops import run_stage_op
 from .transfers import Transfers
+
+
+class InstructionError(RankError):
+    """An exception that is no pipecc error, raised by what an instruction ran (the user's
+    module, loss or hook, or a bug); it is this error's `__cause__`, with its traceback."""
+
+    def details(self) -> str:
+        """The message, then the cause's full traceback (the frames of the user's code)."""
+        cause = self.__cause__
+        if cause is None:
+            return self.message
+        return self.message + "\n" + "".join(traceback.format_exception(cause)).rstrip()
 
 
 class Interpreter:
@@ -47,7 +63,7 @@ class Interpreter:
                     err.args = (err.message,)
                 raise
             except Exception as err:
-                raise RankError(
+                raise InstructionError(
                     self.where(ctx, index, instr) + f": {type(err).__name__}: {err}"
                 ) from err
 

@@ -1,11 +1,13 @@
 """What `pipecc run` does: spawn P ranks, run steps, time them, check, profile.
 
-The model file's contract is in runtime/model_file.py. Every rank builds the whole model and
-keeps the stages of its chunks (stage s of either pipe is model stage s); parameters that
-are one object in two stages (tied weights) are declared shared from that whole model, and
-boundaries are computed locally for each shape signature the steps bring (from the model
-file's `boundaries(example_inputs)`, or inferred from the whole model), so nothing is
-exchanged point to point outside the program. Each step: zero the gradients, make the batch
+The model file's contract is in runtime/model_file.py. With `build_stage` each rank builds
+only the stages of its chunks (stage s of either pipe is model stage s) and the boundaries
+of a new shape signature are found along the pipeline, each stage by a rank holding it
+(runtime/partition.py); with `build_stages` every rank builds the whole model, keeps its
+own stages, declares shared the parameters that are one object in two stages (tied
+weights) and infers the boundaries locally from the whole model. A model file's
+`boundaries(example_inputs)` replaces either inference. Nothing is exchanged point to point
+outside the program. Each step: zero the gradients, make the batch
 with `seed` = step index (warm-up steps first), barrier, `step`, barrier; the time between
 the barriers on rank 0 is the step time. Weights stay fixed (no optimizer), so the check
 compares every step with the single-process reference (runtime/checking.py).
@@ -29,6 +31,7 @@ from pipecc.ir.program import Program
 from .checking import check_run
 from .config import RuntimeConfig
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
+from .partition import pipeline_boundaries
 from .pipeline import PipelineRuntime
 from .profile import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
 from .reference import Options, ParamKey, default_tolerance
@@ -120,7 +123,7 @@ def run_job(job: RunJob) -> RunReport:
         backend=backend,
         comm=program.comm,
         tolerance=default_tolerance(
-            [*results[0]["dtypes"], _autocast(job, model) or torch.float32]
+            [*(d for r in results for d in r["dtypes"]), _autocast(job, model) or torch.float32]
         ),
         worst_params=[] if checked is None else [d._asdict() for d in checked.worst],
         cost_file=_cost_text(job, results) if job.profile else None,
@@ -139,18 +142,27 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     model = load_model(job.model)
     program = job.program
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    stages = [s.to(device) for s in model.build_stages(program.placement.num_stages(0))]
-    modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}
+    num_stages = program.placement.num_stages(0)
+    slots = program.placement.chunks(rank)
+    whole = model.build_stage is None  # build_stages: every rank builds every stage
+    built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
+    built = {stage: module.to(device) for stage, module in built.items()}
+    modules = {slot.chunk: built[slot.stage] for slot in slots}
     autocast = _autocast(job, model)
-    shared = shared_parameters(stages)
+    shared = shared_parameters(list(built.values())) if whole else ()
     config = RuntimeConfig(
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
         derive_rng=job.derive_rng, autocast=autocast,
     )  # fmt: skip
-    boundaries = _remembered(
-        model.boundaries
-        or (lambda sample: infer_boundaries(stages, sample, autocast=autocast, device=device))
-    )
+    if model.boundaries is not None:
+        boundaries = _remembered(model.boundaries)
+    elif whole:
+        stages = list(built.values())
+        boundaries = _remembered(
+            lambda sample: infer_boundaries(stages, sample, autocast=autocast, device=device)
+        )
+    else:  # no rank has every stage: each stage's boundary from a rank holding it
+        boundaries = _remembered(pipeline_boundaries(program, modules, config))
     first = split_tree(model.make_batch(job.batch_size, seed=0)[0], program.num_microbatches,
                        "inputs", torch.device("cpu"))[0]  # fmt: skip
     # computed before the timed steps (the first step finds it here); when it fails, the
@@ -159,7 +171,7 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
         boundaries(first)
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=model.loss_fn, config=config)
     out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": []}
-    out["dtypes"] = param_dtypes(stages)
+    out["dtypes"] = param_dtypes(modules.values())
     out["shared_stages"] = shared_stages(shared)
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup

@@ -1,18 +1,30 @@
 """The model file of `pipecc run`: what it must and may define.
 
-Required: `build_stages(num_stages) -> list[nn.Module]` (the whole model as consecutive
-stages, deterministic: every rank builds the same weights) and `make_batch(num_rows, seed)
--> (inputs, targets)` (inputs and targets any pytree of tensors, split along dim 0).
+Required: `make_batch(num_rows, seed) -> (inputs, targets)` (inputs and targets any pytree of
+tensors, split along dim 0) and one of two ways to build the model, both deterministic
+(every process builds the same weights):
+
+- `build_stage(stage, num_stages) -> nn.Module`: that one stage. Each rank calls it only for
+  the stages it holds, so no rank constructs another rank's stages (a model that fits only
+  split over the ranks; `pipecc.runtime.split_model` cuts a stage out of a model built on
+  the meta device). Used whenever the file defines it.
+- `build_stages(num_stages) -> list[nn.Module]`: the whole model as consecutive stages (small
+  models; every rank builds all and keeps its own, and a Parameter object in two stages is a
+  tied weight).
+
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
 `boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input, when
 they cannot be inferred by running the stages) and `autocast` (a dtype the forwards run
-under, e.g. `torch.bfloat16`).
+under, e.g. `torch.bfloat16`). `--check` builds every stage in the launcher for its
+single-process reference (with `build_stage` when defined, so the reference has the ranks'
+weights).
 """
 
 from __future__ import annotations
 
 import runpy
-from collections.abc import Callable, Mapping
+import traceback
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +41,41 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class ModelFile:
-    build_stages: Callable[[int], list[torch.nn.Module]]
+    build_stages: Callable[[int], list[torch.nn.Module]] | None
     make_batch: Callable[..., tuple[Any, Any]]
     loss_fn: Callable[[Any, Any], torch.Tensor]
     has_loss_fn: bool = True
     boundaries: Callable[[Any], Mapping[int, object]] | None = None
     autocast: torch.dtype | None = None
+    build_stage: Callable[[int, int], torch.nn.Module] | None = None
+    path: str = "the model file"
+
+    def stages(self, wanted: Iterable[int], num_stages: int) -> dict[int, torch.nn.Module]:
+        """The modules of the `wanted` stages, each built once: with `build_stage` only
+        those; with `build_stages` the whole model, of which the others are dropped."""
+        wanted = sorted(set(wanted))
+        if self.build_stage is None:
+            assert self.build_stages is not None
+            whole = self.build_stages(num_stages)
+            if len(whole) != num_stages:
+                raise InputError(
+                    f"{self.path}: build_stages({num_stages}) returned {len(whole)} stages"
+                )
+            return {stage: whole[stage] for stage in wanted}
+        found = {}
+        for stage in wanted:
+            module = self.build_stage(stage, num_stages)
+            if not isinstance(module, torch.nn.Module):
+                raise InputError(
+                    f"{self.path}: build_stage({stage}, {num_stages}) returned "
+                    f"{type(module).__name__}, not a torch.nn.Module"
+                )
+            found[stage] = module
+        return found
+
+    def all_stages(self, num_stages: int) -> list[torch.nn.Module]:
+        """Every stage in order (the single-process reference)."""
+        return list(self.stages(range(num_stages), num_stages).values())
 
 
 def load_model(path: str) -> ModelFile:
@@ -46,10 +87,19 @@ def load_model(path: str) -> ModelFile:
     except Exception as err:
         raise InputError(
             f"{path}: the model file fails to load: {type(err).__name__}: {err}"
+            + _user_frames(err, path)
         ) from err
-    for name in ("build_stages", "make_batch"):
-        if not callable(names.get(name)):
-            raise InputError(f"{path}: the model file must define {name}()")
+    builders = {name: names.get(name) for name in ("build_stage", "build_stages")}
+    if not any(callable(value) for value in builders.values()):
+        raise InputError(
+            f"{path}: the model file must define build_stage(stage, num_stages) (one stage) "
+            "or build_stages(num_stages) (all of them)"
+        )
+    for name, value in builders.items():
+        if value is not None and not callable(value):
+            raise InputError(f"{path}: {name} must be a function")
+    if not callable(names.get("make_batch")):
+        raise InputError(f"{path}: the model file must define make_batch()")
     loss_fn = names.get("loss_fn", mse_loss)
     if not callable(loss_fn):
         raise InputError(f"{path}: loss_fn must be a function")
@@ -60,9 +110,22 @@ def load_model(path: str) -> ModelFile:
     if autocast is not None and not isinstance(autocast, torch.dtype):
         raise InputError(f"{path}: autocast must be a torch dtype, e.g. torch.bfloat16")
     return ModelFile(
-        names["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
-        autocast,
+        builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
+        autocast, builders["build_stage"], path,
     )  # fmt: skip
+
+
+def _user_frames(err: BaseException, path: str) -> str:
+    """The traceback of `err` from its first frame in the model file on (the user's code,
+    with what it called), or nothing when no frame is in the file (a SyntaxError names
+    its line itself)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    mine = str(Path(path).resolve())
+    start = next((i for i, f in enumerate(frames) if str(Path(f.filename).resolve()) == mine), None)
+    if start is None:
+        return ""
+    lines = traceback.format_list(frames[start:])
+    return "\nTraceback (most recent call last):\n" + "".join(lines).rstrip()
 
 
 def check_targets(path: str, model: ModelFile, targets: object) -> None:
@@ -79,5 +142,5 @@ def check_targets(path: str, model: ModelFile, targets: object) -> None:
             )
 
 
-def param_dtypes(stages: list[torch.nn.Module]) -> list[torch.dtype]:
+def param_dtypes(stages: Iterable[torch.nn.Module]) -> list[torch.dtype]:
     return sorted({p.dtype for s in stages for p in s.parameters()}, key=str)

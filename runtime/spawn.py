@@ -3,7 +3,10 @@
 The parent watches its children: when one reports an error or dies (killed, crashed), it
 gives the others a moment to report their own errors, then terminates them, so a dead rank
 never leaves the rest hanging. Results travel back as `torch.save` bytes, so they may hold
-tensors without sharing memory with a process that is about to exit.
+tensors without sharing memory with a process that is about to exit. A rank's error comes
+back as text: a pipecc error's message alone; an exception from the user's code (raised in a
+step's instruction, or anywhere else in the worker) as the line naming the rank, the step and
+the instruction, followed by the exception's full traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from pipecc.diagnostics import PipeccError, RankError
+
+from .interpreter import InstructionError
 
 Worker = Callable[[int, int, Any], Any]  # (rank, world size, payload) -> result
 GRACE = 1.0  # seconds the others get to report after the first failure
@@ -60,7 +65,9 @@ def _bootstrap(
         torch.save(value, buffer)
         results.put(("ok", rank, buffer.getvalue()))
         dist.destroy_process_group()
-    except PipeccError as err:
+    except InstructionError as err:  # the user's code failed in a step: keep its traceback
+        _report(results, rank, err.details())
+    except PipeccError as err:  # pipecc's own finding: one message
         _report(results, rank, err.message)
     except BaseException as err:  # a bug or a user's exception: keep the traceback
         _report(results, rank, f"rank {rank}: {type(err).__name__}: {err}\n"

@@ -17,7 +17,7 @@ from pipecc.ir.keys import carried
 from pipecc.ir.ops import Msg, Recv, Send, Wait
 from pipecc.ir.printer import describe
 
-from .comm import Channel
+from .comm import Channel, OpTimeout
 from .context import Pending, StepContext
 from .specs import Specs
 from .stage import take
@@ -90,10 +90,9 @@ class Transfers:
 
     def _failure(self, where: str, op_index: int, pending: Pending, err: Exception) -> RankError:
         what = f"{describe(pending.instr)} (instruction {op_index})"
-        text = _short(str(err))
-        if "Timed out" in text or "timed out" in text:
+        if isinstance(err, OpTimeout):
             return RecvTimeoutError(f"{where}: {what} did not complete within {self.timeout:g} s")
-        return RankError(f"{where}: {what} failed: {text}")
+        return RankError(f"{where}: {what} failed: {_short(str(err))}")
 
 
 def _short(text: str) -> str:

@@ -37,8 +37,9 @@ Run a schedule on P local processes (gloo on CPU; NCCL when there is a GPU per r
 stages of a model file, time its steps, and optionally check every gradient against a
 single-process reference (docs/runtime.md).
 
-The model file defines build_stages(num_stages) -> list of modules (the whole model as
-consecutive stages, deterministic), make_batch(num_rows, seed) -> (inputs, targets), and
+The model file defines build_stage(stage, num_stages) -> module (one stage: each rank builds
+only its own) or build_stages(num_stages) -> list of modules (the whole model as consecutive
+stages), deterministic, make_batch(num_rows, seed) -> (inputs, targets), and
 optionally loss_fn(output, target) (default: mean squared error, for floating targets),
 boundaries(example_inputs) (explicit boundary specs) and autocast (a torch dtype).
 

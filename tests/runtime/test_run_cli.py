@@ -138,7 +138,11 @@ def test_without_check_diffs_are_null(
     [
         (["--batch-size", "10"], "--batch-size 10 cannot be split into 4 equal microbatches"),
         (["--model", "no/such/model.py"], "no/such/model.py: no such model file"),
-        (["--model", __file__], "must define build_stages()"),
+        (
+            ["--model", __file__],
+            "must define build_stage(stage, num_stages) (one stage) or "
+            "build_stages(num_stages) (all of them)",
+        ),
         (["--timeout", "0"], "--timeout must be positive"),
     ],
 )
@@ -218,15 +222,25 @@ def test_integer_targets_without_loss_fn_name_loss_fn(
 def test_rank_error_names_rank_and_instruction(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A bug in the user's model: the line naming the rank, the step and the instruction,
+    then the exception's full traceback, down to the user's file and line."""
     code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "4",
                               "--model", FAULTY, fault="raise")  # fmt: skip
     assert code == 1
-    first = err.splitlines()[0]
+    first, second, *rest = err.splitlines()
     assert re.fullmatch(
         r"error: rank 1, step 0: instruction \d+ \(F0\.\d\): ValueError: stage exploded on purpose",
         first,
     ), err
-    assert "Traceback" not in err
+    assert second == "Traceback (most recent call last):", err
+    line = _line_of(FAULTY, 'raise ValueError("stage exploded on purpose")')
+    assert f'  File "{FAULTY}", line {line}, in forward' in rest, err
+    assert "ValueError: stage exploded on purpose" in rest, "the traceback ends with the error"
+
+
+def _line_of(path: str, text: str) -> int:
+    lines = Path(path).read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if text in line)
 
 
 def test_killed_rank_stops_the_others(
@@ -343,3 +357,21 @@ def test_explicit_boundaries_without_stage_0_still_check_stage_0(tmp_path: Path)
         "  rank 0: chunk 0 (stage 0 of pipe 0) returns float32[8, 16, 32] for input "
         "int64[8, 16], but stage 1 takes (float32[8, 16, 31],)",
     ], result.stderr
+
+
+def test_a_model_file_that_fails_to_load_shows_its_own_frames(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the model file at import: exit 2, the error, then the traceback from the
+    file's first frame on (none of pipecc's or runpy's), down to the failing line."""
+    model = tmp_path / "broken.py"
+    model.write_text("def helper():\n    return {}['missing']\n\n\nVALUE = helper()\n")
+    code, _, err = run_inline(capsys, monkeypatch, "run", "1f1b", "--nproc", "2", "-M", "2",
+                              "--model", str(model))  # fmt: skip
+    assert code == 2
+    lines = err.splitlines()
+    assert lines[0] == f"error: {model}: the model file fails to load: KeyError: 'missing'"
+    assert lines[1] == "Traceback (most recent call last):"
+    files = [line for line in lines if line.startswith("  File ")]
+    assert files == [f'  File "{model}", line 5, in <module>',
+                     f'  File "{model}", line 2, in helper'], err  # fmt: skip

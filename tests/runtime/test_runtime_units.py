@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 from pipecc.runtime import TensorSpec
+from pipecc.runtime.comm import Channel, OpTimeout, Posted
 from pipecc.runtime.plan import build_plan as _plan
 from pipecc.runtime.plan import forward_only as _forward_only
 from pipecc.runtime.profile import Recorder, fit_latency, render_cost_file
@@ -247,3 +251,40 @@ def test_a_post_goes_to_the_group_with_the_peers_rank_in_it() -> None:
     sub = torch.ones(2).as_subclass(_Subclass)
     assert comm._single(_Op(isend, sub, group)) == ["work"]  # type: ignore[arg-type]
     assert seen == [(_Subclass, 5, group)] and len(group.posted) == 2
+
+
+class _FailingWork:
+    """A posted op whose wait fails after `delay` seconds with `text` (as gloo's does, a
+    plain RuntimeError whatever the cause)."""
+
+    def __init__(self, delay: float, text: str) -> None:
+        self.delay, self.text = delay, text
+
+    def wait(self, timeout: object = None) -> bool:
+        time.sleep(self.delay)
+        raise RuntimeError(self.text)
+
+
+@pytest.mark.parametrize(
+    ("delay", "text", "timed_out"),
+    [
+        (0.3, "Connection closed by peer", True),  # the deadline passed: a timeout
+        (0.3, "anything at all", True),
+        (0.0, "Timed out waiting 1000ms for recv operation to complete", False),  # before it
+    ],
+)
+def test_a_wait_is_a_timeout_by_its_deadline_not_its_text(
+    delay: float, text: str, timed_out: bool
+) -> None:
+    channel = Channel(None, (0,), timeout=0.2, nccl=False)
+    posted = Posted(works=[cast(Any, _FailingWork(delay, text))])
+    with pytest.raises(Exception) as caught:
+        channel.complete(posted, time.monotonic() + 0.2)
+    assert isinstance(caught.value, OpTimeout) is timed_out
+    assert isinstance(caught.value, TimeoutError) is timed_out
+
+
+def test_an_op_not_posted_by_its_deadline_is_a_timeout() -> None:
+    never: Future[list[list[Any]]] = Future()
+    with pytest.raises(OpTimeout):
+        Posted(future=never).works(0.01)
