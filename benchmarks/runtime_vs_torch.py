@@ -26,14 +26,15 @@ rounds (ms). The pipecc columns say the comm policy of their program:
   profiled.
 
 `ideal` is the simulator's step for op costs timed outside either runtime, in the same run:
-after each round, each rank calls its stages' modules directly on one microbatch (plain
-autograd, no interpreter): F the forward (with the loss on the last stage), B the full
-backward, I the input's gradient alone (`torch.autograd.grad` to the stage's input; 0 on
-stage 0), W = B − I; F&B and F&I derived by the simulator. Medians over the rounds, zero
-message latency and zero host time (`comm`, `post`, `wait` = 0), the rendezvous model: the
-schedule's own bubble. `ex torch` and `ex pipecc` are each runtime's excess over it
-(step − ideal) and `ex ratio` = ex pipecc / ex torch, reported, not a target (the host
-overhead's target is benchmarks/runtime_overhead.py's).
+after the rounds, each rank calls its stages' modules directly on one microbatch (plain
+autograd, no interpreter; one warm-up call, then one per round): F the forward (with the
+loss on the last stage), B the full backward, I the input's gradient alone
+(`torch.autograd.grad` to the stage's input; 0 on stage 0), W = B − I; F&B and F&I derived
+by the simulator. Medians over the rounds, zero message latency and zero host time (`comm`,
+`post`, `wait` = 0), the rendezvous model: the schedule's own bubble. `ex torch` and
+`ex pipecc` are each runtime's excess over it (step − ideal) and `ex ratio` = ex pipecc /
+ex torch, reported, not a target (the host overhead's target is
+benchmarks/runtime_overhead.py's).
 
 The second table is the per-op overhead with a tiny model (MLP H=16, L=8, 1F1B, M=16):
 (step time − the rank's plain-autograd time for the same ops) / compute ops per rank, on
@@ -357,8 +358,8 @@ def run_config(config: Config, rank: int) -> dict[str, Any]:
         runners["bound"] = (compute_only(config, pipecc_stages, rank), mine_p)
     times = alternate(runners, config.warmup, config.steps)
     samples: Samples = {}
-    for _ in range(config.steps):  # the op costs of `ideal`, outside the runtimes
-        plain_ops(model, pipecc_stages, rank, samples)
+    for round_ in range(1 + config.steps):  # the op costs of `ideal`, outside the runtimes
+        plain_ops(model, pipecc_stages, rank, samples if round_ > 0 else {})  # 1 warm-up
     result: dict[str, Any] = {name: statistics.median(t) for name, t in times.items()}
     result["ideal"] = ideal_step(early.program, samples, model.count)
     result["ops"] = sum(1 for _, instr, _ in early.plan if type(instr) in (Compute, Fused))
