@@ -27,13 +27,13 @@ rounds (ms). The pipecc columns say the comm policy of their program:
 
 `ideal` is the simulator's step for op costs timed outside either runtime, in the same run:
 after the rounds, each rank calls its stages' modules directly on one microbatch (plain
-autograd, no interpreter; one warm-up call, then one per round): F the forward (with the
-loss on the last stage), B the full backward, I the input's gradient alone
-(`torch.autograd.grad` to the stage's input; 0 on stage 0), W = B − I; F&B and F&I derived
-by the simulator. Medians over the rounds, zero message latency and zero host time (`comm`,
-`post`, `wait` = 0), the rendezvous model: the schedule's own bubble. `ex torch` and
-`ex pipecc` are each runtime's excess over it (step − ideal) and `ex ratio` = ex pipecc /
-ex torch, reported, not a target (the host overhead's target is
+autograd, no interpreter; one warm-up call, then one per round, each op's fastest of 3
+calls): F the forward (with the loss on the last stage), B the full backward, I the input's
+gradient alone (`torch.autograd.grad` to the stage's input; 0 on stage 0), W = B − I; F&B
+and F&I derived by the simulator. Medians over the rounds, zero message latency and zero
+host time (`comm`, `post`, `wait` = 0), the rendezvous model: the schedule's own bubble.
+`ex torch` and `ex pipecc` are each runtime's excess over it (step − ideal) and `ex ratio`
+= ex pipecc / ex torch, reported, not a target (the host overhead's target is
 benchmarks/runtime_overhead.py's).
 
 The second table is the per-op overhead with a tiny model (MLP H=16, L=8, 1F1B, M=16):
@@ -284,33 +284,45 @@ def aligned(runtime: PipelineRuntime, stages: list[nn.Module], model: Model) -> 
 Samples = dict[tuple[int, str], list[float]]  # (stage, op kind) -> ms
 
 
+PLAIN_REPEATS = 3  # calls per op and round; the fastest counts (preemptions only add)
+
+
 def plain_ops(model: Model, stages: list[nn.Module], rank: int, samples: Samples) -> None:
     """Time F, B and I of each of this rank's stages on one microbatch by calling the module
-    directly (plain autograd, no interpreter), into `samples`; W = B − I, the rest of a
-    full backward. Stage 0's input needs no gradient (I = 0); the last stage's F includes
-    the loss. The stages' gradients are left zeroed."""
+    directly (plain autograd, no interpreter), into `samples` (the fastest of
+    `PLAIN_REPEATS` calls); W = B − I, the rest of a full backward. Stage 0's input needs
+    no gradient (I = 0); the last stage's F includes the loss. The stages' gradients are
+    left zeroed."""
     config = model.config
     data, target = model.batch(config.microbatches)
     for stage in stage_ids(config.schedule, rank, config.ranks):
-        module, last = stages[stage], stage == model.count - 1
         x = data if stage == 0 else torch.randn(model.shapes(stage)[0].shape, requires_grad=True)
-        start = time.perf_counter()
-        out = _plain_forward(model, module, x, target, last=last)
-        forward = time.perf_counter()
-        torch.autograd.backward(out, torch.ones_like(out))
-        backward = time.perf_counter()
-        input_only = 0.0
-        if stage > 0:
-            leaf = x.detach().requires_grad_(True)
-            out = _plain_forward(model, module, leaf, target, last=last)
-            begin = time.perf_counter()
-            torch.autograd.grad(out, leaf, torch.ones_like(out))
-            input_only = time.perf_counter() - begin
-        module.zero_grad(set_to_none=True)
-        full = backward - forward
-        for kind, seconds in (("F", forward - start), ("B", full), ("I", input_only),
+        calls = [_plain_times(model, stages[stage], x, target, stage) for _ in range(PLAIN_REPEATS)]
+        forward, full, input_only = (min(times) for times in zip(*calls, strict=True))
+        for kind, seconds in (("F", forward), ("B", full), ("I", input_only),
                               ("W", max(full - input_only, 0.0))):  # fmt: skip
             samples.setdefault((stage, kind), []).append(seconds * 1e3)
+
+
+def _plain_times(
+    model: Model, module: nn.Module, x: torch.Tensor, target: torch.Tensor, stage: int
+) -> tuple[float, float, float]:
+    """One call's (forward, full backward, input-only backward) seconds."""
+    last = stage == model.count - 1
+    start = time.perf_counter()
+    out = _plain_forward(model, module, x, target, last=last)
+    forward = time.perf_counter()
+    torch.autograd.backward(out, torch.ones_like(out))
+    backward = time.perf_counter()
+    input_only = 0.0
+    if stage > 0:
+        leaf = x.detach().requires_grad_(True)
+        out = _plain_forward(model, module, leaf, target, last=last)
+        begin = time.perf_counter()
+        torch.autograd.grad(out, leaf, torch.ones_like(out))
+        input_only = time.perf_counter() - begin
+    module.zero_grad(set_to_none=True)
+    return forward - start, backward - forward, input_only
 
 
 def _plain_forward(
