@@ -108,7 +108,9 @@ def run_case(case: Case, rank: int, device: torch.device, guard: Guard) -> dict[
                     runtime.step(x, y)
         except Exception:  # noqa: BLE001  (reported per case, the others still run)
             error = "".join(traceback.format_exc(limit=-6).splitlines(keepends=True)[-14:])
-    return {"case": case, "fused": fused, "groups": list(groups), "error": error}
+    # plain values only: the result travels back from a spawned process
+    case_fields = (case.schedule, case.ranks, case.microbatches)
+    return {"case": case_fields, "fused": fused, "groups": list(groups), "error": error}
 
 
 def worker(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
@@ -119,7 +121,7 @@ def worker(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
 
 def verdict(result: dict[str, Any]) -> tuple[bool, str]:
     """(passed, its line) for one rank's result."""
-    case: Case = result["case"]
+    case = Case(*result["case"])
     name = f"{case.schedule} P={case.ranks} M={case.microbatches}"
     coalesced = sum(1 for size in result["groups"] if size > 1)
     facts = f"{result['fused']} fused F&B, {coalesced} coalesced groups"
@@ -138,7 +140,8 @@ def main() -> int:
     runs = [(1, ONE_GPU)] + ([(2, TWO_GPUS)] if gpus >= 2 else [])
     passed = True
     for ranks, cases in runs:
-        for rank, results in enumerate(spawn(worker, ranks, list(cases), backend="nccl")):
+        found = spawn(worker, ranks, list(cases), backend="nccl", timeout=90.0)
+        for rank, results in enumerate(found):
             for result in results:
                 ok, line = verdict(result)
                 passed = passed and ok

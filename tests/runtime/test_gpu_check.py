@@ -84,7 +84,7 @@ def test_the_sync_check_reports_a_sync_and_a_missing_coalesced_group(one_rank: N
     ok, line = check.verdict(result)
     assert not ok and line.startswith("1f1b P=1 M=3: FAILED (0 fused F&B, 0 coalesced groups):")
     assert "RuntimeError: called a synchronizing CUDA operation" in line
-    two = {"case": check.Case("zbv", 2, 4), "fused": 0, "groups": [1, 1], "error": None}
+    two = {"case": ("zbv", 2, 4), "fused": 0, "groups": [1, 1], "error": None}
     assert check.verdict(two) == (
         False, "zbv P=2 M=4: FAILED: no group went through batch_isend_irecv (0 fused F&B, "
         "0 coalesced groups)",
