@@ -282,8 +282,7 @@ def aligned(runtime: PipelineRuntime, stages: list[nn.Module], model: Model) -> 
 
 
 Samples = dict[tuple[int, str], list[float]]  # (stage, op kind) -> ms
-
-
+Runners = dict[str, tuple[Callable[[], object], list[nn.Module]]]  # name -> (step, modules)
 PLAIN_REPEATS = 3  # calls per op and round; the fastest counts (preemptions only add)
 
 
@@ -376,9 +375,6 @@ def run_config(config: Config, rank: int) -> dict[str, Any]:
     result["ideal"] = ideal_step(early.program, samples, model.count)
     result["ops"] = sum(1 for _, instr, _ in early.plan if type(instr) in (Compute, Fused))
     return result
-
-
-Runners = dict[str, tuple[Callable[[], object], list[nn.Module]]]
 
 
 def alternate(runners: Runners, warmup: int, rounds: int) -> dict[str, list[float]]:
