@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The runtime's GPU checks, for one GPU host (about 6 minutes; every step has a time limit,
-# 11 minutes in all at most). Not run by `make test`: CI and this repository's machines have
+# The runtime's GPU checks, for one GPU host (about 7 minutes; every step has a time limit,
+# 14 minutes in all at most). Not run by `make test`: CI and this repository's machines have
 # no GPU. Run from anywhere:  bash benchmarks/gpu_check.sh
 #
 #   1. the CUDA tests (pytest -m gpu): one rank on the GPU over NCCL, V-shape hand-offs and
@@ -13,7 +13,12 @@
 #   4. the GPT of examples/gpt.py on the GPU with --check: tied embeddings (the shared-
 #      parameter sum), dropout (the per-forward RNG states derived on CUDA, the reference on
 #      the same device type), bf16 autocast (real-run shape inference, the bf16 tolerance),
-#      and the step's shape gather over NCCL.
+#      and the step's shape gather over NCCL;
+#   5. no host sync in a warm step (benchmarks/gpu_sync_check.py): after two warm-up steps,
+#      one step under torch.cuda.set_sync_debug_mode("error") (any .item(), .cpu(), blocking
+#      copy or synchronize raises), on P=1 programs with fused F&B on two CUDA streams and,
+#      with two GPUs, P=2 over NCCL whose groups must go through batch_isend_irecv's
+#      coalescing branch (on CPU, tests/runtime/test_posting.py emulates that branch on gloo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -48,4 +53,6 @@ PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
 PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
     timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
     --check --steps 3 --warmup 1 --autocast bf16 --json | tee "$OUT/gpt_bf16.json"
+echo "== 5. no host sync in a warm step; NCCL's coalesced posting"
+timeout 180 "$PY" benchmarks/gpu_sync_check.py | tee "$OUT/sync.txt"
 echo "gpu check: ok"

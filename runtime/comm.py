@@ -13,7 +13,9 @@ host each of these waits until the scheduler runs the other thread (milliseconds
 docs/performance.md). So on gloo every post goes through one poster thread, in program order
 (a FIFO of one worker keeps the order the program was verified with), and the compute thread
 goes on; a `wait` first waits for its post to have happened. On NCCL a post only enqueues
-work on a CUDA stream, so it happens in the calling thread.
+work on a CUDA stream, so it happens in the calling thread. `PIPECC_POST_THREAD=0` in the
+environment when a runtime is built posts in the calling thread on gloo too (the tests run
+the gloo suite both ways; docs/runtime.md).
 
 Completing a work: on gloo, `wait(timeout)` blocks the host and raises when the peer has not
 matched in time (or has died: gloo reports the closed connection); gloo raises a
@@ -26,6 +28,7 @@ after the process group's timeout.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -36,8 +39,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipecc.diagnostics import InputError
+
 Work = dist.Work
 CLOCK_SLACK = 0.01  # seconds: gloo counts a wait's timeout in whole milliseconds
+POST_THREAD = "PIPECC_POST_THREAD"  # "0": no poster thread on gloo; "1" (default): one
 
 
 class Posted:
@@ -86,7 +92,7 @@ class Channel:
         self.timeout = timeout
         self.blocking = not nccl
         self._poster: ThreadPoolExecutor | None = None
-        if self.blocking:
+        if self.blocking and _post_thread_wanted():
             self._poster = ThreadPoolExecutor(1, thread_name_prefix="pipecc-post")
             weakref.finalize(self, self._poster.shutdown, wait=False)
 
@@ -134,6 +140,14 @@ def uses_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     without naming a backend serves CUDA tensors with NCCL and CPU tensors with gloo
     (`get_backend` then says "undefined"; its config says "cpu:gloo,cuda:nccl")."""
     return device.type == "cuda" and "nccl" in dist.get_backend_config(group)
+
+
+def _post_thread_wanted() -> bool:
+    """Whether posts on gloo go through the poster thread (`PIPECC_POST_THREAD`, default 1)."""
+    value = os.environ.get(POST_THREAD, "1")
+    if value not in ("0", "1"):
+        raise InputError(f"{POST_THREAD}={value!r}: expected 0 (post in the calling thread) or 1")
+    return value == "1"
 
 
 def _post_now(ops: list[dist.P2POp], batched: bool) -> list[list[Work]]:

@@ -1,0 +1,91 @@
+"""benchmarks/gpu_check.sh and its Python part, checked where no GPU is: the script parses,
+runs the sync check, and the check's case runner works on the CPU (with no guard: the sync
+debug mode exists only on CUDA) and judges its results as the GPU host will."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from pipecc.api import compile_schedule
+from pipecc.ir.ops import Fused
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+@functools.cache
+def _sync_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "gpu_sync_check", ROOT / "benchmarks" / "gpu_sync_check.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_gpu_check_parses_and_runs_the_sync_check() -> None:
+    done = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = SCRIPT.read_text().splitlines()
+    assert any(
+        line.startswith("timeout ") and "benchmarks/gpu_sync_check.py" in line for line in lines
+    )
+
+
+def test_the_sync_checks_case_runs_fused_ops_on_the_cpu(one_rank: None) -> None:
+    check = _sync_check()
+    result = check.run_case(
+        check.Case("dualpipev", 1, 6), 0, torch.device("cpu"), contextlib.nullcontext
+    )
+    assert result["error"] is None, result["error"]
+    program = compile_schedule("dualpipev", ranks=1, microbatches=6)
+    fused = sum(1 for i in program.ranks[0] if type(i) is Fused)
+    assert result["fused"] == fused > 0 and result["groups"] == [], "P=1: no messages"
+    assert check.verdict(result) == (
+        True, f"dualpipev P=1 M=6: no host sync in the warm step ({fused} fused F&B, "
+        "0 coalesced groups)",
+    )  # fmt: skip
+
+
+def test_the_sync_check_reports_a_sync_and_a_missing_coalesced_group(one_rank: None) -> None:
+    check = _sync_check()
+
+    @contextlib.contextmanager
+    def syncs() -> Iterator[None]:
+        raise RuntimeError("called a synchronizing CUDA operation")
+        yield
+
+    result = check.run_case(check.Case("1f1b", 1, 3), 0, torch.device("cpu"), syncs)
+    ok, line = check.verdict(result)
+    assert not ok and line.startswith("1f1b P=1 M=3: FAILED (0 fused F&B, 0 coalesced groups):")
+    assert "RuntimeError: called a synchronizing CUDA operation" in line
+    two = {"case": ("zbv", 2, 4), "fused": 0, "groups": [1, 1], "error": None}
+    assert check.verdict(two) == (
+        False, "zbv P=2 M=4: FAILED: no group went through batch_isend_irecv (0 fused F&B, "
+        "0 coalesced groups)",
+    )  # fmt: skip

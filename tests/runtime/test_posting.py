@@ -1,0 +1,94 @@
+"""The posting paths the gloo suite does not take by itself: no poster thread, and the
+coalesced branch (`batch_isend_irecv` on a backend that coalesces, as NCCL does).
+
+One process group of 2 ranks runs a few schedules (plain and tuple boundaries, the
+duplicated-stage sum of DualPipe) first with `PIPECC_POST_THREAD=0`, then over gloo groups
+made to coalesce (posting_cases.py), each against the single-process reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pipecc.runtime import comm
+from pipecc.runtime.spawn import spawn
+from posting_cases import run_posting
+from runtime_cases import Case, compile_case
+from test_runtime_schedules import _assert_matches_reference
+
+from pipecc.diagnostics import InputError
+
+CASES = (
+    Case("1f1b-P2-M4", compile_case("1f1b", 2, 4)),
+    Case("interleaved_1f1b-P2-M4", compile_case("interleaved_1f1b", 2, 4)),
+    Case("zbv-P2-M4", compile_case("zbv", 2, 4)),
+    Case("dualpipev-P2-M5", compile_case("dualpipev", 2, 5)),
+    Case("dualpipe-P2-M6", compile_case("dualpipe", 2, 6)),
+    Case("tuple-zbv-P2-M4", compile_case("zbv", 2, 4), model="tuple"),
+)
+
+
+@pytest.fixture(scope="module")
+def posting() -> list[dict[str, Any]]:
+    return spawn(run_posting, 2, list(CASES), timeout=120.0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_schedules_without_the_poster_thread_equal_the_reference(
+    posting: list[dict[str, Any]], case: Case
+) -> None:
+    per_rank = [r["unthreaded"][case.name] for r in posting]
+    _assert_matches_reference(per_rank, case.program.num_microbatches)
+    assert [r["unthreaded_posters"] for r in posting] == [{"MainThread"}] * 2, "posted in place"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_schedules_over_coalescing_groups_equal_the_reference(
+    posting: list[dict[str, Any]], case: Case
+) -> None:
+    _assert_matches_reference(
+        [r["coalesced"][case.name] for r in posting], case.program.num_microbatches
+    )
+
+
+def test_the_runs_took_the_paths_they_test(posting: list[dict[str, Any]]) -> None:
+    """Positive controls: the coalescing runs posted groups through `batch_isend_irecv`'s
+    coalescing branch (several ops in a group), from the poster thread."""
+    for result in posting:
+        groups = result["coalesced_groups"]
+        assert groups and max(groups) >= 2, groups
+        assert result["coalesced_posters"] == {"pipecc-post"}
+
+
+def test_a_coalesced_group_transfers_every_tensor_under_one_shared_work(
+    posting: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(posting):
+        peer = 1 - rank
+        exchange = result["exchange"]
+        assert result["exchange_groups"] == [exchange["ops"]] == [4], "one group of 4 ops"
+        assert exchange["shared"], "every op handed the group's one work"
+        values, ints = exchange["received"]
+        assert torch.equal(values, torch.arange(6.0).reshape(2, 3) + 10 * peer)
+        assert torch.equal(ints, torch.tensor([peer, 7, 8]))
+
+
+def test_the_poster_thread_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def poster(nccl: bool) -> object:
+        return comm.Channel(None, [0], timeout=1.0, nccl=nccl)._poster
+
+    monkeypatch.delenv(comm.POST_THREAD, raising=False)
+    assert poster(False) is not None, "gloo posts through a poster thread by default"
+    assert poster(True) is None, "NCCL posts in the calling thread"
+    monkeypatch.setenv(comm.POST_THREAD, "1")
+    assert poster(False) is not None
+    monkeypatch.setenv(comm.POST_THREAD, "0")
+    assert poster(False) is None
+    monkeypatch.setenv(comm.POST_THREAD, "off")
+    with pytest.raises(InputError) as err:
+        poster(False)
+    assert str(err.value) == (
+        "error: PIPECC_POST_THREAD='off': expected 0 (post in the calling thread) or 1"
+    )
