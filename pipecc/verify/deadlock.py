@@ -287,10 +287,7 @@ def _collective_rule(model: CommModel) -> str:
 
 def _stream_rule(ctx: Context, model: CommModel, stuck: Stuck) -> str:
     if model is CommModel.NCCL_SINGLE:
-        return (
-            f"nccl-single: rank {stuck.rank}'s ops and collectives run in posting order on "
-            "one stream"
-        )
+        return f"nccl-single: rank {stuck.rank}'s ops run in posting order on one stream"
     instr = ctx.instr(stuck.rank, stuck.index)
     if type(instr) is Collective:
         return (

@@ -77,7 +77,7 @@ def _check_one_wait(ctx: Context, rank: int, index: int, wait: Wait, waited_by: 
             why = (
                 "a blocking collective: it completes where it stands"
                 if blocking
-                else "not a send, a receive or an async collective"
+                else "not a send or receive"
             )
             text = (
                 f"rank {rank} @{index} {ctx.what(wait)} lists @{target}, "

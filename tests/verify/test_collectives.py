@@ -104,8 +104,8 @@ def test_nccl_single_shares_the_ranks_one_stream_with_its_collectives() -> None:
     (witness,) = [str(v) for v in result.violations if v.code == "deadlock"]
     assert witness.startswith("error[deadlock]: deadlock under nccl-single: ranks ")
     assert (
-        "queued behind @1, not complete (nccl-single: rank 0's ops and collectives run in "
-        "posting order on one stream)"
+        "queued behind @1, not complete (nccl-single: rank 0's ops run in posting order on "
+        "one stream)"
     ) in witness
     assert "it runs under rendezvous: this cycle closes only through NCCL's stream order" in witness
 
