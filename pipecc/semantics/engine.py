@@ -160,7 +160,7 @@ class _Run:
         posts = [self.unit_post[self.w.unit[m]] for m in members]
         if not members or any(p is None for p in posts):
             return
-        at = max(cast("list[float]", posts)) + self.lat[g]
+        at = max(cast("list[float]", posts)) + self.lat[members[0]]  # one duration for all
         for m in members:
             self._complete(m, at)
 
@@ -372,7 +372,7 @@ class _StreamRun(_Run):
         acts = [unit_act[unit_of[m]] for m in members]
         if any(a is None for a in acts):
             return
-        at = max(cast("list[float]", acts)) + self.lat[g]
+        at = max(cast("list[float]", acts)) + self.lat[members[0]]  # one duration for all
         for m in members:
             self.done[m] = at
             blocked = self.waiter[m]
