@@ -296,7 +296,7 @@ class GradientSums:
     ) -> None:
         """The process group of each set of ranks of the program's collectives that holds
         this rank, created once, in one global order (sorted sets) on every member."""
-        sets = sorted({op.ranks for ops in program.ranks for op in ops if type(op) is Collective})
+        sets = sorted({_set(op) for ops in program.ranks for op in ops if type(op) is Collective})
         for ranks in sets:
             if self.rank not in ranks or any(r >= len(rank_map) for r in ranks):
                 continue
@@ -319,7 +319,7 @@ class GradientSums:
         ]
         if self.outside:
             return found
-        placed = {op.ranks for _, op in self.mine}
+        placed = {_set(op) for _, op in self.mine}
         for ranks, _ in self.buckets:
             if ranks not in placed and len(ranks) > 1:
                 stages = sorted({s for g in self.buckets[(ranks, _)] for s, _n in g.keys})
@@ -336,10 +336,16 @@ class GradientSums:
         member alike: a stage without parameters)."""
         if not self.enabled:
             return
-        group = self.groups[op.ranks]
+        members = _set(op)
+        group = self.groups[members]
         for (ranks, dtype), groups in self.buckets.items():
-            if ranks != op.ranks:
+            if ranks != members:
                 continue
             total = _flat(groups, self.device, dtype, self.grads)
             dist.all_reduce(total, group=group)
             _scatter(total, groups, self.grads)
+
+
+def _set(op: Collective) -> tuple[int, ...]:
+    """A collective's ranks as a set in rank order (the key of its process group)."""
+    return tuple(sorted(set(op.ranks)))
