@@ -4,7 +4,8 @@ One loop walks the plan (runtime/plan.py) in order and hands each instruction to
 that executes it: a compute op to `StageOps` (F, B, I, W; runtime/stage.py), a fused op to
 `FusedOps` (runtime/fused.py), a sequential one (torch's OVERLAP_F_B) part by part, a send or
 receive and a wait to `Transfers` (runtime/transfers.py), torch's per-stage actions to
-runtime/stage_ops.py. It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe differ
+runtime/stage_ops.py, a collective (the gradient sum of shared parameters) to `GradientSums`
+(runtime/shared.py). It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe differ
 only in their programs. An exception inside an instruction (the user's module or loss, or a
 bug) becomes an `InstructionError`: a `RankError` whose one-line message names the rank, the
 step, the instruction index and the instruction, raised from the exception, which keeps its
@@ -12,8 +13,8 @@ full traceback (`details()`; `pipecc run` prints it under the line). A pipecc er
 there (a stage output that does not match the next stage's input, a loss that is not a
 scalar) keeps its kind and gets the same prefix, and no traceback: it is one message.
 
-Subclasses change what happens around an instruction by overriding `compute`, `post` and
-`wait`: `ProfilingInterpreter` (runtime/profiling.py) times them.
+Subclasses change what happens around an instruction by overriding `compute`, `post`,
+`wait` and `collective`: `ProfilingInterpreter` (runtime/profiling.py) times them.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from __future__ import annotations
 import traceback
 
 from pipecc.diagnostics import PipeccError, RankError
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
+from pipecc.ir.ops import Collective, Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
 from pipecc.ir.printer import describe
 
 from .context import StepContext
 from .fused import FusedOps
 from .plan import Plan
+from .shared import GradientSums
 from .stage import StageOps
 from .stage_ops import run_stage_op
 from .transfers import Transfers
@@ -47,11 +49,19 @@ class InstructionError(RankError):
 class Interpreter:
     """Runs a plan on one rank against a step's context."""
 
-    def __init__(self, rank: int, stage: StageOps, fused: FusedOps, transfers: Transfers) -> None:
+    def __init__(
+        self,
+        rank: int,
+        stage: StageOps,
+        fused: FusedOps,
+        transfers: Transfers,
+        sums: GradientSums | None = None,
+    ) -> None:
         self.rank = rank
         self.stage = stage
         self.fused = fused
         self.transfers = transfers
+        self.sums = sums
 
     def run(self, plan: Plan, ctx: StepContext) -> None:
         for index, instr, commit in plan:
@@ -78,6 +88,8 @@ class Interpreter:
             case StageOp():  # torch's UNSHARD & co.: FSDP stages only (stage_ops.py)
                 chunk = self.stage.chunks.get(instr.chunk)
                 run_stage_op(chunk.module if chunk is not None else None, instr)
+            case Collective():
+                self.collective(instr)
             case _:
                 raise AssertionError(f"unknown instruction {instr!r}")
 
@@ -95,6 +107,11 @@ class Interpreter:
 
     def wait(self, ctx: StepContext, index: int, instr: Wait) -> None:
         self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
+
+    def collective(self, instr: Collective) -> None:
+        """The program's gradient sum over the holders of a parameter (runtime/shared.py)."""
+        assert self.sums is not None  # bound with the runtime's sums whenever a plan runs
+        self.sums.run(instr)
 
     def where(self, ctx: StepContext, index: int, instr: Instr) -> str:
         """The rank, the step and the instruction, for errors."""

@@ -4,8 +4,9 @@ The runtime binds the program to this rank once (its chunks and their modules, t
 walk, the parameters it shares with other ranks), builds the parts an `Interpreter`
 dispatches to, and for each step: splits the batch, learns the step's shapes with the other
 ranks (runtime/signatures.py; a new signature is checked on every rank together, before any
-point-to-point op, runtime/setup.py), runs the plan in a fresh `StepContext`, and sums the
-gradients of parameters held by several ranks (runtime/shared.py).
+point-to-point op, runtime/setup.py), runs the plan in a fresh `StepContext` (the gradient
+sums of parameters held by several ranks are instructions of it, runtime/shared.py; a
+program without them gets them after it).
 """
 
 from __future__ import annotations
@@ -96,7 +97,14 @@ class PipelineRuntime:
         stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
         stage.split = split_chunks(self.program.ranks[rank])
         transfers = Transfers(self.channel, {}, self.device, config.timeout)
-        self.interpreter = Interpreter(rank, stage, FusedOps(stage, self.device), transfers)
+        self.sums = shared.GradientSums(
+            self.program, rank, self.to_sum, self.grads, device=self.device
+        )
+        self.sums.enabled = config.sync_duplicated
+        self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
+        self.interpreter = Interpreter(
+            rank, stage, FusedOps(stage, self.device), transfers, self.sums
+        )
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -123,8 +131,8 @@ class PipelineRuntime:
             interpreter.run(self.plan, ctx)
         ctx.settle()
         self._finish(ctx)
-        if self.config.sync_duplicated and self.to_sum:
-            start = time.perf_counter()
+        if self.config.sync_duplicated and self.to_sum and self.sums.outside:
+            start = time.perf_counter()  # a program without its sums: after it (shared.py)
             shared.sum_shared(self.channel, self.rank, self.to_sum, self.device, self.grads)
             if recorder is not None:
                 recorder.sync(start, time.perf_counter())
@@ -222,7 +230,8 @@ class PipelineRuntime:
             check_shapes=config.check_shapes, autocast=config.autocast,
         )  # fmt: skip
         placement = self.program.placement
-        return found + shared.sharing_problems(placement, self.rank, self.modules, config.shared)
+        found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
+        return found + self.sums.problems()
 
     def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]

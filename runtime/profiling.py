@@ -13,7 +13,7 @@ import time
 import torch
 
 from pipecc.ir.keys import carried
-from pipecc.ir.ops import Compute, Fused, Kind, Recv, Send, Sequential, Wait
+from pipecc.ir.ops import Collective, Compute, Fused, Kind, Recv, Send, Sequential, Wait
 
 from .context import StepContext
 from .interpreter import Interpreter
@@ -24,7 +24,7 @@ class ProfilingInterpreter(Interpreter):
     """An `Interpreter` over `base`'s parts that records every instruction in `recorder`."""
 
     def __init__(self, base: Interpreter, recorder: Recorder) -> None:
-        super().__init__(base.rank, base.stage, base.fused, base.transfers)
+        super().__init__(base.rank, base.stage, base.fused, base.transfers, base.sums)
         self.recorder = recorder
         self.cuda = base.transfers.device if base.transfers.device.type == "cuda" else None
 
@@ -61,6 +61,14 @@ class ProfilingInterpreter(Interpreter):
         waited, released = self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
         ops = tuple((type(op) is Send, carried(op)) for op in waited)
         self.recorder.wait(ops, (start, max(start, released), time.perf_counter()))
+
+    def collective(self, instr: Collective) -> None:
+        """The gradient sum, recorded as the profile's `sync` (its time per step)."""
+        self._synchronize()
+        start = time.perf_counter()
+        super().collective(instr)
+        self._synchronize()
+        self.recorder.sync(start, time.perf_counter())
 
     def _synchronize(self) -> None:
         if self.cuda is not None:

@@ -11,24 +11,38 @@ and its name in that stage's module. Two things make one parameter live in sever
 
 A group is a set of keys that are one parameter; its holders are the ranks holding a stage
 of one of its keys. Each copy's gradient holds only what its own microbatches and uses gave,
-so the step's gradient is the sum over the holders. At the end of `step` every rank adds the
-gradients of its distinct local objects of a group (an object used by two local chunks has
-already accumulated both uses), then the holders of each set of ranks exchange one flat
-tensor of all their groups in one batch (one exchange per set of ranks, the sets in a
-fixed global order, so no two ranks wait on each other in a cycle), and every holder adds the
-contributions in rank order, so all copies end bitwise equal. These exchanges are the only
-point-to-point traffic outside the program, after its last instruction.
+so the step's gradient is the sum over the holders. Every rank adds the gradients of its
+distinct local objects of a group (an object used by two local chunks has already
+accumulated both uses) into one flat tensor per set of holders (and dtype), and the holders
+sum it:
+
+- where the program places the sum (`GradientSums`: the compiler appends one all_reduce
+  `collective` per set of holders, `grad-sum s0+s7`, passes/sum_shared.py), the interpreter
+  runs it there as `all_reduce` over the holders' process group. Those groups are created
+  once, at set-up, on the ranks of each set, the sets in one global order (sorted), with
+  `new_group(use_local_synchronization=True)` so that ranks outside a set (other pipelines
+  of a larger world) need not take part. The reduction leaves the same bits on every holder
+  (gloo's and NCCL's rings reduce each element once and copy the result).
+- a program that holds no collective (compiled before collectives existed, or a torch CSV,
+  whose format has none) keeps the old path: after its last instruction the holders of each
+  set of ranks exchange their flat tensors point to point (the sets in a fixed global order,
+  so no two ranks wait on each other in a cycle) and each adds the contributions in rank
+  order. That exchange is outside the program, and so outside the verifier's proof.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import NamedTuple, TypeAlias
 
 import torch
+import torch.distributed as dist
 
+from pipecc.ir.ops import Collective, CollectiveKind
 from pipecc.ir.placement import Placement
+from pipecc.ir.program import Program
 
 from .comm import Channel
 
@@ -181,13 +195,18 @@ def sum_shared(
         total = parts[ranks[0]].clone()
         for other in ranks[1:]:
             total += parts[other]
-        offset = 0
-        for group in groups:
-            size = group.local[0].numel()
-            value = total[offset : offset + size].view_as(group.local[0])
-            for param in group.local:
-                grads.set(param, value.clone())
-            offset += size
+        _scatter(total, groups, grads)
+
+
+def _scatter(total: torch.Tensor, groups: Sequence[Group], grads: ParamGrads) -> None:
+    """Every copy's gradient of each group from the flat sum of the groups."""
+    offset = 0
+    for group in groups:
+        size = group.local[0].numel()
+        value = total[offset : offset + size].view_as(group.local[0])
+        for param in group.local:
+            grads.set(param, value.clone())
+        offset += size
 
 
 def _flat(
@@ -243,3 +262,90 @@ def distinct_parameters(stages: Iterable[torch.nn.Module]) -> list[torch.nn.Para
         for param in stage.parameters():
             seen.setdefault(id(param), param)
     return list(seen.values())
+
+
+class GradientSums:
+    """The gradient sums a program places (module docstring): each of its all_reduce
+    collectives sums this rank's buckets over its ranks. `outside`: the program places none,
+    and the sums run after it (`sum_shared`)."""
+
+    def __init__(
+        self,
+        program: Program,
+        rank: int,
+        buckets: Mapping[Bucket, list[Group]],
+        grads: ParamGrads,
+        *,
+        device: torch.device,
+    ) -> None:
+        self.rank = rank
+        self.mine = [(i, op) for i, op in enumerate(program.ranks[rank]) if type(op) is Collective]
+        self.outside = not any(type(op) is Collective for ops in program.ranks for op in ops)
+        self.buckets = buckets
+        self.grads = grads
+        self.device = device
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.enabled = True
+
+    def create_groups(
+        self,
+        program: Program,
+        rank_map: Sequence[int],
+        group: dist.ProcessGroup | None,
+        timeout: float,
+    ) -> None:
+        """The process group of each set of ranks of the program's collectives that holds
+        this rank, created once, in one global order (sorted sets) on every member."""
+        sets = sorted({_set(op) for ops in program.ranks for op in ops if type(op) is Collective})
+        for ranks in sets:
+            if self.rank not in ranks or any(r >= len(rank_map) for r in ranks):
+                continue
+            if len(ranks) == len(rank_map):  # the whole pipeline: its own group
+                self.groups[ranks] = group
+                continue
+            self.groups[ranks] = dist.new_group(
+                [rank_map[r] for r in ranks],
+                timeout=timedelta(seconds=timeout),
+                use_local_synchronization=True,
+            )
+
+    def problems(self) -> list[str]:
+        """Collectives this runtime cannot run, and sums the program does not place."""
+        found = [
+            f"instruction {index} ({op.kind.value} {op.what}): this runtime runs blocking "
+            "all_reduce gradient sums only"
+            for index, op in self.mine
+            if op.kind is not CollectiveKind.ALL_REDUCE or op.asynchronous
+        ]
+        if self.outside:
+            return found
+        placed = {_set(op) for _, op in self.mine}
+        for ranks, _ in self.buckets:
+            if ranks not in placed and len(ranks) > 1:
+                stages = sorted({s for g in self.buckets[(ranks, _)] for s, _n in g.keys})
+                names = "+".join(str(s) for s in stages)
+                over = ", ".join(str(r) for r in ranks)
+                found.append(
+                    f"stages {names} hold one parameter on ranks {over}, but the program sums "
+                    f"no gradients over ranks {over}: compile it with --shared {names}"
+                )
+        return found
+
+    def run(self, op: Collective) -> None:
+        """`op`'s all_reduce of this rank's buckets over its ranks (nothing to add on every
+        member alike: a stage without parameters)."""
+        if not self.enabled:
+            return
+        members = _set(op)
+        group = self.groups[members]
+        for (ranks, dtype), groups in self.buckets.items():
+            if ranks != members:
+                continue
+            total = _flat(groups, self.device, dtype, self.grads)
+            dist.all_reduce(total, group=group)
+            _scatter(total, groups, self.grads)
+
+
+def _set(op: Collective) -> tuple[int, ...]:
+    """A collective's ranks as a set in rank order (the key of its process group)."""
+    return tuple(sorted(set(op.ranks)))

@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from pipecc.diagnostics import InputError
+from pipecc.diagnostics import CostModelError, InputError
 from pipecc.driver.compile import Alignment, Lowering
 from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
 from pipecc.driver.lowering import requested_style
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
+from pipecc.passes.sum_shared import sum_shared
 from pipecc.passes.torch_program import LoweringStyle
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
@@ -90,8 +91,11 @@ def load_input(path: str, args: argparse.Namespace) -> Program:
     its --comm-policy, --align and --lowering, where it has them, are inputs of that one
     resolution. Its notes (what the reader ignored, the comm ops a flag replaced) go to
     stderr."""
-    resolved = resolve(request(path, args))
+    asked = request(path, args)
+    resolved = resolve(asked)
     print_notes(resolved.notes)
+    if asked.lowering.shared:  # a .json or .csv kept as it is gets the sums too (idempotent)
+        return sum_shared(resolved.program, shared=asked.lowering.shared)
     return resolved.program
 
 
@@ -114,14 +118,15 @@ def lowering(args: argparse.Namespace, backend: RunBackend = DEFAULT_BACKEND) ->
     """How the command's flags ask for the comm ops to be placed (an alignment under
     --comm, else the backend's comm model)."""
     policy = getattr(args, "comm_policy", None)
+    shared = getattr(args, "shared", None) or ()
     style = requested_style(args)  # --lowering torch|torch-defer (docs/interop.md)
     if style is not LoweringStyle.PIPECC:
-        return Lowering(style=style)
+        return Lowering(style=style, shared=shared)
     if not getattr(args, "align", False):
-        return Lowering(policy=policy)
+        return Lowering(policy=policy, shared=shared)
     if policy is not None:
         raise InputError("--align and --comm-policy both place the comm ops: give one of them")
-    return Lowering(align=Alignment(load_costs(args), comm_model(args, backend)))
+    return Lowering(align=Alignment(load_costs(args), comm_model(args, backend)), shared=shared)
 
 
 def add_backend_arg(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +153,27 @@ def comm_model(args: argparse.Namespace, backend: RunBackend | None = None) -> C
     if given is not None and given != "all":
         return CommModel(given)
     return (backend or backend_of(args)).comm_model
+
+
+def shared_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    """Parse `--shared 0+7/1+6` as a cost file's `shared` is parsed."""
+    try:
+        return parse_cost_flag(f"shared={text}").shared
+    except CostModelError as err:
+        raise argparse.ArgumentTypeError(err.message.removeprefix("--cost: ")) from None
+
+
+def add_shared_arg(parser: argparse.ArgumentParser) -> None:
+    """--shared: stages that hold one parameter, whose gradients the program sums."""
+    parser.add_argument(
+        "--shared",
+        metavar="S+S[/S+S]",
+        type=shared_groups,
+        help="stages that hold one parameter (a tied embedding: 0+7; groups separated by /, "
+        "as a cost file's shared): the program sums their gradients with one all_reduce "
+        "per set of ranks holding them (DualPipe's duplicated stages always get theirs; "
+        "docs/compile.md)",
+    )
 
 
 def add_policy_arg(parser: argparse.ArgumentParser) -> None:

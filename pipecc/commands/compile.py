@@ -10,6 +10,7 @@ from pipecc.commands.common import (
     add_cost_args,
     add_input_args,
     add_policy_arg,
+    add_shared_arg,
     load_input,
     write_output,
 )
@@ -55,6 +56,7 @@ examples:
   pipecc compile zb_h1 -P 4 -M 8 --cost F=1,I=1,W=1,comm=0.2 --align -o zb_h1.json
   pipecc compile zb_h1 -P 4 -M 8 --comm-policy early-recv -o zb_h1_gloo.json
   pipecc compile zb_h1 -P 4 -M 8 --backend gloo -o zb_h1_gloo.json   # the same program
+  pipecc compile 1f1b -P 4 -M 8 --shared 0+3 -o tied.json
 """
 
 
@@ -78,6 +80,7 @@ def register(commands: SubParsers) -> None:
         help="place comm ops for --cost/--cost-file under --comm (docs/align.md)",
     )
     add_policy_arg(cmd)
+    add_shared_arg(cmd)
     add_cost_args(cmd, backend=True)
     cmd.set_defaults(run=run)
 

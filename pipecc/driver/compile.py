@@ -9,7 +9,7 @@ model), once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipecc.driver.files import read_text, resolve_schedule
@@ -20,6 +20,7 @@ from pipecc.ir.program import Program
 from pipecc.passes.align_comms import align_comms
 from pipecc.passes.assign_microbatches import assign_microbatches
 from pipecc.passes.insert_comms import DEFAULT, POLICIES, insert_comms, strip_comms
+from pipecc.passes.sum_shared import sum_shared, summed_stages
 from pipecc.passes.torch_program import LoweringStyle, compute_only, lower_in_style
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel
@@ -40,12 +41,15 @@ class Lowering:
     of `POLICIES` (None: the default, with hand-placed comm ops kept where the schedule put
     them), or an alignment for a cost model. Another policy than the default, and an
     alignment, place every comm op again, hand-placed ones too. `comms=False` places none:
-    the compute order, which `verify --lowering torch` checks before torch's rules lower it."""
+    the compute order, which `verify --lowering torch` checks before torch's rules lower it.
+    `shared`: groups of stages that hold one parameter (`--shared 0+7`), whose gradient sum
+    the lowering places with that of duplicated stages (passes/sum_shared.py)."""
 
     policy: str | None = None
     align: Alignment | None = None
     style: LoweringStyle = LoweringStyle.PIPECC  # --lowering torch|torch-defer: torch's rules
     comms: bool = True
+    shared: tuple[tuple[int, ...], ...] = ()
 
 
 DEFAULT_LOWERING = Lowering()
@@ -53,9 +57,14 @@ COMPUTE_ORDER = Lowering(comms=False)
 
 
 def lower_program(program: Program, lowering: Lowering = DEFAULT_LOWERING) -> Program:
-    """Place the comm ops of a compute-only program (hand-placed ones may be present)."""
+    """Place the comm ops of a compute-only program (hand-placed ones may be present), then
+    the gradient sums of parameters held on several ranks."""
     if not lowering.comms:
         return compute_only(program)
+    return sum_shared(_place_comms(program, lowering), shared=lowering.shared)
+
+
+def _place_comms(program: Program, lowering: Lowering) -> Program:
     if lowering.style is not LoweringStyle.PIPECC:
         return lower_in_style(program, lowering.style)
     if lowering.align is not None:
@@ -72,7 +81,8 @@ def place_again(program: Program, lowering: Lowering) -> Program:
     program's; otherwise the program as it is."""
     if not places_again(program, lowering):
         return program
-    return lower_program(strip_comms(program), lowering)
+    shared = tuple(sorted({*lowering.shared, *summed_stages(program)}))
+    return lower_program(strip_comms(program), replace(lowering, shared=shared))
 
 
 def places_again(program: Program, lowering: Lowering) -> bool:

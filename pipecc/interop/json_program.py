@@ -17,6 +17,8 @@ from typing import Any
 
 from pipecc.diagnostics import InputError, SourceFile, Span
 from pipecc.ir.ops import (
+    Collective,
+    CollectiveKind,
     Compute,
     Fused,
     Instr,
@@ -80,6 +82,14 @@ def _with_span(entry: dict[str, Any], span: Span | None) -> dict[str, Any]:
     return entry
 
 
+def _collective_dict(op: Collective) -> dict[str, Any]:
+    entry: dict[str, Any] = {"op": "collective", "kind": op.kind.value, "ranks": list(op.ranks)}
+    entry["what"] = op.what
+    if op.asynchronous:  # absent: blocking (DESIGN §4)
+        entry["async"] = True
+    return entry
+
+
 def instr_to_dict(instr: Instr) -> dict[str, Any]:
     """One instruction in its JSON form."""
     match instr:
@@ -109,6 +119,8 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
         case StageOp(kind=kind, chunk=chunk, pipe=pipe, stage=stage):
             entry = {"op": kind.value, "chunk": chunk, "pipe": pipe, "stage": stage}
             return _with_span(entry, instr.span)
+        case Collective():
+            return _with_span(_collective_dict(instr), instr.span)
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
 
@@ -130,6 +142,7 @@ SEQUENTIAL_FIELDS = frozenset(("op", "sequential", "ops", *SPAN))
 COMM_FIELDS = frozenset(("op", "what", "peer", "pipe", "stage", "mb", "group", *SPAN))
 WAIT_FIELDS = frozenset(("op", "ops", *SPAN))
 STAGE_OP_FIELDS = frozenset(("op", "chunk", "pipe", "stage", *SPAN))
+COLLECTIVE_FIELDS = frozenset(("op", "kind", "ranks", "what", "async", *SPAN))
 SHOWN_UNKNOWN = 8  # unknown fields named in the note; the rest are counted
 
 
@@ -301,6 +314,7 @@ def _read_placement(data: dict[str, Any], reader: _Reader) -> Placement:
 _KINDS = {kind.value: kind for kind in Kind}
 _MSGS = {msg.value: msg for msg in Msg}
 _STAGE_ACTIONS = {action.value: action for action in StageAction}
+_COLLECTIVES = {kind.value: kind for kind in CollectiveKind}
 
 
 def _read_compute(obj: Any, where: str, reader: _Reader, kind: Kind | None = None) -> Compute:
@@ -350,6 +364,28 @@ def _read_stage_op(obj: dict[str, Any], op: str, where: str, reader: _Reader) ->
     return StageOp(_STAGE_ACTIONS[op], chunk, pipe, stage, reader.span(obj))
 
 
+def _read_collective(obj: dict[str, Any], where: str, reader: _Reader) -> Collective:
+    """`{"op": "collective", "kind", "ranks", "what"[, "async": true]}` (DESIGN §4). The
+    ranks are read as written, in any order; the verifier judges them (own rank, range)."""
+    kinds = ", ".join(_COLLECTIVES)
+    kind = reader.field(obj, "kind", where, lambda v: v in _COLLECTIVES, f"one of {kinds}")
+    ranks = reader.field(
+        obj,
+        "ranks",
+        where,
+        lambda v: isinstance(v, list) and bool(v) and all(_is_int(r) and r >= 0 for r in v),
+        "a non-empty list of ranks",
+    )
+    what = reader.field(obj, "what", where, lambda v: isinstance(v, str), "a string")
+    asynchronous = obj.get("async", False)
+    if not isinstance(asynchronous, bool):
+        raise reader.fail(
+            where, f"field 'async' must be true or false, got {json.dumps(asynchronous)}"
+        )
+    reader.known(obj, where, COLLECTIVE_FIELDS)
+    return Collective(_COLLECTIVES[kind], tuple(ranks), what, asynchronous, reader.span(obj))
+
+
 def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
     op = reader.field(obj, "op", where, lambda v: isinstance(v, str), "an op name")
     if op in _KINDS:
@@ -383,8 +419,10 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
         return Wait(tuple(ops), reader.span(obj))
     if op in _STAGE_ACTIONS:
         return _read_stage_op(obj, op, where, reader)
+    if op == "collective":
+        return _read_collective(obj, where, reader)
     raise reader.fail(
         where,
         f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, send, "
-        "recv, wait, UNSHARD, RESHARD or REDUCE_GRAD)",
+        "recv, wait, collective, UNSHARD, RESHARD or REDUCE_GRAD)",
     )

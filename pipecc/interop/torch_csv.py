@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from pipecc.diagnostics import InputError, SourceFile, Span
 from pipecc.ir.ops import (
+    Collective,
     Compute,
     Fused,
     Instr,
@@ -31,6 +32,7 @@ from pipecc.ir.ops import (
     is_compute,
 )
 from pipecc.ir.placement import Placement, StageSlot, loop_placement, vshape_placement
+from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.passes.torch_actions import (
     Action,
@@ -64,7 +66,7 @@ def _cell(instr: Instr, with_comms: bool) -> str | None:
             return f"{sender}SEND_{'F' if what is Msg.ACT else 'B'}{mb}"
         case Recv(what=what, stage=stage, mb=mb) if with_comms:
             return f"{stage}RECV_{'F' if what is Msg.ACT else 'B'}{mb}"
-        case Send() | Recv() | Wait():
+        case Send() | Recv() | Wait() | Collective():  # `dumps` refuses a collective first
             return None
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
@@ -98,13 +100,23 @@ def dumps(program: Program, *, with_comms: bool = False) -> str:
     """The program as torch action CSV (compute only, or with SEND/RECV cells and torch's
     UNSHARD/RESHARD/REDUCE_GRAD cells).
 
-    Raises InputError for a placement with more than one pipe.
+    Raises InputError for a placement with more than one pipe, or a program that holds a
+    collective (torch's actions have none: REDUCE_GRAD is a stage's FSDP reduction, not a
+    sum across pipeline ranks).
     """
     if program.placement.num_pipes != 1:
         raise InputError(
             f"torch.distributed.pipelining cannot express placement "
             f"'{program.placement.name}': it has {program.placement.num_pipes} pipes (two "
             "directions of data flow) and torch has one; use --format json"
+        )
+    found = _first_collective(program)
+    if found is not None:
+        rank, index, op = found
+        raise InputError(
+            f"torch.distributed.pipelining's action format has no collective: rank {rank} "
+            f"instruction {index} ({describe(op)}) cannot be written (REDUCE_GRAD is a "
+            "stage's FSDP reduction, not a sum across pipeline ranks); use --format json"
         )
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -116,6 +128,14 @@ def dumps(program: Program, *, with_comms: bool = False) -> str:
             row = (_cell(instr, with_comms) for instr in instrs)
             writer.writerow([cell for cell in row if cell is not None])
     return buffer.getvalue()
+
+
+def _first_collective(program: Program) -> tuple[int, int, Collective] | None:
+    for rank, instrs in enumerate(program.ranks):
+        for index, instr in enumerate(instrs):
+            if type(instr) is Collective:
+                return rank, index, instr
+    return None
 
 
 def has_stage_ops(program: Program) -> bool:

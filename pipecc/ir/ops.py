@@ -6,7 +6,7 @@ They keep the properties the house style asks of IR nodes: immutable, typed fiel
 for every opcode, and a source span that takes no part in equality or hashing. Equality also
 compares the class, so a `Send` never equals a `Recv` with the same fields.
 
-    Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp
+    Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp | Collective
 """
 
 from __future__ import annotations
@@ -216,8 +216,46 @@ class StageOp(NamedTuple):
         return f"{self.kind.value}{self.chunk}"
 
 
+class CollectiveKind(enum.Enum):
+    """What a collective does over its ranks (DESIGN §4's `kind`)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+
+    __hash__ = object.__hash__
+
+
+class Collective(NamedTuple):
+    """A collective over `ranks` (global rank numbers, sorted, this rank among them): a
+    rendezvous of all of them (DESIGN §5). `what` names what it carries ("grad-sum s0+s7":
+    the summed gradients of stages 0 and 7); members issue their collectives over one set
+    of ranks in the same order, kind and `what`. Blocking unless `asynchronous` (JSON
+    `"async": true`): then a later Wait lists it, as it lists a send or a receive."""
+
+    kind: CollectiveKind
+    ranks: tuple[int, ...]
+    what: str
+    asynchronous: bool = False
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Collective and self[:4] == other[:4]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Collective", *self[:4]))
+
+    def label(self) -> str:
+        """`all_reduce{0,7}`: the kind and the ranks."""
+        return f"{self.kind.value}{{{','.join(str(r) for r in self.ranks)}}}"
+
+
 Comm = Send | Recv
-Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp
+Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp | Collective
 COMPUTE_TYPES = (Compute, Fused, Sequential)  # the instructions that compute
 
 
@@ -236,7 +274,7 @@ def computations(instr: Instr) -> tuple[Compute, ...]:
             return (instr.forward, instr.backward)
         case Sequential():
             return instr.parts
-        case Send() | Recv() | Wait() | StageOp():
+        case Send() | Recv() | Wait() | StageOp() | Collective():
             return ()
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from pipecc.ir.ops import (
+    Collective,
     Compute,
     Fused,
     Instr,
@@ -93,8 +94,17 @@ def describe(instr: Instr, *, pipes: bool = True, places: bool = False, groups: 
             return "wait " + " ".join(str(i) for i in ops)
         case StageOp(kind=kind, stage=stage):
             return f"{kind.value} stage {stage}"
+        case Collective():
+            return collective(instr)
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
+
+
+def collective(op: Collective) -> str:
+    """`all_reduce grad-sum s0+s7 over ranks 0, 7` (`[async]` when a later wait completes it)."""
+    ranks = ", ".join(str(r) for r in op.ranks)
+    tail = " [async]" if op.asynchronous else ""
+    return f"{op.kind.value} {op.what} over ranks {ranks}{tail}"
 
 
 def torch_name(op: Compute | StageOp) -> str:

@@ -36,6 +36,14 @@ overhead 0):
     its Recv transfer once both their units are active, from t0 = max of the two activation
     times, and complete at t0 + latency. A unit completes when all its ops have.
   - NCCL_SINGLE: the same with one stream per rank for all its peers.
+- Collectives: a Collective is a unit of its own, posted when its rank reaches it (its
+  `post` overhead, like a send's). The k-th collective over one set of ranks on each member
+  meets the k-th over that set on every other member; they complete together at the max of
+  their members' readiness plus the collective's duration (`Timing.collective` of the first
+  member), where readiness is the post under eager and rendezvous, and under nccl the
+  activation of its unit, which sits on every stream toward the other members (nccl-single:
+  on the rank's one stream). A blocking collective holds its rank until it completes (its
+  end is then); an async one is completed by a Wait that lists it.
 - Deadlock: instructions left unfinished, or posted ops left incomplete, when nothing more
   can happen.
 

@@ -20,6 +20,9 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   a step: duplicated stages (DualPipe) and shared weights whose stages lie on
                   different ranks (`shared`); added to the step, not to the program's
                   makespan (global only; 0)
+    collective    duration of one collective instruction (a program's gradient sum): from the
+                  moment its last member is ready to its completion on every member (global
+                  only; 0). A program that holds its gradient sums pays this, not `sync`
     shared        groups of stages that hold one parameter (tied embeddings: the first and
                   the last stage), `shared = [[0, 7]]` in a file, `shared=0+7` on the
                   command line (groups separated by `/`); a program sums such a group's
@@ -54,14 +57,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from pipecc.diagnostics import CostModelError
-from pipecc.ir.ops import Compute, Fused, Kind, Send, Sequential, StageOp
+from pipecc.ir.ops import Collective, Compute, Fused, Kind, Send, Sequential, StageOp
 from pipecc.ir.program import Program
 
 # torch's per-stage actions (docs/interop.md): 0 unless given
 STAGE_OP_KEYS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 
 DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes", *STAGE_OP_KEYS)
-HOST_KEYS = ("post", "wait", "sync")  # global only: a rank's host time, a step's sync
+HOST_KEYS = ("post", "wait", "sync", "collective")  # global only: host time, sync, collectives
 CUT_KEYS = ("placement", "ranks", "stages")  # what a file was measured on (a file only)
 GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "shared", "unit", *CUT_KEYS)
 # the work of one stage: scaled to the stage's part of the model (module docstring)
@@ -146,6 +149,7 @@ class HostCost:
     post: float | None = None
     wait: float | None = None
     sync: float | None = None
+    collective: float | None = None  # one collective instruction's duration
 
     def over(self, base: HostCost) -> HostCost:
         """This one's values where given, `base`'s elsewhere."""
@@ -153,6 +157,7 @@ class HostCost:
             self.post if self.post is not None else base.post,
             self.wait if self.wait is not None else base.wait,
             self.sync if self.sync is not None else base.sync,
+            self.collective if self.collective is not None else base.collective,
         )
 
 
@@ -524,6 +529,9 @@ class CostTiming:
 
     def latency(self, rank: int, index: int, send: Send) -> float:
         return self.costs.latency(send.stage)
+
+    def collective(self, rank: int, index: int, op: Collective) -> float:
+        return self.costs.host.collective or 0.0
 
     def overhead(self, rank: int) -> tuple[float, float]:
         return self.costs.overhead()

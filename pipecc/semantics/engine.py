@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from pipecc.ir.ops import Compute, Fused, Send
+from pipecc.ir.ops import Collective, Compute, Fused, Send
 from pipecc.ir.program import Program
 from pipecc.semantics.model import ZERO_TIMING, CommModel, Timing
 from pipecc.semantics.result import Block, Replay, Stuck
-from pipecc.semantics.wiring import COMPUTE, RECV, SEND, WAIT, Wiring, wire
+from pipecc.semantics.wiring import COLL, COMPUTE, RECV, SEND, WAIT, Wiring, wire
 
 
 def replay(
@@ -75,6 +75,8 @@ class _Run:
         self.cursor = list(wiring.offsets[:-1])
         self.clock = [0.0] * wiring.num_ranks
         self.dur, self.lat = _costs(wiring, timing)
+        if wiring.members and timing is not ZERO_TIMING:
+            self.lat = _collective_costs(wiring, timing, list(self.lat))
         self.unit_act: list[float | None] = []
         self.unit_post: list[float | None] = [None] * len(wiring.unit_first)
 
@@ -106,6 +108,13 @@ class _Run:
                         post(o, t, rank)
                 g += 1
                 continue
+            if c == COLL:
+                after = self._collective(g, t, rank)
+                if after is None:
+                    return
+                t = after
+                g += 1
+                continue
             s = t
             for d in deps[g]:
                 x = done[d]
@@ -123,6 +132,37 @@ class _Run:
 
     def _post(self, g: int, t: float, rank: int) -> None:
         raise NotImplementedError
+
+    def _collective(self, g: int, t: float, rank: int) -> float | None:
+        """Collective g at time t: posted when the rank first reaches it (its unit is
+        posted then); a blocking one then holds the rank until it completes. Returns the
+        rank's clock after it, or None when the rank blocks here."""
+        if self.start[g] is None:
+            self.start[g] = t
+            t += self.dur[g]  # the host time of the post
+            self.end[g] = t
+            self.unit_post[self.w.unit[g]] = t
+            self._post_collective(g)
+        if g in self.w.blocking:
+            x = self.done[g]
+            if x is None:
+                self.waiter[g] = rank
+                self.cursor[rank], self.clock[rank] = g, t
+                return None
+            if x > t:
+                t = x
+            self.end[g] = t  # a blocking collective ends when it completes
+        return t
+
+    def _post_collective(self, g: int) -> None:
+        """eager and rendezvous: the collectives complete together once all are posted."""
+        members = self.w.members[g]
+        posts = [self.unit_post[self.w.unit[m]] for m in members]
+        if not members or any(p is None for p in posts):
+            return
+        at = max(cast("list[float]", posts)) + self.lat[members[0]]  # one duration for all
+        for m in members:
+            self._complete(m, at)
 
     def _complete(self, g: int, at: float) -> None:
         self.done[g] = at
@@ -180,6 +220,7 @@ class _StreamRun(_Run):
             b - a + 1 for a, b in zip(wiring.unit_first, wiring.unit_last, strict=True)
         ]
         self.unit_end = [0.0] * count
+        self.members = wiring.members or [()] * len(wiring.code)
         # the arrays the hot loops use, unpacked in one step at each call
         self.hot = (
             wiring.code,
@@ -212,7 +253,7 @@ class _StreamRun(_Run):
             self.unit_left,
         )
 
-    def _advance(self, rank: int) -> None:
+    def _advance(self, rank: int) -> None:  # noqa: C901  (one loop; a call per op is slower)
         """The base class's hot loop with the post of a unit inlined (the benchmark posts
         about 5·10⁵ ops; a method call per post costs a tenth of the replay)."""
         (
@@ -247,6 +288,13 @@ class _StreamRun(_Run):
                         self._activate(u)
                 g += 1
                 continue
+            if c == COLL:
+                after = self._collective(g, t, rank)
+                if after is None:
+                    return
+                t = after
+                g += 1
+                continue
             s = t
             for d in deps[g]:
                 x = done[d]
@@ -261,6 +309,13 @@ class _StreamRun(_Run):
             end[g] = t
             g += 1
         self.cursor[rank], self.clock[rank] = g, t
+
+    def _post_collective(self, g: int) -> None:
+        """A posted collective's unit is active once it is at the head of all its streams."""
+        u = self.w.unit[g]
+        units_on, head = self.units_on, self.head
+        if all(units_on[s][head[s]] == u for s in self.streams_of[u]):
+            self._activate(u)
 
     def _activate(self, first: int) -> None:
         """Activate unit `first`, then every unit that becomes active in consequence: a
@@ -289,6 +344,8 @@ class _StreamRun(_Run):
             for o in range(unit_first[u], unit_last[u] + 1):
                 p = partner[o]
                 if p < 0:
+                    if self.members[o]:  # a collective: meets once every member is active
+                        self._meet(o, active)
                     continue
                 b = unit_act[unit_of[p]]
                 if b is None:
@@ -306,6 +363,28 @@ class _StreamRun(_Run):
                     unit_left[v] -= 1
                     if not unit_left[v]:
                         self._unit_done(v, active)
+
+    def _meet(self, g: int, active: list[int]) -> None:
+        """Collective g's unit is active: when every member's is, all complete together,
+        the collective's duration after the last of them became active."""
+        unit_of, unit_act = self.w.unit, self.unit_act
+        members = self.members[g]
+        acts = [unit_act[unit_of[m]] for m in members]
+        if any(a is None for a in acts):
+            return
+        at = max(cast("list[float]", acts)) + self.lat[members[0]]  # one duration for all
+        for m in members:
+            self.done[m] = at
+            blocked = self.waiter[m]
+            if blocked >= 0:
+                self.waiter[m] = -1
+                self.ready.append(blocked)
+            v = unit_of[m]
+            if at > self.unit_end[v]:
+                self.unit_end[v] = at
+            self.unit_left[v] -= 1
+            if not self.unit_left[v]:
+                self._unit_done(v, active)
 
     def _unit_done(self, u: int, active: list[int]) -> None:
         """Unit u completed: the next unit on each of its streams moves to the head; one
@@ -366,6 +445,17 @@ def _costs(wiring: Wiring, timing: Timing) -> tuple[Sequence[float], Sequence[fl
     return dur, lat
 
 
+def _collective_costs(wiring: Wiring, timing: Timing, lat: list[float]) -> list[float]:
+    """The duration of each collective: from its last member's readiness to its completion
+    (kept where a send keeps its latency)."""
+    for rank, instrs in enumerate(wiring.program.ranks):
+        base = wiring.offsets[rank]
+        for index, instr in enumerate(instrs):
+            if wiring.code[base + index] == COLL:
+                lat[base + index] = timing.collective(rank, index, cast("Collective", instr))
+    return lat
+
+
 def _stuck(run: _Run) -> tuple[Stuck, ...]:
     """The blocked state (empty when the replay finished): one edge for every stuck
     instruction and incomplete op reachable from a blocked rank or an incomplete op."""
@@ -379,7 +469,9 @@ def _stuck(run: _Run) -> tuple[Stuck, ...]:
     todo += [
         g
         for g, c in enumerate(w.code)
-        if (c == SEND or c == RECV) and run.start[g] is not None and run.done[g] is None
+        if (c == SEND or c == RECV or c == COLL)
+        and run.start[g] is not None
+        and run.done[g] is None
     ]
     edges: dict[int, Stuck] = {}
     while todo:
@@ -401,9 +493,27 @@ def _why(run: _Run, g: int) -> tuple[Block, int]:
         if run.cursor[rank] == g and w.code[g] not in (SEND, RECV):  # the rank's blocked op
             return Block.WAITS_FOR, next(d for d in w.deps[g] if run.done[d] is None)
         return Block.NOT_POSTED, run.cursor[rank]
+    if w.code[g] == COLL:
+        return _why_collective(run, g)
     p = w.partner[g]
     if p < 0:
         return Block.NO_PARTNER, -1
     if isinstance(run, _StreamRun) and run.unit_act[w.unit[g]] is None:
         return Block.STREAM, run.blocker(w.unit[g])
     return Block.PARTNER, p
+
+
+def _why_collective(run: _Run, g: int) -> tuple[Block, int]:
+    """Why posted collective g has not completed: no match on some member, a unit ahead of
+    it on a stream (nccl), or a member that has not reached (or activated) its own."""
+    w = run.w
+    members = w.members[g] if w.members else ()
+    if not members:
+        return Block.NO_PARTNER, -1
+    if isinstance(run, _StreamRun) and run.unit_act[w.unit[g]] is None:
+        return Block.STREAM, run.blocker(w.unit[g])
+    for m in members:
+        late = run.unit_act[w.unit[m]] if isinstance(run, _StreamRun) else run.start[m]
+        if m != g and late is None:
+            return Block.MEMBERS, m
+    raise AssertionError(f"collective {g} has every member ready but did not complete")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Protocol
 
-from pipecc.ir.ops import Compute, Fused, Send, Sequential, StageOp
+from pipecc.ir.ops import Collective, Compute, Fused, Send, Sequential, StageOp
 
 
 class CommModel(enum.Enum):
@@ -47,6 +47,11 @@ class Timing(Protocol):
         at the receiver (not busy time)."""
         ...
 
+    def collective(self, rank: int, index: int, op: Collective) -> float:
+        """From the moment the last member of this collective is ready (posted, and under
+        nccl at the head of its streams) to its completion on every member."""
+        ...
+
     def overhead(self, rank: int) -> tuple[float, float]:
         """Host time `rank` spends on each post and after each Wait's release: (post, wait),
         an `Overhead`."""
@@ -62,6 +67,9 @@ class ZeroTiming:
         return 0.0
 
     def latency(self, rank: int, index: int, send: Send) -> float:
+        return 0.0
+
+    def collective(self, rank: int, index: int, op: Collective) -> float:
         return 0.0
 
     def overhead(self, rank: int) -> Overhead:

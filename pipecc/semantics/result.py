@@ -40,6 +40,7 @@ class Block(enum.Enum):
     NO_PARTNER = "no partner"  # nothing matches this op: it can never complete
     PARTNER = "partner"  # the matched partner is not posted, or (nccl) not active
     STREAM = "stream"  # (nccl) an earlier unit on one of this op's streams is incomplete
+    MEMBERS = "members"  # a collective waits for this member's collective (not yet reached)
 
 
 class Stuck(NamedTuple):

@@ -14,15 +14,25 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 from pipecc.ir.keys import MessageKeys
-from pipecc.ir.ops import Compute, Instr, Kind, Recv, Send, StageOp, Wait, computations
+from pipecc.ir.ops import (
+    Collective,
+    Compute,
+    Instr,
+    Kind,
+    Recv,
+    Send,
+    StageOp,
+    Wait,
+    computations,
+)
 from pipecc.ir.program import Program
 from pipecc.semantics.model import CommModel
 
 # instruction codes
-COMPUTE, SEND, RECV, WAIT = 0, 1, 2, 3
+COMPUTE, SEND, RECV, WAIT, COLL = 0, 1, 2, 3, 4
 _EMPTY: tuple[int, ...] = ()
 
 
@@ -75,6 +85,13 @@ class Wiring:
     unit_peer_streams: Sequence[tuple[int, ...]]  # the (rank * P + peer) streams of a unit
     num_comm: int
     num_paired: int  # Send/Recv ops whose peer is another rank (those in `sends`/`recvs`)
+    # collectives: the ids of each set of ranks' collectives, per member in rank order
+    # (`(ranks, ((ids of ranks[0]), (ids of ranks[1]), ...))`, sets sorted); the collectives
+    # whose ranks are not a set of valid ranks holding their own (they take part in none)
+    collectives: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
+    bad_collectives: tuple[int, ...] = ()
+    members: Sequence[tuple[int, ...]] = ()  # per id: the matched collectives, () if none
+    blocking: frozenset[int] = frozenset()  # the blocking collectives (the rank waits there)
 
     @property
     def num_ranks(self) -> int:
@@ -113,6 +130,7 @@ def wire(program: Program) -> Wiring:
     builder = _Builder(program)
     for rank, instrs in enumerate(program.ranks):
         builder.scan(rank, instrs)
+    met = builder.gather()
     return Wiring(
         program=program,
         keys=builder.keys,
@@ -136,7 +154,20 @@ def wire(program: Program) -> Wiring:
         num_comm=builder.num_comm,
         num_paired=sum(len(ops) for rows in builder.sends for ops in rows)
         + sum(len(ops) for rows in builder.recvs for ops in rows),
+        collectives=met.collectives,
+        bad_collectives=met.bad,
+        members=met.members,
+        blocking=met.blocking,
     )
+
+
+class _Met(NamedTuple):
+    """The collectives of a program, matched (`Wiring`'s last four fields)."""
+
+    collectives: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...]
+    bad: tuple[int, ...]
+    members: Sequence[tuple[int, ...]]
+    blocking: frozenset[int]
 
 
 class _Builder:
@@ -167,6 +198,9 @@ class _Builder:
         self.computes: list[list[int]] = []
         self.waits: list[list[int]] = []
         self.unreceived: list[int] = []
+        self.by_set: dict[tuple[int, ...], dict[int, list[int]]] = {}  # collectives per set
+        self.bad_collectives: list[int] = []
+        self.blocking: set[int] = set()
 
     def scan(self, rank: int, instrs: Sequence[Instr]) -> None:  # noqa: C901
         """One pass over one rank. This is the hot loop of `wire` (about 10⁶ instructions
@@ -188,7 +222,10 @@ class _Builder:
             t = type(instr)
             if t is not Send and t is not Recv:
                 group = None
-                if t is Wait:
+                if t is Collective:
+                    u += 1
+                    self._collective(rank, g, u, cast(Collective, instr))
+                elif t is Wait:
                     code[g] = WAIT
                     waits.append(g)
                 elif t is not StageOp:  # a StageOp runs as a compute with no inputs
@@ -313,8 +350,8 @@ class _Builder:
                 deps[g] = found if len(found) == 1 else tuple(sorted(found))
 
     def _bind_waits(self, base: int, instrs: Sequence[Instr], waits: list[int]) -> None:
-        """A Wait depends on the Send/Recv ops it lists; other indices are dropped here
-        (the verifier reports them)."""
+        """A Wait depends on the Send/Recv ops (and collectives) it lists; other indices are
+        dropped here (the verifier reports them)."""
         if not waits:
             return
         count = len(instrs)
@@ -325,15 +362,54 @@ class _Builder:
             flat
             and min(flat) >= base
             and max(flat) < base + count
-            and {code[i] for i in flat} <= {SEND, RECV}
+            and {code[i] for i in flat} <= {SEND, RECV, COLL}
         ):
             for g, ops in zip(waits, listed, strict=True):
                 deps[g] = tuple([base + i for i in ops])
             return
         for g, ops in zip(waits, listed, strict=True):
             deps[g] = tuple(
-                base + i for i in ops if 0 <= i < count and code[base + i] in (SEND, RECV)
+                base + i for i in ops if 0 <= i < count and code[base + i] in (SEND, RECV, COLL)
             )
+
+    def _collective(self, rank: int, g: int, u: int, op: Collective) -> None:
+        """A collective is a unit of its own, on the streams toward each other member."""
+        self.code[g] = COLL
+        self.unit[g] = u
+        self.unit_first.append(g)
+        self.unit_last.append(g)
+        if not op.asynchronous:
+            self.blocking.add(g)
+        ranks = tuple(sorted(set(op.ranks)))
+        valid = len(ranks) == len(op.ranks) and rank in ranks and ranks[-1] < self.num_ranks
+        if not valid:
+            self.unit_streams.append(_EMPTY)
+            self.bad_collectives.append(g)
+            return
+        self.by_set.setdefault(ranks, {}).setdefault(rank, []).append(g)
+        streams = self.streams[rank]
+        for peer in ranks:
+            if peer != rank:
+                streams[peer].append(u)
+        self.unit_streams.append(tuple(rank * self.num_ranks + p for p in ranks if p != rank))
+
+    def gather(self) -> _Met:
+        """The collectives' fields of the Wiring: the k-th collective over a set of ranks on
+        each member meet (a member with fewer leaves the later ones of the others alone)."""
+        if not self.by_set and not self.bad_collectives:
+            return _Met((), (), (), frozenset())
+        members: list[tuple[int, ...]] = [_EMPTY] * len(self.code)
+        collectives = []
+        for ranks in sorted(self.by_set):
+            lists = tuple(tuple(self.by_set[ranks].get(r, ())) for r in ranks)
+            collectives.append((ranks, lists))
+            for k in range(min(len(ids) for ids in lists)):
+                met = tuple(ids[k] for ids in lists)
+                for g in met:
+                    members[g] = met
+        return _Met(
+            tuple(collectives), tuple(self.bad_collectives), members, frozenset(self.blocking)
+        )
 
     def match(self) -> list[int]:
         """The k-th send of src to dst matches the k-th recv of dst from src."""

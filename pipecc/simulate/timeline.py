@@ -18,7 +18,17 @@ from typing import Any, NamedTuple
 from pipecc.analysis.gaps import Gap, classify, clean
 from pipecc.analysis.memory import peak_activations, peak_bytes
 from pipecc.diagnostics import ProgramError
-from pipecc.ir.ops import Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
+from pipecc.ir.ops import (
+    Collective,
+    Compute,
+    Fused,
+    Instr,
+    Recv,
+    Send,
+    Sequential,
+    StageOp,
+    Wait,
+)
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
@@ -114,9 +124,10 @@ class TimedOp(NamedTuple):
 class Timeline:
     """The simulated step: the replay itself, and the figures derived from it.
 
-    `step` is the makespan plus, for a program with duplicated stages (two pipes over the
-    same stages, DualPipe), the cost model's `sync`: the gradient sum that follows the
-    program in every training step (DESIGN §7).
+    `step` is the makespan plus, for a program whose parameters held on several ranks are
+    summed after it (one that holds no collective), the cost model's `sync`: that sum
+    follows the program in every training step (DESIGN §7). A program that places its sums
+    (passes/sum_shared.py) pays their `collective` duration inside the makespan.
     """
 
     costs: CostModel
@@ -185,6 +196,8 @@ def op_name(instr: Instr) -> str:
             return "recv"
         case Wait():
             return "wait"
+        case Collective():
+            return instr.label()
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
 
@@ -230,9 +243,13 @@ def _simulate(
 
 
 def sums_gradients(program: Program, shared: tuple[tuple[int, ...], ...] = ()) -> bool:
-    """Whether the runtime sums gradients across ranks after the program (DESIGN §7): some
-    stage is held twice (two pipes over the same stages, as DualPipe), or a group of stages
-    that holds one parameter (`shared`, e.g. tied embeddings) lies on more than one rank."""
+    """Whether the runtime sums gradients across ranks after the program, outside it (DESIGN
+    §7): the program holds no collective (a program that places its sums pays their
+    `collective` duration inside the replay instead), and some stage is held twice (two
+    pipes over the same stages, as DualPipe), or a group of stages that holds one parameter
+    (`shared`, e.g. tied embeddings) lies on more than one rank."""
+    if any(type(i) is Collective for instrs in program.ranks for i in instrs):
+        return False
     if program.placement.num_pipes > 1:
         return True
     slots = program.placement.slots

@@ -5,7 +5,8 @@
     report.ok, report.violations, report.verdicts, report.peaks
 
 Checks (docs/verify.md), each with its own `Violation` subclass in pipecc.diagnostics:
-waits (bad-wait, double-wait, unwaited, buffer-reuse), matching (orphan, mismatch), routes
+waits (bad-wait, double-wait, unwaited, buffer-reuse), matching of messages and of
+collectives (orphan, mismatch; a collective over a set of ranks without its own: route), routes
 and placement (route, placement), coverage, torch's stage actions (unshard-reshard,
 reduce-grad: pipecc.verify.stage_ops), data dependencies (forward-before-input,
 backward-before-gradient, backward-before-forward, weight-before-input-grad,
@@ -27,6 +28,7 @@ from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel, wire
 from pipecc.semantics.costs import CostModel
+from pipecc.verify.collectives import check_collectives
 from pipecc.verify.context import DEFAULT_LIMIT, Context
 from pipecc.verify.coverage import check_coverage
 from pipecc.verify.deadlock import Status, Verdict, check_deadlock
@@ -155,6 +157,7 @@ def _check_structure(ctx: Context) -> tuple[str, ...]:
     dependencies. Returns the notes of the report."""
     check_waits(ctx)
     check_matching(ctx)
+    check_collectives(ctx)
     misplaced = check_placement(ctx)
     check_coverage(ctx)
     check_stage_ops(ctx)  # torch's UNSHARD/RESHARD/REDUCE_GRAD, where the program has them

@@ -21,7 +21,7 @@ from typing import NamedTuple, cast
 import networkx as nx
 
 from pipecc.diagnostics import DeadlockError, NeedsBufferingError, Note, Violation
-from pipecc.ir.ops import Recv, Send
+from pipecc.ir.ops import Collective, Recv, Send
 from pipecc.semantics import Block, CommModel, Replay, Stuck, replay
 from pipecc.verify.context import Context
 
@@ -243,9 +243,17 @@ def _reason(ctx: Context, run: Replay, stuck: Stuck) -> str:
             assert on is not None
             return f"not posted: rank {rank} is stuck at @{on[1]}, before it"
         case Block.NO_PARTNER:
-            instr = cast("Send | Recv", ctx.instr(rank, index))  # only comm ops have partners
+            instr = cast("Send | Recv | Collective", ctx.instr(rank, index))
+            if isinstance(instr, Collective):
+                return "no collective of every other member matches it: it never completes"
             other = "receive" if type(instr) is Send else "send"
             return f"no {other} on rank {instr.peer} matches it: it never completes"
+        case Block.MEMBERS:
+            assert on is not None
+            return (
+                f"completes with rank {on[0]} @{on[1]}, which has not reached it "
+                f"({_collective_rule(run.model)})"
+            )
         case Block.PARTNER:
             assert on is not None
             return f"completes with its partner, rank {on[0]} @{on[1]} ({_rule(run.model)})"
@@ -268,10 +276,24 @@ def _rule(model: CommModel) -> str:
     }[model]
 
 
+def _collective_rule(model: CommModel) -> str:
+    if model.has_streams:
+        return (
+            f"{model.value}: a collective completes once every member's is posted and at "
+            "the head of its streams"
+        )
+    return f"{model.value}: a collective completes once every member has reached it"
+
+
 def _stream_rule(ctx: Context, model: CommModel, stuck: Stuck) -> str:
     if model is CommModel.NCCL_SINGLE:
         return f"nccl-single: rank {stuck.rank}'s ops run in posting order on one stream"
     instr = ctx.instr(stuck.rank, stuck.index)
+    if type(instr) is Collective:
+        return (
+            f"nccl: a collective of rank {stuck.rank} sits at the head of every stream "
+            "toward its members"
+        )
     peer = instr.peer if type(instr) is Send or type(instr) is Recv else "?"
     return f"nccl: rank {stuck.rank}'s ops toward rank {peer} run in posting order"
 

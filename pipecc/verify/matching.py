@@ -41,7 +41,8 @@ def _check_pair(
         _report_orphans(ctx, src, dst, sends_, recvs_)
 
 
-def _ordinal(k: int) -> str:
+def ordinal(k: int) -> str:
+    """`1st` for k = 0: the (k+1)-th, in words."""
     n = k + 1
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
@@ -64,7 +65,7 @@ def _report_mismatch(
         text = _swap_text(ctx, src, dst, k, send_at, recv_at)
     else:
         text = (
-            f"rank {src} → rank {dst}: the {_ordinal(k)} message is sent as "
+            f"rank {src} → rank {dst}: the {ordinal(k)} message is sent as "
             f"{_sent(ctx, src, send_at[k])} but received as "
             f"{_received(ctx, dst, recv_at[k])}"
         )
@@ -79,7 +80,7 @@ def _report_mismatch(
         ctx.note(
             dst,
             recv_at[k],
-            f"rank {dst} posts its {_ordinal(k)} receive from "
+            f"rank {dst} posts its {ordinal(k)} receive from "
             f"rank {src} here: {ctx.what(ctx.instr(dst, recv_at[k]))}",
         )
     ]
@@ -152,7 +153,7 @@ def _report_orphans(ctx: Context, src: int, dst: int, sends: list[int], recvs: l
     more = len(extra) - k - 1
     text = (
         f"rank {src} posts {len(sends)} send(s) to rank {dst} and rank {dst} posts "
-        f"{len(recvs)} receive(s) from rank {src}: the {_ordinal(k)} {verb}, "
+        f"{len(recvs)} receive(s) from rank {src}: the {ordinal(k)} {verb}, "
         f"{ctx.what(ctx.instr(rank, index))} (@{index}), has no partner and never completes"
     )
     if more:

@@ -17,7 +17,7 @@ from pipecc.diagnostics import (
     WaitTargetError,
 )
 from pipecc.ir.ops import Wait
-from pipecc.semantics.wiring import RECV, SEND
+from pipecc.semantics.wiring import COLL, RECV, SEND
 from pipecc.verify.context import Context
 
 
@@ -47,7 +47,7 @@ def _all_waited_once(ctx: Context) -> bool:
         listed += sum(len(cast(Wait, instrs[g - base]).ops) for g in waits)
         for g in waits:
             targets.extend(w.deps[g])
-    return listed == len(targets) == len(set(targets)) == w.num_comm
+    return listed == len(targets) == len(set(targets)) == w.num_comm - len(w.blocking)
 
 
 def _messages_unique(ctx: Context) -> bool:
@@ -72,10 +72,16 @@ def _check_one_wait(ctx: Context, rank: int, index: int, wait: Wait, waited_by: 
                 f"has instructions @0..@{len(waited_by) - 1}"
             )
             ctx.report(WaitTargetError(text, ctx.span(rank, index), rank=rank, index=index))
-        elif w.code[base + target] not in (SEND, RECV):
+        elif not _waitable(ctx, base + target):
+            blocking = w.code[base + target] == COLL
+            why = (
+                "a blocking collective: it completes where it stands"
+                if blocking
+                else "not a send or receive"
+            )
             text = (
                 f"rank {rank} @{index} {ctx.what(wait)} lists @{target}, "
-                f"{ctx.what(ctx.instr(rank, target))}, which is not a send or receive"
+                f"{ctx.what(ctx.instr(rank, target))}, which is {why}"
             )
             ctx.report(WaitTargetError(text, ctx.span(rank, index), rank=rank, index=index))
         elif waited_by[target] >= 0:
@@ -95,15 +101,20 @@ def _check_one_wait(ctx: Context, rank: int, index: int, wait: Wait, waited_by: 
 def _check_unwaited(ctx: Context, rank: int, waited_by: list[int]) -> None:
     w = ctx.wiring
     base = w.offsets[rank]
-    code = w.code
     for index, by in enumerate(waited_by):
-        if by < 0 and (code[base + index] == SEND or code[base + index] == RECV):
+        if by < 0 and _waitable(ctx, base + index):
             text = (
                 f"{ctx.describe(rank, index)} is posted but never waited: on gloo its "
                 "work object is never completed (the step hangs), and its buffer may be "
                 "reused while the transfer runs"
             )
             ctx.report(UnwaitedError(text, ctx.span(rank, index), rank=rank, index=index))
+
+
+def _waitable(ctx: Context, g: int) -> bool:
+    """A send, a receive or an async collective: what a wait completes."""
+    code = ctx.wiring.code[g]
+    return code == SEND or code == RECV or (code == COLL and g not in ctx.wiring.blocking)
 
 
 def _check_reuse(ctx: Context, rank: int, waited_by: list[int]) -> None:

@@ -12,7 +12,7 @@ from helpers import ROOT, SCHEDULES, compile_bundled
 
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
-from pipecc.ir.ops import Compute, Sequential, StageAction, StageOp
+from pipecc.ir.ops import Collective, CollectiveKind, Compute, Sequential, StageAction, StageOp
 from pipecc.ir.program import Program
 
 SCHEMA = ROOT / "docs" / "program.schema.json"
@@ -36,7 +36,14 @@ def test_contract_fields() -> None:
     assert (data["ranks"], data["microbatches"], data["schedule"]) == (4, 8, "dualpipe")
     assert data["placement"][0] == {"rank": 0, "chunk": 0, "pipe": 0, "stage": 0}
     ops = {entry["op"] for rank in data["programs"] for entry in rank}
-    assert ops == {"F", "B", "I", "W", "F&B", "send", "recv", "wait"}
+    assert ops == {"F", "B", "I", "W", "F&B", "send", "recv", "wait", "collective"}
+    # DualPipe's duplicated stages: ranks 0 and 3 both hold stages 0 and 3, and sum them
+    assert data["programs"][0][-1] == {
+        "op": "collective",
+        "kind": "all_reduce",
+        "ranks": [0, 3],
+        "what": "grad-sum s0+s3",
+    }
     send = next(e for e in data["programs"][1] if e["op"] == "send")
     assert set(send) >= {"op", "what", "peer", "pipe", "stage", "mb", "group"}
     fused = next(e for e in data["programs"][1] if e["op"] == "F&B")
@@ -49,6 +56,41 @@ def test_schema_validates_output() -> None:
     for name, ranks, microbatches in (("dualpipe", 4, 8), ("zbv", 2, 3)):
         data = json.loads(json_program.dumps(compile_bundled(name, ranks, microbatches)))
         jsonschema.validate(data, schema)
+    for program in _every_instruction_kind()[-1:]:  # an async collective of every kind's form
+        jsonschema.validate(json.loads(json_program.dumps(program)), schema)
+
+
+@pytest.mark.parametrize("kind", list(CollectiveKind))
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_collectives_round_trip(kind: CollectiveKind, asynchronous: bool) -> None:
+    """Every kind, blocking or async (`"async": true`, absent when blocking), reads back equal
+    and writes the same bytes again."""
+    base = compile_bundled("1f1b", 2, 2)
+    op = Collective(kind, (0, 1), "grad-sum s0+s1", asynchronous)
+    program = replace(base, ranks=tuple(instrs + (op,) for instrs in base.ranks))
+    text = json_program.dumps(program)
+    entry = json.loads(text)["programs"][0][-1]
+    assert entry.get("async", False) is asynchronous and ("async" in entry) is asynchronous
+    again, notes = json_program.read(text, "p.json")
+    assert again == program and notes == ()
+    assert json_program.dumps(again) == text
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"kind": "all_sum"}, "field 'kind' must be one of all_reduce, all_gather, "),
+        ({"ranks": []}, "field 'ranks' must be a non-empty list of ranks, got []"),
+        ({"ranks": [0, -1]}, "field 'ranks' must be a non-empty list of ranks, got [0, -1]"),
+        ({"what": 3}, "field 'what' must be a string, got 3"),
+        ({"async": "yes"}, "field 'async' must be true or false, got \"yes\""),
+    ],
+)
+def test_a_malformed_collective_is_refused(entry: dict, message: str) -> None:  # type: ignore[type-arg]
+    op = {"op": "collective", "kind": "all_reduce", "ranks": [0, 1], "what": "x", **entry}
+    error = _refusal(lambda d: d["programs"][0].append(op), "1f1b")
+    assert error.startswith("error: p.json: programs[0][")
+    assert message in error, error
 
 
 @pytest.mark.parametrize(
@@ -65,7 +107,7 @@ def test_schema_validates_output() -> None:
         (
             lambda d: d["programs"][0].__setitem__(0, {"op": "X"}),
             'p.json: programs[0][0]: unknown op "X" (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, '
-            "send, recv, wait, UNSHARD, RESHARD or REDUCE_GRAD)",
+            "send, recv, wait, collective, UNSHARD, RESHARD or REDUCE_GRAD)",
         ),
         (
             lambda d: d["programs"][0][1].__setitem__("mb", -1),
@@ -132,7 +174,11 @@ def _every_instruction_kind() -> list[Program]:
     base = programs[0]
     computes = [i for i in base.ranks[0] if type(i) is Compute]
     f, b = computes[0], computes[-1]
-    extra = (StageOp(StageAction.UNSHARD, 0, 0, 0, None), Sequential((f, b), None))
+    extra = (
+        StageOp(StageAction.UNSHARD, 0, 0, 0, None),
+        Sequential((f, b), None),
+        Collective(CollectiveKind.BROADCAST, (0, 1), "x", True),  # the optional field
+    )
     programs.append(replace(base, ranks=(base.ranks[0] + extra, *base.ranks[1:])))
     return programs
 

@@ -202,8 +202,12 @@ def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
     main = None
     if case.options.fp32_grads:  # the fp32 sums themselves, before the rounding to bf16
         main = _worst(_main_grads(stages, held), _main_grads(reference, held), held)
+    copies = None
+    if case.variant == "tied":  # each parameter held on both ranks: its summed gradient here
+        copies = {g.keys: g.local[0].grad for g in runtime.groups if len(g.ranks) > 1}
     return {"grad_rel": worst, "losses": losses, "boundaries": specs, "main_rel": main,
-            "dropout_active": _dropout_active(case, reference, data)}  # fmt: skip
+            "dropout_active": _dropout_active(case, reference, data), "copies": copies,
+            "inside": not runtime.sums.outside}  # fmt: skip
 
 
 def _main_grads(stages: list[nn.Module], held: set[int]) -> dict[Any, torch.Tensor]:

@@ -9,12 +9,17 @@ of the largest reference gradient of each parameter, bf16 within 2e-2.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from gpt_cases import GptCase, run_gpt_cases
 from pipecc.runtime.spawn import spawn
 from runtime_cases import SCHEDULES, compile_case, microbatch_counts
+
+from pipecc.ir.ops import Collective, CollectiveKind
+from pipecc.ir.program import Program
+from pipecc.passes.sum_shared import sum_shared
 
 Results = list[dict[str, dict[str, Any]]]
 FEATURES = (
@@ -43,12 +48,31 @@ def cases() -> tuple[GptCase, ...]:
     for variant in FEATURES:
         for placement, (name, m) in PLACEMENTS.items():
             steps = 2 if variant in ("shapes", "accumulate") else 1
-            program = compile_case(name, 2, m)
+            program = tied(compile_case(name, 2, m))
             found.append(GptCase(f"{variant}-{placement}", program, variant, steps))
     found.append(GptCase("undeclared-dualpipe", compile_case("dualpipe", 2, 4), "undeclared"))
     for name in TRAINING:
-        found.append(GptCase(f"train-{name}", compile_case(name, 2, 4), "tied", 3, train=True))
+        program = tied(compile_case(name, 2, 4))
+        found.append(GptCase(f"train-{name}", program, "tied", 3, train=True))
+    # a program compiled without its sums (before collectives, or without --shared): the
+    # runtime still sums the tie after the program; one whose sums miss the tie stops
+    found.append(GptCase("outside-zb_h1", compile_case("zb_h1", 2, 4), "tied"))
+    found.append(GptCase("uncovered-zb_h1", _uncovered(), "tied"))
     return tuple(found)
+
+
+def tied(program: Program) -> Program:
+    """The GPT ties its first stage's embedding to its last stage's head: the program sums
+    that parameter's gradients (`pipecc compile --shared 0+S`)."""
+    last = program.placement.num_stages(0) - 1
+    return sum_shared(program, shared=((0, last),))
+
+
+def _uncovered() -> Program:
+    """zb_h1 at P=2 with a sum over rank 0 alone: the program places sums, not the tie's."""
+    program = compile_case("zb_h1", 2, 4)
+    lone = Collective(CollectiveKind.ALL_REDUCE, (0,), "grad-sum s0")
+    return replace(program, ranks=(program.ranks[0] + (lone,), program.ranks[1]))
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +150,40 @@ def test_adamw_training_with_clipping_matches_one_process(results: Results, name
         for got, want in result["losses"]:
             assert abs(got - want) <= 1e-5 * want
         assert result["optimized"] == result["distinct"], "each object once, the tied one too"
+
+
+@pytest.mark.parametrize("placement", ["bidirectional", "loop"])  # the V puts the tie on rank 0
+def test_the_programs_sum_leaves_every_copy_bitwise_equal(results: Results, placement: str) -> None:
+    """The tie (and DualPipe's duplicated stages) summed by the program's all_reduce, inside
+    the program: the copies on the two ranks are the same bits (and match the reference:
+    test_features_match_the_reference)."""
+    found = _each(results, f"tied-{placement}")
+    assert all(r["inside"] for r in found), "the program holds the sum"
+    copies: dict[Any, list[Any]] = {}
+    for result in found:
+        for key, grad in result["copies"].items():
+            copies.setdefault(key, []).append(grad)
+    shared = [key for key, grads in copies.items() if len(grads) == 2]
+    assert shared, "some parameter lives on both ranks"
+    for key in shared:
+        first, second = copies[key]
+        assert first.dtype == second.dtype and bool((first == second).all()), key
+
+
+def test_a_program_without_its_sums_still_sums_after_it(results: Results) -> None:
+    found = _each(results, "outside-zb_h1")
+    assert not any(r["inside"] for r in found)
+    for result in found:
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+
+
+def test_a_program_whose_sums_miss_a_tie_stops_every_rank(results: Results) -> None:
+    for result in (r["uncovered-zb_h1"] for r in results):
+        assert result["error"] == "SetupError", result
+        assert (
+            "stages 0+1 hold one parameter on ranks 0, 1, but the program sums no gradients "
+            "over ranks 0, 1: compile it with --shared 0+1"
+        ) in result["message"], result["message"]
 
 
 def test_an_undeclared_tie_across_ranks_stops_every_rank(results: Results) -> None:

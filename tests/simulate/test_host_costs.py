@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipecc.api import compile_schedule
+from pipecc.ir.ops import Collective
+from pipecc.passes.sum_shared import sum_shared
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import parse_cost_flag
 from pipecc.simulate.timeline import simulate
@@ -51,8 +53,10 @@ def test_without_host_costs_the_timeline_is_unchanged() -> None:
     assert plain == zeros
 
 
-@pytest.mark.parametrize(("name", "sync"), [("dualpipe", 3.0), ("1f1b", 0.0), ("dualpipev", 0.0)])
-def test_sync_is_added_to_the_step_of_duplicated_stages_only(name: str, sync: float) -> None:
+# DualPipe's program holds the sum of its duplicated stages (an all_reduce per pair of ranks):
+# its time is the `collective` key inside the replay, not `sync` after it
+@pytest.mark.parametrize(("name", "sync"), [("dualpipe", 0.0), ("1f1b", 0.0), ("dualpipev", 0.0)])
+def test_sync_is_added_to_the_step_of_sums_outside_the_program_only(name: str, sync: float) -> None:
     program = compile_schedule(name, ranks=2, microbatches=4)
     timeline = simulate(program, parse_cost_flag("F=1,B=2,sync=3"))
     assert timeline.makespan == simulate(program, parse_cost_flag("F=1,B=2")).makespan
@@ -64,7 +68,7 @@ def test_sync_is_added_to_the_step_of_duplicated_stages_only(name: str, sync: fl
 # A tied weight between the first and the last stage (S stages): the runtime sums its copies
 # when the placement puts the two stages on different ranks, and the simulator adds `sync`
 # exactly then. On a loop placement they are on ranks 0 and P-1; on a V shape both are on
-# rank 0, so nothing crosses ranks; DualPipe sums its duplicated stages whatever is shared.
+# rank 0, so nothing crosses ranks; DualPipe's program sums its duplicated stages itself.
 @pytest.mark.parametrize(
     ("name", "shared", "sync"),
     [
@@ -75,7 +79,7 @@ def test_sync_is_added_to_the_step_of_duplicated_stages_only(name: str, sync: fl
         ("zbv", "0+3", 0.0),  # the V shape folds the last stage back onto rank 0
         ("dualpipev", "0+3", 0.0),
         ("zbv", "0+1", 3.0),  # stage 1 is rank 1's
-        ("dualpipe", "0+1", 3.0),
+        ("dualpipe", "0+1", 0.0),  # its program sums every stage (the collective key's)
         ("1f1b", "", 0.0),
     ],
 )
@@ -84,3 +88,19 @@ def test_sync_is_added_when_a_shared_group_spans_ranks(name: str, shared: str, s
     flag = f"F=1,B=2,sync=3,shared={shared}" if shared else "F=1,B=2,sync=3"
     timeline = simulate(program, parse_cost_flag(flag))
     assert (timeline.sync, timeline.step) == (sync, timeline.makespan + sync)
+
+
+@pytest.mark.parametrize(("name", "shared"), [("dualpipe", ()), ("1f1b", ((0, 3),))])
+def test_a_collective_lasts_its_cost_key(name: str, shared: tuple[tuple[int, ...], ...]) -> None:
+    """The program's gradient sums come after everything else on their ranks: a duration of
+    `collective` adds exactly that to the step, and nothing to a rank that holds none."""
+    program = sum_shared(compile_schedule(name, ranks=4, microbatches=8), shared=shared)
+    plain = simulate(program, parse_cost_flag("F=1,B=2,comm=0.1"))
+    timed = simulate(program, parse_cost_flag("F=1,B=2,comm=0.1,collective=2.5"))
+    assert timed.makespan == pytest.approx(plain.makespan + 2.5)
+    for rank, instrs in enumerate(program.ranks):
+        held = type(instrs[-1]) is Collective
+        assert timed.ranks[rank].last_end == pytest.approx(plain.ranks[rank].last_end)
+        end = timed.replay.end_time(rank, len(instrs) - 1)
+        assert held == (end == pytest.approx(timed.makespan)), rank
+    assert timed.sync == 0.0  # the sums are in the program, not after it

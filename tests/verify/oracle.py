@@ -16,7 +16,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
+from pipecc.ir.ops import Collective, Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 
 Op = tuple[int, int]  # (rank, index)
@@ -37,8 +37,19 @@ def _is_comm(instr: Instr) -> bool:
     return type(instr) is Send or type(instr) is Recv
 
 
+def _is_posted(instr: Instr) -> bool:
+    """What a rank posts: a send, a receive, a collective (a unit of its own)."""
+    return type(instr) is Send or type(instr) is Recv or type(instr) is Collective
+
+
+def _blocking(instr: Instr) -> bool:
+    return type(instr) is Collective and not instr.asynchronous
+
+
 def _group_end(instrs: tuple[Instr, ...], i: int) -> int:
     """One past the last op of the unit starting at i (consecutive comm ops, same group)."""
+    if type(instrs[i]) is Collective:
+        return i + 1
     group = instrs[i].group  # type: ignore[union-attr]
     j = i + 1
     if group is None:
@@ -102,6 +113,9 @@ class _Machine:
         self.recvq: dict[tuple[int, int], deque[Op]] = {}
         self.streams: dict[tuple[int, int], deque[tuple[Op, ...]]] = {}
         self.unit_of: dict[Op, tuple[Op, ...]] = {}
+        # collectives: per set of ranks, each member's posted and unmatched ones; the met ones
+        self.collq: dict[tuple[int, ...], dict[int, deque[Op]]] = {}
+        self.meetings: list[tuple[Op, ...]] = []
         self.consumes = {
             (r, i): _consumed(program, r, i)
             for r, instrs in enumerate(program.ranks)
@@ -112,10 +126,21 @@ class _Machine:
     def peer_ok(self, rank: int, instr: Instr) -> bool:
         return 0 <= instr.peer < self.n and instr.peer != rank  # type: ignore[union-attr]
 
+    def members(self, rank: int, instr: Collective) -> tuple[int, ...] | None:
+        """The collective's set of ranks, None when it is malformed (it meets nothing)."""
+        ranks = tuple(sorted(set(instr.ranks)))
+        if len(ranks) != len(instr.ranks) or rank not in ranks or ranks[-1] >= self.n:
+            return None
+        return ranks
+
     def stream_keys(self, unit: tuple[Op, ...]) -> list[tuple[int, int]]:
         rank = unit[0][0]
         if self.model == "nccl-single":
             return [(rank, -1)]
+        first = self.p.ranks[rank][unit[0][1]]
+        if type(first) is Collective:  # at the head of every stream toward its members
+            ranks = self.members(rank, first) or ()
+            return [(rank, peer) for peer in ranks if peer != rank]
         peers = []
         for r, i in unit:
             instr = self.p.ranks[r][i]
@@ -132,6 +157,11 @@ class _Machine:
             self.posted.add(op)
             self.unit_of[op] = unit
             instr = instrs[op[1]]
+            if type(instr) is Collective:
+                ranks = self.members(rank, instr)
+                if ranks is not None:
+                    self.collq.setdefault(ranks, {}).setdefault(rank, deque()).append(op)
+                continue
             if type(instr) is Send and self.model == "eager":
                 self.completed.add(op)  # buffered: complete when posted, partner or not
             if not self.peer_ok(rank, instr):
@@ -142,16 +172,25 @@ class _Machine:
                 self.recvq.setdefault((instr.peer, rank), deque()).append(op)  # type: ignore[union-attr]
         for key in self.stream_keys(unit):
             self.streams.setdefault(key, deque()).append(unit)
-        self.cursor[rank] = end
+        self.cursor[rank] = start if _blocking(instrs[start]) else end  # blocking: stays there
 
     def match_all(self) -> bool:
-        progress = False
+        progress = self.meet()
         for pair, sends in self.sendq.items():
             recvs = self.recvq.get(pair)
             while sends and recvs:
                 s, r = sends.popleft(), recvs.popleft()
                 self.matched[s] = r
                 self.matched[r] = s
+                progress = True
+        return progress
+
+    def meet(self) -> bool:
+        """The k-th collective over a set on each member meets the k-th of the others."""
+        progress = False
+        for ranks, queues in self.collq.items():
+            while all(queues.get(r) for r in ranks):
+                self.meetings.append(tuple(queues[r].popleft() for r in ranks))
                 progress = True
         return progress
 
@@ -169,6 +208,13 @@ class _Machine:
                 continue
             self.completed.add(s)
             self.completed.add(r)
+            progress = True
+        for met in self.meetings:
+            if met[0] in self.completed:
+                continue
+            if self.model in ("nccl", "nccl-single") and not all(self.active(op) for op in met):
+                continue
+            self.completed.update(met)
             progress = True
         if self.model in ("nccl", "nccl-single"):
             progress |= self.retire()
@@ -188,11 +234,15 @@ class _Machine:
         if i >= len(instrs):
             return False
         instr = instrs[i]
-        if _is_comm(instr):
+        if _is_posted(instr) and (rank, i) not in self.posted:
             self.post_unit(rank)
             return True
         if type(instr) is Wait:
-            needed = [(rank, j) for j in instr.ops if 0 <= j < len(instrs) and _is_comm(instrs[j])]
+            needed = [
+                (rank, j) for j in instr.ops if 0 <= j < len(instrs) and _is_posted(instrs[j])
+            ]
+        elif type(instr) is Collective:  # blocking, posted: the rank waits for it
+            needed = [(rank, i)]
         else:
             needed = [(rank, j) for j in self.consumes[(rank, i)]]
         if all(op in self.completed for op in needed):
@@ -269,20 +319,25 @@ class _Timed(_Machine):
         while self.cursor[rank] < len(instrs):
             i = self.cursor[rank]
             instr = instrs[i]
-            if _is_comm(instr):
+            if _is_posted(instr) and (rank, i) not in self.posted:
                 if not self.post_timed(t, rank):
                     return  # back when its posts have taken their time
                 continue
             if type(instr) is Wait:
                 needed = [
-                    (rank, j) for j in instr.ops if 0 <= j < len(instrs) and _is_comm(instrs[j])
+                    (rank, j) for j in instr.ops if 0 <= j < len(instrs) and _is_posted(instrs[j])
                 ]
+            elif type(instr) is Collective:  # blocking, posted: the rank waits for it
+                needed = [(rank, i)]
             else:
                 needed = [(rank, j) for j in self.consumes[(rank, i)]]
             missing = [op for op in needed if op not in self.completed]
             if missing:
                 self.waiting[missing[0]] = rank
                 return
+            if type(instr) is Collective:  # it started when posted; the rank goes on
+                self.cursor[rank] = i + 1
+                continue
             self.times[(rank, i)] = t
             self.cursor[rank] = i + 1
             if type(instr) in (Compute, Fused):
@@ -309,9 +364,10 @@ class _Timed(_Machine):
                 return False
         self.paid.discard(rank)
         self.post_unit(rank)
-        for j in range(start, self.cursor[rank]):
+        end = _group_end(instrs, start)
+        for j in range(start, end):
             self.post_time[(rank, j)] = t
-        self.after_post(t, tuple((rank, j) for j in range(start, self.cursor[rank])))
+        self.after_post(t, tuple((rank, j) for j in range(start, end)))
         return True
 
     def after_post(self, t: float, unit: tuple[Op, ...]) -> None:
@@ -335,6 +391,16 @@ class _Timed(_Machine):
         return self.post_time[op]
 
     def try_transfers(self) -> None:
+        for met in self.meetings:
+            if met[0] in self.scheduled:
+                continue
+            ready = [self.ready_time(op) for op in met]
+            if any(x is None for x in ready):
+                continue
+            at = max(x for x in ready if x is not None) + self.latency.get(met[0], 0.0)
+            self.scheduled.add(met[0])
+            for op in met:
+                self.push(at, "complete", op)
         for s, r in list(self.matched.items()):
             if type(self.p.ranks[s[0]][s[1]]) is not Send or r in self.scheduled:
                 continue

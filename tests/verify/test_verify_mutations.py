@@ -20,7 +20,7 @@ from helpers import compile_bundled
 from mutants import CLASSES, mutate, random_comm_program, ungrouped
 from oracle import MODELS, Outcome, run, run_timed
 
-from pipecc.ir.ops import Compute, Fused, Send
+from pipecc.ir.ops import Collective, Compute, Fused, Send
 from pipecc.ir.program import Program
 from pipecc.semantics import NO_OVERHEAD, CommModel, Overhead, Replay, replay, wire
 from pipecc.verify import Options, Status, verify
@@ -53,7 +53,7 @@ def _engine_state(run_: Replay) -> Outcome:
     w = run_.wiring
     cursors = [run_.cursors[r] - w.offsets[r] for r in range(w.num_ranks)]
     posted = {
-        w.locate(g) for g, c in enumerate(w.code) if c in (1, 2) and run_.start[g] is not None
+        w.locate(g) for g, c in enumerate(w.code) if c in (1, 2, 4) and run_.start[g] is not None
     }
     completed = {w.locate(g) for g, t in enumerate(run_.done) if t is not None}
     matched = {
@@ -165,6 +165,8 @@ def _timing(program: Program, rng: random.Random) -> tuple[dict, dict]:
                 duration[(r, i)] = float(rng.randint(1, 5))
             elif type(instr) is Send:
                 latency[(r, i)] = float(rng.randint(0, 3))
+            elif type(instr) is Collective:  # each member's own: the engine reads its own
+                latency[(r, i)] = float(rng.randint(0, 3))  # the first member's counts
     return duration, latency
 
 
@@ -176,6 +178,9 @@ class _Table:
         return self.d[(rank, index)]
 
     def latency(self, rank: int, index: int, send: object) -> float:
+        return self.l[(rank, index)]
+
+    def collective(self, rank: int, index: int, op: object) -> float:
         return self.l[(rank, index)]
 
     def overhead(self, rank: int) -> Overhead:
