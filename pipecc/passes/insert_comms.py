@@ -123,6 +123,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
             ranks[rank].start,
             consumed,
             placement.grouping,
+            placement.send_wait,
             hand_waited=waited,
             hand_order={**manual_recvs, **manual_sends},
         )

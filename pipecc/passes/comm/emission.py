@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pipecc.ir.keys import StageMajorKeys
 from pipecc.ir.ops import Instr, Recv, Send, StageOp, Wait
 from pipecc.passes.comm.order import GAP, Event, RankOps
-from pipecc.passes.comm.placement import Grouping
+from pipecc.passes.comm.placement import Grouping, SendWait
 
 _new = tuple.__new__
 
@@ -23,6 +23,7 @@ class Emitter:
     starts: list[float]  # start of each compute op of the rank in the ordering replay
     consumed: list[float]  # message key -> start of the op consuming it, likewise
     grouping: Grouping = Grouping.PER_GAP
+    send_wait: SendWait = SendWait.WHEN_CONSUMED
     out: list[Instr] = field(default_factory=list)
     due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
     recv_at: dict[int, int] = field(default_factory=dict)  # message key -> index of its Recv
@@ -31,6 +32,10 @@ class Emitter:
     groups: dict[int, int] = field(default_factory=dict)
     next_group: int = 0
     moved: dict[int, int] = field(default_factory=dict)  # input index -> output index
+    # SendWait.WITH_REPLY: the sends to each peer not yet given to a receive, and the sends
+    # each receive (by index) completes with it
+    open_sends: dict[int, list[int]] = field(default_factory=dict)
+    replies: dict[int, list[int]] = field(default_factory=dict)
 
     def post(self, batch: list[Event]) -> None:
         """Post the events of one gap between two compute ops, grouped as the placement says."""
@@ -55,10 +60,10 @@ class Emitter:
         out = self.out
         for _, _, payload, key, send, _ in batch:
             if send:
-                self._due(key, len(out))
+                self._due(key, len(out), payload[1])
                 out.append(_new(Send, payload + tail))
             else:
-                self.recv_at[key] = len(out)
+                self._received(key, len(out), payload[1])
                 out.append(_new(Recv, payload + tail))
 
     def manual(self, position: int, instr: Instr) -> None:
@@ -83,16 +88,27 @@ class Emitter:
             return  # the schedule completes it with its own wait
         key = self.keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
         if type(instr) is Send:
-            self._due(key, index)
+            self._due(key, index, instr.peer)
         else:
-            self.recv_at[key] = index
+            self._received(key, index, instr.peer)
 
-    def _due(self, key: int, index: int) -> None:
-        """A send is completed before the first compute op of its rank that starts, in the
-        ordering replay, once its receiver has consumed it (the receiver has posted its recv
-        by then): late enough not to hold the sender up, early enough to free the buffer."""
+    def _due(self, key: int, index: int, peer: int) -> None:
+        """Where the send at `index` is completed (`SendWait`). WHEN_CONSUMED: before the
+        first compute op of its rank that starts, in the ordering replay, once its receiver
+        has consumed it (the receiver has posted its recv by then)."""
+        if self.send_wait is SendWait.WITH_REPLY:
+            self.open_sends.setdefault(peer, []).append(index)
+            return
         k = bisect_left(self.starts, self.consumed[key])
         self.due.setdefault(k, []).append(index)
+
+    def _received(self, key: int, index: int, peer: int) -> None:
+        """A receive posted at `index`: completed before its consumer, with the open sends to
+        the same peer (SendWait.WITH_REPLY)."""
+        self.recv_at[key] = index
+        sends = self.open_sends.pop(peer, None)
+        if sends is not None:
+            self.replies[index] = sends
 
     def wait_before(self, k: int, inputs: tuple[int, ...]) -> None:
         """The Wait before compute op k: the recvs it consumes and the sends due there."""
@@ -101,6 +117,7 @@ class Emitter:
             index = self.recv_at.pop(key, None)
             if index is not None:
                 targets.append(index)
+                targets.extend(self.replies.pop(index, ()))
         if targets:
             targets.sort()
             self.out.append(_new(Wait, (tuple(targets), None)))
@@ -110,6 +127,8 @@ class Emitter:
         and any recv no compute op consumed (hand-waited ops were never registered)."""
         posted = [i for waits in self.due.values() for i in waits]
         posted.extend(self.recv_at.values())
+        posted.extend(i for sends in self.replies.values() for i in sends)
+        posted.extend(i for sends in self.open_sends.values() for i in sends)
         if posted:
             posted.sort()
             self.out.append(_new(Wait, (tuple(posted), None)))
@@ -122,7 +141,11 @@ def emit_rank(  # noqa: C901
     gap's posts together: `Emitter._post_group`) and the Wait before each op
     (`Emitter.wait_before`) are inlined here, because this loop places every instruction of
     a program; `_emit_rank_general` does the same through the methods."""
-    if emitter.grouping is not Grouping.PER_GAP or len(ops.computes) != len(instrs):  # hand-placed
+    if (
+        emitter.grouping is not Grouping.PER_GAP
+        or emitter.send_wait is not SendWait.WHEN_CONSUMED
+        or len(ops.computes) != len(instrs)  # hand-placed
+    ):
         return _emit_rank_general(instrs, ops, events, emitter)
     out, recv_at, due = emitter.out, emitter.recv_at, emitter.due
     starts, consumed = emitter.starts, emitter.consumed

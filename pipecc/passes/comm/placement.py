@@ -25,6 +25,19 @@ class RecvPosting(enum.Enum):
     AT_START = "at-start"
 
 
+class SendWait(enum.Enum):
+    """Where a send is completed on its rank."""
+
+    # before the first compute op that starts, in the ordering replay, once the receiver has
+    # consumed the message
+    WHEN_CONSUMED = "when-consumed"
+    # with the first receive from the same peer posted after it (in the Wait that completes
+    # that receive), else at the end: a send ahead of a receive on their pair's order is
+    # complete by the time the receive is, under every comm model, so this Wait never blocks
+    # on the send
+    WITH_REPLY = "with-reply"
+
+
 class Grouping(enum.Enum):
     """Which posts between two compute ops are posted together (one nccl unit)."""
 
@@ -58,6 +71,7 @@ class CommPlacement:
     latency: Callable[[int], float] = no_latency  # by receiving stage
     recv_posting: RecvPosting = RecvPosting.WHEN_MADE
     grouping: Grouping = Grouping.PER_GAP
+    send_wait: SendWait = SendWait.WHEN_CONSUMED
     backend: Backend = Backend.ANY  # what the placed program needs of the backend
 
     @property
