@@ -55,8 +55,20 @@ def unit_duration(instr: Compute | Fused | Sequential) -> float:
 
 
 def no_latency(stage: int) -> float:
-    """The default policy's message latency: none."""
+    """No message latency (the early-recv policy's ordering replay)."""
     return 0.0
+
+
+# The default policy's nominal message latency, in units of a forward: enough to break the
+# ties of a unit-time replay the way any real latency breaks them (a message comes to exist
+# on its receiver during an op, not at its boundary), small enough not to reorder what the
+# compute order decides. A binary fraction, so that equal times stay exactly equal.
+NOMINAL_LATENCY = 0.125
+
+
+def nominal_latency(stage: int) -> float:
+    """The default policy's message latency: `NOMINAL_LATENCY` for every message."""
+    return NOMINAL_LATENCY
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +92,13 @@ class CommPlacement:
         return self.duration is unit_duration and self.latency is no_latency
 
 
-DEFAULT = CommPlacement("default")
+DEFAULT = CommPlacement(
+    "default",
+    latency=nominal_latency,
+    recv_posting=RecvPosting.BEFORE_BUSY,
+    grouping=Grouping.BY_TIME,
+    send_wait=SendWait.WITH_REPLY,
+)
 POLICY = DEFAULT.policy
 EARLY_RECV = CommPlacement(
     "early-recv", recv_posting=RecvPosting.AT_START, backend=Backend.INDEPENDENT_PROGRESS
