@@ -74,8 +74,10 @@ def nominal_latency(stage: int) -> float:
 @dataclass(frozen=True, slots=True)
 class CommPlacement:
     """The knobs of the lowering: the durations and latencies of the replay that orders the
-    program, where receives go, and what is grouped. `DEFAULT` is the default policy; the
-    alignment pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
+    program, where receives go, what is grouped, and where sends are completed (the field
+    defaults are the knobs of the early-recv policy and of the alignment pass, which set
+    their own `recv_posting` and `grouping`). `DEFAULT` is the default policy; the alignment
+    pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
     on its kind and stage only: it is asked once per (kind, pipe, stage), not per op."""
 
     policy: str
