@@ -10,29 +10,36 @@ runnable compute order into a deadlock or a mismatch.
 
 The policy, "default":
 1. Replay the compute order with unit durations (F=1, B=2, I=1, W=1; a fused op the sum)
-   as soon as data allows. This is a topological order of the whole program; a compute order
-   that cannot run at all is reported here with the op each rank is stuck on.
-2. Give each message the time its producer ends and sort every event (compute starts and
-   messages) into one global order. Each rank posts its sends and receives in that order:
-   a send right after the op that produces it, a receive at the point of that rank's program
-   where the message comes into existence. Every pair of ranks therefore sees its messages in
-   the same order on both sides, and the global order is itself a run in which every op
-   completes when it is reached — which is why no comm model can deadlock it.
-3. The posts between two compute ops form one group (posted together, as
-   `batch_isend_irecv`). Before each compute op one Wait completes the receives it consumes,
-   and the sends that are due: a send is completed before the first compute op of its rank
-   that starts, in the replay of step 1, no earlier than the op that consumes the message on
-   the receiving rank. By then the receiver has posted its receive, so a rendezvous send does
-   not hold its rank up in the unit-time picture, and the buffer is not held for longer than
-   the message is in use. Whatever is still open at the end is completed by a final Wait.
+   and a nominal latency of 1/8 per message (`NOMINAL_LATENCY`), every op as soon as its
+   data allows. This is a topological order of the whole program; a compute order that
+   cannot run at all is reported here with the op each rank is stuck on. The latency breaks
+   the ties of a unit-time replay the way a real one does: a message comes to exist on its
+   receiver during an op, not at its boundary.
+2. Give each message the time its producer ends and sort every message into one global
+   order. Each rank posts its sends and receives in that order: a send right after the op
+   that produces it, a receive before the compute op of its rank during which the message
+   comes to exist (so a transfer can start as soon as the data is there). Every pair of
+   ranks therefore sees its messages in the same order on both sides, and the global order
+   is itself a run in which every op completes when it is reached — which is why no comm
+   model can deadlock it.
+3. The posts of one gap whose messages come to exist at the same moment form one group
+   (posted together, as `batch_isend_irecv`: a fused op's two outputs, a rank's receives from
+   both neighbours); the others are posted alone, so that a group never holds one stream up
+   for a transfer on another. Before each compute op one Wait completes the receives it
+   consumes; a send is completed in the Wait of the first receive from the same peer posted
+   after it (a send ahead of that receive on their pair is done by the time the receive is,
+   under every comm model, so waiting for it there costs nothing), and the sends no receive
+   follows by a final Wait, as torch's runtime completes every send at the end of the step.
    Hand-placed sends without a hand-placed `wait` follow the same rule.
 
-The policy "early-recv" (`EARLY_RECV`) is the default with every receive it places posted
-before the first compute op, still in the global order, so a transfer can start the moment
-its sender posts. It is for gloo: there every posted op progresses on its own (DESIGN §5's
-`rendezvous` model), and a receive posted late delays a transfer that could already have
-happened. Under NCCL's ordered streams the early receives sit in front of the sends behind
-them and the program deadlocks: it passes `verify --comm rendezvous` and `eager` only, and
+The policy "early-recv" (`EARLY_RECV`) orders by a unit-time replay without latency and
+posts every receive it places before the first compute op, still in the global order, so a
+transfer can start the moment its sender posts; the posts between two compute ops form one
+group and a send is completed once its receiver has consumed it in the replay. It is for
+gloo: there every posted op progresses on its own (DESIGN §5's `rendezvous` model), and a
+receive posted late delays a transfer that could already have happened. Under NCCL's
+ordered streams the early receives sit in front of the sends behind them and the program
+deadlocks: it passes `verify --comm rendezvous` and `eager` only, and
 the runtime refuses to run it on NCCL (the program's `backend`, `Backend.INDEPENDENT_PROGRESS`).
 """
 
@@ -57,23 +64,27 @@ from pipecc.passes.comm.order import (
 from pipecc.passes.comm.placement import (
     DEFAULT,
     EARLY_RECV,
+    NOMINAL_LATENCY,
     POLICIES,
     POLICY,
     UNIT_COST,
     CommPlacement,
     Grouping,
     RecvPosting,
+    SendWait,
 )
 
 __all__ = [
     "DEFAULT",
     "EARLY_RECV",
+    "NOMINAL_LATENCY",
     "POLICIES",
     "POLICY",
     "UNIT_COST",
     "CommPlacement",
     "Grouping",
     "RecvPosting",
+    "SendWait",
     "insert_comms",
     "lower",
     "strip_comms",
@@ -123,6 +134,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
             ranks[rank].start,
             consumed,
             placement.grouping,
+            placement.send_wait,
             hand_waited=waited,
             hand_order={**manual_recvs, **manual_sends},
         )

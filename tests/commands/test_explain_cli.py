@@ -75,7 +75,14 @@ def test_an_op_of_another_rank_says_where_it_is() -> None:
     program = compile_bundled("dualpipe", 4, 8)
     with pytest.raises(InputError) as caught:
         _index(program, 0, "F0.4")
-    assert "rank 0 has no F0.4 (F0.4 is on rank 2 [2], rank 3 [" in caught.value.message
+    where = [
+        f"rank {rank} [{index}]"
+        for rank, instrs in enumerate(program.ranks)
+        for index, instr in enumerate(instrs)
+        if is_compute(instr) and instr.label() == "F0.4"
+    ]
+    assert len(where) == 2, "DualPipe P=4: F0.4 is chunk 0's on ranks 2 and 3"
+    assert f"rank 0 has no F0.4 (F0.4 is on {', '.join(where)})" in caught.value.message
 
 
 @pytest.mark.parametrize(

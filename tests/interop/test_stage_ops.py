@@ -13,7 +13,7 @@ from helpers import compile_bundled, run_cli
 
 from pipecc.api import bundled_schedules
 from pipecc.interop import json_program, torch_csv
-from pipecc.ir.ops import StageAction, StageOp
+from pipecc.ir.ops import Instr, StageAction, StageOp, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import strip_comms
 from pipecc.passes.torch_program import lower_as_torch
@@ -115,9 +115,8 @@ def test_violation_names_the_cell(capsys: pytest.CaptureFixture[str], tmp_path) 
 
 def test_simulate_gives_zero_time_unless_costed() -> None:
     program = torch_csv.loads(comms_csv("zb_h1", 4)).program
-    bare = replace(
-        program, ranks=tuple(tuple(i for i in r if type(i) is not StageOp) for r in program.ranks)
-    )
+    bare = replace(program, ranks=tuple(_without_stage_ops(r) for r in program.ranks))
+    assert verify(bare, Options()).ok  # the waits renumbered: the same program less its ops
     costs = parse_cost_flag("F=1,B=2,I=1,W=1")
     with_ops = simulate(program, costs)
     without = simulate(bare, costs)
@@ -126,6 +125,15 @@ def test_simulate_gives_zero_time_unless_costed() -> None:
     assert names, "the timeline lists the stage ops"
     slower = simulate(program, parse_cost_flag("F=1,B=2,I=1,W=1,REDUCE_GRAD=3"))
     assert slower.makespan == pytest.approx(without.makespan + 3)
+
+
+def _without_stage_ops(instrs: tuple[Instr, ...]) -> tuple[Instr, ...]:
+    kept = [k for k, instr in enumerate(instrs) if type(instr) is not StageOp]
+    index = {old: new for new, old in enumerate(kept)}
+    return tuple(
+        Wait(tuple(index[t] for t in i.ops), i.span) if type(i) is Wait else i
+        for i in (instrs[k] for k in kept)
+    )
 
 
 def test_sched_programs_hold_none() -> None:

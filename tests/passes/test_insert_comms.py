@@ -13,7 +13,8 @@ from pipecc.ir.keys import MessageKeys
 from pipecc.ir.ops import Compute, Fused, Recv, Send, Wait, computations
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.insert_comms import DEFAULT, EARLY_RECV, POLICIES, insert_comms, strip_comms
-from pipecc.semantics import CommModel
+from pipecc.semantics import CommModel, replay
+from pipecc.semantics.costs import CostTiming, parse_cost_flag
 from pipecc.verify import Options, verify
 
 SIZES = {
@@ -78,13 +79,17 @@ def test_default_lowering_invariants(schedule: str) -> None:
         check_lowering(compile_bundled(schedule, ranks, microbatches))
 
 
-def test_posts_between_computes_form_one_group() -> None:
+def test_posts_of_one_moment_form_one_group() -> None:
+    # 1F1B: rank 0's send of microbatch 1 and its receive of the gradient of microbatch 0
+    # share a gap but come to exist at different moments: each is posted alone
     program = compile_bundled("1f1b", 2, 3)
-    rank0 = program.ranks[0]
-    groups = [instr.group for instr in rank0 if isinstance(instr, Send | Recv)]
-    # the first send goes alone; afterwards a send and a recv are posted together
-    assert groups[0] is None
-    assert groups[1] == groups[2] == 0
+    assert all(i.group is None for i in program.ranks[0] if isinstance(i, Send | Recv))
+    # DualPipe: the two outputs of one F&B are made at one moment and posted together
+    rank0 = compile_bundled("dualpipe", 4, 8).ranks[0]
+    fused = next(k for k, i in enumerate(rank0) if isinstance(i, Fused))
+    first, second = rank0[fused + 1], rank0[fused + 2]
+    assert isinstance(first, Send) and isinstance(second, Send)
+    assert first.group is not None and first.group == second.group
 
 
 def test_local_handoff_has_no_comm_ops() -> None:
@@ -129,3 +134,53 @@ def test_the_backend_a_policy_needs_survives_json() -> None:
         loaded = json_program.loads(json_program.dumps(program), "p.json")
         assert loaded.backend is placement.backend
         assert loaded == program
+
+
+@pytest.mark.parametrize("schedule", sorted(SIZES))
+def test_a_send_is_completed_with_the_next_receive_from_its_peer(schedule: str) -> None:
+    """Structure: a send's Wait is the one of the first receive from the same peer posted
+    after it, or the rank's final Wait when there is none."""
+    for ranks, microbatches in SIZES[schedule]:
+        program = compile_bundled(schedule, ranks, microbatches)
+        for rank, instrs in enumerate(program.ranks):
+            waited_at = {t: k for k, i in enumerate(instrs) if isinstance(i, Wait) for t in i.ops}
+            last_wait = max(waited_at.values(), default=-1)
+            for k, send in enumerate(instrs):
+                if not isinstance(send, Send):
+                    continue
+                reply = next(
+                    (j for j in range(k + 1, len(instrs)) if _recv_from(instrs[j], send.peer)),
+                    None,
+                )
+                expected = last_wait if reply is None else waited_at[reply]
+                assert waited_at[k] == expected, f"{schedule} P={ranks} rank {rank} send [{k}]"
+
+
+def _recv_from(instr: object, peer: int) -> bool:
+    return isinstance(instr, Recv) and instr.peer == peer
+
+
+@pytest.mark.parametrize("model", list(CommModel))
+def test_waiting_for_a_send_never_holds_a_rank_up(model: CommModel) -> None:
+    """Timing: in every default program, under every comm model and latency, a Wait that
+    completes sends is released no later than its receives (or the rank) allow; only the
+    rank's final Wait, for the sends no receive follows, waits for them."""
+    for schedule in ("1f1b", "zb_h1", "interleaved_1f1b", "zbv", "dualpipe"):
+        ranks, microbatches = SIZES[schedule][-1]
+        program = compile_bundled(schedule, ranks, microbatches)
+        for comm in (0, 0.3, 1):
+            costs = parse_cost_flag(f"F=1,B=2,I=1,W=1,comm={comm}")
+            run = replay(program, model=model, timing=CostTiming(costs))
+            assert run.finished
+            for rank, instrs in enumerate(program.ranks):
+                for k, instr in enumerate(instrs):
+                    if not isinstance(instr, Wait) or k in (0, len(instrs) - 1):
+                        continue
+                    ready = run.end_time(rank, k - 1) or 0.0
+                    for target in instr.ops:
+                        if isinstance(instrs[target], Recv):
+                            ready = max(ready, run.done_time(rank, target) or 0.0)
+                    released = run.start_time(rank, k)
+                    assert released is not None and released <= ready + 1e-9, (
+                        f"{schedule} comm={comm} rank {rank} wait [{k}]"
+                    )

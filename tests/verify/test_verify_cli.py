@@ -93,7 +93,7 @@ def test_github_format_points_at_the_sched_line(capsys: pytest.CaptureFixture[st
 
 def test_compiled_json_program(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "broken.json"
-    path.write_text(json_program.dumps(drop(compiled("zbv", 2, 2), 1, 3)))
+    path.write_text(json_program.dumps(drop(compiled("zbv", 2, 2), 1, 1)))
     code, out, _ = run_cli(capsys, "verify", str(path))
     assert code == 1
     assert "error[orphan]" in out and "error[mismatch]" in out

@@ -58,20 +58,20 @@ def _zbv() -> Program:
 CASES: dict[str, tuple[Callable[[], Program], str, dict[str, object]]] = {
     # rank 0 and rank 1 both send before they receive (pytorch/pytorch#172668)
     "deadlock": (lambda: _csv("pytorch_172668.csv"), "deadlock", {}),
-    "orphan": (lambda: drop(_zbv(), 1, 3), "orphan", {}),
-    "mismatch": (lambda: drop(_zbv(), 1, 3), "mismatch", {}),
+    "orphan": (lambda: drop(_zbv(), 1, 1), "orphan", {}),
+    "mismatch": (lambda: drop(_zbv(), 1, 1), "mismatch", {}),
     "route": (lambda: put(_1f1b(), 0, 1, _1f1b().ranks[0][1]._replace(peer=0)), "route", {}),
-    "unwaited": (lambda: drop(_1f1b(), 0, 2), "unwaited", {}),
-    "double-wait": (lambda: duplicate(_1f1b(), 0, 2, 3), "double-wait", {}),
-    "bad-wait": (lambda: put(_1f1b(), 0, 2, Wait((0,))), "bad-wait", {}),
+    "unwaited": (lambda: drop(_1f1b(), 1, 10), "unwaited", {}),
+    "double-wait": (lambda: duplicate(_1f1b(), 0, 8, 9), "double-wait", {}),
+    "bad-wait": (lambda: put(_1f1b(), 0, 8, Wait((0,))), "bad-wait", {}),
     "buffer-reuse": (lambda: duplicate(_1f1b(), 1, 0, 1), "buffer-reuse", {}),
     "forward-before-input": (lambda: move(_zbv(), 1, 4, 2), "forward-before-input", {}),
     "backward-before-gradient": (lambda: move(_zbv(), 1, 15, 12), "backward-before-gradient", {}),
     "backward-before-forward": (lambda: move(_1f1b(), 1, 4, 2), "backward-before-forward", {}),
-    "weight-before-input-grad": (lambda: move(_zbv(), 0, 12, 8), "weight-before-input-grad", {}),
+    "weight-before-input-grad": (lambda: move(_zbv(), 0, 10, 8), "weight-before-input-grad", {}),
     "send-before-compute": (lambda: move(_1f1b(), 0, 1, 0), "send-before-compute", {}),
     "recv-after-use": (lambda: move(_1f1b(), 1, 0, 3), "recv-after-use", {}),
-    "missing-recv": (lambda: drop(_zbv(), 1, 3), "missing-recv", {}),
+    "missing-recv": (lambda: drop(_zbv(), 1, 1), "missing-recv", {}),
     "coverage": (lambda: drop(_1f1b(), 1, 4), "coverage", {}),
     "placement": (
         lambda: replace(compiled("zbv", 4, 8), placement=loop_placement(4, 2)),
@@ -173,8 +173,8 @@ def _late_forward_input(program: Program, rank: int, recv: int, fused: int) -> P
 def test_late_input_of_a_fused_forward_is_a_recv_after_use(
     binding: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # DualPipe P=4 M=8, rank 0: F1.6&B0.0 at 23 takes the activation received at 20 and the
-    # gradient received at 21; receiving the activation after the fused op is the error,
+    # DualPipe P=4 M=8, rank 0: F1.6&B0.0 at 21 takes the activation received at 18 and the
+    # gradient received at 19; receiving the activation after the fused op is the error,
     # whichever way the wiring binds each op to its receives
     from pipecc.semantics import wiring
 
@@ -187,6 +187,6 @@ def test_late_input_of_a_fused_forward_is_a_recv_after_use(
             ),
         )
     program = compile_schedule("dualpipe", ranks=4, microbatches=8)
-    assert str(program.ranks[0][20]).startswith("Recv(what=<Msg.ACT")
-    report = verify_program(_late_forward_input(program, 0, 20, 23), Options())[0]
+    assert str(program.ranks[0][18]).startswith("Recv(what=<Msg.ACT")
+    report = verify_program(_late_forward_input(program, 0, 18, 21), Options())[0]
     assert "recv-after-use" in {v.code for v in report.violations}

@@ -147,7 +147,7 @@ def test_torchtitan_774_v_schedule_on_loop_placement() -> None:
     result = report(program)
     assert set(codes(result)) == {"placement"}
     first = result.violations[0]
-    assert first.message.startswith("F1.0 on rank 0 (@21) computes stage 7, but in placement")
+    assert first.message.startswith("F1.0 on rank 0 (@16) computes stage 7, but in placement")
     assert len(first.notes) == 1 and "every op fits placement 'vshape'" in first.notes[0][1]
     assert result.notes == (
         "route and data-dependency checks skipped: the ops do not fit the program's placement",

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from pipecc.ir.keys import StageMajorKeys
 from pipecc.ir.ops import Instr, Recv, Send, StageOp, Wait
-from pipecc.passes.comm.order import GAP, Event, RankOps
-from pipecc.passes.comm.placement import Grouping
+from pipecc.passes.comm.order import GAP, MADE, Event, RankOps
+from pipecc.passes.comm.placement import Grouping, SendWait
 
 _new = tuple.__new__
 
@@ -23,6 +23,7 @@ class Emitter:
     starts: list[float]  # start of each compute op of the rank in the ordering replay
     consumed: list[float]  # message key -> start of the op consuming it, likewise
     grouping: Grouping = Grouping.PER_GAP
+    send_wait: SendWait = SendWait.WHEN_CONSUMED
     out: list[Instr] = field(default_factory=list)
     due: dict[int, list[int]] = field(default_factory=dict)  # compute k -> sends to wait
     recv_at: dict[int, int] = field(default_factory=dict)  # message key -> index of its Recv
@@ -31,6 +32,10 @@ class Emitter:
     groups: dict[int, int] = field(default_factory=dict)
     next_group: int = 0
     moved: dict[int, int] = field(default_factory=dict)  # input index -> output index
+    # SendWait.WITH_REPLY: the sends to each peer not yet given to a receive, and the sends
+    # each receive (by index) completes with it
+    open_sends: dict[object, list[int]] = field(default_factory=dict)
+    replies: dict[int, list[int]] = field(default_factory=dict)
 
     def post(self, batch: list[Event]) -> None:
         """Post the events of one gap between two compute ops, grouped as the placement says."""
@@ -42,7 +47,7 @@ class Emitter:
         else:
             start = 0
             for i in range(1, len(batch) + 1):
-                if i == len(batch) or batch[i][5] != batch[start][5]:
+                if i == len(batch) or batch[i][MADE] != batch[start][MADE]:
                     self._post_group(batch[start:i])
                     start = i
 
@@ -55,10 +60,10 @@ class Emitter:
         out = self.out
         for _, _, payload, key, send, _ in batch:
             if send:
-                self._due(key, len(out))
+                self._due(key, len(out), payload[1])
                 out.append(_new(Send, payload + tail))
             else:
-                self.recv_at[key] = len(out)
+                self._received(key, len(out), payload[1])
                 out.append(_new(Recv, payload + tail))
 
     def manual(self, position: int, instr: Instr) -> None:
@@ -83,16 +88,27 @@ class Emitter:
             return  # the schedule completes it with its own wait
         key = self.keys.key(instr.what, instr.pipe, instr.stage, instr.mb)
         if type(instr) is Send:
-            self._due(key, index)
+            self._due(key, index, instr.peer)
         else:
-            self.recv_at[key] = index
+            self._received(key, index, instr.peer)
 
-    def _due(self, key: int, index: int) -> None:
-        """A send is completed before the first compute op of its rank that starts, in the
-        ordering replay, once its receiver has consumed it (the receiver has posted its recv
-        by then): late enough not to hold the sender up, early enough to free the buffer."""
+    def _due(self, key: int, index: int, peer: object) -> None:
+        """Where the send at `index` is completed (`SendWait`). WHEN_CONSUMED: before the
+        first compute op of its rank that starts, in the ordering replay, once its receiver
+        has consumed it (the receiver has posted its recv by then)."""
+        if self.send_wait is SendWait.WITH_REPLY:
+            self.open_sends.setdefault(peer, []).append(index)
+            return
         k = bisect_left(self.starts, self.consumed[key])
         self.due.setdefault(k, []).append(index)
+
+    def _received(self, key: int, index: int, peer: object) -> None:
+        """A receive posted at `index`: completed before its consumer, with the open sends to
+        the same peer (SendWait.WITH_REPLY)."""
+        self.recv_at[key] = index
+        sends = self.open_sends.pop(peer, None)
+        if sends is not None:
+            self.replies[index] = sends
 
     def wait_before(self, k: int, inputs: tuple[int, ...]) -> None:
         """The Wait before compute op k: the recvs it consumes and the sends due there."""
@@ -101,6 +117,7 @@ class Emitter:
             index = self.recv_at.pop(key, None)
             if index is not None:
                 targets.append(index)
+                targets.extend(self.replies.pop(index, ()))
         if targets:
             targets.sort()
             self.out.append(_new(Wait, (tuple(targets), None)))
@@ -110,6 +127,8 @@ class Emitter:
         and any recv no compute op consumed (hand-waited ops were never registered)."""
         posted = [i for waits in self.due.values() for i in waits]
         posted.extend(self.recv_at.values())
+        posted.extend(i for sends in self.replies.values() for i in sends)
+        posted.extend(i for sends in self.open_sends.values() for i in sends)
         if posted:
             posted.sort()
             self.out.append(_new(Wait, (tuple(posted), None)))
@@ -118,15 +137,19 @@ class Emitter:
 def emit_rank(  # noqa: C901
     instrs: Sequence[Instr], ops: RankOps, events: list[Event], emitter: Emitter
 ) -> tuple[Instr, ...]:
-    """Interleave one rank's computes with its posts and waits. The default grouping (every
-    gap's posts together: `Emitter._post_group`) and the Wait before each op
-    (`Emitter.wait_before`) are inlined here, because this loop places every instruction of
-    a program; `_emit_rank_general` does the same through the methods."""
-    if emitter.grouping is not Grouping.PER_GAP or len(ops.computes) != len(instrs):  # hand-placed
+    """Interleave one rank's computes with its posts and waits. The groupings of a gap's
+    posts (`Emitter.post`), where sends are completed (`Emitter._due`, `_received`) and the
+    Wait before each op (`Emitter.wait_before`) are inlined here, because this loop places
+    every instruction of a program; `_emit_rank_general` does the same through the methods
+    (every post alone, and hand-placed comm ops)."""
+    if emitter.grouping is Grouping.NONE or len(ops.computes) != len(instrs):  # hand-placed
         return _emit_rank_general(instrs, ops, events, emitter)
+    by_time = emitter.grouping is Grouping.BY_TIME
+    with_reply = emitter.send_wait is SendWait.WITH_REPLY
     out, recv_at, due = emitter.out, emitter.recv_at, emitter.due
+    open_sends, replies = emitter.open_sends, emitter.replies
     starts, consumed = emitter.starts, emitter.consumed
-    append, pop_due, pop_recv = out.append, due.pop, recv_at.pop
+    append, pop_due, pop_recv, pop_reply = out.append, due.pop, recv_at.pop, replies.pop
     group = emitter.next_group
     inputs = ops.inputs
     cursor, count = 0, len(events)
@@ -136,24 +159,43 @@ def emit_rank(  # noqa: C901
             stop = cursor + 1
             while stop < count and events[stop][GAP] <= k:
                 stop += 1
-            if stop - cursor > 1:
-                tail: tuple[int | None, None] = (group, None)
-                group += 1
-            else:
-                tail = (None, None)
-            for _, _, payload, key, send, _ in events[cursor:stop]:
-                if send:  # completed when due (`Emitter._due`)
-                    at = bisect_left(starts, consumed[key])
-                    waits = due.get(at)
-                    if waits is None:
-                        due[at] = [len(out)]
-                    else:
-                        waits.append(len(out))
-                    append(_new(Send, payload + tail))
+            while cursor < stop:  # the gap's posts, one group at a time
+                last = stop
+                if by_time:  # those whose messages come to exist at one moment
+                    made = events[cursor][MADE]
+                    last = cursor + 1
+                    while last < stop and events[last][MADE] == made:
+                        last += 1
+                if last - cursor > 1:
+                    tail: tuple[int | None, None] = (group, None)
+                    group += 1
                 else:
-                    recv_at[key] = len(out)
-                    append(_new(Recv, payload + tail))
-            cursor = stop
+                    tail = (None, None)
+                for _, _, payload, key, send, _ in events[cursor:last]:
+                    position = len(out)
+                    if send:
+                        if with_reply:  # completed with the next receive from its peer
+                            waiting = open_sends.get(payload[1])
+                            if waiting is None:
+                                open_sends[payload[1]] = [position]
+                            else:
+                                waiting.append(position)
+                        else:  # completed when its receiver has consumed it
+                            at = bisect_left(starts, consumed[key])
+                            waits = due.get(at)
+                            if waits is None:
+                                due[at] = [position]
+                            else:
+                                waits.append(position)
+                        append(_new(Send, payload + tail))
+                    else:
+                        recv_at[key] = position
+                        if with_reply:
+                            waiting = open_sends.pop(payload[1], None)
+                            if waiting is not None:
+                                replies[position] = waiting
+                        append(_new(Recv, payload + tail))
+                cursor = last
             next_gap = events[stop][GAP] if stop < count else len(ops.computes)
         targets = pop_due(k, None)  # the Wait before op k (`Emitter.wait_before`)
         for key in inputs[k]:
@@ -163,6 +205,9 @@ def emit_rank(  # noqa: C901
                     targets = [index]
                 else:
                     targets.append(index)
+                sends = pop_reply(index, None)
+                if sends is not None:
+                    targets.extend(sends)
         if targets:
             if len(targets) > 1:
                 targets.sort()

@@ -31,11 +31,12 @@ from pipecc.passes.comm.placement import CommPlacement, RecvPosting
 # global order (`_message_order`: by the time the message comes to exist, then rank, then
 # position in the rank's list, the same on every rank); `payload` is the Send/Recv fields up to
 # the group (what, peer, pipe, stage, mb); `key` the message's; `made` the moment it comes to
-# exist, for grouping. A plain tuple, unpacked by name where it is read (`GAP` indexes the
-# one field the emission's scan reads alone): there are two per message, and as a NamedTuple
+# exist, for grouping. A plain tuple, unpacked by name where it is read (`GAP` and `MADE`
+# index the fields the emission's scan reads alone): there are two per message, and as a NamedTuple
 # they cost 5% of a compile of 10⁶ instructions.
 Event = tuple[int, int, tuple[object, ...], int, bool, int]
 GAP: Final = 0
+MADE: Final = 5
 
 
 @dataclass

@@ -25,6 +25,19 @@ class RecvPosting(enum.Enum):
     AT_START = "at-start"
 
 
+class SendWait(enum.Enum):
+    """Where a send is completed on its rank."""
+
+    # before the first compute op that starts, in the ordering replay, once the receiver has
+    # consumed the message
+    WHEN_CONSUMED = "when-consumed"
+    # with the first receive from the same peer posted after it (in the Wait that completes
+    # that receive), else at the end: a send ahead of a receive on their pair's order is
+    # complete by the time the receive is, under every comm model, so this Wait never blocks
+    # on the send
+    WITH_REPLY = "with-reply"
+
+
 class Grouping(enum.Enum):
     """Which posts between two compute ops are posted together (one nccl unit)."""
 
@@ -42,15 +55,29 @@ def unit_duration(instr: Compute | Fused | Sequential) -> float:
 
 
 def no_latency(stage: int) -> float:
-    """The default policy's message latency: none."""
+    """No message latency (the early-recv policy's ordering replay)."""
     return 0.0
+
+
+# The default policy's nominal message latency, in units of a forward: enough to break the
+# ties of a unit-time replay the way any real latency breaks them (a message comes to exist
+# on its receiver during an op, not at its boundary), small enough not to reorder what the
+# compute order decides. A binary fraction, so that equal times stay exactly equal.
+NOMINAL_LATENCY = 0.125
+
+
+def nominal_latency(stage: int) -> float:
+    """The default policy's message latency: `NOMINAL_LATENCY` for every message."""
+    return NOMINAL_LATENCY
 
 
 @dataclass(frozen=True, slots=True)
 class CommPlacement:
     """The knobs of the lowering: the durations and latencies of the replay that orders the
-    program, where receives go, and what is grouped. `DEFAULT` is the default policy; the
-    alignment pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
+    program, where receives go, what is grouped, and where sends are completed (the field
+    defaults are the knobs of the early-recv policy and of the alignment pass, which set
+    their own `recv_posting` and `grouping`). `DEFAULT` is the default policy; the alignment
+    pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
     on its kind and stage only: it is asked once per (kind, pipe, stage), not per op."""
 
     policy: str
@@ -58,6 +85,7 @@ class CommPlacement:
     latency: Callable[[int], float] = no_latency  # by receiving stage
     recv_posting: RecvPosting = RecvPosting.WHEN_MADE
     grouping: Grouping = Grouping.PER_GAP
+    send_wait: SendWait = SendWait.WHEN_CONSUMED
     backend: Backend = Backend.ANY  # what the placed program needs of the backend
 
     @property
@@ -66,7 +94,13 @@ class CommPlacement:
         return self.duration is unit_duration and self.latency is no_latency
 
 
-DEFAULT = CommPlacement("default")
+DEFAULT = CommPlacement(
+    "default",
+    latency=nominal_latency,
+    recv_posting=RecvPosting.BEFORE_BUSY,
+    grouping=Grouping.BY_TIME,
+    send_wait=SendWait.WITH_REPLY,
+)
 POLICY = DEFAULT.policy
 EARLY_RECV = CommPlacement(
     "early-recv", recv_posting=RecvPosting.AT_START, backend=Backend.INDEPENDENT_PROGRESS
