@@ -157,11 +157,6 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
     backend = backend_of(args)
     resolution = Resolution(backend, lowering(args, backend))
-    if args.sweep and resolution != Resolution():
-        raise InputError(
-            "--sweep verifies the default lowering for nccl; give --backend, --comm-policy "
-            "or --align without --sweep"
-        )
     if args.sweep:
         ranks, microbatches = parse_sweep(args.sweep, args)
         jobs = args.jobs or os.cpu_count() or 1
@@ -172,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             defines=defines,
             options=options,
             jobs=jobs,
+            resolution=resolution,
         )
         _print_errors(results)
         print(_render_sweeps(results, args.format), end="")

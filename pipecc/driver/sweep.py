@@ -12,9 +12,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from pipecc.diagnostics import InputError, RequirementError, ScheduleError
-from pipecc.driver.check import Outcome, Unusable
-from pipecc.driver.compile import compile_tree
+from pipecc.driver.check import DEFAULT_RESOLUTION, Outcome, Resolution, Unusable
+from pipecc.driver.compile import order_tree
 from pipecc.driver.files import read_text, resolve_schedule
+from pipecc.driver.load import Source, resolve_source
 from pipecc.frontend.ast import ScheduleFile
 from pipecc.frontend.parser import parse
 from pipecc.ir.program import Program
@@ -62,8 +63,20 @@ class Schedule:
         self.path = path
         self.tree: ScheduleFile = parse(read_text(resolved), str(resolved))
 
-    def compile(self, ranks: int, microbatches: int, defines: Mapping[str, int]) -> Program:
-        return compile_tree(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
+    def compile(
+        self,
+        ranks: int,
+        microbatches: int,
+        defines: Mapping[str, int],
+        resolution: Resolution = DEFAULT_RESOLUTION,
+    ) -> Program:
+        """The program of one size, resolved as `pipecc run` resolves it on the backend
+        (`pipecc.driver.load.resolve_source`: the default nccl resolution compiles it as
+        `pipecc compile` does)."""
+        order = order_tree(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
+        label = f"{self.path} P={ranks} M={microbatches}"
+        source = Source(label, order, (), compiled=True)
+        return resolve_source(source, resolution.backend, resolution.lowering).program
 
 
 def sizes(ranks: Sequence[int], microbatches: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -112,12 +125,13 @@ def check_size(
     microbatches: int,
     defines: Mapping[str, int],
     options: Options,
+    resolution: Resolution = DEFAULT_RESOLUTION,
 ) -> Skip | Outcome:
     """Compile and verify one size: a Skip when a `require` rejects it, else the Outcome.
     A size its requires allow but that does not compile raises the compiler's error."""
     label = f"{schedule.path} P={ranks} M={microbatches}"
     try:
-        program = schedule.compile(ranks, microbatches, defines)
+        program = schedule.compile(ranks, microbatches, defines, resolution)
     except RequirementError as err:
         return Skip(ranks, microbatches, f"requires {err.requirement}")
     report = verify(program, options)
@@ -131,9 +145,11 @@ def sweep_file(
     microbatches: Sequence[int],
     defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT_OPTIONS,
+    resolution: Resolution = DEFAULT_RESOLUTION,
 ) -> SweepResult:
     """Verify every size of `path` in the ranges, in order; stop at the first failing size."""
-    found = _sweep_part(path, tuple(sizes(ranks, microbatches)), dict(defines or {}), options)
+    todo = tuple(sizes(ranks, microbatches))
+    found = _sweep_part(path, todo, dict(defines or {}), options, resolution)
     return _merge(path, [found])
 
 
@@ -145,6 +161,7 @@ def sweep_files(
     defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT_OPTIONS,
     jobs: int = 1,
+    resolution: Resolution = DEFAULT_RESOLUTION,
 ) -> list[SweepResult | Unusable]:
     """`sweep_file` for several files, the sizes of each rank count being one task spread
     over `jobs` processes (a sweep of every bundled schedule over P ≤ 16, M ≤ 64 compiles
@@ -152,7 +169,7 @@ def sweep_files(
     Unusable in its place; the others are swept all the same."""
     unusable = {path: found for path in paths if (found := _parse_error(path)) is not None}
     tasks = [
-        (path, tuple(sizes((p,), microbatches)), dict(defines or {}), options)
+        (path, tuple(sizes((p,), microbatches)), dict(defines or {}), options, resolution)
         for path in paths
         if path not in unusable
         for p in ranks
@@ -177,9 +194,10 @@ def _parse_error(path: str) -> Unusable | None:
     return None
 
 
-def _parallel(
-    tasks: list[tuple[str, tuple[tuple[int, int], ...], dict[str, int], Options]], jobs: int
-) -> list[_Part]:
+Task = tuple[str, tuple[tuple[int, int], ...], dict[str, int], Options, Resolution]
+
+
+def _parallel(tasks: list[Task], jobs: int) -> list[_Part]:
     context = multiprocessing.get_context(
         "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     )
@@ -198,14 +216,18 @@ class _Part:
 
 
 def _sweep_part(
-    path: str, todo: tuple[tuple[int, int], ...], defines: dict[str, int], options: Options
+    path: str,
+    todo: tuple[tuple[int, int], ...],
+    defines: dict[str, int],
+    options: Options,
+    resolution: Resolution = DEFAULT_RESOLUTION,
 ) -> _Part:
     schedule = Schedule(path)
     verified = 0
     skipped: list[Skip] = []
     for p, m in todo:
         try:
-            found = check_size(schedule, p, m, defines, options)
+            found = check_size(schedule, p, m, defines, options, resolution)
         except ScheduleError as err:
             failure = CompileFailure(f"{path} P={p} M={m}", err)
             return _Part(verified, tuple(skipped), failure)
