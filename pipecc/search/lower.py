@@ -47,6 +47,15 @@ class LoweringError(PipeccError):
     exit_code = 1
 
 
+def models_for(backend: Backend) -> tuple[CommModel, ...]:
+    """The comm models a program that needs `backend` must complete under: every one, or
+    for a placement that needs independent progress (early-recv: gloo) the two that give
+    it."""
+    if backend is Backend.INDEPENDENT_PROGRESS:
+        return (CommModel.RENDEZVOUS, CommModel.EAGER)
+    return ALL_MODELS
+
+
 class Placing(NamedTuple):
     """How the comm ops of a found order are placed, and the comm model it is reported
     under: `policy` is "aligned" (the alignment pass for the cut's costs under `model`) or a
@@ -62,11 +71,8 @@ class Placing(NamedTuple):
 
     @property
     def verified_under(self) -> tuple[CommModel, ...]:
-        """The comm models the placed program must complete under: every one, or for a
-        placement that needs independent progress (early-recv: gloo) the two that give it."""
-        if self.backend is Backend.INDEPENDENT_PROGRESS:
-            return (CommModel.RENDEZVOUS, CommModel.EAGER)
-        return ALL_MODELS
+        """The comm models the placed program must complete under (`models_for`)."""
+        return models_for(self.backend)
 
     def describe(self) -> str:
         """`aligned for nccl` or `early-recv`."""
@@ -172,8 +178,12 @@ def as_run_on(program: Program, backend: str) -> Program:
 
 
 def adopt(problem: Problem, program: Program, *, model: CommModel, unit: str = "") -> Lowered:
-    """A bundled schedule's own program (verified where it is shipped) as the result, with
-    the cut's costs."""
+    """A bundled schedule's own program, as `pipecc run` places it on the backend
+    (`as_run_on`), as the result, with the cut's costs; verified like every result, under
+    the comm models its placement needs (raises LoweringError if it fails)."""
+    report = verify(program, Options(models=models_for(program.backend)))
+    if not report.ok:
+        raise LoweringError(f"the bundled program fails verification: {report.violations[0]}")
     costs = stage_costs(problem, unit)
     makespan = simulate(program, costs, model=model).makespan
     return Lowered(
