@@ -13,7 +13,6 @@ from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
 from pipecc.driver.lowering import requested_style
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
-from pipecc.passes.sum_shared import sum_shared
 from pipecc.passes.torch_program import LoweringStyle
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
@@ -91,11 +90,8 @@ def load_input(path: str, args: argparse.Namespace) -> Program:
     its --comm-policy, --align and --lowering, where it has them, are inputs of that one
     resolution. Its notes (what the reader ignored, the comm ops a flag replaced) go to
     stderr."""
-    asked = request(path, args)
-    resolved = resolve(asked)
+    resolved = resolve(request(path, args))
     print_notes(resolved.notes)
-    if asked.lowering.shared:  # a .json or .csv kept as it is gets the sums too (idempotent)
-        return sum_shared(resolved.program, shared=asked.lowering.shared)
     return resolved.program
 
 

@@ -35,6 +35,7 @@ from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.insert_comms import DEFAULT, EARLY_RECV, strip_comms
+from pipecc.passes.sum_shared import sum_shared
 from pipecc.passes.torch_program import LoweringStyle
 from pipecc.semantics import CommModel
 from pipecc.verify import check_input, check_order
@@ -175,7 +176,12 @@ def resolve(request: Request, *, checked: bool = True) -> Resolved:
 def resolve_source(
     source: Source, backend: RunBackend, lowering: Lowering, *, checked: bool = True
 ) -> Resolved:
-    """`resolve` for an input already read."""
+    """`resolve` for an input already read. `lowering.shared` (`--shared`) is no placement:
+    the program resolved without it gets the gradient sums of those stages (`sum_shared`,
+    idempotent, so a .json that holds them already is unchanged)."""
+    if lowering.shared:
+        found = resolve_source(source, backend, replace(lowering, shared=()), checked=checked)
+        return replace(found, program=sum_shared(found.program, shared=lowering.shared))
     program = source.program
     if lowering != DEFAULT_LOWERING:
         resolved = _replaced(source, lowering)

@@ -218,3 +218,21 @@ def test_a_sweep_verifies_each_size_as_run_resolves_it(
         assert code == (1 if backend is RunBackend.GLOO else 0)
         code, _, _ = run_cli(capsys, "verify", name, *flags)  # the backend's own model
         assert code == 0
+
+
+@pytest.mark.parametrize("backend", list(RunBackend))
+def test_shared_adds_the_sums_and_keeps_the_backends_placement(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, backend: RunBackend
+) -> None:
+    """`--shared` is no placement: the program is the one the backend gets, plus one
+    all_reduce at the end of each holder (it used to swap gloo's early-recv for the default)."""
+    out = {}
+    for name, extra in (("plain", ()), ("tied", ("--shared", "0+1"))):
+        out[name] = tmp_path / f"{name}.json"
+        code, _, err = run_cli(capsys, "compile", "1f1b", "-P", "2", "-M", "4", *extra,
+                               "--backend", backend.value, "-o", str(out[name]))  # fmt: skip
+        assert code == 0, err
+    plain, tied = (json_program.loads(out[name].read_text()) for name in ("plain", "tied"))
+    assert tied.comm == plain.comm == backend.policy
+    assert [instrs[:-1] for instrs in tied.ranks] == list(plain.ranks)
+    assert all(type(instrs[-1]).__name__ == "Collective" for instrs in tied.ranks)
