@@ -30,7 +30,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries  # noqa: E402
-from pipecc.runtime.spawn import spawn  # noqa: E402
+from pipecc.runtime.tools.spawn import spawn  # noqa: E402
 
 from pipecc.api import compile_schedule  # noqa: E402
 from pipecc.ir.ops import Fused  # noqa: E402

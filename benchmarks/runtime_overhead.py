@@ -27,7 +27,7 @@ import statistics
 from typing import Any
 
 import torch
-from pipecc.runtime.spawn import spawn
+from pipecc.runtime.tools.spawn import spawn
 from runtime_vs_torch import (
     Config,
     Model,

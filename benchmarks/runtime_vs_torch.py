@@ -61,8 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipecc.runtime import PipelineRuntime, Recorder, RuntimeConfig, infer_boundaries  # noqa: E402
-from pipecc.runtime.profile import KEYS, comm_costs, compute_costs  # noqa: E402
-from pipecc.runtime.spawn import spawn  # noqa: E402
+from pipecc.runtime.profiling.recorder import KEYS, comm_costs, compute_costs  # noqa: E402
+from pipecc.runtime.tools.spawn import spawn  # noqa: E402
 
 from pipecc.api import compile_schedule  # noqa: E402
 from pipecc.ir.ops import Compute, Fused  # noqa: E402

@@ -52,8 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipecc.runtime.split_backward import full_backward, input_backward  # noqa: E402
-from pipecc.runtime.weight_contract import capturing  # noqa: E402
+from pipecc.runtime.engine.split_backward import full_backward, input_backward  # noqa: E402
+from pipecc.runtime.engine.weight_contract import capturing  # noqa: E402
 
 ROWS = 32
 BLOCKS = 4

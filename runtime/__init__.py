@@ -12,13 +12,14 @@ without torch. docs/runtime.md describes the API.
 
 from __future__ import annotations
 
+from .boundaries.discovery import pipeline_boundaries
+from .boundaries.specs import Boundary, TensorSpec, infer_boundaries
+from .comm.shared import shared_parameters
 from .config import RuntimeConfig, mse_loss
-from .interpreter import InstructionError
-from .partition import pipeline_boundaries, split_model
+from .engine.interpreter import InstructionError
 from .pipeline import PipelineRuntime
-from .profile import Recorder
-from .shared import shared_parameters
-from .specs import Boundary, TensorSpec, infer_boundaries
+from .profiling.recorder import Recorder
+from .tools.split_model import split_model
 
 __all__ = [
     "Boundary",

@@ -1,12 +1,12 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
 The runtime binds the program to this rank once (its chunks and their modules, the plans to
-walk, the parameters it shares with other ranks), builds the parts an `Interpreter`
-dispatches to, and for each step: splits the batch, learns the step's shapes with the other
-ranks (runtime/signatures.py; a new signature is checked on every rank together, before any
-point-to-point op, runtime/setup.py), runs the plan in a fresh `StepContext` (the gradient
-sums of parameters held by several ranks are instructions of it, runtime/shared.py; a
-program without them gets them after it).
+walk, the parameters it shares with other ranks), builds the parts an `Interpreter` dispatches
+to, and for each step: splits the batch, learns the step's shapes with the other ranks
+(runtime/boundaries/signatures.py; a new signature is checked on every rank together, before
+any point-to-point op, runtime/plan/binding.py), runs the plan in a fresh `StepContext` (the
+gradient sums of parameters held by several ranks are instructions of it,
+runtime/comm/shared.py; a program without them gets them after it).
 """
 
 from __future__ import annotations
@@ -22,22 +22,23 @@ from pipecc.diagnostics import ProgramError, SetupError
 from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
-from . import setup, shared, training
-from .comm import Channel, uses_nccl
+from .boundaries.signatures import BoundaryFn, BoundaryFnError, Gather, Seen, Signatures
+from .boundaries.specs import Boundary, Specs
+from .comm import agreement, shared, training
+from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
-from .context import StepContext
-from .fused import FusedOps
-from .interpreter import Interpreter
-from .plan import build_plan, forward_only
-from .precision import Fp32Grads
-from .profile import Recorder
-from .profiling import ProfilingInterpreter
-from .rng import ForwardRng
-from .signatures import BoundaryFn, BoundaryFnError, Gather, Seen, Signatures
-from .specs import Boundary, Specs
-from .split_backward import split_chunks
-from .stage import StageOps
-from .transfers import Transfers
+from .engine.compute import StageOps
+from .engine.context import StepContext
+from .engine.fused import FusedOps
+from .engine.interpreter import Interpreter
+from .engine.precision import Fp32Grads
+from .engine.rng import ForwardRng
+from .engine.split_backward import split_chunks
+from .engine.transfers import Transfers
+from .plan import binding
+from .plan.plan import build_plan, forward_only
+from .profiling.profiler import ProfilingInterpreter
+from .profiling.recorder import Recorder
 
 
 class PipelineRuntime:
@@ -72,9 +73,9 @@ class PipelineRuntime:
         nccl = uses_nccl(self.group, self.device)
         limit = None if nccl else config.timeout
         self.signatures = Signatures(boundaries, self.group, world, self.device, limit)
-        self._problem = setup.world_problem(
+        self._problem = binding.world_problem(
             program, world, self.rank_map, dist.get_rank()
-        ) or setup.backend_problem(program, nccl=nccl)
+        ) or binding.backend_problem(program, nccl=nccl)
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
         self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
         self.losses: dict[int, torch.Tensor] = {}
@@ -85,7 +86,7 @@ class PipelineRuntime:
 
     def _bind(self) -> None:
         rank, config = self.rank, self.config
-        self.chunks = setup.bind_chunks(self.program, rank, self.modules)
+        self.chunks = binding.bind_chunks(self.program, rank, self.modules)
         self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
         self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
         self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
@@ -116,7 +117,7 @@ class PipelineRuntime:
         Gradients accumulate into `.grad` as the mean over microbatches (zero them before, as
         with a single-process step). Returns the mean loss of the microbatches whose last
         stage lives on this rank (None elsewhere); `self.losses` maps each to its loss.
-        `recorder`: time every instruction into it (runtime/profiling.py).
+        `recorder`: time every instruction into it (runtime/profiling/profiler.py).
         """
         ctx = self._context(inputs, targets, training=True)
         interpreter = self.interpreter
@@ -220,12 +221,12 @@ class PipelineRuntime:
     def _split(
         self, value: object, what: str, found: list[str], *, required: bool
     ) -> list[object] | None:
-        return setup.split_batch(value, what, self.program, self.device, found, required=required)
+        return binding.split_batch(value, what, self.program, self.device, found, required=required)
 
     def _problems(self, boundaries: dict[int, Boundary]) -> list[str]:
         """Modules, boundaries, shapes and shared parameters (first step and new shapes)."""
         config = self.config
-        found = setup.problems(
+        found = binding.problems(
             self.program, self.rank, self.modules, boundaries,
             check_shapes=config.check_shapes, autocast=config.autocast,
         )  # fmt: skip
@@ -235,13 +236,13 @@ class PipelineRuntime:
 
     def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]
-        setup.agree(named, self.group, self.program.num_ranks, self.device)
+        agreement.agree(named, self.group, self.program.num_ranks, self.device)
 
     def _use(self, boundaries: dict[int, Boundary]) -> None:
         """Switch the primitives to a signature's boundaries and receive buffers."""
         key = self.signatures.current
         if key not in self._recv_specs:
-            self._recv_specs[key] = setup.recv_specs(self.program, self.rank, boundaries)
+            self._recv_specs[key] = binding.recv_specs(self.program, self.rank, boundaries)
         self.interpreter.stage.boundaries = boundaries
         self.interpreter.transfers.specs = self._recv_specs[key]
 

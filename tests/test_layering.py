@@ -101,7 +101,45 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.verify",
         "pytest",
     ),
+    # the runtime's own layers, bottom up (docs/architecture.md); its top (`__init__`, the
+    # facade, and `pipeline`, the runtime that binds them) may import every one of them
     "pipecc.runtime": ("pipecc.diagnostics", "pipecc.ir", "torch"),
+    "pipecc.runtime.config": ("pipecc.diagnostics", "torch"),
+    "pipecc.runtime.comm": ("pipecc.diagnostics", "pipecc.ir", "torch"),
+    "pipecc.runtime.boundaries": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "torch",
+        "pipecc.runtime.config",
+        "pipecc.runtime.comm",
+    ),
+    "pipecc.runtime.plan": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "torch",
+        "pipecc.runtime.boundaries",
+    ),
+    "pipecc.runtime.engine": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "torch",
+        "pipecc.runtime.config",
+        "pipecc.runtime.comm",
+        "pipecc.runtime.boundaries",
+        "pipecc.runtime.plan",
+    ),
+    "pipecc.runtime.profiling": ("pipecc.ir", "torch", "pipecc.runtime.engine"),
+    "pipecc.runtime.tools": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "torch",
+        "pipecc.runtime.config",
+        "pipecc.runtime.comm",
+        "pipecc.runtime.boundaries",
+        "pipecc.runtime.engine",
+        "pipecc.runtime.profiling",
+        "pipecc.runtime.pipeline",
+    ),
     "pipecc.search": (
         "pipecc.api",  # search.baseline: the bundled schedules' orders
         "pipecc.diagnostics",

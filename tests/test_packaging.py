@@ -10,11 +10,13 @@ from helpers import ROOT
 
 
 def _folders() -> set[str]:
-    """Every package of the source tree, by its import name."""
+    """Every package of the source tree, by its import name (`runtime/` is installed as
+    `pipecc.runtime`)."""
     found = set()
-    for init in (ROOT / "pipecc").rglob("__init__.py"):
-        parts = init.parent.relative_to(ROOT).parts
-        found.add(".".join(parts))
+    for root, name in ((ROOT / "pipecc", "pipecc"), (ROOT / "runtime", "pipecc.runtime")):
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            found.add(".".join((name, *parts)))
     return found
 
 
@@ -22,6 +24,10 @@ def test_every_package_of_the_tree_is_shipped() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = set(config["tool"]["setuptools"]["packages"])
     missing = sorted(_folders() - listed)
+    absent = sorted(
+        p for p in listed - _folders() if not p.startswith(("pipecc.grammars", "pipecc.schedules"))
+    )
+    assert not absent, f"pyproject.toml lists packages that do not exist: {absent}"
     assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}"
     mapped = config["tool"]["setuptools"]["package-dir"]
     for package, folder in mapped.items():

@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.align and (args.cost or args.cost_file):
         raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     try:
-        from pipecc.runtime.launcher import AUTOCAST, RunJob, backend_for, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
+        from pipecc.runtime.tools.launcher import AUTOCAST, RunJob, backend_for, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(_import_failure(err)) from None
     steps, warmup = _timing(args)

@@ -19,7 +19,7 @@ def _local(grad: Any) -> Any:
 
 def _worker(rank: int, world: int, payload: Any) -> dict[str, Any]:
     import torch
-    from pipecc.runtime.stage_ops import run_stage_op
+    from pipecc.runtime.engine.stage_actions import run_stage_op
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, payload: Any) -> dict[str, Any]:
 
 
 def test_fsdp_stage_actions() -> None:
-    from pipecc.runtime.spawn import spawn
+    from pipecc.runtime.tools.spawn import spawn
 
     for result in spawn(_worker, 2, None, timeout=60.0):
         assert result["unsharded"] == {"Parameter"}

@@ -31,7 +31,7 @@ SCHEDULES = ("zb_h1", "zbv", "interleaved_1f1b", "dualpipev")
 
 
 def test_runtime_runs_csv_with_stage_ops() -> None:
-    from pipecc.runtime.spawn import spawn
+    from pipecc.runtime.tools.spawn import spawn
 
     cases = []
     for name in SCHEDULES:

@@ -98,7 +98,7 @@ def sized(
 
 @functools.cache
 def results(ranks: int) -> list[dict[str, dict[str, Any]]]:
-    from pipecc.runtime.spawn import spawn
+    from pipecc.runtime.tools.spawn import spawn
 
     cases = [export(s, ranks, form) for s in SCHEDULES for form in TORCH_FORMAT]
     cases += [mutant(s, ranks) for s in MUTANT_SCHEDULES]

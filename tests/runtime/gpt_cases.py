@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
-from pipecc.runtime.reference import Options, gradients, reference_step
+from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
 
 from pipecc.diagnostics import PipeccError

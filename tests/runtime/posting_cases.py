@@ -1,7 +1,7 @@
 """The posting paths gloo does not take by itself, for the CPU tests (test_posting.py).
 
 `coalescing()` makes every gloo process group of this process coalesce as NCCL does: its
-backend says `supports_coalescing`, so runtime/comm.py sends a group through torch's
+backend says `supports_coalescing`, so runtime/comm/channel.py sends a group through torch's
 `batch_isend_irecv`, which then takes its coalescing branch; the group's ops are queued
 between `_start_coalescing` and `_end_coalescing`, posted at the end in order, and one work
 completes the whole group (what NCCL returns). A gloo work waited twice never returns, so the
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pipecc.runtime import comm
+from pipecc.runtime.comm import channel as comm
 from runtime_cases import Case, run_cases
 
 Post = Callable[..., Any]
@@ -117,7 +117,7 @@ def exchange_case(rank: int, world: int) -> dict[str, Any]:
 
 @contextmanager
 def posting_threads() -> Iterator[set[str]]:
-    """The names of the threads that posted (runtime/comm.py's `_post_now`) meanwhile."""
+    """The names of the threads that posted (runtime/comm/channel.py's `_post_now`) meanwhile."""
     names: set[str] = set()
     post_now = comm._post_now
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, TensorSpec, infer_boundaries
-from pipecc.runtime.profile import Recorder
-from pipecc.runtime.reference import gradients, reference_step
+from pipecc.runtime.profiling.recorder import Recorder
+from pipecc.runtime.tools.reference import gradients, reference_step
 from torch import nn
 
 from pipecc.diagnostics import PipeccError, ScheduleError

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 from pipecc.runtime import TensorSpec, infer_boundaries, shared_parameters
-from pipecc.runtime.rng import ForwardRng, derive_seed
-from pipecc.runtime.signatures import signature_of
-from pipecc.runtime.specs import meta_forward, normalise_boundaries, real_forward
-from pipecc.runtime.trees import Boundary, boundary_of, flatten, split_tree
+from pipecc.runtime.boundaries.signatures import signature_of
+from pipecc.runtime.boundaries.specs import meta_forward, normalise_boundaries, real_forward
+from pipecc.runtime.boundaries.trees import Boundary, boundary_of, flatten, split_tree
+from pipecc.runtime.engine.rng import ForwardRng, derive_seed
 from torch import nn
 
 from pipecc.diagnostics import InputError

@@ -25,9 +25,9 @@ import own_stage_model as model
 import pytest
 import torch
 from pipecc.runtime import infer_boundaries, split_model
-from pipecc.runtime.partition import stage_layers
-from pipecc.runtime.reference import reference_step
-from pipecc.runtime.spawn import spawn
+from pipecc.runtime.tools.reference import reference_step
+from pipecc.runtime.tools.spawn import spawn
+from pipecc.runtime.tools.split_model import stage_layers
 from torch import nn
 
 from pipecc.api import compile_schedule

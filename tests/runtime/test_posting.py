@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from pipecc.runtime import comm
-from pipecc.runtime.spawn import spawn
+from pipecc.runtime.comm import channel as comm
+from pipecc.runtime.tools.spawn import spawn
 from posting_cases import run_posting
 from runtime_cases import Case, compile_case
 from test_runtime_schedules import _assert_matches_reference

@@ -13,7 +13,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from pipecc.runtime.profile import SPREAD_BOUND
+from pipecc.runtime.profiling.recorder import SPREAD_BOUND
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")

@@ -1,7 +1,7 @@
-"""`pipecc run --profile` over several steps: each (stage, op) is the median over the timed
-steps of each step's mean, its spread is the relative interquartile range of those means
-(runtime/profile.py), the cost file records both in `[profile]`, and every command that reads
-a cost file accepts it."""
+"""`pipecc run --profile` over several steps: each (stage, op) is the median over the timed steps
+of each step's mean, its spread is the relative interquartile range of those means
+(runtime/profiling/recorder.py), the cost file records both in `[profile]`, and every command
+that reads a cost file accepts it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from pipecc.runtime.profile import (
+from pipecc.runtime.profiling.recorder import (
     SPREAD_BOUND,
     Recorder,
     compute_costs,

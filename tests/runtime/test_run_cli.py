@@ -162,8 +162,8 @@ def test_unusable_input_exits_2(
     ("missing", "message"),
     [
         ("torch", "error: pipecc run needs torch (pip install 'pipecc[runtime]')"),
-        ("pipecc.runtime.launcher", "error: pipecc run: the runtime could not be imported: "
-                                    "ModuleNotFoundError: import of pipecc.runtime.launcher "
+        ("pipecc.runtime.tools.launcher", "error: pipecc run: the runtime could not be imported: "
+                                    "ModuleNotFoundError: import of pipecc.runtime.tools.launcher "
                                     "halted; None in sys.modules"),
     ],
 )  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from gpt_cases import GptCase, run_gpt_cases
-from pipecc.runtime.spawn import spawn
+from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import SCHEDULES, compile_case, microbatch_counts
 
 from pipecc.ir.ops import Collective, CollectiveKind

@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
-from pipecc.runtime.spawn import spawn
-from pipecc.runtime.split_backward import full_backward, input_backward
+from pipecc.runtime.engine.split_backward import full_backward, input_backward
+from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import Case, compile_case, mlp_like, run_cases
 
 pytestmark = [

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from pipecc.runtime.spawn import spawn
+from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import (
     HIDDEN,
     ROWS,

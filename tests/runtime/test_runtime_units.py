@@ -12,11 +12,11 @@ from typing import Any, cast
 import pytest
 import torch
 from pipecc.runtime import TensorSpec
-from pipecc.runtime.comm import Channel, OpTimeout, Posted
-from pipecc.runtime.plan import build_plan as _plan
-from pipecc.runtime.plan import forward_only as _forward_only
-from pipecc.runtime.profile import Recorder, fit_latency, render_cost_file
-from pipecc.runtime.setup import backend_problem
+from pipecc.runtime.comm.channel import Channel, OpTimeout, Posted
+from pipecc.runtime.plan.binding import backend_problem
+from pipecc.runtime.plan.plan import build_plan as _plan
+from pipecc.runtime.plan.plan import forward_only as _forward_only
+from pipecc.runtime.profiling.recorder import Recorder, fit_latency, render_cost_file
 from torch import nn
 
 from pipecc.api import compile_schedule
@@ -46,7 +46,7 @@ def test_nccl_is_recognised_in_a_group_made_without_a_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch.distributed as dist
-    from pipecc.runtime.comm import uses_nccl
+    from pipecc.runtime.comm.channel import uses_nccl
 
     configs = {"nccl": True, "cpu:gloo,cuda:nccl": True, "gloo": False}
     for config, expected in configs.items():
@@ -233,7 +233,7 @@ def test_a_post_goes_to_the_group_with_the_peers_rank_in_it() -> None:
     (not its global rank) and a complex tensor as its real view; a tensor subclass goes
     through torch's isend/irecv (which dispatch on it) with the global rank."""
     import torch.distributed as dist
-    from pipecc.runtime import comm
+    from pipecc.runtime.comm import channel as comm
 
     group = _Group()
     plain, complex_ = torch.ones(3), torch.ones(3, dtype=torch.complex64)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from pipecc.runtime.split_backward import full_backward, input_backward
+from pipecc.runtime.engine.split_backward import full_backward, input_backward
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

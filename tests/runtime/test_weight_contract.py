@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from pipecc.runtime import PipelineRuntime, infer_boundaries, split_backward, weight_contract
-from pipecc.runtime.reference import gradients, reference_step
-from pipecc.runtime.split_backward import full_backward, input_backward
-from pipecc.runtime.weight_contract import capturing, register_weight_grad
+from pipecc.runtime import PipelineRuntime, infer_boundaries
+from pipecc.runtime.engine import split_backward, weight_contract
+from pipecc.runtime.engine.split_backward import full_backward, input_backward
+from pipecc.runtime.engine.weight_contract import capturing, register_weight_grad
+from pipecc.runtime.tools.reference import gradients, reference_step
 from test_split_backward import CountOps
 from torch import nn
 from torch.nn import functional as F

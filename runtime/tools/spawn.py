@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pipecc.diagnostics import PipeccError, RankError
 
-from .interpreter import InstructionError
+from ..engine.interpreter import InstructionError
 
 Worker = Callable[[int, int, Any], Any]  # (rank, world size, payload) -> result
 GRACE = 1.0  # seconds the others get to report after the first failure

@@ -4,7 +4,7 @@ Before each forward of stage s on microbatch mb in step t, the default generator
 stage's device (and the CPU's) is seeded with a 63-bit number derived from (seed, t, s, mb)
 by a splitmix64 chain. Which rank runs the forward, in which order, on which pipe, does not
 matter: every schedule, and the single-process reference that seeds the same way
-(runtime/reference.py), draws the same dropout masks. Distinct (stage, microbatch) pairs
+(runtime/tools/reference.py), draws the same dropout masks. Distinct (stage, microbatch) pairs
 draw from unrelated streams, so ranks seeded alike do not draw correlated masks. The
 generators' states before the step are restored after it, so the caller's random stream is
 not disturbed. Measured cost per forward: docs/runtime.md ("Reproducible dropout").

@@ -1,7 +1,7 @@
 """`pipecc run --check`: every rank's gradients against the single-process reference.
 
 The reference runs in the launcher with the ranks' intra-op thread count (one), on the ranks'
-device type, with the runtime's RNG derivation and autocast (runtime/reference.py), once per
+device type, with the runtime's RNG derivation and autocast (runtime/tools/reference.py), once per
 step. Every copy of every parameter (both holders of a duplicated stage, both ends of a tied
 weight) is compared, and the worst parameters are reported by name, stage and rank.
 """

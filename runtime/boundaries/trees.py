@@ -1,13 +1,12 @@
 """Any pytree between stages: what a stage takes and returns, flattened with torch's pytree.
 
-A stage's inputs and outputs may be tensors, tuples, lists, dicts, `None` and Python
-constants, nested (and any type registered with `torch.utils._pytree`). What crosses a
-boundary is described by a `Boundary`: the tree's structure and, per leaf, a `TensorSpec`
-or the constant itself. Only the tensor leaves travel (the program's message is the list of
-them, in leaf order); the receiver rebuilds the value from its own copy of the structure
-and constants, which every rank learns alike (runtime/signatures.py). Floating tensors that
-require a gradient carry one back; other tensors (masks, position ids, detached floats) do
-not.
+A stage's inputs and outputs may be tensors, tuples, lists, dicts, `None` and Python constants,
+nested (and any type registered with `torch.utils._pytree`). What crosses a boundary is
+described by a `Boundary`: the tree's structure and, per leaf, a `TensorSpec` or the constant
+itself. Only the tensor leaves travel (the program's message is the list of them, in leaf
+order); the receiver rebuilds the value from its own copy of the structure and constants, which
+every rank learns alike (runtime/boundaries/signatures.py). Floating tensors that require a
+gradient carry one back; other tensors (masks, position ids, detached floats) do not.
 
 A value is passed to a stage as positional arguments when it is a tuple or a list, as one
 argument otherwise (a tensor, a dict, a dataclass).

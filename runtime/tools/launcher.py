@@ -1,16 +1,16 @@
 """What `pipecc run` does: spawn P ranks, run steps, time them, check, profile.
 
-The model file's contract is in runtime/model_file.py. With `build_stage` each rank builds
+The model file's contract is in runtime/tools/model_file.py. With `build_stage` each rank builds
 only the stages of its chunks (stage s of either pipe is model stage s) and the boundaries
 of a new shape signature are found along the pipeline, each stage by a rank holding it
-(runtime/partition.py); with `build_stages` every rank builds the whole model, keeps its
+(runtime/tools/split_model.py); with `build_stages` every rank builds the whole model, keeps its
 own stages, declares shared the parameters that are one object in two stages (tied
 weights) and infers the boundaries locally from the whole model. A model file's
 `boundaries(example_inputs)` replaces either inference. Nothing is exchanged point to point
 outside the program. Each step: zero the gradients, make the batch
 with `seed` = step index (warm-up steps first), barrier, `step`, barrier; the time between
 the barriers on rank 0 is the step time. Weights stay fixed (no optimizer), so the check
-compares every step with the single-process reference (runtime/checking.py).
+compares every step with the single-process reference (runtime/tools/checking.py).
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ import torch.distributed as dist
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
+from ..boundaries.discovery import pipeline_boundaries
+from ..boundaries.specs import infer_boundaries
+from ..boundaries.trees import boundary_of, split_tree
+from ..comm.shared import shared_parameters, shared_stages
+from ..config import RuntimeConfig
+from ..pipeline import PipelineRuntime
+from ..profiling.recorder import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
 from .checking import check_run
-from .config import RuntimeConfig
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
-from .partition import pipeline_boundaries
-from .pipeline import PipelineRuntime
-from .profile import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
 from .reference import Options, ParamKey, default_tolerance
-from .shared import shared_parameters, shared_stages
 from .spawn import spawn
-from .specs import infer_boundaries
-from .trees import boundary_of, split_tree
 
 __all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "run_job"]
 
@@ -81,7 +81,7 @@ class RunReport:
     worst_params: list[dict[str, Any]] = field(default_factory=list)  # with --check
     cost_file: str | None = None
     # with --profile, two or more timed steps: the largest spread of a (stage, op)
-    # (runtime/profile.py), where it is ("stage 1 W"), and the bound it is held to
+    # (runtime/profiling/recorder.py), where it is ("stage 1 W"), and the bound it is held to
     profile_spread: float | None = None
     profile_spread_at: str | None = None
     profile_spread_bound: float | None = None
@@ -229,7 +229,7 @@ def _my_grads(
 
 
 def _check(job: RunJob, model: ModelFile, results: list[dict[str, Any]], backend: str) -> Any:
-    """The reference of every step against every rank's gradients (runtime/checking.py)."""
+    """The reference of every step against every rank's gradients (runtime/tools/checking.py)."""
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     options = Options(
         seed=job.seed, derive_rng=job.derive_rng, autocast=_autocast(job, model),

@@ -17,7 +17,7 @@ from pipecc.ir.keys import Message
 from pipecc.ir.ops import Recv, Send
 from pipecc.ir.printer import message
 
-from .comm import Posted
+from ..comm.channel import Posted
 from .split_backward import WeightGrad
 
 Tensors = tuple[torch.Tensor, ...]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from pipecc.diagnostics import PipeccError, RankError, SetupError
 
-from .setup import gather_texts
+from ..comm.agreement import gather_texts
 from .specs import normalise_boundaries, synthetic
 from .trees import Boundary, flatten
 

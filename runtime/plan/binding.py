@@ -3,8 +3,9 @@ checks of the first step.
 
 Every check that can fail differently on different ranks (a module missing on one rank, a
 stage whose output does not match the next stage's input) runs on the first step, and the
-findings of all ranks are gathered with one collective before any point-to-point op, so every
-rank raises the same `SetupError` instead of some ranks hanging on a peer that gave up.
+findings of all ranks are gathered with one collective before any point-to-point op
+(runtime/comm/agreement.py), so every rank raises the same `SetupError` instead of some ranks
+hanging on a peer that gave up.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from pipecc.diagnostics import InputError, SetupError
+from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Msg, Recv
 from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Backend, Program
 
-from .specs import Boundaries, Specs, stage_output
-from .trees import split_tree
+from ..boundaries.specs import Boundaries, Specs, stage_output
+from ..boundaries.trees import split_tree
 
 
 @dataclass(frozen=True)
@@ -170,40 +170,6 @@ def _shape_problems(
                 f"{slot.stage + 1} takes {wanted.describe()}"
             )
     return found
-
-
-def agree(
-    found: list[str], group: dist.ProcessGroup | None, world: int, device: torch.device
-) -> None:
-    """Gather every rank's findings; raise the same SetupError on every rank if any.
-
-    `found[i]` lines already name their rank."""
-    texts = gather_texts("\n".join(found), group, world, device)
-    lines = [line for text in texts for line in text.splitlines()]
-    if lines:
-        raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
-
-
-def gather_texts(
-    text: str, group: dist.ProcessGroup | None, world: int, device: torch.device
-) -> list[str]:
-    """Every rank's `text`, in rank order (called by every rank of `group` alike).
-
-    Text travels as UTF-8 bytes in two `all_gather`s (sizes, then padded bytes; the second
-    only when some text is not empty): `all_gather_object` would need numpy."""
-    data = text.encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    if longest == 0:
-        return ["" for _ in range(world)]
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    mine = mine.to(device)
-    texts = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(texts, mine, group=group)
-    return [bytes(t[: int(n.item())].tolist()).decode() for t, n in zip(texts, sizes, strict=True)]
 
 
 def split_batch(

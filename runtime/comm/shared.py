@@ -44,14 +44,14 @@ from pipecc.ir.ops import Collective, CollectiveKind
 from pipecc.ir.placement import Placement
 from pipecc.ir.program import Program
 
-from .comm import Channel
+from ..comm.channel import Channel
 
 ParamKey: TypeAlias = tuple[int, str]  # (stage, parameter name in that stage's module)
 Bucket: TypeAlias = tuple[tuple[int, ...], torch.dtype]  # (the holders, the gradients' dtype)
 
 
 class ParamGrads:
-    """Where a parameter's gradient lives: `.grad` (`runtime/precision.py` has the fp32
+    """Where a parameter's gradient lives: `.grad` (`runtime/engine/precision.py` has the fp32
     accumulator, with the same three methods)."""
 
     def get(self, param: torch.nn.Parameter) -> torch.Tensor | None:

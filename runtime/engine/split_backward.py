@@ -4,7 +4,7 @@ Two methods. For a chunk whose forward ran inside `weight_contract.capturing(mod
 modules with a weight-gradient contract (`nn.Linear`, or any class registered), `I` is one
 ordinary engine call over the whole graph in which each contracted call defers its input
 and output gradient to `W`, and `W` computes those weights' gradients directly
-(runtime/weight_contract.py): no graph walk, no hooks on the graph, no second engine call,
+(runtime/engine/weight_contract.py): no graph walk, no hooks on the graph, no second engine call,
 and the graph is freed after `I`. Parameters outside contracted calls get their gradients
 in `I`. Every other chunk uses the general method below.
 

@@ -1,9 +1,9 @@
 """Profiling as an interpreter subclass: the same dispatch, every instruction timed.
 
-`ProfilingInterpreter` wraps the parts of a plain `Interpreter` and records into a
-`Recorder` (runtime/profile.py) the wall time of each compute op (on CUDA between two device
-synchronisations), the host time of each send or receive, when each group of posts went out
-and what it carried, and when each wait started, was released and ended.
+`ProfilingInterpreter` wraps the parts of a plain `Interpreter` and records into a `Recorder`
+(runtime/profiling/recorder.py) the wall time of each compute op (on CUDA between two device
+synchronisations), the host time of each send or receive, when each group of posts went out and
+what it carried, and when each wait started, was released and ended.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from pipecc.ir.keys import carried
 from pipecc.ir.ops import Collective, Compute, Fused, Kind, Recv, Send, Sequential, Wait
 
-from .context import StepContext
-from .interpreter import Interpreter
-from .profile import Recorder
+from ..engine.context import StepContext
+from ..engine.interpreter import Interpreter
+from .recorder import Recorder
 
 
 class ProfilingInterpreter(Interpreter):

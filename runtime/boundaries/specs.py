@@ -3,8 +3,8 @@
 The runtime allocates every receive buffer from a `TensorSpec` before it posts the receive,
 so the boundaries of a step's shapes must be known before the step runs. They are never sent
 point to point outside the program (DESIGN §5): the ranks learn a step's input shapes with
-one small collective (runtime/signatures.py) and each computes the boundaries locally, from
-the whole model (`infer_boundaries`) or from specs the user gives.
+one small collective (runtime/boundaries/signatures.py) and each computes the boundaries
+locally, from the whole model (`infer_boundaries`) or from specs the user gives.
 
 Boundaries are keyed by stage index in pipe 0's numbering (the `stage` of the program): entry
 s is the input of stage s. Two pipes over the same stages (DualPipe) share the keys, since

@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError
 
-from .config import mse_loss
+from ..config import mse_loss
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,4 +1,4 @@
-"""The program's sends, receives and waits on this rank, over a `Channel` (runtime/comm.py).
+"""The program's sends, receives and waits on this rank, over a `Channel` (runtime/comm/channel.py).
 
 A send takes its message's tensors out of the mailbox; a receive allocates its buffers from
 the boundary specs. Both are queued until their group ends, then posted together
@@ -17,10 +17,10 @@ from pipecc.ir.keys import carried
 from pipecc.ir.ops import Msg, Recv, Send, Wait
 from pipecc.ir.printer import describe
 
-from .comm import Channel, OpTimeout
+from ..boundaries.specs import Specs
+from ..comm.channel import Channel, OpTimeout
+from .compute import take
 from .context import Pending, StepContext
-from .specs import Specs
-from .stage import take
 
 
 class Transfers:
@@ -40,7 +40,8 @@ class Transfers:
 
     def post(self, ctx: StepContext, index: int, instr: Send | Recv, commit: bool) -> None:
         """Queue a send or receive; at the end of its group, post the group. The first
-        post of a step first completes the step's shape gather (runtime/signatures.py)."""
+        post of a step first completes the step's shape gather
+        (runtime/boundaries/signatures.py)."""
         ctx.settle()
         if type(instr) is Send:
             tensors = take(ctx, carried(instr))

@@ -31,9 +31,9 @@ import torch
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import Compute, Fused, Kind
 
+from ..boundaries.trees import unwrap
+from .compute import StageOps
 from .context import Saved, StepContext, Tensors
-from .stage import StageOps
-from .trees import unwrap
 
 HOOK = "overlapped_forward_backward"
 Hook = Callable[..., tuple[Any, Any]]

@@ -1,20 +1,21 @@
 """The interpreter: walks this rank's instruction list and dispatches each instruction.
 
-One loop walks the plan (runtime/plan.py) in order and hands each instruction to the part
-that executes it: a compute op to `StageOps` (F, B, I, W; runtime/stage.py), a fused op to
-`FusedOps` (runtime/fused.py), a sequential one (torch's OVERLAP_F_B) part by part, a send or
-receive and a wait to `Transfers` (runtime/transfers.py), torch's per-stage actions to
-runtime/stage_ops.py, a collective (the gradient sum of shared parameters) to `GradientSums`
-(runtime/shared.py). It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe differ
-only in their programs. An exception inside an instruction (the user's module or loss, or a
-bug) becomes an `InstructionError`: a `RankError` whose one-line message names the rank, the
-step, the instruction index and the instruction, raised from the exception, which keeps its
-full traceback (`details()`; `pipecc run` prints it under the line). A pipecc error raised
-there (a stage output that does not match the next stage's input, a loss that is not a
-scalar) keeps its kind and gets the same prefix, and no traceback: it is one message.
+One loop walks the plan (runtime/plan/plan.py) in order and hands each instruction to the part
+that executes it: a compute op to `StageOps` (F, B, I, W; runtime/engine/compute.py), a fused
+op to `FusedOps` (runtime/engine/fused.py), a sequential one (torch's OVERLAP_F_B) part by
+part, a send or receive and a wait to `Transfers` (runtime/engine/transfers.py), torch's
+per-stage actions to runtime/engine/stage_actions.py, a collective (the gradient sum of shared
+parameters) to `GradientSums` (runtime/comm/shared.py). It contains no schedule-specific
+code: 1F1B, ZB-H1 and DualPipe differ only in their programs. An exception inside an
+instruction (the user's module or loss, or a bug) becomes an `InstructionError`: a `RankError`
+whose one-line message names the rank, the step, the instruction index and the instruction,
+raised from the exception, which keeps its full traceback (`details()`; `pipecc run` prints it
+under the line). A pipecc error raised there (a stage output that does not match the next
+stage's input, a loss that is not a scalar) keeps its kind and gets the same prefix, and no
+traceback: it is one message.
 
-Subclasses change what happens around an instruction by overriding `compute`, `post`,
-`wait` and `collective`: `ProfilingInterpreter` (runtime/profiling.py) times them.
+Subclasses change what happens around an instruction by overriding `compute`, `post`, `wait`
+and `collective`: `ProfilingInterpreter` (runtime/profiling/profiler.py) times them.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from pipecc.diagnostics import PipeccError, RankError
 from pipecc.ir.ops import Collective, Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
 from pipecc.ir.printer import describe
 
+from ..comm.shared import GradientSums
+from ..plan.plan import Plan
+from .compute import StageOps
 from .context import StepContext
 from .fused import FusedOps
-from .plan import Plan
-from .shared import GradientSums
-from .stage import StageOps
-from .stage_ops import run_stage_op
+from .stage_actions import run_stage_op
 from .transfers import Transfers
 
 
@@ -109,7 +110,8 @@ class Interpreter:
         self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
 
     def collective(self, instr: Collective) -> None:
-        """The program's gradient sum over the holders of a parameter (runtime/shared.py)."""
+        """The program's gradient sum over the holders of a parameter
+        (runtime/comm/shared.py)."""
         assert self.sums is not None  # bound with the runtime's sums whenever a plan runs
         self.sums.run(instr)
 

@@ -3,7 +3,7 @@
 The whole model (all stages in pipe-0 order) runs every microbatch forward and backward in
 microbatch order, stage by stage, each loss scaled by 1/M, so `.grad` holds the mean over
 microbatches, as a pipelined step leaves it. Each stage's forward on each microbatch runs
-under the RNG state the runtime derives for it (runtime/rng.py), under the same autocast, on
+under the RNG state the runtime derives for it (runtime/engine/rng.py), under the same autocast, on
 the ranks' device type, so dropout masks and dtypes are the ones of the pipelined run.
 Floating-point sums then differ from the pipeline's only in the order microbatches are
 accumulated (and in the thread count, which the caller sets to the ranks').
@@ -17,11 +17,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .precision import Fp32Grads
-from .rng import ForwardRng
-from .shared import distinct_parameters
-from .specs import autocast_context
-from .trees import call, split_tree, unwrap
+from ..boundaries.specs import autocast_context
+from ..boundaries.trees import call, split_tree, unwrap
+from ..comm.shared import distinct_parameters
+from ..engine.precision import Fp32Grads
+from ..engine.rng import ForwardRng
 
 ParamKey = tuple[int, str]  # (stage, parameter name)
 

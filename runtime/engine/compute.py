@@ -6,11 +6,11 @@ elsewhere, rebuilt into the stage's pytree), leaves the tensors of its outputs f
 stage and what its backward needs; a backward takes the output gradients from the mailbox
 (ones of the scaled loss on a last stage) and leaves the input gradients for the previous
 stage. Stage inputs are detached leaves, so each (chunk, microbatch) has its own autograd
-graph from its input to its output. Only tensors that carry a gradient (runtime/trees.py)
+graph from its input to its output. Only tensors that carry a gradient (runtime/boundaries/trees.py)
 get one: the boundary of the stage says which, on both sides alike.
 
 Each forward runs under the RNG state derived for its (step, stage, microbatch)
-(runtime/rng.py) and, when configured, under `torch.autocast`.
+(runtime/engine/rng.py) and, when configured, under `torch.autocast`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from pipecc.ir.keys import Message, consumed, produced
 from pipecc.ir.ops import Compute, Kind
 from pipecc.ir.printer import describe, message
 
-from .config import LossFn
+from ..boundaries.specs import autocast_context
+from ..boundaries.trees import Boundary, call, flatten, unwrap
+from ..config import LossFn
+from ..plan.binding import Chunk
 from .context import Saved, StepContext, Tensors
 from .precision import Fp32Grads
 from .rng import ForwardRng
-from .setup import Chunk
-from .specs import autocast_context
 from .split_backward import full_backward, input_backward
-from .trees import Boundary, call, flatten, unwrap
 from .weight_contract import capturing
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .shared import ParamGrads
+from ..comm.shared import ParamGrads
 
 LOW = (torch.bfloat16, torch.float16)
 

@@ -1,0 +1,1 @@
+"""What crosses a stage boundary: pytrees, shapes, signatures and their discovery."""

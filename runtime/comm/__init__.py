@@ -1,0 +1,1 @@
+"""Exchanges among ranks: point-to-point transport, agreement, shared-parameter sums, norms."""

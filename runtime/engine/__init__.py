@@ -1,0 +1,1 @@
+"""The engine: the interpreter's loop and the primitives it dispatches to."""

@@ -1,0 +1,1 @@
+"""Profiling: the interpreter that times every instruction, and the cost file it writes."""
