@@ -25,11 +25,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
-import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from pipecc.diagnostics import InputError
 
+from ..compat import pytree
 from .trees import Boundary, TensorSpec, boundary_of, flatten
 
 __all__ = ["Boundaries", "Boundary", "Specs", "TensorSpec", "infer_boundaries"]
