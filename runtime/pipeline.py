@@ -29,7 +29,7 @@ from .boundaries.specs import Boundary, Specs
 from .comm import agreement, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
-from .engine.bound import Binder, Signature, methods
+from .engine.bound import Binder, Signature, methods, unalias
 from .engine.compute import StageOps
 from .engine.context import StepContext
 from .engine.fused import FusedOps
@@ -87,6 +87,7 @@ class PipelineRuntime:
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
         self._signatures: dict[int, Signature] = {}  # the bound plans of each signature seen
         self.current = Current()  # the bound plans in use
+        self._storages: frozenset[int] = frozenset()  # where their receive buffers are
         if self._problem is None:
             self._bind()
 
@@ -96,7 +97,7 @@ class PipelineRuntime:
         self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
         self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
         self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
-        params = shared.distinct(self.groups)
+        params = self._params = shared.distinct(self.groups)
         self.grads = Fp32Grads(params) if config.fp32_grads else shared.ParamGrads()
         self.to_sum = shared.to_sum(self.groups, self.grads)
         self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
@@ -138,6 +139,7 @@ class PipelineRuntime:
         with self.rng.step_scope():
             interpreter.run(self.current, ctx)
         ctx.settle()
+        unalias(self._params, self._storages)
         self._finish(ctx)
         if self.config.sync_duplicated and self.to_sum and self.sums.outside:
             start = time.perf_counter()  # a program without its sums: after it (shared.py)
@@ -256,6 +258,7 @@ class PipelineRuntime:
             self._signatures[key] = self.binder.bind(plans, boundaries, specs)
         bound = self._signatures[key]
         self.current.train, self.current.forward = bound.train, bound.forward
+        self._storages = bound.storages
         self.interpreter.stage.boundaries = boundaries
         self.interpreter.transfers.specs = self._recv_specs[key]
 

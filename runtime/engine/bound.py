@@ -25,12 +25,15 @@ decide at each step is resolved there, once:
   mailbox empty, `StepContext.leftovers`), so no consumer of the previous step can still
   read it. On CUDA the next receive is queued on NCCL's stream after the current stream,
   on which (or after whose side stream) the consumers ran; on gloo the wait completes the
-  copy on the host.
+  copy on the host. One reader can outlive the step: a parameter whose gradient autograd
+  took as it came (a view of a received output gradient, when the stage adds a reshaped
+  parameter to its output) would hold a receive buffer as its `.grad`; `unalias` gives such
+  a gradient storage of its own at the end of every step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -87,13 +90,24 @@ def methods(chunks: Mapping[int, Chunk], split: frozenset[int]) -> dict[int, Cap
 
 
 class Signature:
-    """The bound plans of one signature: training, and forward only (evaluation)."""
+    """The bound plans of one signature: training, and forward only (evaluation), and
+    where their receive buffers are (the `data_ptr` of each one's storage)."""
 
-    __slots__ = ("forward", "train")
+    __slots__ = ("forward", "storages", "train")
 
-    def __init__(self, train: Bound, forward: Bound) -> None:
+    def __init__(self, train: Bound, forward: Bound, storages: frozenset[int]) -> None:
         self.train = train
         self.forward = forward
+        self.storages = storages
+
+
+def unalias(params: Sequence[torch.Tensor], storages: frozenset[int]) -> None:
+    """Give each gradient that lives in a receive buffer a storage of its own (the buffer
+    is received into again at the next step)."""
+    for param in params:
+        grad = param.grad
+        if grad is not None and grad.untyped_storage().data_ptr() in storages:
+            param.grad = grad.clone()
 
 
 class Binder:
@@ -123,7 +137,10 @@ class Binder:
         self.count += 1
         buffers: dict[int, Tensors] = {}
         train, forward = (self._bind(plan, boundaries, specs, buffers) for plan in plans)
-        return Signature(train, forward)
+        storages = frozenset(
+            t.untyped_storage().data_ptr() for tensors in buffers.values() for t in tensors
+        )
+        return Signature(train, forward, storages)
 
     def _bind(
         self,

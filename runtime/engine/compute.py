@@ -83,6 +83,8 @@ class StageOps:
             outputs = self.loss(ctx, op.mb, output) if chunk.last else None
         if outputs is None:
             outputs = self.hand_on(ctx, op, output)
+        elif not ctx.training and not chunk.first and op.mb in ctx.outputs:
+            ctx.outputs[op.mb] = _own(ctx.outputs[op.mb], value)
         if ctx.training:
             ctx.saved[op.key] = Saved(inputs, outputs)
 
@@ -228,6 +230,19 @@ def _carries(boundary: Boundary | None, tensors: Tensors) -> tuple[bool, ...]:
     if boundary is not None and len(boundary.tensors) == len(tensors):
         return tuple(spec.carries_grad for spec in boundary.tensors)
     return tuple(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors)
+
+
+def _own(output: object, given: object) -> object:
+    """An evaluation output with every tensor that shares storage with the stage's input
+    (a receive buffer, received into again at the next step) copied."""
+    inputs = [t for t in pytree.tree_leaves(given) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        shared = tensor.untyped_storage().data_ptr() in storages
+        return tensor.clone() if shared else tensor
+
+    return pytree.tree_map_only(torch.Tensor, own, output)
 
 
 def pulled(
