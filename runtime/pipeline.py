@@ -25,7 +25,7 @@ from pipecc.ir.program import Program
 
 from .boundaries import discovery
 from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
-from .boundaries.signatures import BoundaryFn, Signature, Signatures, signature_of
+from .boundaries.signatures import BoundaryFn, Signature, Signatures
 from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
 from .comm import agreement, shared, training
 from .comm.channel import Channel, uses_nccl
@@ -77,7 +77,7 @@ class PipelineRuntime:
         nccl = uses_nccl(self.group, self.device)
         limit = None if nccl else config.timeout
         self.declared = _declared(boundaries)  # checked against the discovered ones
-        self.signatures = Signatures()
+        self.signatures = Signatures(program.num_microbatches)
         self._limit = limit  # seconds the discovery's agreement waits for a rank (gloo)
         self._problem = binding.world_problem(
             program, world, self.rank_map, dist.get_rank()
@@ -223,7 +223,7 @@ class PipelineRuntime:
             found.append(NO_INPUTS)
             return None
         try:
-            signature = signature_of(inputs, self.program.num_microbatches)
+            signature = self.signatures.of(inputs)
         except InputError as err:
             found.append(err.message)
             return None

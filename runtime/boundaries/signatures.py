@@ -16,10 +16,13 @@ Its boundaries are cached by signature: a signature seen before is switched to l
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
-from .trees import Boundary, microbatch_boundary
+import torch
+import torch.utils._pytree as pytree
+
+from .trees import CONSTANTS, Boundary, microbatch_boundary
 
 BoundaryFn = Callable[[Any], Mapping[int, object]]
 
@@ -45,12 +48,29 @@ def code_of(boundary: Boundary) -> int:
     return (int.from_bytes(digest, "little") >> 1) or 1
 
 
+REMEMBERED = 64  # input layouts whose signature is remembered (a step's costs a lookup)
+
+
 class Signatures:
     """The boundaries of every signature this runtime has discovered, and the current one."""
 
-    def __init__(self) -> None:
+    def __init__(self, microbatches: int) -> None:
+        self.microbatches = microbatches
         self.cache: dict[int, dict[int, Boundary]] = {}
         self.current = 0  # 0: none yet (before the first step)
+        self.seen: dict[Hashable, Signature] = {}
+
+    def of(self, inputs: object) -> Signature:
+        """`signature_of(inputs)`, remembered by the layout of the inputs' leaves (a tensor's
+        shape, dtype and requires_grad; a constant's value), so that a step of a layout seen
+        before costs a flatten and a dict lookup, not a text and a hash."""
+        key = _layout(inputs)
+        found = self.seen.get(key)
+        if found is None:
+            found = signature_of(inputs, self.microbatches)  # an InputError is not kept
+            if len(self.seen) < REMEMBERED:
+                self.seen[key] = found
+        return found
 
     def known(self, signature: Signature) -> bool:
         return signature.code in self.cache
@@ -58,3 +78,18 @@ class Signatures:
     def learn(self, code: int, boundaries: dict[int, Boundary]) -> None:
         self.cache[code] = boundaries
         self.current = code
+
+
+def _layout(value: object) -> Hashable:
+    if type(value) is torch.Tensor:  # the common case, without a pytree flatten
+        return (value.shape, value.dtype, value.requires_grad)
+    leaves, tree = pytree.tree_flatten(value)
+    return (tree, tuple(_leaf(leaf) for leaf in leaves))
+
+
+def _leaf(leaf: object) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (type(leaf), leaf.shape, leaf.dtype, leaf.requires_grad)
+    if isinstance(leaf, CONSTANTS):
+        return (type(leaf), leaf)
+    return ("other", id(leaf))  # refused by signature_of: never remembered

@@ -144,24 +144,30 @@ def declared_problems(
     program: Program, rank: int, declared: Boundaries, found: Boundaries
 ) -> list[str]:
     """Where boundaries the user declared differ from those the real run found: each
-    reported by the rank holding the stage in pipe 0 that produced it (stage 0's input,
-    the step's inputs, by the holder of stage 0)."""
+    reported by the rank holding, in pipe 0, the stage that produced it (stage 0's input,
+    the step's inputs, by the holder of stage 0). The model's output, which no stage
+    receives, is not compared."""
     problems = []
-    for slot in program.placement.chunks(rank):
-        given, got = found.get(slot.stage), found.get(slot.stage + 1)
-        wanted = declared.get(slot.stage + 1)
-        if slot.pipe != 0 or given is None or got is None or wanted is None:
+    placement = program.placement
+    for slot in placement.chunks(rank):
+        if slot.pipe != 0:
+            continue
+        given, wanted = found.get(slot.stage), declared.get(slot.stage)
+        if slot.stage == 0 and given is not None and wanted is not None:
+            if not wanted.same_as(given, grads=False):
+                problems.append(
+                    f"the step's inputs are {given.describe()} per microbatch, but the "
+                    f"boundaries were given for {wanted.describe()}"
+                )
+        got, wanted = found.get(slot.stage + 1), declared.get(slot.stage + 1)
+        last = placement.is_last_stage(slot.pipe, slot.stage)
+        if last or given is None or got is None or wanted is None:
             continue
         if not got.same_as(wanted, grads=False):
             problems.append(
                 f"chunk {slot.chunk} (stage {slot.stage} of pipe {slot.pipe}) returns "
                 f"{got.describe()} for input {given.describe()}, but stage "
                 f"{slot.stage + 1} takes {wanted.describe()}"
-            )
-        if slot.stage == 0 and 0 in declared and not declared[0].same_as(given, grads=False):
-            problems.append(
-                f"the step's inputs are {given.describe()} per microbatch, but the boundaries "
-                f"were given for {declared[0].describe()}"
             )
     return problems
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from pipecc.runtime import TensorSpec, infer_boundaries, shared_parameters
-from pipecc.runtime.boundaries.signatures import signature_of
+from pipecc.runtime.boundaries.signatures import Signatures, signature_of
 from pipecc.runtime.boundaries.specs import normalise_boundaries, run_stage
 from pipecc.runtime.boundaries.trees import (
     Boundary,
@@ -240,3 +240,20 @@ def test_shared_parameters_are_found_by_identity() -> None:
     stages = [nn.Sequential(embed), nn.Linear(3, 3), nn.Sequential(head)]
     assert shared_parameters(stages) == (((0, "0.weight"), (2, "0.weight")),)
     assert shared_parameters([nn.Linear(2, 2), nn.Linear(2, 2)]) == ()
+
+
+def test_a_remembered_signature_is_the_computed_one() -> None:
+    """`Signatures.of` remembers a layout's signature: the same as computing it, another
+    for other shapes, dtypes or constants, and an unusable batch is refused every time."""
+    signatures = Signatures(2)
+    values = [
+        torch.zeros(4, 3), torch.zeros(4, 5), torch.zeros(4, 3, dtype=I64),
+        {"x": torch.zeros(4, 3), "k": 1}, {"x": torch.zeros(4, 3), "k": 2},
+    ]  # fmt: skip
+    for _ in range(2):
+        for value in values:
+            assert signatures.of(value) == signature_of(value, 2)
+    assert len({signatures.of(v).code for v in values}) == len(values)
+    for _ in range(2):
+        with pytest.raises(InputError, match="3 rows cannot be split into 2"):
+            signatures.of(torch.zeros(3, 3))
