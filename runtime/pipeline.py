@@ -1,14 +1,17 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
 The runtime binds the program to this rank once (its chunks and their modules, the plans to
-walk, the parameters it shares with other ranks), builds the parts an `Interpreter` dispatches
-to, and for each step: splits the batch, computes the step's input signature from its own
-inputs (runtime/boundaries/signatures.py: host metadata, no exchange), and when the signature
-is new, discovers its boundaries with every rank on real data and checks them together
-before any point-to-point op (runtime/boundaries/discovery.py, runtime/plan/binding.py); then
-runs the plan in a fresh `StepContext` (the gradient sums of parameters held by several ranks
-are instructions of it, runtime/comm/shared.py; a program without them gets them after it).
-A step whose signature is known exchanges nothing outside the program.
+The runtime binds the program to this rank once (its chunks and their modules, the plans to
+walk, each chunk's split-backward method, the parameters it shares with other ranks), builds
+the parts an `Interpreter` dispatches to, and for each step: splits the batch, computes the
+step's input signature from its own inputs (runtime/boundaries/signatures.py: host metadata,
+no exchange), and when the signature is new, discovers its boundaries with every rank on
+real data and checks them together before any point-to-point op
+(runtime/boundaries/discovery.py, runtime/plan/binding.py); its plans are compiled once into
+bound steps (runtime/engine/bound.py: `_use`); then runs the signature's bound plan in a
+fresh `StepContext` (the gradient sums of parameters held by several ranks are instructions
+of it, runtime/comm/shared.py; a program without them gets them after it). A step whose
+signature is known exchanges nothing outside the program.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
 from .comm import agreement, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
+from .engine.bound import Binder, methods, unalias
+from .engine.bound import Signature as BoundPlans
 from .engine.compute import StageOps
 from .engine.context import StepContext
 from .engine.fused import FusedOps
@@ -37,9 +42,10 @@ from .engine.interpreter import InstructionError, Interpreter
 from .engine.precision import Fp32Grads
 from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
+from .engine.steps import Current
 from .engine.transfers import Transfers
 from .plan import binding
-from .plan.plan import build_plan, forward_only
+from .plan.plan import build_plan, forward_only, mailbox
 from .profiling.profiler import ProfilingInterpreter
 from .profiling.recorder import Recorder
 
@@ -87,6 +93,9 @@ class PipelineRuntime:
         self.losses: dict[int, torch.Tensor] = {}
         self.steps = 0  # completed training steps: the step index of the RNG derivation
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
+        self._signatures: dict[int, BoundPlans] = {}  # the bound plans of each signature seen
+        self.current = Current()  # the bound plans in use
+        self._storages: frozenset[int] = frozenset()  # where their receive buffers are
         if self._problem is None:
             self._bind()
 
@@ -96,22 +105,23 @@ class PipelineRuntime:
         self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
         self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
         self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
-        params = shared.distinct(self.groups)
+        params = self._params = shared.distinct(self.groups)
         self.grads = Fp32Grads(params) if config.fp32_grads else shared.ParamGrads()
         self.to_sum = shared.to_sum(self.groups, self.grads)
         self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
         stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, (self.device, config.autocast))
         stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
-        stage.split = split_chunks(self.program.ranks[rank])
+        captures = methods(self.chunks, split_chunks(self.program.ranks[rank]))
         transfers = Transfers(self.channel, {}, self.device, config.timeout)
         self.sums = shared.GradientSums(
             self.program, rank, self.to_sum, self.grads, device=self.device
         )
         self.sums.enabled = config.sync_duplicated
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
-        self.interpreter = Interpreter(
-            rank, stage, FusedOps(stage, self.device), transfers, self.sums
-        )
+        fused = FusedOps(stage, self.device)
+        self.interpreter = Interpreter(rank, stage, fused, transfers, self.sums)
+        slots = mailbox(self.program.ranks[rank])
+        self.binder = Binder(stage, fused, self.channel, slots, captures)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -135,8 +145,9 @@ class PipelineRuntime:
         if precision is not None:
             precision.begin()
         with self.rng.step_scope():
-            interpreter.run(self.plan, ctx)
+            interpreter.run(self.current, ctx)
         ctx.settle()
+        unalias(self._params, self._storages)
         self._finish(ctx)
         if self.config.sync_duplicated and self.to_sum and self.sums.outside:
             start = time.perf_counter()  # a program without its sums: after it (shared.py)
@@ -155,7 +166,7 @@ class PipelineRuntime:
         with torch.no_grad():
             ctx = self._context(inputs, targets, training=False)
             with self.rng.step_scope():
-                self.interpreter.run(self.forward_plan, ctx)
+                self.interpreter.run(self.current, ctx)
             ctx.settle()
             self._finish(ctx)
         self._loss_of(ctx)
@@ -301,10 +312,17 @@ class PipelineRuntime:
         agreement.agree(named, self.group, self.program.num_ranks, self.device)
 
     def _use(self, boundaries: dict[int, Boundary]) -> None:
-        """Switch the primitives to a signature's boundaries and receive buffers."""
+        """Switch to a signature's plans: bound once, when it is first seen, to its
+        boundaries (stage -> the input of one microbatch) and receive specs."""
         key = self.signatures.current
-        if key not in self._recv_specs:
-            self._recv_specs[key] = binding.recv_specs(self.program, self.rank, boundaries)
+        if key not in self._signatures:
+            specs = binding.recv_specs(self.program, self.rank, boundaries)
+            self._recv_specs[key] = specs
+            plans = (self.plan, self.forward_plan)
+            self._signatures[key] = self.binder.bind(plans, boundaries, specs)
+        bound = self._signatures[key]
+        self.current.train, self.current.forward = bound.train, bound.forward
+        self._storages = bound.storages
         self.interpreter.stage.boundaries = boundaries
         self.interpreter.transfers.specs = self._recv_specs[key]
 

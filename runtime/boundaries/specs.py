@@ -25,11 +25,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import torch
-import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from pipecc.diagnostics import InputError
 
+from ..compat import pytree
 from .trees import Boundary, TensorSpec, flatten
 
 __all__ = ["Boundaries", "Boundary", "Specs", "StageRun", "TensorSpec", "infer_boundaries"]

@@ -18,9 +18,10 @@ import json
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError
+
+from ..compat import pytree
 
 CONSTANTS = (type(None), bool, int, float, str)
 

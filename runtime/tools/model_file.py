@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError
 
+from ..compat import pytree
 from ..config import mse_loss
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
