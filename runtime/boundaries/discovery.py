@@ -40,7 +40,7 @@ from pipecc.ir.program import Program
 from ..comm.agreement import ExchangeTimeout, gather_texts
 from ..config import RuntimeConfig
 from .signatures import Signature, code_of
-from .specs import StageRun, as_received, run_stage
+from .specs import OutputNotTree, StageRun, as_received, run_stage
 from .trees import Boundary
 
 __all__ = ["pipeline_boundaries"]
@@ -194,7 +194,7 @@ def _reply(run: StageRun | Exception | None, stage: int, forward: Forward, *, la
         return ""
     if isinstance(run, StageRun):
         return json.dumps({"boundary": run.boundary.text()})
-    if last and isinstance(run, InputError) and "a stage's output" in run.message:
+    if last and isinstance(run, OutputNotTree):
         return json.dumps({"end": True})
     text = run.message if isinstance(run, InputError) else f"{type(run).__name__}: {run}"
     return json.dumps(

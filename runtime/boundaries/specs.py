@@ -67,6 +67,11 @@ def _slots(leaves: tuple[TensorSpec, ...]) -> tuple[int, ...]:
     return tuple(range(len(leaves)))  # a tuple with one leaf per spec
 
 
+class OutputNotTree(InputError):
+    """A stage returned something that is not a pytree of tensors and constants: valid only
+    for the last stage, whose output only `loss_fn` reads."""
+
+
 class StageRun(NamedTuple):
     """A stage run once for its boundary: its output's tensors (detached) and boundary."""
 
@@ -87,14 +92,17 @@ def run_stage(
     (`functional_call`), the random generators of the CPU and `device` are restored (seeded
     with `seed` for the call when given, as the real forward is), and the autograd graph is
     dropped; which outputs require a gradient is observed before that (under autocast when
-    given). An output that is no pytree of tensors and constants is an InputError."""
+    given). An output that is no pytree of tensors and constants is an `OutputNotTree`."""
     buffers = {name: b.clone() for name, b in module.named_buffers()}
     with _fork_rng(device):
         if seed is not None:
             _seed(device, seed)
         with autocast_context(device, autocast), torch.enable_grad():
             outputs = functional_call(module, buffers, _args(value), strict=False)
-    tensors, boundary = flatten(outputs, "a stage's output")
+    try:
+        tensors, boundary = flatten(outputs, "a stage's output")
+    except InputError as err:
+        raise OutputNotTree(err.message) from err
     return StageRun(tuple(t.detach() for t in tensors), boundary)
 
 
@@ -130,7 +138,7 @@ def infer_boundaries(
         where = device or _device_of(stage)
         try:
             run = run_stage(stage, _moved(value, where), where, autocast=autocast)
-        except InputError:
+        except OutputNotTree:
             if index == len(stages) - 1:  # the model's output, which no stage receives
                 break
             raise
