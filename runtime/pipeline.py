@@ -1,41 +1,46 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
 The runtime binds the program to this rank once (its chunks and their modules, the plans to
+The runtime binds the program to this rank once (its chunks and their modules, the plans to
 walk, each chunk's split-backward method, the parameters it shares with other ranks), builds
-the parts an `Interpreter` dispatches to, and for each step: splits the batch, learns the
-step's shapes with the other ranks (runtime/boundaries/signatures.py; a new signature is
-checked on every rank together, before any point-to-point op, runtime/plan/binding.py, and
-its plans are compiled once into bound steps, runtime/engine/bound.py: `_use`), runs the
-signature's bound plan in a fresh `StepContext` (the gradient sums of parameters held by
-several ranks are instructions of it, runtime/comm/shared.py; a program without them gets
-them after it).
+the parts an `Interpreter` dispatches to, and for each step: splits the batch, computes the
+step's input signature from its own inputs (runtime/boundaries/signatures.py: host metadata,
+no exchange), and when the signature is new, discovers its boundaries with every rank on
+real data and checks them together before any point-to-point op
+(runtime/boundaries/discovery.py, runtime/plan/binding.py); its plans are compiled once into
+bound steps (runtime/engine/bound.py: `_use`); then runs the signature's bound plan in a
+fresh `StepContext` (the gradient sums of parameters held by several ranks are instructions
+of it, runtime/comm/shared.py; a program without them gets them after it). A step whose
+signature is known exchanges nothing outside the program.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import ProgramError, SetupError
+from pipecc.diagnostics import InputError, PipeccError, ProgramError, SetupError
 from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
-from .boundaries.signatures import BoundaryFn, BoundaryFnError, Gather, Seen, Signatures
-from .boundaries.specs import Boundary, Specs
+from .boundaries import discovery
+from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
+from .boundaries.signatures import BoundaryFn, Signature, Signatures
+from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
 from .comm import agreement, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
-from .engine.bound import Binder, Signature, methods, unalias
+from .engine.bound import Binder, methods, unalias
+from .engine.bound import Signature as BoundPlans
 from .engine.compute import StageOps
 from .engine.context import StepContext
 from .engine.fused import FusedOps
-from .engine.interpreter import Interpreter
+from .engine.interpreter import InstructionError, Interpreter
 from .engine.precision import Fp32Grads
-from .engine.rng import ForwardRng
+from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
 from .engine.steps import Current
 from .engine.transfers import Transfers
@@ -48,17 +53,18 @@ from .profiling.recorder import Recorder
 class PipelineRuntime:
     """Executes one rank's part of a compiled program, one step at a time.
 
-    `modules[chunk]` is this rank's stage module for each chunk of the placement;
-    `boundaries`: the input of each stage s for one microbatch, `{s: specs}` (fixed shapes),
-    or a function of a sample microbatch of stage 0's input returning them (shapes learned
-    per step), e.g. `lambda sample: infer_boundaries(stages, sample)`.
+    `modules[chunk]` is this rank's stage module for each chunk of the placement. The
+    boundaries of each input signature are discovered on real data along the pipeline.
+    `boundaries` (optional) declares them: `{s: specs}`, or a function of a sample
+    microbatch of stage 0's input returning them; a declared boundary that the real run
+    contradicts stops every rank (with `check_shapes`).
     """
 
     def __init__(
         self,
         program: Program,
         modules: Mapping[int, torch.nn.Module] | Sequence[torch.nn.Module],
-        boundaries: Mapping[int, object] | BoundaryFn,
+        boundaries: Mapping[int, object] | BoundaryFn | None = None,
         *,
         loss_fn: LossFn = mse_loss,
         config: RuntimeConfig | None = None,
@@ -76,7 +82,9 @@ class PipelineRuntime:
         self.device = config.device or _device_of(self.modules)
         nccl = uses_nccl(self.group, self.device)
         limit = None if nccl else config.timeout
-        self.signatures = Signatures(boundaries, self.group, world, self.device, limit)
+        self.declared = _declared(boundaries)  # checked against the discovered ones
+        self.signatures = Signatures(program.num_microbatches)
+        self._limit = limit  # seconds the discovery's agreement waits for a rank (gloo)
         self._problem = binding.world_problem(
             program, world, self.rank_map, dist.get_rank()
         ) or binding.backend_problem(program, nccl=nccl)
@@ -85,7 +93,7 @@ class PipelineRuntime:
         self.losses: dict[int, torch.Tensor] = {}
         self.steps = 0  # completed training steps: the step index of the RNG derivation
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
-        self._signatures: dict[int, Signature] = {}  # the bound plans of each signature seen
+        self._signatures: dict[int, BoundPlans] = {}  # the bound plans of each signature seen
         self.current = Current()  # the bound plans in use
         self._storages: frozenset[int] = frozenset()  # where their receive buffers are
         if self._problem is None:
@@ -164,6 +172,12 @@ class PipelineRuntime:
         self._loss_of(ctx)
         return dict(sorted(ctx.outputs.items()))
 
+    @property
+    def boundaries(self) -> dict[int, Boundary]:
+        """The current signature's boundaries, `{stage: input of one microbatch}` (empty
+        before the first step)."""
+        return dict(self.signatures.cache.get(self.signatures.current, {}))
+
     def parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameters, each object once (a weight used by two of its chunks, a
         tied weight, is listed once): what an optimizer on this rank should step."""
@@ -186,62 +200,112 @@ class PipelineRuntime:
     # ---- the step --------------------------------------------------------------------------
 
     def _context(self, inputs: object, targets: object, *, training: bool) -> StepContext:
-        """Split the batch, learn the step's shapes; a new signature is checked everywhere."""
+        """Split the batch and learn the step's signature; a new one is discovered."""
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
+        signature = self._signature(inputs, found)
         holds_first = any(c.first for c in self.chunks.values())
         holds_last = any(c.last for c in self.chunks.values())
         split_inputs = split_targets = None  # ranks that do not use them copy nothing
-        if holds_first:
+        if holds_first and not found:
             split_inputs = self._split(inputs, "inputs", found, required=True)
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
-        sample = split_inputs[0] if split_inputs else None
-        gather = self.signatures.start(sample, bool(found))
-        scale = 1.0 / self.program.num_microbatches
-        ctx = StepContext(split_inputs, split_targets, scale, training, step=self.steps)
-        settle = functools.partial(self._settle, gather, found)
-        # Known shapes (this rank's inputs have the current signature, or it has none and
-        # a signature is current): compute until the first post while the gather completes.
-        known = self.signatures.current != 0 and gather.code in (0, self.signatures.current)
-        if known:
-            ctx.before_post = settle
+        if signature is not None and signature.code == self.signatures.current:
+            if found:  # a known signature: nothing is exchanged, this rank stops alone
+                raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))
         else:
-            settle()
-        return ctx
+            self._settle(signature, found, split_inputs)
+        scale = 1.0 / self.program.num_microbatches
+        return StepContext(split_inputs, split_targets, scale, training, step=self.steps)
 
-    def _settle(self, gather: Gather, found: list[str]) -> None:
-        """Complete the step's signature gather; check and switch to new boundaries."""
+    def _signature(self, inputs: object, found: list[str]) -> Signature | None:
+        """The step's signature from this rank's inputs (host metadata only); under
+        `static_shapes` a rank without inputs keeps the current one. None: to be learned
+        from the other ranks (first step, static shapes), or unusable (in `found`)."""
+        current = self.signatures.current
         where = f"rank {self.rank}, step {self.steps}"
+        if inputs is None:
+            if self.config.static_shapes:
+                return Signature(current, self.signatures.cache[current][0]) if current else None
+            if current:
+                raise SetupError(f"{where}: {NO_INPUTS}")
+            found.append(NO_INPUTS)
+            return None
         try:
-            seen, boundaries = self.signatures.finish(gather, where)
-        except BoundaryFnError as err:  # every rank reports it (the others are in _agree)
-            self._agree([*found, f"step {self.steps}: {err.message}"])
-            raise
-        if seen is Seen.UNUSABLE:
-            self._agree(found)
-            raise SetupError("the pipeline cannot start: a rank's batch is unusable")
-        if seen is Seen.NEW:
-            self._agree(found or self._problems(boundaries))
-        if seen is not Seen.CURRENT:
-            self._use(boundaries)
+            signature = self.signatures.of(inputs)
+        except InputError as err:
+            found.append(err.message)
+            return None
+        if self.config.static_shapes and current and signature.code != current:
+            raise SetupError(
+                f"{where}: RuntimeConfig(static_shapes=True) declares that the shapes never "
+                f"change, but the step's inputs are {signature.boundary.describe()} per "
+                f"microbatch, not {self.signatures.cache[current][0].describe()}"
+            )
+        return signature
+
+    def _settle(
+        self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
+    ) -> None:
+        """Switch to a signature seen before, or discover a new one with every rank
+        (runtime/boundaries/discovery.py) and check it."""
+        if signature is not None and not found and self.signatures.known(signature):
+            self.signatures.current = signature.code
+            self._use(self.signatures.cache[signature.code])
+            return
+        config = self.config
+        forward = Forward(config.autocast, self._seed_of, f"rank {self.rank}, step {self.steps}")
+        exchange = Exchange(self.group, self.rank_map, self.rank, self.device, self._limit)
+        agreed = discovery.agree_signature(exchange, signature, found + self._problems(), forward)
+        stages = PipeStages.of(self.program, self.rank, self.modules)
+        first = split_inputs[0] if split_inputs else None
+        try:
+            boundaries = discovery.along_pipeline(exchange, stages, first, agreed, forward)
+        except StageFailed as err:  # the user's exception, with its traceback
+            raise InstructionError(err.message) from err.__cause__
+        self._agree(binding.boundary_problems(self.program, self.rank, boundaries)
+                    + self._declared_problems(agreed, boundaries))  # fmt: skip
+        self.signatures.learn(agreed.code, boundaries)
+        self._use(boundaries)
+
+    def _seed_of(self, stage: int) -> int | None:
+        """The RNG seed of (this step, `stage`, microbatch 0), as its forward derives it."""
+        if not self.config.derive_rng:
+            return None
+        return derive_seed(self.config.seed, self.steps, stage, 0)
 
     def _split(
         self, value: object, what: str, found: list[str], *, required: bool
     ) -> list[object] | None:
         return binding.split_batch(value, what, self.program, self.device, found, required=required)
 
-    def _problems(self, boundaries: dict[int, Boundary]) -> list[str]:
-        """Modules, boundaries, shapes and shared parameters (first step and new shapes)."""
+    def _problems(self) -> list[str]:
+        """Modules and shared parameters (checked with every new signature)."""
         config = self.config
-        found = binding.problems(
-            self.program, self.rank, self.modules, boundaries,
-            check_shapes=config.check_shapes, autocast=config.autocast,
-        )  # fmt: skip
+        found = binding.module_problems(self.program, self.rank, self.modules)
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
         return found + self.sums.problems()
+
+    def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:
+        """Where the boundaries the user declared differ from those found."""
+        if self.declared is None or not self.config.check_shapes:
+            return []
+        declared = self.declared
+        if callable(declared):
+            given = agreed.boundary
+            sample = given.rebuild(synthetic(given.tensors, torch.device("cpu")))
+            try:
+                declared = normalise_boundaries(declared(sample))
+            except Exception as err:  # the user's function: reported on every rank
+                text = err.message if isinstance(err, PipeccError) else str(err).split("\n")[0]
+                return [
+                    f"step {self.steps}: the boundaries function failed on a sample microbatch "
+                    f"{given.describe()}: {type(err).__name__}: {text[:200]}"
+                ]
+        return binding.declared_problems(self.program, self.rank, declared, boundaries)
 
     def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]
@@ -275,6 +339,21 @@ class PipelineRuntime:
         if not self.losses:
             return None
         return torch.stack(list(self.losses.values())).mean()
+
+
+NO_INPUTS = (
+    "was given no inputs: every rank needs the step's inputs to learn the step's shape "
+    "signature (only their shapes are read; nothing is copied), or declare "
+    "RuntimeConfig(static_shapes=True) when the shapes never change"
+)
+
+
+def _declared(
+    boundaries: Mapping[int, object] | BoundaryFn | None,
+) -> dict[int, Boundary] | BoundaryFn | None:
+    if boundaries is None or callable(boundaries):
+        return boundaries
+    return normalise_boundaries(boundaries)
 
 
 def _device_of(modules: Mapping[int, torch.nn.Module]) -> torch.device:

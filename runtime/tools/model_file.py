@@ -13,11 +13,11 @@ tensors, split along dim 0) and one of two ways to build the model, both determi
   tied weight).
 
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
-`boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input, when
-they cannot be inferred by running the stages) and `autocast` (a dtype the forwards run
-under, e.g. `torch.bfloat16`). `--check` builds every stage in the launcher for its
-single-process reference (with `build_stage` when defined, so the reference has the ranks'
-weights).
+`boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input,
+declared: checked against those the runtime finds by running the stages on real data) and
+`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`). `--check` builds every
+stage in the launcher for its single-process reference (with `build_stage` when defined, so
+the reference has the ranks' weights).
 """
 
 from __future__ import annotations
