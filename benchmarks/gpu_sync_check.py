@@ -122,7 +122,7 @@ def run_case(case: Case, rank: int, device: torch.device, guard: Guard) -> dict[
 def receive_buffers(runtime: PipelineRuntime) -> list[int]:
     """The id of every receive buffer of the training plan in use."""
     plan = runtime.current.train
-    steps = () if plan is None else (*plan.head, *plan.tail)
+    steps = () if plan is None else plan.steps
     return [
         id(tensor)
         for step in steps

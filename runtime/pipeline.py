@@ -146,7 +146,6 @@ class PipelineRuntime:
             precision.begin()
         with self.rng.step_scope():
             interpreter.run(self.current, ctx)
-        ctx.settle()
         unalias(self._params, self._storages)
         self._finish(ctx)
         if self.config.sync_duplicated and self.to_sum and self.sums.outside:
@@ -167,7 +166,6 @@ class PipelineRuntime:
             ctx = self._context(inputs, targets, training=False)
             with self.rng.step_scope():
                 self.interpreter.run(self.current, ctx)
-            ctx.settle()
             self._finish(ctx)
         self._loss_of(ctx)
         return dict(sorted(ctx.outputs.items()))

@@ -149,12 +149,11 @@ class Binder:
         specs: RecvSpecs,
         buffers: dict[int, Tensors],
     ) -> Bound:
-        steps = [self._step(index, instr, commit, boundaries) for index, instr, commit in plan]
+        steps = tuple(self._step(index, instr, commit, boundaries) for index, instr, commit in plan)
         for step in steps:
             if isinstance(step, PostStep) and not step.send:
                 self._receive(step, specs, buffers)
-        first = next((i for i, s in enumerate(steps) if isinstance(s, PostStep)), len(steps))
-        return Bound(tuple(steps[:first]), tuple(steps[first:]), self.messages)
+        return Bound(steps, self.messages)
 
     def _step(
         self, index: int, instr: Instr, commit: bool, boundaries: Mapping[int, Boundary]

@@ -9,7 +9,6 @@ receive buffers belong to the bound plan (runtime/engine/bound.py), not to the c
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -55,7 +54,6 @@ class StepContext:
     scale: float  # 1/M: each microbatch's share of the step's mean loss
     training: bool  # False: forward only, nothing kept for a backward
     step: int = 0  # the runtime's step counter (the RNG derivation uses it)
-    before_post: Callable[[], None] | None = None  # completes the step's shape gather
     mail: list[Tensors | None] = field(default_factory=list)  # by slot (the interpreter's)
     messages: tuple[Message, ...] = ()  # the message of each slot
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
@@ -64,13 +62,6 @@ class StepContext:
     queue: list[tuple[PostStep, Tensors]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, object] = field(default_factory=dict)
-
-    def settle(self) -> None:
-        """Complete the step's shape gather if it is still open (before this rank's first
-        post, or at the end of a step that posted nothing)."""
-        if self.before_post is not None:
-            settle, self.before_post = self.before_post, None
-            settle()
 
     def leftovers(self) -> list[str]:
         """What a complete program would have consumed by the end of the step."""

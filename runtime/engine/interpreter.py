@@ -8,15 +8,14 @@ one (torch's OVERLAP_F_B) part by part, a send or receive and a wait to `Transfe
 (runtime/engine/transfers.py), torch's per-stage actions to runtime/engine/stage_actions.py,
 a collective (the gradient sum of shared parameters) to `GradientSums`
 (runtime/comm/shared.py). It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe
-differ only in their programs. The steps before this rank's first post run first; then the
-step's shapes are settled (the runtime may switch to another signature's plan) and the rest
-runs. An exception inside an instruction (the user's module or loss, or a bug) becomes an
-`InstructionError`: a `RankError` whose one-line message names the rank, the step, the
-instruction index and the instruction, raised from the exception, which keeps its full
-traceback (`details()`; `pipecc run` prints it under the line). A pipecc error raised there
-(a stage output that does not match the next stage's input, a loss that is not a scalar)
-keeps its kind and gets the same prefix, and no traceback: it is one message. The text is
-built only then.
+differ only in their programs. The step's signature is settled before the plan runs
+(runtime/pipeline.py), so a plan runs from its first step to its last. An exception inside
+an instruction (the user's module or loss, or a bug) becomes an `InstructionError`: a
+`RankError` whose one-line message names the rank, the step, the instruction index and the
+instruction, raised from the exception, which keeps its full traceback (`details()`;
+`pipecc run` prints it under the line). A pipecc error raised there (a stage output that
+does not match the next stage's input, a loss that is not a scalar) keeps its kind and gets
+the same prefix, and no traceback: it is one message. The text is built only then.
 
 Subclasses change what happens around a step by overriding `compute`, `post`, `wait` and
 `collective`: `ProfilingInterpreter` (runtime/profiling/profiler.py) times them.
@@ -35,7 +34,6 @@ from .context import StepContext
 from .fused import FusedOps
 from .stage_actions import run_stage_op
 from .steps import (
-    Bound,
     ComputeStep,
     Current,
     FusedStep,
@@ -79,16 +77,12 @@ class Interpreter:
         self.sums = sums
 
     def run(self, current: Current, ctx: StepContext) -> None:
-        """One step: the bound plan in use (training or forward only, as `ctx` says), its
-        steps before the first post, the step's shapes settled, then the rest."""
-        plan = _plan(current, ctx.training)
+        """One step: the bound plan in use, training or forward only as `ctx` says."""
+        plan = current.train if ctx.training else current.forward
+        assert plan is not None  # the runtime binds a signature before any step runs
         ctx.mail = [None] * len(plan.messages)
         ctx.messages = plan.messages
-        self.walk(plan.head, ctx)
-        if ctx.before_post is not None:
-            ctx.settle()  # may switch `current` to another signature's plans
-            plan = _plan(current, ctx.training)
-        self.walk(plan.tail, ctx)
+        self.walk(plan.steps, ctx)
 
     def walk(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
         for step in steps:
@@ -135,9 +129,3 @@ class Interpreter:
     def where(self, ctx: StepContext, step: Step) -> str:
         """The rank, the step and the instruction, for errors."""
         return where(self.rank, ctx.step, step.index, step.instr)
-
-
-def _plan(current: Current, training: bool) -> Bound:
-    plan = current.train if training else current.forward
-    assert plan is not None  # the runtime binds a signature before any step runs
-    return plan

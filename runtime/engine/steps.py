@@ -195,19 +195,15 @@ class CollectiveStep(Step):
 
 
 class Bound(NamedTuple):
-    """A plan bound to one signature: the steps before this rank's first post (`head`:
-    computed while a step's shape agreement may still be open) and the rest (`tail`), and
-    the messages of the mailbox's slots."""
+    """A plan bound to one signature: its steps, and the message of each mailbox slot."""
 
-    head: tuple[Step, ...]
-    tail: tuple[Step, ...]
+    steps: tuple[Step, ...]
     messages: tuple[Message, ...]
 
 
 class Current:
     """The bound plans of the signature in use: the runtime switches them when the shapes
-    change (`PipelineRuntime._use`); the interpreter reads them at the start of a step and
-    again after the step's shapes are settled."""
+    change (`PipelineRuntime._use`), before the step's plan runs."""
 
     __slots__ = ("forward", "train")
 

@@ -78,7 +78,7 @@ def _buffers(runtime: PipelineRuntime) -> list[int]:
     assert plan is not None
     return [
         id(tensor)
-        for step in (*plan.head, *plan.tail)
+        for step in plan.steps
         if isinstance(step, PostStep) and not step.send and step.buffers is not None
         for tensor in step.buffers
     ]
