@@ -12,6 +12,7 @@ private names: it imports them from here.
   (`torch._C._functions.AccumulateGrad`) and the leaf it accumulates into (`.variable`).
 - `grad_hooked`: whether hooks wait for a parameter's gradient (`_backward_hooks`,
   `_post_accumulate_grad_hooks`).
+- `base_of`: the tensor a view was made from (`Tensor._base`).
 - `coalesces`, `post_p2p`: whether a process group's backend coalesces a group of
   point-to-point ops (`ProcessGroup._get_backend`), and one op posted on its process group
   with the peer's rank in that group (`P2POp.group_peer`).
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 __all__ = [
     "ACCUMULATE_GRAD",
+    "base_of",
     "coalesces",
     "fsdp_post_backward",
     "grad_hooked",
@@ -76,6 +78,11 @@ def grad_hooked(param: torch.Tensor) -> bool:
     """Whether hooks wait for the parameter's gradient from autograd (`register_hook`, or a
     post-accumulate hook, as DDP's)."""
     return bool(param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+def base_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `tensor` is a view of (None: it is no view)."""
+    return tensor._base
 
 
 def coalesces(op: dist.P2POp) -> bool:

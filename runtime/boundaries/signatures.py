@@ -20,8 +20,8 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 
+from ..compat import pytree
 from .trees import CONSTANTS, Boundary, microbatch_boundary
 
 BoundaryFn = Callable[[Any], Mapping[int, object]]

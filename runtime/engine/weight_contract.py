@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..compat import grad_hooked
+from ..compat import base_of, grad_hooked
 
 # (module, its input, its output's gradient, the names wanted) -> gradient by parameter name
 WeightFn = Callable[
@@ -209,8 +209,7 @@ def _producer(output: torch.Tensor) -> torch.Tensor | None:
     (`ReLU(inplace=True)`), and on a view that replaces the view's node in the graph, while
     the base's node stays (a 3-d `F.linear` returns a reshape of its 2-d `addmm`)."""
     tensor = output
-    while tensor._base is not None:
-        base = tensor._base
+    while (base := base_of(tensor)) is not None:
         same = tensor.numel() == base.numel() and tensor.storage_offset() == base.storage_offset()
         if not (same and tensor.is_contiguous() and base.is_contiguous()):
             return None
@@ -274,7 +273,7 @@ def _add(work: Deferred, names: set[str]) -> None:
             )
         grad = grad.detach().to(param.dtype)
         if param.grad is None:
-            fresh = grad._base is None and grad.stride() == param.stride()
+            fresh = base_of(grad) is None and grad.stride() == param.stride()
             param.grad = grad if fresh else torch.empty_like(param).copy_(grad)
         else:
             param.grad.add_(grad)

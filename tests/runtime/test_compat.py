@@ -63,6 +63,13 @@ def test_grad_hooks_on_a_parameter_are_seen() -> None:
     assert [compat.grad_hooked(p) for p in (plain, hooked, accumulated)] == [False, True, True]
 
 
+def test_a_views_base_is_the_tensor_it_views() -> None:
+    base = torch.zeros(4, 2)
+    assert compat.base_of(base.view(8)) is base
+    assert compat.base_of(base.view(8).view(2, 4)) is base, "a view of a view: the tensor at the root"
+    assert compat.base_of(base) is None and compat.base_of(base.clone()) is None
+
+
 @pytest.fixture
 def gloo(tmp_path: Path) -> Iterator[None]:
     store = dist.FileStore(str(tmp_path / "store"), 1)
