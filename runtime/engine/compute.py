@@ -161,27 +161,26 @@ class StageOps:
     def hand_on(self, ctx: StepContext, op: ComputeStep, output: object) -> Tensors:
         """Leave a forward's output tensors for the next stage (a send, or a local forward);
         return those a gradient comes back for."""
-        tensors = None
+        tensors, carries = None, op.out_carries
         if op.checked and op.expected is not None:
-            tensors = pulled(output, op.expected, op.out_carries, training=ctx.training)
+            tensors = pulled(output, op.expected, carries, training=ctx.training)
         if tensors is None:  # the first step of the signature, or a difference: in full
-            tensors = self.checked_output(ctx, op, output)
+            tensors, got = self.checked_output(ctx, op, output)
+            carries = _carries(op.expected or got, tuple(tensors))
         ctx.mail[op.dst] = tuple(t.detach() for t in tensors)
-        carries = op.out_carries
-        if carries is None or len(carries) != len(tensors):
-            carries = _carries(None, tuple(tensors))
+        assert carries is not None  # bound from `expected`, which `pulled` needs
         return tuple(t for t, c in zip(tensors, carries, strict=True) if c)
 
     def checked_output(
         self, ctx: StepContext, op: ComputeStep, output: object
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], Boundary]:
         """A forward's output flattened and checked against the next stage's input in full
         (an error describes both); the step is marked checked when it matches."""
         tensors, got = flatten(output, f"the output of {describe(op.instr, places=True)}")
         if op.expected is not None:
             check_output(op.op, got, op.expected, training=ctx.training)
             op.checked = True
-        return tensors
+        return tensors, got
 
     def output_grads(
         self, ctx: StepContext, op: ComputeStep, saved: Saved

@@ -66,7 +66,7 @@ def test_grad_hooks_on_a_parameter_are_seen() -> None:
 def test_a_views_base_is_the_tensor_it_views() -> None:
     base = torch.zeros(4, 2)
     assert compat.base_of(base.view(8)) is base
-    assert compat.base_of(base.view(8).view(2, 4)) is base, "a view of a view: the tensor at the root"
+    assert compat.base_of(base.view(8).view(2, 4)) is base, "a view of a view: the root"
     assert compat.base_of(base) is None and compat.base_of(base.clone()) is None
 
 
