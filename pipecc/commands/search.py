@@ -88,10 +88,13 @@ def register(commands: SubParsers) -> None:
     )
     cmd.add_argument(
         "--memory",
+        "--memory-budget",
+        dest="memory",
         metavar="CAP",
         type=float,
         required=True,
-        help="per-rank memory cap (--mem units)",
+        help="per-rank memory cap (--mem units); --memory-budget is the same flag (the name "
+        "verify uses)",
     )
     cmd.add_argument(
         "--mem",

@@ -33,6 +33,8 @@ from pipecc.search.problem import (
 )
 
 _MAX_DIGITS = 4
+DEFAULT_WORK = 20.0  # CP-SAT's deterministic seconds (about a second of one core each)
+DEFAULT_CLOCK = 300.0  # a wall-clock safety limit; the deterministic budget ends it first
 
 
 class ExactResult(NamedTuple):
@@ -57,16 +59,18 @@ def available() -> bool:
 def solve(
     problem: Problem,
     *,
-    time_limit: float = 10.0,
+    time_limit: float = DEFAULT_CLOCK,
     hint: Order | None = None,
-    workers: int = 2,
-    work: float | None = None,
+    workers: int = 1,
+    work: float | None = DEFAULT_WORK,
     seed: int = 0,
 ) -> ExactResult:
-    """The best order CP-SAT finds within `time_limit` seconds, starting from `hint` (by
-    default `one_at_a_time`). With `work` (CP-SAT's deterministic time, about a second of
-    one core each) and one worker, the result depends only on the problem, the hint, `seed`
-    and `work`, wherever the clock does not end the solve first."""
+    """The best order CP-SAT finds within `work` deterministic seconds (CP-SAT's
+    deterministic time, about a second of one core each; None: no such limit) and
+    `time_limit` seconds of the clock, starting from `hint` (by default `one_at_a_time`).
+    With one worker (the default) the result depends only on the problem, the hint, `seed`
+    and `work`, wherever the clock does not end the solve first, so a loaded machine gets
+    the same answer as a quiet one, only later."""
     try:
         from ortools.sat.python import cp_model  # type: ignore[import-not-found,unused-ignore]  # optional extra
     except ImportError as err:

@@ -19,7 +19,7 @@ needs_ortools = pytest.mark.skipif(not exact.available(), reason="OR-Tools is no
 @needs_ortools
 @pytest.mark.parametrize("case", CASES[::3], ids=str)
 def test_exact_matches_the_brute_force(case: Case) -> None:
-    result = exact.solve(case.problem(), time_limit=20)
+    result = exact.solve(case.problem())
     assert result.optimal
     assert result.value == pytest.approx(case_optimum(case).value, abs=1e-9)
     assert result.order is not None
@@ -41,7 +41,7 @@ def test_exact_optima_at_p4_m8(cost: str, cap: float, optimum: float) -> None:
     problem = Problem.from_costs(
         parse_cost_flag(cost), ranks=4, microbatches=8, placement=Placement.LOOP, cap=cap
     )
-    result = exact.solve(problem, time_limit=30)
+    result = exact.solve(problem)
     assert result.optimal and result.value == pytest.approx(optimum)
     assert lower_bound(problem) <= result.value + 1e-9
 
@@ -51,7 +51,7 @@ def test_exact_reports_an_infeasible_cap() -> None:
     problem = Problem.from_costs(
         parse_cost_flag("F=1,I=1,W=1"), ranks=2, microbatches=2, placement=Placement.LOOP, cap=0.5
     )
-    result = exact.solve(problem, time_limit=5)
+    result = exact.solve(problem)
     assert result.order is None and result.optimal
 
 
@@ -79,6 +79,6 @@ def test_v_shape_bound_is_at_most_the_exact_optimum(cost: str, cap: float) -> No
     problem = Problem.from_costs(
         parse_cost_flag(cost), ranks=3, microbatches=4, placement=Placement.VSHAPE, cap=cap
     )
-    result = exact.solve(problem, time_limit=30)
+    result = exact.solve(problem)
     assert result.optimal
     assert lower_bound(problem) <= result.value + 1e-9

@@ -14,14 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from sailsg_baseline import grid_problem, grid_profiles  # noqa: E402
 
-from pipecc.search import exact
+from pipecc.search import engine, exact
 from pipecc.search.bounds import lower_bound
 from pipecc.search.problem import Objective, Placement, Problem, evaluate, fits
 from pipecc.semantics.costs import parse_cost_flag
 
 _TOL = 1e-9
-
-engine = pytest.importorskip("pipecc.search.engine", reason="the search engine is not merged yet")
 
 
 def _searched(problem: Problem) -> float:
@@ -67,7 +65,7 @@ def test_search_reaches_the_exact_optimum(
         cap=cap,
         objective=objective,
     )
-    best = exact.solve(problem, time_limit=30)
+    best = exact.solve(problem)
     assert best.optimal, "pick cases CP-SAT settles within the limit"
     assert lower_bound(problem) <= best.value + _TOL
     assert _searched(problem) == pytest.approx(best.value, abs=1e-6)
@@ -124,6 +122,6 @@ def _assert_reaches_the_exact_optimum(problem: Problem) -> None:
     decodes, moves = engine.budgets(problem, limit)
     found = engine.search(problem, time_limit=60 * limit, budget=decodes, moves=moves)
     assert found is not None
-    best = exact.solve(problem, time_limit=30, hint=found.order)
+    best = exact.solve(problem, hint=found.order)
     assert best.optimal, "pick cases CP-SAT settles within the limit"
     assert found.score == pytest.approx(best.value, abs=1e-6)
