@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from pipecc.commands.common import SubParsers, positive, write_output
+from pipecc.commands.search_layers import add_layer_flags, run_layers
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
 from pipecc.ir.program import Backend
@@ -91,10 +92,8 @@ def register(commands: SubParsers) -> None:
         "--memory-budget",
         dest="memory",
         metavar="CAP",
-        type=float,
-        required=True,
-        help="per-rank memory cap (--mem units); --memory-budget is the same flag (the name "
-        "verify uses)",
+        help="per-rank memory cap (--mem units; with --layers, bytes: 40GiB, no cap if "
+        "omitted); --memory-budget is the same flag (the name verify uses)",
     )
     cmd.add_argument(
         "--mem",
@@ -107,6 +106,7 @@ def register(commands: SubParsers) -> None:
         "-o", "--output", metavar="OUT.json", help="write the program (and OUT.costs.toml)"
     )
     cmd.add_argument("--sched", metavar="OUT.sched", help="write the order as a .sched file")
+    add_layer_flags(cmd)
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(run=run)
 
@@ -115,9 +115,9 @@ def _add_choices(cmd: argparse.ArgumentParser) -> None:
     """The search's options: placement, objective, comm model, time limit, seed."""
     cmd.add_argument(
         "--placement",
-        choices=("loop", "vshape", "auto"),
+        choices=("loop", "vshape", "v", "auto"),
         default="loop",
-        help="loop (default), vshape, or auto: both, the faster wins",
+        help="loop (default), vshape (or v), or auto: both, the faster wins",
     )
     cmd.add_argument("--objective", choices=("makespan", "span"), default="makespan")
     _add_backend(cmd)
@@ -183,9 +183,23 @@ def _costs(args: argparse.Namespace) -> CostModel:
     return model
 
 
+def _memory(args: argparse.Namespace) -> float:
+    if args.memory is None:
+        raise InputError("give the per-rank memory cap: --memory CAP (in --mem units)")
+    try:
+        cap = float(args.memory)
+    except ValueError:
+        raise InputError(
+            f"--memory must be a number (in --mem units; bytes such as 40GiB go with "
+            f"--layers), got {args.memory!r}"
+        ) from None
+    if not math.isfinite(cap) or cap <= 0:
+        raise InputError(f"--memory must be a positive number, got {cap:g}")
+    return cap
+
+
 def _request(args: argparse.Namespace) -> Request:
-    if not math.isfinite(args.memory) or args.memory <= 0:
-        raise InputError(f"--memory must be a positive number, got {args.memory:g}")
+    cap = _memory(args)
     if args.time_limit is not None and not (0 < args.time_limit < math.inf):
         raise InputError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}"
@@ -195,7 +209,7 @@ def _request(args: argparse.Namespace) -> Request:
         ranks=args.ranks,
         microbatches=args.microbatches,
         costs=_costs(args),
-        cap=args.memory,
+        cap=cap,
         mem=parse_mem(args.mem),
         placement=args.placement,
         objective=args.objective,
@@ -208,6 +222,12 @@ def _request(args: argparse.Namespace) -> Request:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.placement == "v":
+        args.placement = "vshape"
+    if args.layers is not None:
+        return run_layers(args, _placing(args))
+    if args.partition is not None:
+        raise InputError("--partition writes the cut of a layer search: give --layers")
     began = time.perf_counter()
     request = _request(args)
     _note_host_costs(request.costs)

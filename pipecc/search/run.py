@@ -211,6 +211,16 @@ def run_search(req: Request) -> Outcome:
     return _finish(req, results, bundled, searched, seconds)
 
 
+def finish(
+    req: Request, results: list[SearchResult], searched: list[Problem], seconds: float
+) -> Outcome:
+    """Lower, check and report search results found elsewhere (the layer search's), as
+    `run_search` does with its own: the best of `results`, the bundled baseline of the
+    `searched` problems."""
+    bundled = {problem.placement: bundled_orders(problem) for problem in searched}
+    return _finish(req, results, bundled, searched, seconds)
+
+
 def _problem(req: Request, placement: Placement) -> Problem:
     return Problem.from_costs(
         req.costs,
