@@ -182,12 +182,12 @@ def _read_toml(where: str) -> dict[str, Any]:
 def _layer(table: Any, where: str) -> Layer:
     if not isinstance(table, dict):
         raise InputError(f"{where}: expected a table")
-    for key in table:
-        _check_key(key, LAYER_KEYS, where)
     name = table.get("name")
     if not isinstance(name, str) or not name:
         raise InputError(f"{where}: needs a name (a non-empty string)")
     where = f"{where} ({name})"
+    for key in table:
+        _check_key(key, LAYER_KEYS, where)
     values = {k: _number(k, v, where) for k, v in table.items() if k != "name"}
     if "F" not in values:
         raise InputError(f"{where}: needs F (the forward's duration)")

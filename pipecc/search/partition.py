@@ -14,8 +14,10 @@ The search (`search_cuts`), for each placement:
 
 1. seeds: the uniform cut; for each of the smallest bottleneck bounds (the largest stage or
    rank load, M·(F + I + W) per microbatch), the cuts that fill stages from the left and
-   from the right under it; cuts whose first and last stages take any counts and the
-   middle ones equal counts (what Megatron's and torchtitan's settings give, every count);
+   from the right under it; under a cap, the same for the bytes (a stage's static bytes
+   and its activations for one microbatch, or for P); cuts whose first and last stages
+   take any counts and the middle ones equal counts (what Megatron's and torchtitan's
+   settings give, every count);
    each with the recomputation that the cap needs (`recompute_plans`);
 2. each seed is scored by a short order search (the plain policies of the order search's
    grid, the bundled schedules' orders); the best few are climbed: a boundary moves by one
@@ -257,6 +259,12 @@ def seed_cuts(setting: Setting, edges: int = 8) -> list[Cut]:
     loads = layer_loads(setting.profile)
     layers, stages = len(loads), setting.stages
     found = [uniform_cut(layers, stages), *bottleneck_cuts(loads, stages)]
+    if setting.cap is not None:  # cuts that balance the bytes, for caps that bind
+        for depth in (1, setting.ranks):
+            weights = [
+                layer.static_bytes + depth * layer.act_bytes for layer in setting.profile.layers
+            ]
+            found += bottleneck_cuts(weights, stages, bounds=2)
     ranked = sorted(edge_cuts(layers, stages), key=lambda cut: estimate(setting, cut))
     found += ranked[:edges]
     return list(dict.fromkeys(found))
@@ -388,6 +396,25 @@ def neighbours(cut: Cut) -> Iterator[Cut]:
                 yield Cut(starts, cut.layers, cut.recompute)
 
 
+def wider_neighbours(profile: Profile, cut: Cut) -> Iterator[Cut]:
+    """The cuts two moves away: one stage's recomputation switched, or two boundaries moved
+    by one layer in opposite directions (a layer handed on past the stages between)."""
+    for stage in range(cut.stages):
+        if cut.recompute[stage] or can_recompute(profile, cut, stage):
+            flags = list(cut.recompute)
+            flags[stage] = not flags[stage]
+            yield cut.with_recompute(tuple(flags))
+    bounds = list((*cut.starts, cut.layers))
+    for k in range(1, cut.stages):
+        for j in range(k + 1, cut.stages):
+            for delta in (-1, 1):
+                moved = bounds.copy()
+                moved[k] += delta
+                moved[j] -= delta
+                if all(a < b for a, b in zip(moved, moved[1:], strict=False)):
+                    yield Cut(tuple(moved[:-1]), cut.layers, cut.recompute)
+
+
 def _climb(
     setting: Setting, start: Candidate, known: list[Known], deadline: float, seed: int
 ) -> Candidate:
@@ -396,11 +423,10 @@ def _climb(
     best = start
     for _ in range(CLIMB_ROUNDS):
         while time.perf_counter() < deadline:
-            top = best
-            for cut in neighbours(best.cut):
-                timed = _timed(setting, cut, known)
-                if timed is not None and timed.score < top.score - _EPS:
-                    top = timed
+            top = _best_neighbour(setting, best, neighbours(best.cut), known)
+            if top is best:
+                wider = wider_neighbours(setting.profile, best.cut)
+                top = _best_neighbour(setting, best, wider, known)
             if top is best:
                 break
             best = top
@@ -412,6 +438,18 @@ def _climb(
         known.extend(_known(problem, [again.order]))
         best = again
     return best
+
+
+def _best_neighbour(
+    setting: Setting, best: Candidate, cuts: Iterator[Cut], known: Sequence[Known]
+) -> Candidate:
+    """The best of `cuts` timed with the known orders, if it beats `best` (else `best`)."""
+    top = best
+    for cut in cuts:
+        timed = _timed(setting, cut, known)
+        if timed is not None and timed.score < top.score - _EPS:
+            top = timed
+    return top
 
 
 class Found(NamedTuple):
