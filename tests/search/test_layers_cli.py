@@ -27,8 +27,9 @@ def test_the_written_files_are_the_reported_result(
     out = tmp_path / "best.json"
     cut_file, sched = tmp_path / "cut.toml", tmp_path / "best.sched"
     files = ["-o", str(out), "--sched", str(sched), "--partition", str(cut_file)]
-    code, text, _ = _run(capsys, "search", "-P", "2", "-M", "4", "--layers", EXAMPLE,
-                         "--memory-budget", "2GiB", "--placement", "auto", "--json", *files)  # fmt: skip
+    cap = ["--memory-budget", "2GiB"]
+    code, text, _ = _run(capsys, "search", "-P", "2", "-M", "4", "--layers", EXAMPLE, *cap,
+                         "--placement", "auto", "--json", *files)  # fmt: skip
     assert code == 0
     report = json.loads(text)
     assert {"makespan", "lower_bound", "peak", "cut", "uniform", "any_cut_bound"} <= set(report)
