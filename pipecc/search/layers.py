@@ -248,7 +248,7 @@ def format_size(value: float) -> str:
     """Bytes in the largest binary unit that keeps a value ≥ 1: `40 GiB`, `512 B`."""
     for unit in ("TiB", "GiB", "MiB", "KiB"):
         if abs(value) >= _UNITS[unit]:
-            return f"{value / _UNITS[unit]:.3g} {unit}"
+            return f"{value / _UNITS[unit]:.4g} {unit}"
     return f"{value:g} B"
 
 

@@ -29,7 +29,7 @@ The search (`search_cuts`), for each placement:
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,8 +45,12 @@ from pipecc.search.replay import OrderReplay
 
 _EPS = 1e-9
 QUICK_DECODES = 16  # decodes of a seed's short order search
-KEEP = 3  # seeds climbed, and cuts given the full order search
+KEEP = 3  # seeds given a short order search by each ranking, cuts given the full one
+CLIMBS = 6  # cuts climbed
+SMALL = 1024  # orders × stages × microbatches up to which wide moves are timed with every order
 CLIMB_ROUNDS = 3  # short order searches during a climb
+CLIMB_STEPS = 40  # moves of a climb between two of them (a count, not a clock: the result
+# depends on the input and the seed only, wherever the final searches' clock does not end them)
 
 
 def num_stages(ranks: int, placement: Placement) -> int:
@@ -343,11 +347,14 @@ def _deep_recomputation(setting: Setting, cut: Cut) -> Cut | None:
 
 
 class Candidate(NamedTuple):
-    """A cut (with its recomputation), the best order known for it and that order's step."""
+    """A cut (with its recomputation), the best order known for it and that order's step
+    (with the sum of the ranks' finishing times, which breaks ties: a climb moves along a
+    plateau of equal steps where the other ranks finish earlier)."""
 
     score: float
     cut: Cut
     order: Order
+    finish: float = math.inf
 
 
 class Known(NamedTuple):
@@ -369,9 +376,9 @@ def _timed(setting: Setting, cut: Cut, known: Sequence[Known]) -> Candidate | No
     best = None
     for entry in known:
         if entry.replay.fits(problem):
-            score = entry.replay.makespan(problem)
-            if best is None or score < best.score:
-                best = Candidate(score, cut, entry.order)
+            score, finish = entry.replay.score(problem)
+            if best is None or (score, finish) < (best.score, best.finish):
+                best = Candidate(score, cut, entry.order, finish)
     return best
 
 
@@ -382,7 +389,10 @@ def _quick(setting: Setting, cut: Cut, pool: Sequence[Order], seed: int) -> Cand
         return None
     found = search(problem, time_limit=60.0, budget=QUICK_DECODES, moves=0, exact_work=0,
                    seed=seed, candidates=pool)  # fmt: skip
-    return None if found is None else Candidate(found.score, cut, found.order)
+    if found is None:
+        return None
+    finish = sum(ends[-1] for ends in found.evaluation.end if ends)
+    return Candidate(found.score, cut, found.order, finish)
 
 
 def neighbours(cut: Cut) -> Iterator[Cut]:
@@ -397,41 +407,46 @@ def neighbours(cut: Cut) -> Iterator[Cut]:
 
 
 def wider_neighbours(profile: Profile, cut: Cut) -> Iterator[Cut]:
-    """The cuts two moves away: one stage's recomputation switched, or two boundaries moved
-    by one layer in opposite directions (a layer handed on past the stages between)."""
+    """The cuts two moves away: one stage's recomputation switched; two boundaries moved by
+    one layer each, either way; a run of boundaries moved together by one layer (a layer
+    handed on along the stages between)."""
     for stage in range(cut.stages):
         if cut.recompute[stage] or can_recompute(profile, cut, stage):
             flags = list(cut.recompute)
             flags[stage] = not flags[stage]
             yield cut.with_recompute(tuple(flags))
-    bounds = list((*cut.starts, cut.layers))
+    bounds = (*cut.starts, cut.layers)
     for k in range(1, cut.stages):
         for j in range(k + 1, cut.stages):
-            for delta in (-1, 1):
-                moved = bounds.copy()
-                moved[k] += delta
-                moved[j] -= delta
+            shifts = [(dk, dj, False) for dk in (-1, 1) for dj in (-1, 1)]
+            if j > k + 1:
+                shifts += [(-1, -1, True), (1, 1, True)]
+            for dk, dj, run in shifts:
+                moved = list(bounds)
+                for n in range(k, j + 1) if run else (k, j):
+                    moved[n] += dk if n == k else dj
                 if all(a < b for a, b in zip(moved, moved[1:], strict=False)):
                     yield Cut(tuple(moved[:-1]), cut.layers, cut.recompute)
 
 
-def _climb(
-    setting: Setting, start: Candidate, known: list[Known], deadline: float, seed: int
-) -> Candidate:
+def _climb(setting: Setting, start: Candidate, known: list[Known], seed: int) -> Candidate:
     """Move boundaries while the step improves, each neighbour timed with the known orders;
     after each climb a short order search on the new cut adds its order (module docstring)."""
     best = start
     for _ in range(CLIMB_ROUNDS):
-        while time.perf_counter() < deadline:
+        for _ in range(CLIMB_STEPS):
             top = _best_neighbour(setting, best, neighbours(best.cut), known)
-            if top is best:
+            if top is best:  # timed with the current order only: they are many
                 wider = wider_neighbours(setting.profile, best.cut)
-                top = _best_neighbour(setting, best, wider, known)
+                own = [k for k in known if k.order is best.order] or known
+                if len(known) * setting.stages * setting.microbatches <= SMALL:
+                    own = known
+                top = _best_neighbour(setting, best, wider, own)
             if top is best:
                 break
             best = top
         again = _quick(setting, best.cut, (best.order,), seed)
-        if again is None or again.score >= best.score - _EPS:
+        if again is None or not _better(again, best):
             break
         problem = cut_problem(setting, again.cut)
         assert problem is not None
@@ -447,9 +462,16 @@ def _best_neighbour(
     top = best
     for cut in cuts:
         timed = _timed(setting, cut, known)
-        if timed is not None and timed.score < top.score - _EPS:
+        if timed is not None and _better(timed, top):
             top = timed
     return top
+
+
+def _better(one: Candidate, other: Candidate) -> bool:
+    """A shorter step, or the same step with the ranks finishing earlier in sum."""
+    if one.score < other.score - _EPS:
+        return True
+    return one.score <= other.score + _EPS and one.finish < other.finish - _EPS
 
 
 class Found(NamedTuple):
@@ -468,7 +490,6 @@ def search_cuts(setting: Setting, *, time_limit: float | None = None, seed: int 
         return []
     known = _bundled_known(setting, plans[0])
     limit = time_limit or KEEP * default_time_limit(setting.ranks, setting.microbatches)
-    deadline = time.perf_counter() + 2 * limit
     scored: dict[Cut, Candidate] = {}
     by_estimate = sorted(plans, key=lambda cut: estimate(setting, cut))
     for cut in dict.fromkeys([*_best_timed(setting, plans, known), *by_estimate[:KEEP]]):
@@ -478,8 +499,8 @@ def search_cuts(setting: Setting, *, time_limit: float | None = None, seed: int 
             assert problem is not None
             known.extend(_known(problem, [found.order]))
             scored[cut] = found
-    for candidate in sorted(scored.values(), key=_rank)[:KEEP]:
-        climbed = _climb(setting, candidate, known, deadline, seed)
+    for candidate in sorted(scored.values(), key=_rank)[:CLIMBS]:
+        climbed = _climb(setting, candidate, known, seed)
         scored[climbed.cut] = min(scored.get(climbed.cut, climbed), climbed, key=_rank)
     return _final(setting, sorted(scored.values(), key=_rank)[:KEEP], limit, seed)
 
@@ -512,8 +533,8 @@ def _final(
     return sorted(results, key=lambda r: (r.result.score, r.cut.starts, r.cut.recompute))
 
 
-def _rank(candidate: Candidate) -> tuple[float, tuple[int, ...], tuple[bool, ...]]:
-    return (candidate.score, candidate.cut.starts, candidate.cut.recompute)
+def _rank(candidate: Candidate) -> tuple[float, float, tuple[int, ...], tuple[bool, ...]]:
+    return (candidate.score, candidate.finish, candidate.cut.starts, candidate.cut.recompute)
 
 
 def any_cut_bound(setting: Setting) -> float:

@@ -20,7 +20,7 @@ _KIND = {OpKind.F: 0, OpKind.I: 1, OpKind.W: 2}
 class OrderReplay:
     """One order's structure, for timing it under other costs of the same placement."""
 
-    __slots__ = ("ranks", "_seq", "_count", "_rank_ops")
+    __slots__ = ("ranks", "_seq", "_count", "_rank_ops", "_lasts")
 
     def __init__(self, problem: Problem, order: Order) -> None:
         if evaluate(problem, order) is None:
@@ -37,12 +37,17 @@ class OrderReplay:
         self.ranks = problem.ranks
         self._seq = tuple(seq)
         self._count = len(ids)
+        self._lasts = tuple(ids[ops[-1]] for ops in order if ops)
         self._rank_ops = tuple(
             tuple(_KIND[op.kind] * problem.num_stages + op.stage for op in ops) for ops in order
         )
 
     def makespan(self, problem: Problem) -> float:
         """The order's makespan under `problem`'s durations and latency (same placement)."""
+        return self.score(problem)[0]
+
+    def score(self, problem: Problem) -> tuple[float, float]:
+        """(makespan, the sum of the ranks' finishing times): the search's score."""
         durations = (*problem.f, *problem.i, *problem.w)
         comm = problem.comm
         end = [0.0] * self._count
@@ -53,7 +58,7 @@ class OrderReplay:
                 if ready > start:
                     start = ready
             end[op] = start + durations[what]
-        return max(end)
+        return max(end), sum(end[last] for last in self._lasts)
 
     def fits(self, problem: Problem, tolerance: float = 1e-9) -> bool:
         """Whether every rank's running memory total stays within `problem`'s cap."""
