@@ -368,17 +368,20 @@ def _known(problem: Problem, orders: Sequence[Order]) -> list[Known]:
     return [Known(order, OrderReplay(problem, order)) for order in orders]
 
 
-def _timed(setting: Setting, cut: Cut, known: Sequence[Known]) -> Candidate | None:
-    """`cut` with the best of the `known` orders that fits it (None: none fits)."""
+def _timed(
+    setting: Setting, cut: Cut, known: Sequence[Known], cutoff: float = math.inf
+) -> Candidate | None:
+    """`cut` with the best of the `known` orders that fits it (None: none fits, or none
+    ends by `cutoff`)."""
     problem = cut_problem(setting, cut)
     if problem is None:
         return None
     best = None
     for entry in known:
         if entry.replay.fits(problem):
-            score, finish = entry.replay.score(problem)
-            if best is None or (score, finish) < (best.score, best.finish):
-                best = Candidate(score, cut, entry.order, finish)
+            timed = entry.replay.score(problem, cutoff + _EPS)
+            if timed is not None and (best is None or timed < (best.score, best.finish)):
+                best = Candidate(timed[0], cut, entry.order, timed[1])
     return best
 
 
@@ -461,7 +464,7 @@ def _best_neighbour(
     """The best of `cuts` timed with the known orders, if it beats `best` (else `best`)."""
     top = best
     for cut in cuts:
-        timed = _timed(setting, cut, known)
+        timed = _timed(setting, cut, known, top.score)
         if timed is not None and _better(timed, top):
             top = timed
     return top

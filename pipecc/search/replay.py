@@ -12,6 +12,8 @@ each op starts at the later of its rank's previous op's end and its inputs' ends
 
 from __future__ import annotations
 
+import math
+
 from pipecc.search.problem import OpKind, Order, Problem, SearchOp, _inputs, evaluate
 
 _KIND = {OpKind.F: 0, OpKind.I: 1, OpKind.W: 2}
@@ -25,15 +27,19 @@ class OrderReplay:
     def __init__(self, problem: Problem, order: Order) -> None:
         if evaluate(problem, order) is None:
             raise ValueError("the order does not run to the end")
-        ids = {op: n for n, op in enumerate(op for ops in order for op in ops)}
+        sequence = _dependency_order(problem, order)
+        # ops numbered from 1 in that order; 0 is a sentinel that ended at time 0
+        ids = {order[rank][pos]: n + 1 for n, (rank, pos) in enumerate(sequence)}
         seq = []
-        for rank, pos in _dependency_order(problem, order):
+        for rank, pos in sequence:
             op = order[rank][pos]
-            prev = ids[order[rank][pos - 1]] if pos else -1
-            needs = tuple(
-                (ids[need], problem.rank_of(need.stage) != rank) for need in _inputs(problem, op)
-            )
-            seq.append((ids[op], prev, _KIND[op.kind] * problem.num_stages + op.stage, needs))
+            prev = ids[order[rank][pos - 1]] if pos else 0
+            needs = [
+                (ids[need], 1.0 if problem.rank_of(need.stage) != rank else 0.0)
+                for need in _inputs(problem, op)
+            ]
+            (n1, c1), (n2, c2) = (*needs, (0, 0.0), (0, 0.0))[:2]
+            seq.append((prev, _KIND[op.kind] * problem.num_stages + op.stage, n1, c1, n2, c2))
         self.ranks = problem.ranks
         self._seq = tuple(seq)
         self._count = len(ids)
@@ -44,20 +50,29 @@ class OrderReplay:
 
     def makespan(self, problem: Problem) -> float:
         """The order's makespan under `problem`'s durations and latency (same placement)."""
-        return self.score(problem)[0]
+        timed = self.score(problem)
+        assert timed is not None
+        return timed[0]
 
-    def score(self, problem: Problem) -> tuple[float, float]:
-        """(makespan, the sum of the ranks' finishing times): the search's score."""
+    def score(self, problem: Problem, cutoff: float = math.inf) -> tuple[float, float] | None:
+        """(makespan, the sum of the ranks' finishing times): the search's score; None as
+        soon as an op ends past `cutoff`."""
         durations = (*problem.f, *problem.i, *problem.w)
         comm = problem.comm
-        end = [0.0] * self._count
-        for op, prev, what, needs in self._seq:
-            start = end[prev] if prev >= 0 else 0.0
-            for need, cross in needs:
-                ready = end[need] + comm if cross else end[need]
-                if ready > start:
-                    start = ready
-            end[op] = start + durations[what]
+        end = [0.0]
+        append = end.append
+        for prev, what, n1, c1, n2, c2 in self._seq:
+            start = end[prev]
+            ready = end[n1] + c1 * comm
+            if ready > start:
+                start = ready
+            ready = end[n2] + c2 * comm
+            if ready > start:
+                start = ready
+            start += durations[what]
+            if start > cutoff:
+                return None
+            append(start)
         return max(end), sum(end[last] for last in self._lasts)
 
     def fits(self, problem: Problem, tolerance: float = 1e-9) -> bool:
