@@ -41,9 +41,9 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipecc.ir.ops import Kind
 from pipecc.search.problem import (  # noqa: E402
     Objective,
-    OpKind,
     Order,
     Placement,
     Problem,
@@ -53,7 +53,7 @@ from pipecc.search.problem import (  # noqa: E402
 )
 from pipecc.semantics.costs import CostModel, StageCost, parse_cost_flag  # noqa: E402
 
-_KINDS = (OpKind.F, OpKind.I, OpKind.W)
+_KINDS = (Kind.F, Kind.I, Kind.W)
 
 
 class Switches(NamedTuple):

@@ -19,13 +19,13 @@ from pipecc.api import bundled_schedules, compile_schedule, read_text
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import Compute, Fused, Kind
 from pipecc.ir.program import Program
-from pipecc.search.problem import OpKind, Order, Placement, Problem, SearchOp, evaluate, fits
+from pipecc.search.problem import Order, Placement, Problem, SearchOp, evaluate, fits
 
 _SPLIT = {
-    Kind.F: (OpKind.F,),
-    Kind.I: (OpKind.I,),
-    Kind.W: (OpKind.W,),
-    Kind.B: (OpKind.I, OpKind.W),
+    Kind.F: (Kind.F,),
+    Kind.I: (Kind.I,),
+    Kind.W: (Kind.W,),
+    Kind.B: (Kind.I, Kind.W),
 }
 
 

@@ -20,10 +20,11 @@ import importlib.util
 import math
 from typing import Any, NamedTuple
 
+from pipecc.ir.ops import Kind
 from pipecc.search.bounds import earliest_starts, lower_bound, memory_precedences
 from pipecc.search.problem import (
+    SPLIT,
     Objective,
-    OpKind,
     Order,
     Problem,
     SearchOp,
@@ -116,9 +117,9 @@ def one_at_a_time(problem: Problem) -> Order:
         stages = problem.stages_of(rank)
         ops: list[SearchOp] = []
         for mb in range(problem.microbatches):
-            ops.extend(SearchOp(OpKind.F, stage, mb) for stage in stages)
+            ops.extend(SearchOp(Kind.F, stage, mb) for stage in stages)
             for stage in reversed(stages):
-                ops += [SearchOp(OpKind.I, stage, mb), SearchOp(OpKind.W, stage, mb)]
+                ops += [SearchOp(Kind.I, stage, mb), SearchOp(Kind.W, stage, mb)]
         order.append(tuple(ops))
     return tuple(order)
 
@@ -185,13 +186,13 @@ class _Model:
 
     def _lasts(self, rank: int) -> list[SearchOp]:
         last = self.p.microbatches - 1
-        return [SearchOp(kind, stage, last) for stage in self.p.stages_of(rank) for kind in OpKind]
+        return [SearchOp(kind, stage, last) for stage in self.p.stages_of(rank) for kind in SPLIT]
 
     def objective(self) -> Any:
         """The objective variable, minimised."""
         value = self.model.new_int_var(0, self.horizon, "objective")
         for rank in range(self.p.ranks):
-            first = self.start[SearchOp(OpKind.F, self.p.stages_of(rank)[0], 0)]
+            first = self.start[SearchOp(Kind.F, self.p.stages_of(rank)[0], 0)]
             for op in self._lasts(rank):
                 if self.p.objective is Objective.MAKESPAN:
                     self.model.add(value >= self.end[op])

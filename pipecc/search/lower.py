@@ -15,14 +15,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pipecc.diagnostics import PipeccError
-from pipecc.ir.ops import Compute, Kind
+from pipecc.ir.ops import Compute
 from pipecc.ir.placement import loop_placement, vshape_placement
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.align_comms import POLICY, align_comms
 from pipecc.passes.comm.placement import backend_of
 from pipecc.passes.insert_comms import POLICIES, insert_comms, strip_comms
 from pipecc.search.problem import (
-    OpKind,
     Order,
     Placement,
     Problem,
@@ -37,8 +36,6 @@ from pipecc.verify import ALL_MODELS, Options, verify
 
 SOURCE = "pipecc search"
 ALIGNED = POLICY  # the alignment's policy name, "aligned"
-_KINDS = {OpKind.F: Kind.F, OpKind.I: Kind.I, OpKind.W: Kind.W}
-_OP_KINDS = {kind: op for op, kind in _KINDS.items()}
 
 
 class LoweringError(PipeccError):
@@ -104,9 +101,7 @@ def to_program(problem: Problem, order: Order, name: str = "search") -> Program:
         else vshape_placement(problem.ranks)
     )
     ranks = tuple(
-        tuple(
-            Compute(_KINDS[op.kind], chunk_of(problem, op.stage), 0, op.stage, op.mb) for op in ops
-        )
+        tuple(Compute(op.kind, chunk_of(problem, op.stage), 0, op.stage, op.mb) for op in ops)
         for ops in order
     )
     return Program(
@@ -125,7 +120,7 @@ def compute_order(program: Program) -> Order:
     """The compute order of a (lowered) program, as search ops."""
     return tuple(
         tuple(
-            SearchOp(_OP_KINDS[instr.kind], instr.stage, instr.mb)
+            SearchOp(instr.kind, instr.stage, instr.mb)
             for instr in instrs
             if type(instr) is Compute
         )

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipecc.diagnostics import CostModelError
+from pipecc.ir.ops import Kind
 from pipecc.semantics.costs import CostModel, Cut
 
 
@@ -48,24 +49,19 @@ class Objective(enum.Enum):
     SPAN = "span"  # the largest, over ranks, of a rank's last end minus its first start
 
 
-class OpKind(enum.Enum):
-    """The three ops of the zero-bubble split."""
-
-    F = "F"
-    I = "I"  # noqa: E741
-    W = "W"
-
-
 class SearchOp(NamedTuple):
     """One op of the search: its kind, stage and microbatch."""
 
-    kind: OpKind
+    kind: Kind
     stage: int
     mb: int
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.stage}.{self.mb}"
 
+
+SPLIT = (Kind.F, Kind.I, Kind.W)
+"""The three ops of the zero-bubble split (the IR's kinds; a full backward B is not one)."""
 
 Order = tuple[tuple[SearchOp, ...], ...]
 """One tuple of ops per rank, in the order the rank runs them."""
@@ -128,13 +124,13 @@ class Problem:
 
     def duration(self, op: SearchOp) -> float:
         """How long `op` runs."""
-        table = self.f if op.kind is OpKind.F else self.i if op.kind is OpKind.I else self.w
+        table = self.f if op.kind is Kind.F else self.i if op.kind is Kind.I else self.w
         return table[op.stage]
 
     def mem_delta(self, op: SearchOp) -> float:
         """How much `op` changes its rank's memory."""
         kind = op.kind
-        table = self.mem_f if kind is OpKind.F else self.mem_i if kind is OpKind.I else self.mem_w
+        table = self.mem_f if kind is Kind.F else self.mem_i if kind is Kind.I else self.mem_w
         return table[op.stage]
 
     def ops_of(self, rank: int) -> tuple[SearchOp, ...]:
@@ -143,7 +139,7 @@ class Problem:
             SearchOp(kind, stage, mb)
             for stage in self.stages_of(rank)
             for mb in range(self.microbatches)
-            for kind in OpKind
+            for kind in SPLIT
         )
 
     @classmethod
@@ -243,13 +239,13 @@ def check_order(problem: Problem, order: Order) -> None:
 
 def _inputs(problem: Problem, op: SearchOp) -> tuple[SearchOp, ...]:
     kind, stage, mb = op
-    if kind is OpKind.F:
-        return (SearchOp(OpKind.F, stage - 1, mb),) if stage > 0 else ()
-    if kind is OpKind.W:
-        return (SearchOp(OpKind.I, stage, mb),)
+    if kind is Kind.F:
+        return (SearchOp(Kind.F, stage - 1, mb),) if stage > 0 else ()
+    if kind is Kind.W:
+        return (SearchOp(Kind.I, stage, mb),)
     if stage == problem.num_stages - 1:
-        return (SearchOp(OpKind.F, stage, mb),)
-    return (SearchOp(OpKind.F, stage, mb), SearchOp(OpKind.I, stage + 1, mb))
+        return (SearchOp(Kind.F, stage, mb),)
+    return (SearchOp(Kind.F, stage, mb), SearchOp(Kind.I, stage + 1, mb))
 
 
 def _arrival(problem: Problem, producer: SearchOp, consumer: SearchOp, end: float) -> float:

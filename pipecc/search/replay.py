@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 
-from pipecc.search.problem import OpKind, Order, Problem, SearchOp, _inputs, evaluate
+from pipecc.ir.ops import Kind
+from pipecc.search.problem import Order, Problem, SearchOp, _inputs, evaluate
 
-_KIND = {OpKind.F: 0, OpKind.I: 1, OpKind.W: 2}
+_KIND = {Kind.F: 0, Kind.I: 1, Kind.W: 2}
 
 
 class OrderReplay:

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
+from pipecc.ir.ops import Kind
 from pipecc.search.problem import (
+    SPLIT,
     Objective,
-    OpKind,
     Order,
     Placement,
     Problem,
@@ -44,14 +45,14 @@ class Optimum(NamedTuple):
 def rank_orders(problem: Problem, rank: int) -> list[tuple[SearchOp, ...]]:
     """Every FIFO, F-before-I-before-W order of `rank`'s ops within the cap."""
     stages = problem.stages_of(rank)
-    counts = {(kind, stage): 0 for kind in OpKind for stage in stages}
+    counts = {(kind, stage): 0 for kind in SPLIT for stage in stages}
     return list(_extend(problem, stages, counts, [], 0.0))
 
 
 def _extend(
     problem: Problem,
     stages: tuple[int, ...],
-    counts: dict[tuple[OpKind, int], int],
+    counts: dict[tuple[Kind, int], int],
     prefix: list[SearchOp],
     memory: float,
 ) -> Iterator[tuple[SearchOp, ...]]:
@@ -59,7 +60,7 @@ def _extend(
         yield tuple(prefix)
         return
     for stage in stages:
-        for kind in OpKind:
+        for kind in SPLIT:
             done = counts[(kind, stage)]
             if done == problem.microbatches or not _inputs_run(counts, stages, kind, stage):
                 continue
@@ -75,17 +76,17 @@ def _extend(
 
 
 def _inputs_run(
-    counts: dict[tuple[OpKind, int], int], stages: tuple[int, ...], kind: OpKind, stage: int
+    counts: dict[tuple[Kind, int], int], stages: tuple[int, ...], kind: Kind, stage: int
 ) -> bool:
     """Whether the next `kind` op of `stage` has its inputs on this rank already in the
     order (its own F before its I before its W; in a V, the lower stage's F before the
     upper's, the upper stage's I before the lower's): otherwise the order deadlocks."""
     done = counts[(kind, stage)]
-    if kind is OpKind.W:
-        return done < counts[(OpKind.I, stage)]
-    if kind is OpKind.I and done >= counts[(OpKind.F, stage)]:
+    if kind is Kind.W:
+        return done < counts[(Kind.I, stage)]
+    if kind is Kind.I and done >= counts[(Kind.F, stage)]:
         return False
-    kin = [other for other in stages if (other < stage if kind is OpKind.F else other > stage)]
+    kin = [other for other in stages if (other < stage if kind is Kind.F else other > stage)]
     return all(done < counts[(kind, other)] for other in kin)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from pipecc.diagnostics import CostModelError
 from pipecc.search.problem import (
-    OpKind,
+    SPLIT,
     OrderError,
     Placement,
     Problem,
@@ -15,7 +15,7 @@ from pipecc.search.problem import (
 )
 from pipecc.semantics.costs import load_cost_file, parse_cost_flag
 
-F, I, W = OpKind  # noqa: E741
+F, I, W = SPLIT  # noqa: E741
 
 
 def _problem(placement: Placement, cost: str = "F=1,I=1,W=1,comm=1", ranks: int = 2) -> Problem:
