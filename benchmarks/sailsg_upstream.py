@@ -34,7 +34,7 @@ from sailsg_baseline import (  # noqa: E402
 )
 
 from pipecc.ir.ops import Kind
-from pipecc.search.problem import Order, Placement, Problem, SearchOp, evaluate  # noqa: E402
+from pipecc.search.problem import Order, Problem, SearchOp, evaluate  # noqa: E402
 
 _KINDS = (Kind.F, Kind.I, Kind.W)
 
@@ -140,7 +140,7 @@ def v_figures(repo: Path) -> None:
         Profile("unit", (1.0,) * 4, (1.0,) * 4, (1.0,) * 4, 0.0),
         16,
         math.inf,
-        placement=Placement.VSHAPE,
+        placement="vshape",
     )
     for pattern in ("half", "min"):
         result = upstream_v(repo, problem, pattern)

@@ -19,7 +19,6 @@ from pipecc.passes.insert_comms import POLICIES
 from pipecc.render.grid import format_timeline
 from pipecc.search.engine import placements
 from pipecc.search.lower import ALIGNED, Placing
-from pipecc.search.problem import Placement
 from pipecc.search.run import (
     Outcome,
     Request,
@@ -263,8 +262,8 @@ def _note_conversions(request: Request) -> None:
     """Say (on stderr) how a profile measured on another cut is converted for each
     placement searched (docs/simulate.md)."""
     for placement in placements(request.placement):
-        stages = request.ranks * (1 if placement is Placement.LOOP else 2)
-        cut = Cut(request.ranks, stages, placement.value)
+        stages = request.ranks * (1 if placement == "loop" else 2)
+        cut = Cut(request.ranks, stages, placement)
         if note := request.costs.for_cut(cut).conversion():
             print(f"note: {note}", file=sys.stderr)
 
@@ -296,7 +295,7 @@ def _table(outcome: Outcome, total: float) -> str:
         *([f"span         {outcome.span:g} (the objective, latency model)"] if span else []),
         f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g})",
         f"baseline     {baseline}",
-        f"placement    {problem.placement.value}   chosen by {outcome.chosen_by}",
+        f"placement    {problem.placement}   chosen by {outcome.chosen_by}",
         f"seconds      {outcome.seconds:.3f} search, {total:.3f} in all",
     ]
     return "\n".join(lines) + "\n"

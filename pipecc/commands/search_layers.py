@@ -93,7 +93,7 @@ def _write(args: argparse.Namespace, found: LayerOutcome, profile: Profile) -> N
     cap = "no cap" if args.memory is None else f"cap {args.memory}"
     header = (
         f"pipecc search --layers {profile.origin}  P={problem.ranks} M={problem.microbatches}"
-        f"  placement {problem.placement.value}  comm {outcome.comm.value}  {cap}"
+        f"  placement {problem.placement}  comm {outcome.comm.value}  {cap}"
     )
     if args.output:
         write_output(json_program.dumps(outcome.lowered.program), args.output)
@@ -113,7 +113,7 @@ def _table(found: LayerOutcome, profile: Profile, req: LayerRequest, total: floa
     cap = "no cap" if req.cap is None else f"cap {format_size(req.cap)}"
     lines = [
         f"pipecc search  P={req.ranks} M={req.microbatches}  {len(profile.layers)} layers "
-        f"({profile.origin})  placement {outcome.problem.placement.value}  "
+        f"({profile.origin})  placement {outcome.problem.placement}  "
         f"comm {outcome.comm.value}  {cap}",
         f"cut          {found.cut.describe()}   (layers per stage; r: recomputed)",
         *_stage_lines(found, profile),

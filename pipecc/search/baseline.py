@@ -19,7 +19,7 @@ from pipecc.api import bundled_schedules, compile_schedule, read_text
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import Compute, Fused, Kind
 from pipecc.ir.program import Program
-from pipecc.search.problem import Order, Placement, Problem, SearchOp, evaluate, fits
+from pipecc.search.problem import Order, Problem, SearchOp, evaluate, fits
 
 _SPLIT = {
     Kind.F: (Kind.F,),
@@ -54,7 +54,7 @@ def bundled_orders(problem: Problem) -> tuple[Bundled, ...]:
 
 @functools.lru_cache(maxsize=8)
 def compiled_orders(
-    ranks: int, microbatches: int, placement: Placement
+    ranks: int, microbatches: int, placement: str
 ) -> tuple[tuple[str, Order, Program], ...]:
     """(name, order, program) of every bundled schedule of `placement` that compiles for
     `ranks` and `microbatches` without fused ops: what does not depend on the costs."""
@@ -73,15 +73,15 @@ def _placement_line(path: Path) -> str | None:
 
 
 def _order(
-    name: str, path: Path, ranks: int, microbatches: int, placement: Placement
+    name: str, path: Path, ranks: int, microbatches: int, placement: str
 ) -> tuple[Order, Program] | None:
-    if _placement_line(path) != placement.value:  # spares compiling the others
+    if _placement_line(path) != placement:  # spares compiling the others
         return None
     try:
         program = compile_schedule(path, ranks=ranks, microbatches=microbatches)
     except PipeccError:  # the schedule does not support this size
         return None
-    if program.placement.name != placement.value:
+    if program.placement.name != placement:
         return None
     order = []
     for instrs in program.ranks:

@@ -40,7 +40,7 @@ from pipecc.ir.program import Program
 from pipecc.search.baseline import compiled_orders
 from pipecc.search.engine import SearchResult, default_time_limit, search, smallest_cap
 from pipecc.search.layers import Cut, Profile, cut_of_counts, uniform_cut
-from pipecc.search.problem import Order, Placement, Problem
+from pipecc.search.problem import Order, Problem
 from pipecc.search.replay import OrderReplay
 
 _EPS = 1e-9
@@ -53,13 +53,13 @@ CLIMB_STEPS = 40  # moves of a climb between two of them (a count, not a clock: 
 # depends on the input and the seed only, wherever the final searches' clock does not end them)
 
 
-def num_stages(ranks: int, placement: Placement) -> int:
-    return ranks if placement is Placement.LOOP else 2 * ranks
+def num_stages(ranks: int, placement: str) -> int:
+    return ranks if placement == "loop" else 2 * ranks
 
 
-def rank_of(ranks: int, placement: Placement, stage: int) -> int:
+def rank_of(ranks: int, placement: str, stage: int) -> int:
     """The rank of `stage` (loop: stage s on rank s; V: s < P on rank s, else 2P-1-s)."""
-    if placement is Placement.LOOP or stage < ranks:
+    if placement == "loop" or stage < ranks:
         return stage
     return 2 * ranks - 1 - stage
 
@@ -95,7 +95,7 @@ class Setting:
     profile: Profile
     ranks: int
     microbatches: int
-    placement: Placement
+    placement: str
     cap: float | None
 
     @property
@@ -328,9 +328,7 @@ def _deep_recomputation(setting: Setting, cut: Cut) -> Cut | None:
     for rank in range(setting.ranks):
         first = problem.stages_of(rank)[0]
         depth = (
-            setting.ranks - rank
-            if setting.placement is Placement.LOOP
-            else 2 * (setting.ranks - rank) - 1
+            setting.ranks - rank if setting.placement == "loop" else 2 * (setting.ranks - rank) - 1
         )
         per_mb = sum(problem.mem_f[s] for s in problem.stages_of(rank))
         if per_mb * min(depth, setting.microbatches) > problem.cap + _EPS and first >= 0:

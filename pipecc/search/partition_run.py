@@ -26,7 +26,7 @@ from pipecc.search.partition import (
     memory_peaks,
     search_cuts,
 )
-from pipecc.search.problem import MemDeltas, Placement, evaluate, fits
+from pipecc.search.problem import MemDeltas, evaluate, fits
 from pipecc.search.run import NoScheduleError, Outcome, Request, finish
 from pipecc.semantics import CommModel
 
@@ -45,7 +45,7 @@ class LayerRequest(NamedTuple):
     policy: str
     backend: str
 
-    def setting(self, placement: Placement) -> Setting:
+    def setting(self, placement: str) -> Setting:
         return Setting(self.profile, self.ranks, self.microbatches, placement, self.cap)
 
 
@@ -152,7 +152,7 @@ def _finish(req: LayerRequest, setting: Setting, best: Found, seconds: float) ->
         costs=stage_costs(problem, req.profile.unit),
         cap=problem.cap,
         mem=MemDeltas(),
-        placement=problem.placement.value,
+        placement=problem.placement,
         objective="makespan",
         comm=req.comm,
         time_limit=req.time_limit,
@@ -163,7 +163,7 @@ def _finish(req: LayerRequest, setting: Setting, best: Found, seconds: float) ->
     return finish(request, [best.result], [problem], seconds)
 
 
-def _uniform(req: LayerRequest, placement: Placement) -> list[Uniform]:
+def _uniform(req: LayerRequest, placement: str) -> list[Uniform]:
     """Each bundled schedule of `placement` on the uniform cut, as compare simulates it."""
     setting = req.setting(placement)
     if len(req.profile.layers) < setting.stages:
@@ -179,5 +179,5 @@ def _uniform(req: LayerRequest, placement: Placement) -> list[Uniform]:
             if fits(problem, evaluation):
                 run = as_run_on(program, req.backend)
                 makespan = compare_makespan(run, costs, model=req.comm)
-        found.append(Uniform(placement.value, cut.counts(), name, makespan))
+        found.append(Uniform(placement, cut.counts(), name, makespan))
     return found

@@ -32,14 +32,8 @@ from typing import NamedTuple
 
 from pipecc.diagnostics import CostModelError
 from pipecc.ir.ops import Kind
+from pipecc.ir.placement import Placement, loop_placement, vshape_placement
 from pipecc.semantics.costs import CostModel, Cut
-
-
-class Placement(enum.Enum):
-    """How stages map to ranks."""
-
-    LOOP = "loop"  # S = P stages, stage s on rank s
-    VSHAPE = "vshape"  # S = 2P stages, stage s on rank s for s < P, on rank 2P-1-s otherwise
 
 
 class Objective(enum.Enum):
@@ -63,6 +57,11 @@ class SearchOp(NamedTuple):
 SPLIT = (Kind.F, Kind.I, Kind.W)
 """The three ops of the zero-bubble split (the IR's kinds; a full backward B is not one)."""
 
+SHAPES = ("loop", "vshape")
+"""The placements the search takes, by the IR's names (`pipecc.ir.placement`): loop, S = P
+stages, stage s on rank s; vshape, S = 2P stages, stage s on rank s for s < P, on rank
+2P-1-s otherwise."""
+
 Order = tuple[tuple[SearchOp, ...], ...]
 """One tuple of ops per rank, in the order the rank runs them."""
 
@@ -84,7 +83,7 @@ class Problem:
 
     ranks: int
     microbatches: int
-    placement: Placement
+    placement: str
     f: tuple[float, ...]
     i: tuple[float, ...]
     w: tuple[float, ...]
@@ -104,21 +103,29 @@ class Problem:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values, need {stages}")
         if self.comm < 0:
             raise ValueError(f"comm must be ≥ 0, got {self.comm}")
+        if self.placement not in SHAPES:
+            raise ValueError(f"placement {self.placement!r}: the search takes {SHAPES}")
+
+    def ir_placement(self) -> Placement:
+        """The IR's placement of that name for P ranks (what the lowered program carries)."""
+        if self.placement == "loop":
+            return loop_placement(self.ranks, 1)
+        return vshape_placement(self.ranks)
 
     @property
     def num_stages(self) -> int:
         """S: P for the loop placement, 2P for the V shape."""
-        return self.ranks if self.placement is Placement.LOOP else 2 * self.ranks
+        return self.ranks if self.placement == "loop" else 2 * self.ranks
 
     def rank_of(self, stage: int) -> int:
         """The rank that runs `stage`."""
-        if self.placement is Placement.LOOP or stage < self.ranks:
+        if self.placement == "loop" or stage < self.ranks:
             return stage
         return 2 * self.ranks - 1 - stage
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs, in increasing order."""
-        if self.placement is Placement.LOOP:
+        if self.placement == "loop":
             return (rank,)
         return (rank, 2 * self.ranks - 1 - rank)
 
@@ -149,7 +156,7 @@ class Problem:
         *,
         ranks: int,
         microbatches: int,
-        placement: Placement,
+        placement: str,
         cap: float,
         mem: MemDeltas = DEFAULT_MEM,
         objective: Objective = Objective.MAKESPAN,
@@ -158,8 +165,8 @@ class Problem:
 
         Raises CostModelError for a stage table the cut does not have or message latencies
         that differ between stages (the search's latency model has one `comm`)."""
-        stages = ranks if placement is Placement.LOOP else 2 * ranks
-        cost = stage_costs(costs.for_cut(Cut(ranks, stages, placement.value)), stages)
+        stages = ranks if placement == "loop" else 2 * ranks
+        cost = stage_costs(costs.for_cut(Cut(ranks, stages, placement)), stages)
         scale = ranks / stages
         return cls(
             ranks=ranks,

@@ -14,7 +14,7 @@ no chain). A `require` line pins the file to the size it was searched for.
 from __future__ import annotations
 
 from pipecc.ir.ops import Kind
-from pipecc.search.problem import Order, Placement, Problem, SearchOp
+from pipecc.search.problem import Order, Problem, SearchOp
 
 MAX_BLOCK = 12  # longest repeated block looked for
 WIDTH = 96
@@ -22,7 +22,7 @@ WIDTH = 96
 
 def op_tokens(problem: Problem, ops: tuple[SearchOp, ...]) -> list[str]:
     """The DSL spelling of one rank's ops (bare where the counter gives the microbatch)."""
-    loop = problem.placement is Placement.LOOP
+    loop = problem.placement == "loop"
     nxt: dict[tuple[Kind, int], int] = {}
     pending: dict[int, list[int]] = {}  # stage -> microbatches whose I ran, W not yet
     tokens = []
@@ -124,7 +124,7 @@ def write_sched(problem: Problem, order: Order, name: str, header: str = "") -> 
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += [
         f"schedule {name}",
-        f"placement {problem.placement.value}",
+        f"placement {problem.placement}",
         f"require P == {problem.ranks}, M == {problem.microbatches}",
     ]
     split = [split_phases(op_tokens(problem, ops)) for ops in order]

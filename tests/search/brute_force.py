@@ -22,7 +22,6 @@ from pipecc.search.problem import (
     SPLIT,
     Objective,
     Order,
-    Placement,
     Problem,
     SearchOp,
     _inputs,
@@ -163,7 +162,7 @@ class Case(NamedTuple):
     last_share: float  # the last share's durations are this times the others'
     ranks: int
     microbatches: int
-    placement: Placement
+    placement: str
     cap: float
     objective: Objective
 
@@ -189,7 +188,7 @@ class Case(NamedTuple):
 
     def __str__(self) -> str:
         return (
-            f"{self.cost}x{self.last_share:g}-P{self.ranks}-M{self.microbatches}-{self.placement.value}"
+            f"{self.cost}x{self.last_share:g}-P{self.ranks}-M{self.microbatches}-{self.placement}"
             f"-cap{self.cap:g}-{self.objective.value}"
         )
 
@@ -206,13 +205,13 @@ PROFILES = (
 )
 
 _SMALL = (
-    (2, 2, Placement.LOOP, (1, 2)),
-    (2, 3, Placement.LOOP, (1, 2, 3)),
-    (2, 4, Placement.LOOP, (2,)),
-    (3, 2, Placement.LOOP, (1, 2, 3)),
-    (2, 2, Placement.VSHAPE, (1,)),
+    (2, 2, "loop", (1, 2)),
+    (2, 3, "loop", (1, 2, 3)),
+    (2, 4, "loop", (2,)),
+    (3, 2, "loop", (1, 2, 3)),
+    (2, 2, "vshape", (1,)),
 )
-_LARGER = ((2, 4, Placement.LOOP, (3,)), (2, 2, Placement.VSHAPE, (1.5,)))  # ~2 s each
+_LARGER = ((2, 4, "loop", (3,)), (2, 2, "vshape", (1.5,)))  # ~2 s each
 
 CASES = tuple(
     Case(cost, last_share, ranks, mbs, placement, cap, objective)

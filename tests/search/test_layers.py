@@ -31,7 +31,7 @@ from pipecc.search.partition import (
     search_cuts,
     stage_durations,
 )
-from pipecc.search.problem import Placement, evaluate, fits
+from pipecc.search.problem import evaluate, fits
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "gpt_layers.toml"
@@ -125,14 +125,14 @@ def test_a_cuts_stage_costs_are_sums_and_recomputation_runs_f_again() -> None:
     assert f2 == pytest.approx(3.6)
 
 
-@pytest.mark.parametrize("placement", [Placement.LOOP, Placement.VSHAPE])
+@pytest.mark.parametrize("placement", ["loop", "vshape"])
 def test_the_problems_memory_is_the_byte_rule_of_the_lowered_program(
-    placement: Placement,
+    placement: str,
 ) -> None:
     """The cap as the search sees it (headroom-scaled units) and the bytes predicted from
     the program by `pipecc.analysis.memory` are the same figures, recomputed stages too."""
     profile = _profile(blocks=6)
-    stages = 2 if placement is Placement.LOOP else 4
+    stages = 2 if placement == "loop" else 4
     setting = Setting(profile, 2, 4, placement, 160 * MiB)
     for counts in ([3, 5], [4, 4]) if stages == 2 else ([1, 3, 2, 2], [2, 2, 2, 2]):
         for flags in itertools.product((False, True), repeat=stages):
@@ -151,7 +151,7 @@ def test_the_problems_memory_is_the_byte_rule_of_the_lowered_program(
 
 
 def test_static_bytes_above_the_cap_rule_the_cut_out() -> None:
-    setting = Setting(_profile(), 2, 4, Placement.LOOP, 20 * MiB)
+    setting = Setting(_profile(), 2, 4, "loop", 20 * MiB)
     assert cut_problem(setting, cut_of_counts([3, 3])) is None  # 24 MiB of weights on each
 
 
@@ -165,10 +165,10 @@ def _all_cuts(layers: int, stages: int) -> list[Cut]:
 @pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
 @pytest.mark.parametrize(
     ("placement", "head", "cap"),
-    [(Placement.LOOP, 4.0, None), (Placement.LOOP, 2.0, 120 * MiB), (Placement.VSHAPE, 6.0, None)],
+    [("loop", 4.0, None), ("loop", 2.0, 120 * MiB), ("vshape", 6.0, None)],
 )
 def test_the_layer_search_reaches_the_optimum_over_every_cut(
-    placement: Placement, head: float, cap: float | None
+    placement: str, head: float, cap: float | None
 ) -> None:
     """P=2, M=4, 6 layers: CP-SAT's optimum on every cut (without recomputation; proven
     without a cap, where the problem's numbers are whole); the layer search's step is the
@@ -196,7 +196,7 @@ def test_recomputation_is_chosen_where_the_cap_needs_it() -> None:
     the best plain cut; the lowered program's predicted peak is within the cap."""
     profile = _profile(blocks=4)
     cap = 58 * MiB  # cut 4|2: rank 0 holds 32 MiB of weights and 25 MiB per microbatch
-    tight = Setting(profile, 2, 4, Placement.LOOP, cap)
+    tight = Setting(profile, 2, 4, "loop", cap)
     plain = []
     for cut in _all_cuts(6, 2):
         problem = cut_problem(tight, cut)
@@ -214,7 +214,7 @@ def test_recomputation_is_chosen_where_the_cap_needs_it() -> None:
 
 def test_the_search_is_never_slower_than_the_uniform_cut_with_a_bundled_schedule() -> None:
     profile = _profile(head=6.0, blocks=6)
-    for placement in (Placement.LOOP, Placement.VSHAPE):
+    for placement in ("loop", "vshape"):
         setting = Setting(profile, 2, 8, placement, None)
         uniform = cut_problem(setting, uniform_cut(8, setting.stages))
         assert uniform is not None
