@@ -18,7 +18,7 @@ The profile lists the model's layers in model order, one `[[layer]]` table each
 with `param_bytes` they are held for the whole step by the rank holding the layer. A `Cut`
 assigns contiguous layers to each stage of a placement's cut, in stage order, and says which
 stages recompute their forward; `cut_toml` writes it (`--partition cut.toml`), `load_cut`
-reads it back. Nothing here imports torch.
+reads it back, `cut_layers` gives `split_model` its `layers`. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -295,3 +295,11 @@ def load_cut(path: str | Path, names: tuple[str, ...] | None = None) -> tuple[Cu
     if len(set(order)) != len(order):
         raise InputError(f"{where}: a layer is named twice")
     return cut_of_counts(counts).with_recompute(tuple(recompute)), tuple(order)
+
+
+def cut_layers(path: str | Path) -> list[list[str]]:
+    """The layer names of each stage of a cut file, in stage order: `split_model`'s
+    `layers` (`split_model(model, stage, num_stages, layers=cut_layers("cut.toml"), ...)`),
+    where the profile's layer names are the model's module names."""
+    cut, names = load_cut(path)
+    return [[names[n] for n in cut.span(stage)] for stage in range(cut.stages)]

@@ -16,6 +16,7 @@ from pipecc.search.layers import (
     Cut,
     Layer,
     Profile,
+    cut_layers,
     cut_of_counts,
     cut_toml,
     load_cut,
@@ -222,3 +223,24 @@ def test_the_search_is_never_slower_than_the_uniform_cut_with_a_bundled_schedule
         best = min(e.makespan for e in steps if e is not None)
         found = search_cuts(setting)
         assert found[0].result.score < best - 1e-9
+
+
+def test_a_cut_file_is_split_models_layers(tmp_path: Path) -> None:
+    """A cut of a profile named by the model's modules cuts the model as written: each
+    stage built by split_model holds exactly its layers' parameters."""
+    torch = pytest.importorskip("torch")
+    from pipecc.runtime import split_model
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
+    names = tuple(str(n) for n in range(5))
+    layers = tuple(Layer(name, 1, 1, 1) for name in names)
+    cut = cut_of_counts([1, 3, 1]).with_recompute((False, True, False))
+    path = tmp_path / "cut.toml"
+    path.write_text(cut_toml(cut, Profile(layers)))
+    stages = cut_layers(path)
+    assert stages == [["0"], ["1", "2", "3"], ["4"]]
+    for index, expected in enumerate(stages):
+        part = split_model(model, index, 3, layers=stages, init=None)
+        held = {name.split(".")[0] for name, _ in part.named_parameters()}
+        assert held == set(expected)
