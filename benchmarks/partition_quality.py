@@ -27,14 +27,16 @@ eager` gives) of
 Every baseline cut is also tried with every stage recomputed (Megatron's full
 recomputation), where that fits and the plain cut does not. With `--exact S`, CP-SAT (S
 seconds of deterministic time, one worker) on the orders of the searched cut at P=4, M=8
-(hinted with the search's order; counted where it proves its optimum). Over every cut,
-CP-SAT's optimum is checked at P=2, M=4 by tests/search/test_layers.py.
+(hinted with the search's order): its best order within the budget (it proves no optimum
+on these profiles: their jittered durations and the cap's byte headroom do not scale to
+whole numbers). Over every cut, CP-SAT's proven optimum is checked at P=2, M=4 by
+tests/search/test_layers.py.
 
 "x% faster" is the baseline's step over the search's, less one (the throughput gained); a
 baseline none of whose cuts fits the cap leaves the cell out of its mean. The checks of
 the issue's requirement 4: the search is never slower than (a), (b) or (c);
 on average at least 15% faster than (a) and 3% faster than the best of (b) and (c); within
-2% of CP-SAT's best where it proves an optimum.
+2% of CP-SAT's best.
 """
 
 from __future__ import annotations
@@ -201,13 +203,16 @@ def run_cell(profile: Profile, ranks: int, mbs: int, cap: float, args: argparse.
 
 
 def _exact(found: LayerOutcome, profile: Profile, cap: float, work: float) -> float | None:
-    """CP-SAT's proven optimum over the orders of the searched cut (None: not proven)."""
+    """CP-SAT's best order on the searched cut, replayed exactly (None: it found none). Its
+    optimum is proven only where the profile's numbers are whole after scaling (never on
+    these jittered profiles, nor under a cap, whose byte headroom the search scales by):
+    the figure is CP-SAT's best within the budget, not a proof."""
     problem = found.outcome.problem
     setting = Setting(profile, problem.ranks, problem.microbatches, problem.placement, cap)
     cut_prob = cut_problem(setting, found.cut)
     assert cut_prob is not None
     solved = exact.solve(cut_prob, hint=found.outcome.order, work=work)
-    return solved.value if solved.order is not None and solved.optimal else None
+    return solved.value if solved.order is not None else None
 
 
 def main() -> int:
@@ -259,7 +264,7 @@ def _verdict(cells: list[Cell]) -> int:
     print(f"faster than the best of (b) torchtitan and (c) Megatron: mean "
           f"{statistics.mean(vs_bc):.1%} (min {min(vs_bc):.1%}); target >= 3%")  # fmt: skip
     if exact_gaps:
-        print(f"above CP-SAT's proven optimum on the searched cut: "
+        print(f"above CP-SAT's best order on the searched cut (hinted; no optimum proven): "
               f"max {max(exact_gaps):.2%} over {len(exact_gaps)} cells; target <= 2%")  # fmt: skip
     ok = not slower and statistics.mean(vs_a) >= 0.15 and statistics.mean(vs_bc) >= 0.03
     ok = ok and all(g <= 0.02 for g in exact_gaps)
