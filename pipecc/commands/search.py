@@ -57,6 +57,7 @@ examples:
   pipecc search -P 4 -M 16 --cost-file costs.toml --memory 6 -o best.json --sched best.sched
   pipecc search -P 8 -M 32 --cost F=1,I=1,W=1,comm=1 --memory 4 --placement auto --json
   pipecc search -P 2 -M 8 --cost-file prof.toml --memory 2 --backend gloo -o best.json
+  pipecc search -P 4 -M 16 --layers layers.toml --memory 40GiB -o best.json --partition cut.toml
 
 exit codes: 0 a schedule was found; 1 no schedule fits the cap (the message gives the
 smallest cap that has one); 2 input pipecc cannot use.
