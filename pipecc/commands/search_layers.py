@@ -97,7 +97,17 @@ def _write(args: argparse.Namespace, found: LayerOutcome, profile: Profile) -> N
     )
     if args.output:
         write_output(json_program.dumps(outcome.lowered.program), args.output)
-        write_output(outcome.costs_text, str(Path(args.output).with_suffix(".costs.toml")))
+        recomputed = [str(s) for s, flag in enumerate(found.cut.recompute) if flag]
+        note = (
+            f"# recomputed stages: {', '.join(recomputed)} (their I includes their F again;"
+            f" the cut file says so)\n"
+            if recomputed
+            else ""
+        )
+        costs = str(Path(args.output).with_suffix(".costs.toml"))
+        write_output(
+            f"# {header}\n# cut: {found.cut.describe()}\n{note}{outcome.costs_text}", costs
+        )
     if args.sched:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(args.sched).stem) or "search"
         cut = f"cut (layers per stage, r: recomputed): {found.cut.describe()}"

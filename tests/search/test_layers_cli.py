@@ -86,3 +86,18 @@ def test_partition_needs_layers_and_a_cap_needs_sizes(
     assert code == 2 and "gives no sizes" in err
     code, _, err = _run(capsys, "search", "-P", "4", "-M", "4", "--layers", str(bare))
     assert code == 1 and "2 layers cannot fill 4 stages" in err
+
+
+def test_the_costs_file_names_the_cut_and_its_recomputation(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "best.json"
+    files = ["-o", str(out), "--partition", str(tmp_path / "c.toml")]
+    code, _, _ = _run(capsys, "search", "-P", "4", "-M", "8", "--layers", EXAMPLE,
+                      "--memory", "400MiB", *files)  # fmt: skip
+    assert code == 0
+    cut, _ = load_cut(tmp_path / "c.toml")
+    assert any(cut.recompute), "400 MiB needs recomputation (docs/search.md section 12)"
+    text = out.with_suffix(".costs.toml").read_text()
+    stages = ", ".join(str(s) for s, flag in enumerate(cut.recompute) if flag)
+    assert f"# cut: {cut.describe()}" in text and f"# recomputed stages: {stages} " in text
