@@ -278,10 +278,11 @@ def seed_cuts(setting: Setting, edges: int = 8) -> list[Cut]:
 
 
 def recompute_plans(setting: Setting, cut: Cut) -> list[Cut]:
-    """The cut with the recomputation to try: none, if that fits; the least the cap needs
-    (stages of the rank furthest over, largest saving first, until one microbatch at a time
-    fits); every recomputable stage of the ranks that cannot hold as many microbatches as
-    1F1B's depth there. Empty when nothing fits."""
+    """The cut with the recomputation to try: none, if that fits; else the least the cap
+    needs (stages switched largest saving first until one microbatch at a time fits: on the
+    V shape a recomputed first chunk holds only its input while the second runs); and every
+    recomputable stage of the ranks that cannot hold as many microbatches as 1F1B's depth
+    there (P - r; 2(P - r) - 1 on the V shape). Empty when nothing fits."""
     plans = []
     minimal = _least_recomputation(setting, cut)
     if minimal is not None:
@@ -299,12 +300,11 @@ def _least_recomputation(setting: Setting, cut: Cut) -> Cut | None:
             return None
         if setting.cap is None or smallest_cap(problem) <= problem.cap + _EPS:
             return cut
-        choices = [
-            (stage_bytes(setting.profile, cut, s).added_i, s)
+        options = [
+            (_saving(setting, cut, s), s)
             for s in range(cut.stages)
             if not cut.recompute[s] and can_recompute(setting.profile, cut, s)
         ]
-        options = [(_saving(setting, cut, s), s) for _, s in choices]
         if not options:
             return None
         _, stage = max(options)
@@ -326,12 +326,11 @@ def _deep_recomputation(setting: Setting, cut: Cut) -> Cut | None:
         return None
     flags = list(cut.recompute)
     for rank in range(setting.ranks):
-        first = problem.stages_of(rank)[0]
         depth = (
             setting.ranks - rank if setting.placement == "loop" else 2 * (setting.ranks - rank) - 1
         )
         per_mb = sum(problem.mem_f[s] for s in problem.stages_of(rank))
-        if per_mb * min(depth, setting.microbatches) > problem.cap + _EPS and first >= 0:
+        if per_mb * min(depth, setting.microbatches) > problem.cap + _EPS:
             for stage in problem.stages_of(rank):
                 flags[stage] = flags[stage] or can_recompute(setting.profile, cut, stage)
     deep = cut.with_recompute(tuple(flags))
