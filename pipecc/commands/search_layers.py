@@ -45,6 +45,8 @@ def run_layers(args: argparse.Namespace, placing: Placing) -> int:
         if getattr(args, name):
             flag = "--" + name.replace("_", "-")
             raise InputError(f"{flag} is for per-share costs: the profile of --layers gives them")
+    if args.objective != "makespan":
+        raise InputError("--layers minimises the step: --objective span is for per-share costs")
     profile = load_layers(args.layers)
     request = LayerRequest(
         profile=profile,

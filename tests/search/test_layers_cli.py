@@ -64,6 +64,7 @@ def test_the_table_names_the_cut_the_bounds_and_the_uniform_cuts(
     [
         (["--cost", "F=1"], "--cost is for per-share costs"),
         (["--memory", "40GB"], "binary unit"),
+        (["--objective", "span"], "--objective span is for per-share costs"),
         (["--memory", "1KiB"], "no cut fits --memory 1 KiB"),
     ],
 )
