@@ -6,7 +6,7 @@ This package is the top-level `runtime/` folder of the repository, installed as
 without torch. docs/runtime.md describes the API.
 
     program = pipecc.api.compile_schedule("schedules/zb_h1.sched", ranks=4, microbatches=8)
-    runtime = PipelineRuntime(program, {0: my_stage}, infer_boundaries(all_stages, sample))
+    runtime = PipelineRuntime(program, {0: my_stage})  # shapes found on the real data
     loss = runtime.step(inputs, targets)   # gradients accumulate in .grad
 """
 

@@ -210,11 +210,13 @@ class PipelineRuntime:
             split_inputs = self._split(inputs, "inputs", found, required=True)
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
-        if signature is not None and signature.code == self.signatures.current:
-            if found:  # a known signature: nothing is exchanged, this rank stops alone
-                raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))
-        else:
+        if signature is None or not self.signatures.known(signature):
             self._settle(signature, found, split_inputs)
+        elif found:  # a known signature: nothing is exchanged, this rank stops alone
+            raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))
+        elif signature.code != self.signatures.current:  # seen before: switched to locally
+            self.signatures.current = signature.code
+            self._use(self.signatures.cache[signature.code])
         scale = 1.0 / self.program.num_microbatches
         return StepContext(split_inputs, split_targets, scale, training, step=self.steps)
 
@@ -247,12 +249,8 @@ class PipelineRuntime:
     def _settle(
         self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
     ) -> None:
-        """Switch to a signature seen before, or discover a new one with every rank
-        (runtime/boundaries/discovery.py) and check it."""
-        if signature is not None and not found and self.signatures.known(signature):
-            self.signatures.current = signature.code
-            self._use(self.signatures.cache[signature.code])
-            return
+        """Discover a new signature with every rank (runtime/boundaries/discovery.py), check
+        it and switch to it."""
         config = self.config
         forward = Forward(config.autocast, self._seed_of, f"rank {self.rank}, step {self.steps}")
         exchange = Exchange(self.group, self.rank_map, self.rank, self.device, self._limit)

@@ -180,6 +180,7 @@ CASES = (
     Case("seqs-zbv", "mask", "zbv", seqs=(4, 6, 6, 4, 6)),
     Case("static-zbv", "mask", "zbv", seqs=(4, 4, 4), inputs="first", static=True),
     Case("no-inputs-zbv", "mask", "zbv", inputs="first"),
+    Case("static-change-zbv", "mask", "zbv", seqs=(4, 6), static=True),
     Case("different-zbv", "mask", "zbv", given=((4,), (6,))),
     Case("raising-1f1b", "mask", "1f1b", raising=True),
     Case("after-errors-zbv", "mask", "zbv", seqs=(4, 6)),
