@@ -16,6 +16,7 @@ from .boundaries.discovery import pipeline_boundaries
 from .boundaries.specs import Boundary, TensorSpec, infer_boundaries
 from .comm.shared import shared_parameters
 from .config import RuntimeConfig, mse_loss
+from .engine.aux_loss import LossBreakdown, add_loss
 from .engine.interpreter import InstructionError
 from .pipeline import PipelineRuntime
 from .profiling.recorder import Recorder
@@ -24,10 +25,12 @@ from .tools.split_model import split_model
 __all__ = [
     "Boundary",
     "InstructionError",
+    "LossBreakdown",
     "PipelineRuntime",
     "Recorder",
     "RuntimeConfig",
     "TensorSpec",
+    "add_loss",
     "infer_boundaries",
     "mse_loss",
     "pipeline_boundaries",

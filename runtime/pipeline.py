@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -22,11 +23,14 @@ from pipecc.diagnostics import ProgramError, SetupError
 from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
+from .boundaries.context import sample_context, split_context
 from .boundaries.signatures import BoundaryFn, BoundaryFnError, Gather, Seen, Signatures
 from .boundaries.specs import Boundary, Specs
 from .comm import agreement, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
+from .engine import aux_loss
+from .engine.aux_loss import LossBreakdown
 from .engine.compute import StageOps
 from .engine.context import StepContext
 from .engine.fused import FusedOps
@@ -79,6 +83,7 @@ class PipelineRuntime:
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
         self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
         self.losses: dict[int, torch.Tensor] = {}
+        self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
         if self._problem is None:
@@ -110,16 +115,25 @@ class PipelineRuntime:
     # ---- public API ------------------------------------------------------------------------
 
     def step(
-        self, inputs: object = None, targets: object = None, *, recorder: Recorder | None = None
+        self,
+        inputs: object = None,
+        targets: object = None,
+        *,
+        context: object = None,
+        recorder: Recorder | None = None,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of all M microbatches.
 
         Gradients accumulate into `.grad` as the mean over microbatches (zero them before, as
         with a single-process step). Returns the mean loss of the microbatches whose last
-        stage lives on this rank (None elsewhere); `self.losses` maps each to its loss.
-        `recorder`: time every instruction into it (runtime/profiling/profiler.py).
+        stage lives on this rank (None elsewhere); `self.losses` maps each to its loss, and
+        `self.aux_losses` each microbatch to the losses its stages on this rank added
+        (`add_loss`), by stage. `context`: a dict of every stage's keyword inputs, split
+        into microbatches like the inputs (runtime/boundaries/context.py); every rank
+        passes the same one. `recorder`: time every instruction into it
+        (runtime/profiling/profiler.py).
         """
-        ctx = self._context(inputs, targets, training=True)
+        ctx = self._context(inputs, targets, training=True, context=context)
         interpreter = self.interpreter
         if recorder is not None:
             interpreter = ProfilingInterpreter(interpreter, recorder)
@@ -142,12 +156,15 @@ class PipelineRuntime:
         self.steps += 1
         return self._loss_of(ctx)
 
-    def forward(self, inputs: object = None, targets: object = None) -> dict[int, object]:
+    def forward(
+        self, inputs: object = None, targets: object = None, *, context: object = None
+    ) -> dict[int, object]:
         """Forward only (evaluation): the program's forwards and activation messages, under
         `torch.no_grad()`. Returns the outputs of the microbatches whose last stage lives
-        here, by microbatch; with `targets`, `self.losses` holds their losses."""
+        here, by microbatch; with `targets`, `self.losses` holds their losses (and
+        `self.aux_losses` the added ones). `context` as for `step`."""
         with torch.no_grad():
-            ctx = self._context(inputs, targets, training=False)
+            ctx = self._context(inputs, targets, training=False, context=context)
             with self.rng.step_scope():
                 self.interpreter.run(self.forward_plan, ctx)
             ctx.settle()
@@ -169,14 +186,28 @@ class PipelineRuntime:
         training.scale_grads(self.parameters(), float(max_norm) / (float(total) + 1e-6))
         return total
 
-    def global_loss(self) -> torch.Tensor:
-        """The last step's mean loss over all M microbatches, on every rank (a collective:
-        every rank calls it)."""
-        return training.mean_loss(list(self.losses.values()), self.group, self.device)
+    @overload
+    def global_loss(self, *, breakdown: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def global_loss(self, *, breakdown: Literal[True]) -> LossBreakdown: ...
+    def global_loss(self, *, breakdown: bool = False) -> torch.Tensor | LossBreakdown:
+        """The last step's loss over all M microbatches, on every rank (a collective: every
+        rank calls it): the mean main loss plus the mean of the losses added inside the
+        stages (`add_loss`), the loss whose gradient `.grad` holds. `breakdown=True`
+        returns a `LossBreakdown`: total, main, added, and added by stage."""
+        if not breakdown and not self.aux_losses:  # nothing added here: one small reduce
+            return training.mean_loss(list(self.losses.values()), self.group, self.device)
+        found = aux_loss.breakdown(
+            self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
+            self.device,
+        )  # fmt: skip
+        return found if breakdown else torch.tensor(found.total)
 
     # ---- the step --------------------------------------------------------------------------
 
-    def _context(self, inputs: object, targets: object, *, training: bool) -> StepContext:
+    def _context(
+        self, inputs: object, targets: object, *, training: bool, context: object = None
+    ) -> StepContext:
         """Split the batch, learn the step's shapes; a new signature is checked everywhere."""
         if self._problem is not None:
             raise SetupError(self._problem)
@@ -188,11 +219,13 @@ class PipelineRuntime:
             split_inputs = self._split(inputs, "inputs", found, required=True)
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
+        contexts = split_context(context, self.program.num_microbatches, self.device, found)
         sample = split_inputs[0] if split_inputs else None
-        gather = self.signatures.start(sample, bool(found))
+        gather = self.signatures.start(sample, bool(found), contexts[0] if contexts else None)
         scale = 1.0 / self.program.num_microbatches
         ctx = StepContext(split_inputs, split_targets, scale, training, step=self.steps)
-        settle = functools.partial(self._settle, gather, found)
+        ctx.context = contexts
+        settle = in_context(functools.partial(self._settle, gather, found), contexts)
         # Known shapes (this rank's inputs have the current signature, or it has none and
         # a signature is current): compute until the first post while the gather completes.
         known = self.signatures.current != 0 and gather.code in (0, self.signatures.current)
@@ -256,9 +289,23 @@ class PipelineRuntime:
 
     def _loss_of(self, ctx: StepContext) -> torch.Tensor | None:
         self.losses = dict(sorted(ctx.losses.items()))
+        self.aux_losses = {mb: dict(sorted(v.items())) for mb, v in sorted(ctx.aux_losses.items())}
         if not self.losses:
             return None
         return torch.stack(list(self.losses.values())).mean()
+
+
+def in_context(settle: Callable[[], None], contexts: list[Any] | None) -> Callable[[], None]:
+    """`settle` run with this rank's first context microbatch as boundary inference's
+    sample context (a new signature runs the stages on it)."""
+    if not contexts:
+        return settle
+
+    def run() -> None:
+        with sample_context(contexts[0]):
+            settle()
+
+    return run
 
 
 def _device_of(modules: Mapping[int, torch.nn.Module]) -> torch.device:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from pipecc.diagnostics import PipeccError, RankError, SetupError
 
 from ..comm.agreement import gather_texts
+from .context import context_text, inputs_text
 from .specs import normalise_boundaries, synthetic
 from .trees import Boundary, flatten
 
@@ -63,9 +64,10 @@ class Seen(Enum):
     UNUSABLE = "unusable"  # some rank's batch is unusable: the caller reports it
 
 
-def signature_of(sample: object) -> tuple[int, str]:
-    """A 63-bit hash of a microbatch's boundary text, and the text."""
-    text = flatten(sample, "the inputs")[1].text()
+def signature_of(sample: object, context: Mapping[str, Any] | None = None) -> tuple[int, str]:
+    """A 63-bit hash of a microbatch's boundary text, and the text: its inputs and, when
+    the step has one, its context (runtime/boundaries/context.py)."""
+    text = flatten(sample, "the inputs")[1].text() + context_text(context)
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 1) or 1, text
 
@@ -95,11 +97,14 @@ class Signatures:
         `where` names the rank and the step in a timeout."""
         return self.finish(self.start(sample, unusable), where)
 
-    def start(self, sample: object | None, unusable: bool) -> Gather:
-        """Post this rank's code (the gather completes in `finish`)."""
+    def start(
+        self, sample: object | None, unusable: bool, context: Mapping[str, Any] | None = None
+    ) -> Gather:
+        """Post this rank's code (the gather completes in `finish`); `context`: the
+        sample microbatch's context, part of the signature."""
         code, text = (UNUSABLE, "") if unusable else (0, "")
         if sample is not None and not unusable:
-            code, text = signature_of(sample)
+            code, text = signature_of(sample, context)
         mine = torch.tensor([code], dtype=torch.int64, device=self.device)
         codes = [torch.zeros_like(mine) for _ in range(self.world)]
         work = dist.all_gather(codes, mine, group=self.group, async_op=True)
@@ -120,7 +125,7 @@ class Signatures:
             return seen, self.cache[code]
         texts = gather_texts(gather.text, self.group, self.world, self.device)
         source = next(t for c, t in zip(codes, texts, strict=True) if c > 0)
-        self.cache[code] = self._build(Boundary.from_text(source))
+        self.cache[code] = self._build(Boundary.from_text(inputs_text(source)))
         self.current = code
         return Seen.NEW, self.cache[code]
 
@@ -164,7 +169,7 @@ class Signatures:
     def _disagreement(self, text: str, codes: list[int]) -> str:
         texts = gather_texts(text, self.group, self.world, self.device)
         lines = [
-            f"rank {rank}: {Boundary.from_text(t).describe()}"
+            f"rank {rank}: {Boundary.from_text(inputs_text(t)).describe()}"
             for rank, (c, t) in enumerate(zip(codes, texts, strict=True))
             if c > 0
         ]

@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 from pipecc.diagnostics import InputError
 
+from .context import current_sample, on_device, on_meta, sample_context
 from .trees import Boundary, TensorSpec, boundary_of, flatten
 
 __all__ = ["Boundaries", "Boundary", "Specs", "TensorSpec", "infer_boundaries"]
@@ -84,7 +85,7 @@ def meta_forward(module: torch.nn.Module, given: Boundary) -> Boundary:
         )
     )
     with torch.enable_grad():
-        outputs = functional_call(module, state, _args(inputs))
+        outputs = functional_call(module, state, _args(inputs), on_meta(current_sample()))
     return boundary_of(outputs, "a stage's output")
 
 
@@ -101,7 +102,8 @@ def real_forward(
     with _fork_rng(device):
         inputs = given.rebuild(synthetic(given.tensors, device))
         with autocast_context(device, autocast), torch.enable_grad():
-            outputs = functional_call(module, buffers, _args(inputs), strict=False)
+            kwargs = on_device(current_sample(), device)
+            outputs = functional_call(module, buffers, _args(inputs), kwargs, strict=False)
     return boundary_of(outputs, "a stage's output")
 
 
@@ -128,6 +130,7 @@ def infer_boundaries(
     *,
     autocast: torch.dtype | None = None,
     device: torch.device | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> dict[int, Boundary]:
     """Every stage's input boundary, from the whole model in stage order and one microbatch.
 
@@ -135,8 +138,13 @@ def infer_boundaries(
     shapes, dtypes and constants are used). Entry 0 is the sample itself; entry len(stages)
     is the model's output, absent when it is not a pytree of tensors and constants (a
     dataclass: only `loss_fn` reads it, nothing sends it). `autocast`: the dtype the forwards
-    run under, if any.
+    run under, if any. `context`: one microbatch of the step's context (every stage's
+    keyword inputs, runtime/boundaries/context.py); by default the one the runtime
+    installs while it learns a new signature.
     """
+    if context is not None:
+        with sample_context(context):
+            return infer_boundaries(stages, sample, autocast=autocast, device=device)
     boundary = flatten(sample, "the sample input")[1]
     boundaries = {0: boundary}
     for index, stage in enumerate(stages):

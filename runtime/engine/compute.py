@@ -31,6 +31,7 @@ from ..boundaries.specs import autocast_context
 from ..boundaries.trees import Boundary, call, flatten, unwrap
 from ..config import LossFn
 from ..plan.binding import Chunk
+from .aux_loss import collecting, scaled_roots, total
 from .context import Saved, StepContext, Tensors
 from .precision import Fp32Grads
 from .rng import ForwardRng
@@ -75,14 +76,18 @@ class StageOps:
         value, inputs = self.stage_inputs(ctx, op)
         self.rng.seed(ctx.step, op.stage, op.mb)
         captured = ctx.training and op.chunk in self.split
+        added: list[torch.Tensor] = []
         with self.autocast():
             with capturing(chunk.module) if captured else contextlib.nullcontext():
-                output = call(chunk.module, value)
+                with collecting(added):
+                    output = call(chunk.module, value, context_of(ctx, op.mb))
             outputs = self.loss(ctx, op.mb, output) if chunk.last else None
         if outputs is None:
             outputs = self.hand_on(ctx, op, output)
         if ctx.training:
-            ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs)
+            ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs, record_added(ctx, op, added))
+        else:
+            record_added(ctx, op, added)
 
     def backward(self, ctx: StepContext, op: Compute) -> None:
         saved = ctx.saved.pop((op.chunk, op.mb))
@@ -167,12 +172,15 @@ class StageOps:
         return tuple(t for t, c in zip(tensors, carries, strict=True) if c)
 
     def output_grads(self, ctx: StepContext, op: Compute, saved: Saved) -> tuple[Tensors, Tensors]:
-        """The outputs a backward starts from, with their gradients."""
+        """The outputs a backward starts from, with their gradients; then the forward's
+        added loss, seeded with 1/M (runtime/engine/aux_loss.py)."""
+        roots, seeds = scaled_roots(saved.added, ctx.scale)
         if self.chunks[op.chunk].last:
-            return saved.outputs, tuple(torch.ones_like(o) for o in saved.outputs)
+            ones = tuple(torch.ones_like(o) for o in saved.outputs)
+            return saved.outputs + roots, ones + seeds
         received = take(ctx, consumed(op.kind, op.pipe, op.stage, op.mb))
         live = [(o, g) for o, g in zip(saved.outputs, received, strict=True) if o.requires_grad]
-        return tuple(o for o, _ in live), tuple(g for _, g in live)
+        return tuple(o for o, _ in live) + roots, tuple(g for _, g in live) + seeds
 
     def hand_back(
         self, ctx: StepContext, op: Compute, inputs: Tensors, grads: Sequence[torch.Tensor | None]
@@ -184,6 +192,20 @@ class StageOps:
             g if g is not None else torch.zeros_like(x) for x, g in zip(inputs, grads, strict=True)
         )
         ctx.mail[produced(op.kind, op.pipe, op.stage, op.mb)] = payload
+
+
+def context_of(ctx: StepContext, mb: int) -> dict[str, object]:
+    """The keyword arguments of every stage's forward on microbatch `mb` (the step's
+    context, split like the inputs; none without one)."""
+    return ctx.context[mb] if ctx.context is not None else {}
+
+
+def record_added(ctx: StepContext, op: Compute, added: list[torch.Tensor]) -> torch.Tensor | None:
+    """Report a forward's added losses (by microbatch, then stage); return their sum."""
+    found = total(added)
+    if found is not None:
+        ctx.aux_losses.setdefault(op.mb, {})[op.stage] = found.detach()
+    return found
 
 
 def check_output(op: Compute, got: Boundary, expected: Boundary, *, training: bool) -> None:

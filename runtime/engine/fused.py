@@ -23,7 +23,8 @@ one after the other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import Compute, Fused, Kind
 
 from ..boundaries.trees import unwrap
-from .compute import StageOps
+from .aux_loss import collecting, scaled_roots
+from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
 
 HOOK = "overlapped_forward_backward"
@@ -119,16 +121,24 @@ class FusedOps:
         saved = ctx.saved.pop((backward.chunk, backward.mb))
         loss1, outputs1, grads1 = None, [], []
         if bchunk.last:
-            loss1 = saved.outputs[0]
+            loss1 = _with_added(saved, ctx.scale)
         else:
             outputs1, grads1 = (list(x) for x in ops.output_grads(ctx, backward, saved))
         ops.rng.seed(ctx.step, forward.stage, forward.mb)
-        with ops.autocast():
+        added: list[torch.Tensor] = []
+        with (
+            ops.autocast(),
+            collecting(added),
+            _keywords(fchunk.module, context_of(ctx, forward.mb)),
+        ):
             outputs0, loss0 = hook(
                 fchunk.module, _as_list(value), criterion, labels,
                 bchunk.module, loss1, outputs1, grads1,
             )  # fmt: skip
-        self._after(ctx, forward, inputs, outputs0, loss0, criterion)
+        self._after(ctx, forward, inputs, (outputs0, loss0), criterion)
+        ctx.saved[(forward.chunk, forward.mb)] = ctx.saved[(forward.chunk, forward.mb)]._replace(
+            added=record_added(ctx, forward, added)
+        )
         grads = tuple(x.grad if x.requires_grad else None for x in saved.inputs)
         ops.hand_back(ctx, backward, saved.inputs, grads)
         ops.drain(backward.chunk)
@@ -138,10 +148,10 @@ class FusedOps:
         ctx: StepContext,
         op: Compute,
         inputs: Tensors,
-        outputs0: Any,
-        loss0: Any,
+        returned: tuple[Any, Any],
         criterion: ScaledCriterion | None,
     ) -> None:
+        outputs0, loss0 = returned
         if criterion is not None:
             if not isinstance(loss0, torch.Tensor) or criterion.raw is None:
                 raise ProgramError(
@@ -153,6 +163,30 @@ class FusedOps:
         else:
             outputs = self.ops.hand_on(ctx, op, outputs0)
         ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs)
+
+
+def _with_added(saved: Saved, scale: float) -> torch.Tensor:
+    """`loss1` of the hook: the scaled main loss plus the scaled losses the forward added."""
+    roots, _ = scaled_roots(saved.added, scale)
+    return saved.outputs[0] + roots[0] * scale if roots else saved.outputs[0]
+
+
+@contextmanager
+def _keywords(module: torch.nn.Module, context: dict[str, object]) -> Iterator[None]:
+    """The hook calls `module0(*inputs0)`: the microbatch's context reaches that call as
+    keyword arguments through a forward pre-hook, for the extent of the hook."""
+    if not context:
+        yield
+        return
+
+    def add(_: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return args, {**context, **kwargs}
+
+    handle = module.register_forward_pre_hook(add, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _as_list(value: object) -> list[Any]:

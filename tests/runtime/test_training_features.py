@@ -1,0 +1,133 @@
+"""`add_loss` and context inputs under every kind of schedule, against a hand-written step.
+
+One process group of 2 ranks and one of 4 run every case (training_cases.py). `add_loss`:
+1F1B, ZB-H1 (the Linear weight contract and the graph walk), ZBV, DualPipeV and DualPipe
+(with and without the overlap hook) at P=2 and ZB-H1 at P=4: every gradient within 1e-6
+relative of single-process training whose loss includes the added losses, the reported
+main and added losses equal the reference's, per microbatch and stage and in
+`global_loss`. Context: a loop, a V shape and DualPipe (with the hook, boundaries learned
+by a function): every gradient equal. In this process: `add_loss` outside pipecc.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from pipecc.runtime import add_loss
+from pipecc.runtime.tools.spawn import spawn
+from torch import nn
+from training_cases import TOLERANCE, Case, build, run_cases
+
+from pipecc.api import compile_schedule
+from pipecc.diagnostics import InputError
+
+Results = list[dict[str, dict[str, Any]]]
+
+
+def _case(name: str, schedule: str, ranks: int, microbatches: int, **kw: Any) -> Case:
+    program = compile_schedule(schedule, ranks=ranks, microbatches=microbatches)
+    return Case(name, program, **kw)
+
+
+def cases_2() -> list[Case]:
+    return [
+        _case("aux-1f1b", "1f1b", 2, 4),
+        _case("aux-zb_h1", "zb_h1", 2, 4),
+        _case("aux-zb_h1-raw", "zb_h1", 2, 4, model="raw"),
+        _case("aux-zbv", "zbv", 2, 4),
+        _case("aux-zbv-raw", "zbv", 2, 4, model="raw"),
+        _case("aux-dualpipev", "dualpipev", 2, 5),
+        _case("aux-dualpipe", "dualpipe", 2, 6),
+        _case("aux-dualpipe-hook", "dualpipe", 2, 6, model="hooked"),
+        _case("aux-dualpipev-hook", "dualpipev", 2, 5, model="hooked"),
+        _case("context-1f1b", "1f1b", 2, 4, model="context"),
+        _case("context-zbv", "zbv", 2, 4, model="context"),
+        _case("context-dualpipe", "dualpipe", 2, 6, model="context", infer=True),
+    ]
+
+
+def cases_4() -> list[Case]:
+    return [
+        _case("aux-zb_h1-P4", "zb_h1", 4, 8),
+        _case("context-zbv-P4", "zbv", 4, 8, model="context"),
+    ]
+
+
+@functools.cache
+def _group(ranks: int) -> Results:
+    cases = cases_2() if ranks == 2 else cases_4()
+    return spawn(run_cases, ranks, cases, timeout=120.0)  # type: ignore[no-any-return]
+
+
+def _results(ranks: int, name: str) -> list[dict[str, Any]]:
+    return [per_rank[name] for per_rank in _group(ranks)]
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOLERANCE * max(abs(b), 1.0)
+
+
+def _check(per_rank: list[dict[str, Any]], microbatches: int) -> None:
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, f"rank {rank}: {result.get('message')}"
+        assert result["grad_rel"] <= TOLERANCE, f"rank {rank}: gradient off by {result['grad_rel']}"
+    want = per_rank[0]["want"]
+    losses = {mb: v for r in per_rank for mb, v in r["losses"].items()}
+    assert sorted(losses) == list(range(microbatches))
+    assert _close(sum(losses.values()) / microbatches, want["main"])
+    aux: dict[int, dict[int, float]] = {}
+    for result in per_rank:
+        for mb, by_stage in result["aux"].items():
+            for stage, value in by_stage.items():
+                assert stage not in aux.setdefault(mb, {}), "each stage's loss reported once"
+                aux[mb][stage] = value
+    assert aux.keys() == want["aux"].keys()
+    for mb, by_stage in want["aux"].items():
+        assert aux[mb].keys() == by_stage.keys()
+        assert all(_close(aux[mb][s], v) for s, v in by_stage.items())
+    for result in per_rank:  # the same on every rank
+        found = result["breakdown"]
+        assert _close(found["main"], want["main"])
+        assert _close(found["added"], want["added"])
+        assert _close(found["total"], want["main"] + want["added"])
+        assert _close(result["total"], found["total"])
+        assert _close(sum(found["by_stage"].values()), want["added"])
+
+
+@pytest.mark.parametrize("name", [c.name for c in cases_2()])
+def test_p2_matches_training_with_the_added_losses(name: str) -> None:
+    case = next(c for c in cases_2() if c.name == name)
+    per_rank = _results(2, name)
+    _check(per_rank, case.program.num_microbatches)
+    if "hook" in name:
+        assert sum(r["hook_calls"] for r in per_rank) > 0, "the overlap hook ran"
+    if case.model != "context":
+        assert per_rank[0]["want"]["added"] > 0.1, "the added losses are not negligible"
+
+
+@pytest.mark.parametrize("name", [c.name for c in cases_4()])
+def test_p4_matches_training_with_the_added_losses(name: str) -> None:
+    case = next(c for c in cases_4() if c.name == name)
+    _check(_results(4, name), case.program.num_microbatches)
+
+
+def test_add_loss_outside_pipecc_adds_with_scale_one() -> None:
+    """Plain training: `add_loss` in the model, `loss.backward()` on the main loss alone,
+    gives the gradient of main + added."""
+    (block,) = build("moe", 1)
+    (recorded,) = build("moe", 1)
+    recorded.record = True  # type: ignore[assignment]
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    nn.functional.mse_loss(block(x), y).backward()
+    out = recorded(x)
+    (nn.functional.mse_loss(out, y) + recorded.added.pop()).backward()  # type: ignore[operator]
+    for (name, got), want in zip(block.named_parameters(), recorded.parameters(), strict=True):
+        assert torch.allclose(got.grad, want.grad, atol=1e-7), name  # type: ignore[arg-type]
+
+
+def test_add_loss_refuses_a_non_scalar_loss() -> None:
+    with pytest.raises(InputError, match="scalar tensor"):
+        add_loss(torch.ones(2), torch.ones(3))

@@ -1,0 +1,231 @@
+"""Cases of `add_loss` and context inputs, run inside one spawned process group per size.
+
+Each rank runs one step of a case and compares its own chunks' gradients with a reference
+it computes itself, written without pipecc's mechanism: the stages in order, each microbatch
+by hand, the added losses read from an attribute the module sets (`record`) and added to
+the loss before the 1/M scaling, the context passed as keywords. Functions here run in the
+spawned processes: keep them importable and picklable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pipecc.runtime import PipelineRuntime, RuntimeConfig, add_loss, infer_boundaries
+from torch import nn
+
+from pipecc.diagnostics import PipeccError
+from pipecc.ir.program import Program
+
+HIDDEN = 6
+EXPERTS = 3
+ROWS = 2  # rows per microbatch
+TOLERANCE = 1e-6
+COEF = 0.7  # the balancing loss's weight, large enough to move every gradient
+
+
+class MoEBlock(nn.Module):
+    """A dense soft mixture of experts whose router's balancing loss is added in place.
+
+    `raw`: the router and experts are bare parameters (no `nn.Linear`), so a split backward
+    walks the graph instead of using the Linear weight contract. `record`: keep the added
+    loss in `self.added` instead of calling `add_loss` (the hand-written reference)."""
+
+    def __init__(self, raw: bool = False) -> None:
+        super().__init__()
+        self.raw = raw
+        self.record = False
+        self.added: list[torch.Tensor] = []
+        if raw:
+            self.router_w = nn.Parameter(torch.randn(EXPERTS, HIDDEN) * 0.3)
+            self.expert_w = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) * 0.3)
+        else:
+            self.router = nn.Linear(HIDDEN, EXPERTS)
+            self.experts = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.raw:
+            logits = x @ self.router_w.t()
+            outs = [x @ self.expert_w[e].t() for e in range(EXPERTS)]
+        else:
+            logits = self.router(x)
+            outs = [expert(x) for expert in self.experts]
+        probs = logits.softmax(-1)
+        out = sum(probs[:, e : e + 1] * nn.functional.gelu(o) for e, o in enumerate(outs))
+        balance = COEF * EXPERTS * (probs.mean(0) ** 2).sum()
+        if self.record:
+            self.added.append(balance)
+            return out  # type: ignore[return-value]
+        return add_loss(out, balance)  # type: ignore[no-any-return]
+
+
+def overlap(module0, inputs0, criterion0, labels0, loss1, outputs1, output_grads1):  # type: ignore[no-untyped-def]
+    """DualPipe's hook as a user writes it: module0's forward, then module1's backward."""
+    module0.hook_calls += 1
+    outputs0 = [module0(*inputs0)]
+    loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+    if loss1 is not None:
+        loss1.backward()
+    else:
+        torch.autograd.backward(outputs1, output_grads1)
+    return outputs0, loss0
+
+
+class HookedMoE(MoEBlock):
+    """A MoEBlock whose class defines DualPipe's overlap hook, and counts its calls."""
+
+    hook_calls = 0
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
+    ):  # type: ignore[no-untyped-def]
+        return overlap(module0, inputs0, criterion0, labels0, loss1, outputs1, output_grads1)
+
+
+class ContextBlock(nn.Module):
+    """Takes the boundary `x` and two context keywords: `gain` (float rows) and `pos`
+    (integer positions into an embedding): each stage needs both, none is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+        self.pos = nn.Embedding(4, HIDDEN)
+        self.hook_calls = 0
+
+    def forward(self, x: torch.Tensor, *, gain: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(self.linear(x) * gain + self.pos(pos))
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
+    ):  # type: ignore[no-untyped-def]
+        return overlap(module0, inputs0, criterion0, labels0, loss1, outputs1, output_grads1)
+
+
+def build(kind: str, count: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    make = {
+        "moe": lambda: MoEBlock(),
+        "raw": lambda: MoEBlock(raw=True),
+        "hooked": lambda: HookedMoE(),
+        "context": lambda: ContextBlock(),
+    }[kind]
+    return [make() for _ in range(count)]
+
+
+def batch(microbatches: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = ROWS * microbatches
+    x = torch.randn(rows, HIDDEN, generator=generator)
+    y = torch.randn(rows, HIDDEN, generator=generator)
+    gain = torch.rand(rows, 1, generator=generator) + 0.5
+    pos = torch.randint(0, 4, (rows,), generator=generator)
+    return x, y, {"gain": gain, "pos": pos}
+
+
+@dataclass(frozen=True)
+class Case:
+    """`model`: moe, raw, hooked (added losses) or context (context inputs);
+    `infer`: learn the boundaries with a function of the sample (the runtime's sample
+    context reaches the stages), else fixed ones given with the context."""
+
+    name: str
+    program: Program
+    model: str = "moe"
+    infer: bool = False
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, Any]]:
+    results = {}
+    for case in cases:
+        try:
+            results[case.name] = _run_case(rank, case)
+        except PipeccError as err:
+            results[case.name] = {"error": type(err).__name__, "message": str(err)}
+    return results
+
+
+def _run_case(rank: int, case: Case) -> dict[str, Any]:
+    program = case.program
+    num_stages = program.placement.num_stages(0)
+    stages = build(case.model, num_stages)
+    modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
+    x, y, context = batch(program.num_microbatches, seed=3)
+    uses_context = case.model == "context"
+    ctx0 = {k: v[:ROWS] for k, v in context.items()}
+    if case.infer:
+        boundaries: Any = lambda sample: infer_boundaries(stages, sample)  # noqa: E731
+    else:
+        boundaries = infer_boundaries(stages, x[:ROWS], context=ctx0 if uses_context else None)
+    config = RuntimeConfig(timeout=60.0)
+    runtime = PipelineRuntime(program, modules, boundaries, loss_fn=_mse, config=config)
+    loss = runtime.step(x, y, context=context if uses_context else None)
+    found = runtime.global_loss(breakdown=True)
+    total = float(runtime.global_loss())
+    want = _reference(case, num_stages, (x, y, context if uses_context else None))
+    held = {s.stage for s in program.placement.chunks(rank)}
+    return {
+        "grad_rel": _worst(stages, want["grads"], held),
+        "loss": None if loss is None else float(loss),
+        "losses": {mb: float(v) for mb, v in runtime.losses.items()},
+        "aux": {mb: {s: float(v) for s, v in d.items()} for mb, d in runtime.aux_losses.items()},
+        "breakdown": found._asdict(),
+        "total": total,
+        "want": {k: v for k, v in want.items() if k != "grads"},
+        "hook_calls": sum(getattr(m, "hook_calls", 0) for m in modules.values()),
+    }
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _reference(case: Case, num_stages: int, data: tuple[Any, Any, Any]) -> dict[str, Any]:
+    """One step by hand: per microbatch the stages in order with the context as keywords,
+    the loss plus the recorded added losses, scaled by 1/M."""
+    stages = build(case.model, num_stages)
+    for stage in stages:
+        if isinstance(stage, MoEBlock):
+            stage.record = True
+    x, y, context = data
+    count = case.program.num_microbatches
+    main = 0.0
+    aux: dict[int, dict[int, float]] = {}
+    for mb in range(count):
+        rows = slice(mb * ROWS, (mb + 1) * ROWS)
+        kwargs = {k: v[rows] for k, v in context.items()} if context is not None else {}
+        value = x[rows]
+        for stage in stages:
+            value = stage(value, **kwargs)
+        loss = _mse(value, y[rows])
+        added = [
+            (s, stage.added.pop())
+            for s, stage in enumerate(stages)
+            if getattr(stage, "added", None)
+        ]
+        if added:
+            aux[mb] = {s: float(a) for s, a in added}
+        ((loss + sum(a for _, a in added)) / count).backward()
+        main += float(loss)
+    grads = {
+        (s, n): (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+        for s, stage in enumerate(stages)
+        for n, p in stage.named_parameters()
+    }
+    added_mean = sum(sum(d.values()) for d in aux.values()) / count
+    return {"grads": grads, "main": main / count, "aux": aux, "added": added_mean}
+
+
+def _worst(
+    stages: list[nn.Module], want: dict[tuple[int, str], torch.Tensor], held: set[int]
+) -> float:
+    worst = 0.0
+    for s in held:
+        for name, p in stages[s].named_parameters():
+            ref = want[(s, name)]
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            worst = max(worst, float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0))
+    return worst
