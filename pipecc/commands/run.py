@@ -102,6 +102,14 @@ def register(commands: SubParsers) -> None:
         help="compare every step with a single-process reference; exit 1 if not equal",
     )
     cmd.add_argument(
+        "--reference",
+        choices=("stages", "whole"),
+        default="stages",
+        help="what --check compares with: the model file's stages run one after another in "
+        "one process (default), or the whole unsplit model of its build_model(), parameter "
+        "by parameter name (checks the split too: a forgotten layer, a dropped norm)",
+    )
+    cmd.add_argument(
         "--tolerance",
         type=float,
         help="largest max_rel_grad_diff (and relative loss difference) that --check accepts "
@@ -290,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         derive_rng=args.derive_rng,
         autocast=AUTOCAST.get(args.autocast),
+        reference=args.reference,
     )
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
@@ -315,6 +324,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
+    if fields["check_failures"]:  # --reference whole: the split itself is wrong
+        return "the pipelined model is not the whole model:\n  " + "\n  ".join(
+            fields["check_failures"]
+        )
     rel = fields["max_rel_grad_diff"]
     if rel > tolerance:
         worst = "".join(
@@ -326,7 +339,17 @@ def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
     loss, ref = fields["loss"], fields["reference_loss"]
     if abs(loss - ref) > tolerance * max(abs(ref), 1e-30):
         return f"loss {loss!r} differs from the reference {ref!r} (tolerance {tolerance:g})"
+    added, ref_added = fields["aux_loss"], fields["reference_aux_loss"]
+    if ref_added is not None and abs(added - ref_added) > tolerance * max(abs(ref_added), 1e-30):
+        return (
+            f"added loss {added!r} differs from the whole model's {ref_added!r} "
+            f"(tolerance {tolerance:g})"
+        )
     return None
+
+
+def _reference_name(fields: dict[str, Any]) -> str:
+    return " against the whole model" if fields["reference"] == "whole" else ""
 
 
 def _print_summary(
@@ -340,10 +363,17 @@ def _print_summary(
     if fields["reference_loss"] is not None:
         line += f" (reference {fields['reference_loss']:.6g})"
     print(line)
+    if fields["aux_loss_by_stage"]:
+        stages = ", ".join(f"stage {s} {v:.6g}" for s, v in fields["aux_loss_by_stage"].items())
+        line = f"added loss {fields['aux_loss']:.6g} ({stages})"
+        if fields["reference_aux_loss"] is not None:
+            line += f" (whole model {fields['reference_aux_loss']:.6g})"
+        print(line)
     if args.check:
         verdict = "ok" if failure is None else "FAILED"
         print(
-            f"gradients: max abs diff {fields['max_abs_grad_diff']:.3g}, max rel diff "
+            f"gradients{_reference_name(fields)}: max abs diff "
+            f"{fields['max_abs_grad_diff']:.3g}, max rel diff "
             f"{fields['max_rel_grad_diff']:.3g} (tolerance {fields['tolerance']:g}): {verdict}"
         )
     print(
