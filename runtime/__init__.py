@@ -21,6 +21,7 @@ from .engine.interpreter import InstructionError
 from .pipeline import PipelineRuntime
 from .profiling.recorder import Recorder
 from .tools.split_model import split_model
+from .tools.whole_reference import WholeCheck, check_against
 
 __all__ = [
     "Boundary",
@@ -30,7 +31,9 @@ __all__ = [
     "Recorder",
     "RuntimeConfig",
     "TensorSpec",
+    "WholeCheck",
     "add_loss",
+    "check_against",
     "infer_boundaries",
     "mse_loss",
     "pipeline_boundaries",

@@ -142,6 +142,9 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, A
     results = {}
     for case in cases:
         try:
+            if case.model.startswith("against"):
+                results[case.name] = _against_case(rank, case)
+                continue
             results[case.name] = _run_case(rank, case)
         except PipeccError as err:
             results[case.name] = {"error": type(err).__name__, "message": str(err)}
@@ -229,3 +232,34 @@ def _worst(
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             worst = max(worst, float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0))
     return worst
+
+
+def _against_case(rank: int, case: Case) -> dict[str, Any]:
+    """`check_against` in a training script: every rank holds the whole decoder
+    (examples/decoder.py) and trains only its stages, whose weights moved (an optimizer's
+    step, different on each rank); `against-bug`: the split forgets layer 1."""
+    import split_bugs
+    from pipecc.runtime import check_against
+
+    decoder = split_bugs.decoder
+    program = case.program
+    num_stages = program.placement.num_stages(0)
+    bug = "forget-layer" if case.model == "against-bug" else None
+    modules = {
+        s.chunk: split_bugs.broken(decoder["build_stage"](s.stage, num_stages), bug)
+        for s in program.placement.chunks(rank)
+    }
+    with torch.no_grad():
+        for module in modules.values():
+            for param in module.parameters():
+                param.mul_(1.0 + 0.05 * (rank + 1))  # this rank's optimizer moved them
+    whole = decoder["build_model"]()  # the whole model, stale where other ranks trained
+    x, y, context = decoder["make_batch"](4 * program.num_microbatches, seed=1)
+    sample = (x[:4], {k: v[:4] for k, v in context.items()})
+    boundaries = infer_boundaries(
+        [decoder["build_stage"](s, num_stages) for s in range(num_stages)], sample[0],
+        context=sample[1],
+    )  # fmt: skip
+    runtime = PipelineRuntime(program, modules, boundaries, loss_fn=decoder["loss_fn"])
+    found = check_against(whole, runtime, x, y, context=context)
+    return found._asdict()
