@@ -39,9 +39,11 @@ single-process reference (docs/runtime.md).
 
 The model file defines build_stage(stage, num_stages) -> module (one stage: each rank builds
 only its own) or build_stages(num_stages) -> list of modules (the whole model as consecutive
-stages), deterministic, make_batch(num_rows, seed) -> (inputs, targets), and
-optionally loss_fn(output, target) (default: mean squared error, for floating targets),
-boundaries(example_inputs) (explicit boundary specs) and autocast (a torch dtype).
+stages), deterministic, make_batch(num_rows, seed) -> (inputs, targets) or (inputs,
+targets, context) (context: a dict of keyword inputs every stage takes, split like the
+inputs, never sent), and optionally loss_fn(output, target) (default: mean squared error,
+for floating targets), boundaries(example_inputs) (explicit boundary specs), autocast (a
+torch dtype) and build_model() (the whole model, for --check --reference whole).
 
 The program is resolved as `pipecc verify FILE --backend B` resolves it, B being the backend
 this run uses: a compute-only input (a .sched file that places no comm op by hand, a
@@ -61,6 +63,7 @@ examples:
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
   pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy default --check
   pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
+  pipecc run zb_h1 --nproc 2 -M 4 --model examples/moe.py --check --reference whole
   pipecc run dl.sched --nproc 2 -M 2 --model examples/mlp.py --unverified --timeout 5
 
 exit codes: 0 ok; 1 the program fails verification (refused, with verify's report), the
@@ -324,10 +327,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
+    found = _numbers_failure(fields, tolerance)
     if fields["check_failures"]:  # --reference whole: the split itself is wrong
-        return "the pipelined model is not the whole model:\n  " + "\n  ".join(
+        split = "the pipelined model is not the whole model:\n  " + "\n  ".join(
             fields["check_failures"]
         )
+        return split if found is None else f"{split}\n{found}"
+    return found
+
+
+def _numbers_failure(fields: dict[str, Any], tolerance: float) -> str | None:
     rel = fields["max_rel_grad_diff"]
     if rel > tolerance:
         worst = "".join(

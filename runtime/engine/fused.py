@@ -15,6 +15,11 @@ not use it: the signature has no way to ask for input gradients only, so the run
 `F&I` as it runs `F&B` without a hook. `criterion0` returns the microbatch's loss already
 scaled by 1/M, so that `loss1.backward()` inside the hook accumulates the mean over
 microbatches, as the runtime's own backward does; `loss1` is scaled the same way.
+Losses added inside the stages (`add_loss`, runtime/engine/aux_loss.py) are in what the
+hook receives: `loss1` includes module1's (scaled by 1/M), `outputs1`/`output_grads1` end
+with a middle stage's added loss and its seed 1/M, and the hook's forward of module0 is
+collected like any forward. A step context reaches the hook's `module0(*inputs0)` call as
+keywords (a forward pre-hook on module0).
 
 `FusedOps` runs a fused instruction: through the hook when there is one (F&B only), else on
 CUDA the forward on a side stream concurrently with the backward on the current one, else
