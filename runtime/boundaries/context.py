@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError
 
-from .trees import flatten, split_tree
+from .trees import Boundary, flatten, split_tree
 
 Context = dict[str, Any]
 MARK = "\n"  # between the inputs' and the context's text in a signature (json has none)
@@ -58,6 +58,13 @@ def context_text(context: Mapping[str, Any] | None) -> str:
     if context is None:
         return ""
     return MARK + flatten(dict(context), "the context")[1].text()
+
+
+def describe_signature(signature: str) -> str:
+    """A signature text for people: the inputs, and the context when there is one."""
+    inputs, _, context = signature.partition(MARK)
+    found = Boundary.from_text(inputs).describe()
+    return found + (f" with context {Boundary.from_text(context).describe()}" if context else "")
 
 
 def inputs_text(signature: str) -> str:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from pipecc.diagnostics import PipeccError, RankError, SetupError
 
 from ..comm.agreement import gather_texts
-from .context import context_text, inputs_text
+from .context import context_text, describe_signature, inputs_text
 from .specs import normalise_boundaries, synthetic
 from .trees import Boundary, flatten
 
@@ -169,7 +169,7 @@ class Signatures:
     def _disagreement(self, text: str, codes: list[int]) -> str:
         texts = gather_texts(text, self.group, self.world, self.device)
         lines = [
-            f"rank {rank}: {Boundary.from_text(inputs_text(t)).describe()}"
+            f"rank {rank}: {describe_signature(t)}"
             for rank, (c, t) in enumerate(zip(codes, texts, strict=True))
             if c > 0
         ]

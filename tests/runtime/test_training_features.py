@@ -12,11 +12,15 @@ by a function): every gradient equal. In this process: `add_loss` outside pipecc
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from pipecc.runtime import add_loss
+from pipecc.runtime.boundaries.context import describe_signature, inputs_text, split_context
+from pipecc.runtime.boundaries.signatures import signature_of
+from pipecc.runtime.tools.model_file import load_model
 from pipecc.runtime.tools.spawn import spawn
 from torch import nn
 from training_cases import TOLERANCE, Case, build, run_cases
@@ -90,6 +94,10 @@ def _check(per_rank: list[dict[str, Any]], microbatches: int) -> None:
     for mb, by_stage in want["aux"].items():
         assert aux[mb].keys() == by_stage.keys()
         assert all(_close(aux[mb][s], v) for s, v in by_stage.items())
+    for result in per_rank:  # forward only (evaluation) reports the same added losses
+        assert result["aux_forward"].keys() == result["aux"].keys()
+        for mb, by_stage in result["aux"].items():
+            assert all(_close(result["aux_forward"][mb][s], v) for s, v in by_stage.items())
     for result in per_rank:  # the same on every rank
         found = result["breakdown"]
         assert _close(found["main"], want["main"])
@@ -152,3 +160,34 @@ def test_check_against_names_a_forgotten_layer_on_every_rank() -> None:
         assert not found["ok"]
         assert "the model's parameter 'layers.1.qkv.weight' is in no stage" in found["failures"]
     assert per_rank[0]["failures"] == per_rank[1]["failures"]
+
+
+def test_the_context_must_be_a_dict_of_keywords() -> None:
+    found: list[str] = []
+    assert split_context([torch.ones(4)], 2, torch.device("cpu"), found) is None
+    assert found and "context must be a dict of keyword arguments" in found[0]
+    found = []
+    parts = split_context({"pos": torch.arange(4), "flag": True}, 2, torch.device("cpu"), found)
+    assert not found and parts is not None
+    assert [p["pos"].tolist() for p in parts] == [[0, 1], [2, 3]] and parts[1]["flag"] is True
+
+
+def test_the_context_shapes_are_part_of_the_signature() -> None:
+    x = torch.ones(2, 3)
+    plain = signature_of(x)
+    short = signature_of(x, {"mask": torch.ones(2, 4)})
+    longer = signature_of(x, {"mask": torch.ones(2, 5)})
+    assert len({plain[0], short[0], longer[0]}) == 3
+    assert inputs_text(short[1]) == plain[1]
+    assert "with context" in describe_signature(longer[1])
+
+
+def test_make_batch_returns_two_or_three_values(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import torch\n"
+        "def build_stages(n): return [torch.nn.Linear(2, 2) for _ in range(n)]\n"
+        "def make_batch(rows, seed): return torch.ones(rows, 2), torch.ones(rows, 2), [1], 4\n"
+    )
+    with pytest.raises(InputError, match=r"\(inputs, targets\) or \(inputs, targets, context\)"):
+        load_model(str(path)).batch(4, seed=0)

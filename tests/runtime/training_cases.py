@@ -168,13 +168,17 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
     loss = runtime.step(x, y, context=context if uses_context else None)
     found = runtime.global_loss(breakdown=True)
     total = float(runtime.global_loss())
+    reported = {mb: {s: float(v) for s, v in d.items()} for mb, d in runtime.aux_losses.items()}
+    runtime.forward(x, y, context=context if uses_context else None)  # evaluation reports too
+    evaluated = {mb: {s: float(v) for s, v in d.items()} for mb, d in runtime.aux_losses.items()}
     want = _reference(case, num_stages, (x, y, context if uses_context else None))
     held = {s.stage for s in program.placement.chunks(rank)}
     return {
         "grad_rel": _worst(stages, want["grads"], held),
         "loss": None if loss is None else float(loss),
         "losses": {mb: float(v) for mb, v in runtime.losses.items()},
-        "aux": {mb: {s: float(v) for s, v in d.items()} for mb, d in runtime.aux_losses.items()},
+        "aux": reported,
+        "aux_forward": evaluated,
         "breakdown": found._asdict(),
         "total": total,
         "want": {k: v for k, v in want.items() if k != "grads"},
