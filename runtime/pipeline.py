@@ -195,13 +195,13 @@ class PipelineRuntime:
         rank calls it): the mean main loss plus the mean of the losses added inside the
         stages (`add_loss`), the loss whose gradient `.grad` holds. `breakdown=True`
         returns a `LossBreakdown`: total, main, added, and added by stage."""
-        if not breakdown and not self.aux_losses:  # nothing added here: one small reduce
-            return training.mean_loss(list(self.losses.values()), self.group, self.device)
-        found = aux_loss.breakdown(
+        found = aux_loss.breakdown(  # one all-reduce, alike on every rank
             self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
             self.device,
         )  # fmt: skip
-        return found if breakdown else torch.tensor(found.total)
+        if breakdown:
+            return found
+        return torch.tensor(found.total, dtype=torch.float32, device=self.device)
 
     # ---- the step --------------------------------------------------------------------------
 

@@ -140,7 +140,7 @@ class FusedOps:
                 fchunk.module, _as_list(value), criterion, labels,
                 bchunk.module, loss1, outputs1, grads1,
             )  # fmt: skip
-        self._after(ctx, forward, inputs, (outputs0, loss0), criterion)
+        self._after(ctx, forward, inputs, outputs0, loss0, criterion)
         ctx.saved[(forward.chunk, forward.mb)] = ctx.saved[(forward.chunk, forward.mb)]._replace(
             added=record_added(ctx, forward, added)
         )
@@ -153,10 +153,10 @@ class FusedOps:
         ctx: StepContext,
         op: Compute,
         inputs: Tensors,
-        returned: tuple[Any, Any],
+        outputs0: Any,
+        loss0: Any,
         criterion: ScaledCriterion | None,
     ) -> None:
-        outputs0, loss0 = returned
         if criterion is not None:
             if not isinstance(loss0, torch.Tensor) or criterion.raw is None:
                 raise ProgramError(
