@@ -23,7 +23,7 @@ from pipecc.diagnostics import ProgramError, SetupError
 from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
-from .boundaries.context import sample_context, split_context
+from .boundaries.context import rows_problem, sample_context, split_context
 from .boundaries.signatures import BoundaryFn, BoundaryFnError, Gather, Seen, Signatures
 from .boundaries.specs import Boundary, Specs
 from .comm import agreement, shared, training
@@ -221,6 +221,8 @@ class PipelineRuntime:
             split_targets = self._split(targets, "targets", found, required=training)
         contexts = split_context(context, self.program.num_microbatches, self.device, found)
         sample = split_inputs[0] if split_inputs else None
+        if (wrong := rows_problem(sample, contexts[0] if contexts else None)) is not None:
+            found.append(wrong)
         gather = self.signatures.start(sample, bool(found), contexts[0] if contexts else None)
         scale = 1.0 / self.program.num_microbatches
         ctx = StepContext(split_inputs, split_targets, scale, training, step=self.steps)

@@ -53,6 +53,27 @@ def split_context(
     return [dict(cast(Mapping[str, Any], part)) for part in parts]
 
 
+def rows_problem(inputs: object, context: Context | None) -> str | None:
+    """The context of one microbatch must have as many rows as its inputs (both are split
+    along dim 0 alike); what is wrong, or None."""
+    if context is None:
+        return None
+    rows = {_rows(inputs), _rows(context)} - {None}
+    if len(rows) < 2:
+        return None
+    return (
+        f"the context has {_rows(context)} rows per microbatch but the inputs have "
+        f"{_rows(inputs)}: both are split along dim 0 into the same microbatches"
+    )
+
+
+def _rows(value: object) -> int | None:
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return int(leaf.shape[0])
+    return None
+
+
 def context_text(context: Mapping[str, Any] | None) -> str:
     """The signature text of one microbatch's context (empty without one)."""
     if context is None:

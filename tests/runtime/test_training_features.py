@@ -18,7 +18,12 @@ from typing import Any
 import pytest
 import torch
 from pipecc.runtime import add_loss
-from pipecc.runtime.boundaries.context import describe_signature, inputs_text, split_context
+from pipecc.runtime.boundaries.context import (
+    describe_signature,
+    inputs_text,
+    rows_problem,
+    split_context,
+)
 from pipecc.runtime.boundaries.signatures import signature_of
 from pipecc.runtime.tools.model_file import load_model
 from pipecc.runtime.tools.spawn import spawn
@@ -51,6 +56,7 @@ def cases_2() -> list[Case]:
         _case("context-1f1b", "1f1b", 2, 4, model="context"),
         _case("context-zbv", "zbv", 2, 4, model="context"),
         _case("context-dualpipe", "dualpipe", 2, 6, model="context", infer=True),
+        _case("context-rows", "1f1b", 2, 4, model="context", bad_rows=True),
         _case("against", "zbv", 2, 4, model="against"),
         _case("against-bug", "1f1b", 2, 2, model="against-bug"),
     ]
@@ -108,7 +114,9 @@ def _check(per_rank: list[dict[str, Any]], microbatches: int) -> None:
         assert _close(sum(found["by_stage"].values()), want["added"])
 
 
-@pytest.mark.parametrize("name", [c.name for c in cases_2() if "against" not in c.name])
+@pytest.mark.parametrize(
+    "name", [c.name for c in cases_2() if c.name.startswith(("aux", "context-")) and not c.bad_rows]
+)
 def test_p2_matches_training_with_the_added_losses(name: str) -> None:
     case = next(c for c in cases_2() if c.name == name)
     per_rank = _results(2, name)
@@ -173,6 +181,13 @@ def test_the_context_must_be_a_dict_of_keywords() -> None:
     assert [p["pos"].tolist() for p in parts] == [[0, 1], [2, 3]] and parts[1]["flag"] is True
 
 
+def test_the_context_has_the_rows_of_the_inputs() -> None:
+    assert rows_problem(torch.ones(2, 3), {"pos": torch.ones(2, 5)}) is None
+    assert rows_problem(torch.ones(2, 3), None) is None
+    found = rows_problem((torch.ones(2, 3),), {"pos": torch.ones(4, 5)})
+    assert found is not None and "4 rows per microbatch but the inputs have 2" in found
+
+
 def test_the_context_shapes_are_part_of_the_signature() -> None:
     x = torch.ones(2, 3)
     plain = signature_of(x)
@@ -192,3 +207,9 @@ def test_make_batch_returns_two_or_three_values(tmp_path: Path) -> None:
     )
     with pytest.raises(InputError, match=r"\(inputs, targets\) or \(inputs, targets, context\)"):
         load_model(str(path)).batch(4, seed=0)
+
+
+def test_a_context_without_the_inputs_rows_is_refused_on_every_rank() -> None:
+    for found in _results(2, "context-rows"):
+        assert found.get("error") == "SetupError", found
+        assert "the context has 4 rows per microbatch but the inputs have 2" in found["message"]

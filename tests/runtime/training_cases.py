@@ -149,6 +149,7 @@ class Case:
     program: Program
     model: str = "moe"
     infer: bool = False
+    bad_rows: bool = False  # the context has twice the inputs' rows: refused on every rank
 
 
 def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, Any]]:
@@ -178,6 +179,8 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
         boundaries = infer_boundaries(stages, x[:ROWS], context=ctx0 if uses_context else None)
     config = RuntimeConfig(timeout=60.0)
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=_mse, config=config)
+    if case.bad_rows:
+        context = {k: torch.cat([v, v]) for k, v in context.items()}
     loss = runtime.step(x, y, context=context if uses_context else None)
     found = runtime.global_loss(breakdown=True)
     total = float(runtime.global_loss())
