@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -127,20 +128,23 @@ def compare_by_name(
 
 
 def grad_diffs(held: Iterable[Held], whole: WholeStep) -> list[tuple[float, str]]:
-    """Each held gradient's relative difference from the whole model's, with its line."""
+    """Each held gradient's relative difference from the whole model's, with its line (a
+    gradient of another shape than the model's differs infinitely)."""
     diffs = []
     for item in held:
         want = whole.grads.get(item.name)
         if want is None or item.grad is None or not want.numel():
             continue
+        where = f"stage {item.stage} '{item.name}' on rank {item.rank}"
+        if want.shape != item.grad.shape:
+            shapes = f"{list(item.grad.shape)}, the model's {list(want.shape)}"
+            diffs.append((math.inf, f"{where}: shape {shapes}"))
+            continue
         size = float(want.abs().max())
         diff = float((item.grad.float() - want.float()).abs().max())
         rel = diff / size if size > 0 else diff
-        line = (
-            f"stage {item.stage} '{item.name}' on rank {item.rank}: gradient differs from the "
-            f"whole model's (max abs diff {diff:.3g}, rel {rel:.3g})"
-        )
-        diffs.append((rel, line))
+        numbers = f"max abs diff {diff:.3g}, rel {rel:.3g}"
+        diffs.append((rel, f"{where}: gradient differs from the whole model's ({numbers})"))
     return diffs
 
 
@@ -170,6 +174,13 @@ def coverage(held: list[Held], whole: WholeStep) -> list[str]:
         "the model's parameter names)"
         for stage, name in foreign
     ]
+    failures += [
+        f"stage {h.stage} '{h.name}' on rank {h.rank} has shape {list(h.grad.shape)}, the "
+        f"model's has {list(want.shape)}"
+        for h in held
+        if h.grad is not None and h.grad is not _USED
+        and (want := whole.grads.get(h.name)) is not None and want.shape != h.grad.shape
+    ]  # fmt: skip
     used = {h.name for h in held if h.grad is not None}
     idle = sorted(
         {h.name for h in held if h.name not in used and whole.grads.get(h.name) is not None}
@@ -257,20 +268,21 @@ def _synced_copy(
     that stage's current value (broadcast from the lowest rank holding it)."""
     reference = copy.deepcopy(model).to(runtime.device)
     local = {n: p for m in mine.values() for n, p in m.named_parameters()}
-    holders = gather_texts(
-        json.dumps(sorted(local)), runtime.group, runtime.program.num_ranks, runtime.device
-    )
-    owner: dict[str, int] = {}
+    shapes = json.dumps({name: list(p.shape) for name, p in local.items()})
+    holders = gather_texts(shapes, runtime.group, runtime.program.num_ranks, runtime.device)
+    owner: dict[str, tuple[int, list[int]]] = {}
     for rank, text in enumerate(holders):
-        for name in json.loads(text):
-            owner.setdefault(name, rank)
+        for name, shape in json.loads(text).items():
+            owner.setdefault(name, (rank, shape))
     with torch.no_grad():
         for name, param in reference.named_parameters():
-            if name not in owner:
-                continue
-            buffer = local[name].detach().clone() if owner[name] == runtime.rank else param.data
-            dist.broadcast(buffer, runtime.rank_map[owner[name]], group=runtime.group)
-            param.data.copy_(buffer.to(param.dtype))
+            rank, shape = owner.get(name, (-1, []))
+            if rank < 0 or shape != list(param.shape):  # in no stage, or another shape:
+                continue  # the comparison reports it
+            mine_now = rank == runtime.rank
+            buffer = local[name].detach().to(param.dtype).clone() if mine_now else param.data
+            dist.broadcast(buffer, runtime.rank_map[rank], group=runtime.group)
+            param.data.copy_(buffer)
     return reference
 
 
@@ -343,7 +355,7 @@ def _param_diffs(items: Iterable[Held], whole: WholeStep) -> list[ParamDiff]:
     found = []
     for item in items:
         want = whole.grads.get(item.name)
-        if want is None or item.grad is None or not want.numel():
+        if want is None or item.grad is None or not want.numel() or want.shape != item.grad.shape:
             continue
         size = float(want.abs().max())
         diff = float((item.grad.float() - want.float()).abs().max())

@@ -22,7 +22,15 @@ import split_bugs
 import torch
 from pipecc.runtime.tools.model_file import load_model
 from pipecc.runtime.tools.reference import Options, reference_step
-from pipecc.runtime.tools.whole_reference import check_whole_run, held_grads, whole_step
+from pipecc.runtime.tools.whole_reference import (
+    Held,
+    WholeStep,
+    check_whole_run,
+    compare_by_name,
+    grad_diffs,
+    held_grads,
+    whole_step,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")
@@ -120,3 +128,19 @@ def test_the_moe_example_trains_outside_pipecc_with_its_added_losses() -> None:
     for name, param in model.named_parameters():
         want = whole.grads[name]
         assert want is not None and torch.allclose(param.grad, want, atol=1e-7), name
+
+
+def test_a_parameter_of_another_shape_fails_naming_it() -> None:
+    whole = WholeStep(1.0, 0.0, {"w": torch.ones(3, 2), "b": torch.ones(2)})
+    held = [Held(0, 0, "w", torch.ones(2, 3)), Held(1, 1, "b", torch.ones(2))]
+    found = compare_by_name(held, whole, (1.0, 0.0), 1e-5)
+    assert "stage 0 'w' on rank 0 has shape [2, 3], the model's has [3, 2]" in found.failures
+    lines = grad_diffs(held, whole)
+    assert lines[0][0] == float("inf") and "shape [2, 3], the model's [3, 2]" in lines[0][1]
+    assert lines[1] == (0.0, lines[1][1])  # 'b' equal
+
+
+def test_the_losses_are_compared_too() -> None:
+    whole = WholeStep(1.0, 0.5, {"w": torch.ones(2)})
+    found = compare_by_name([Held(0, 0, "w", torch.ones(2))], whole, (1.0, 0.25), 1e-5)
+    assert found.failures == ["the added loss 0.25 differs from the whole model's 0.5"]
