@@ -16,7 +16,9 @@
 #      and the step's shape gather over NCCL;
 #   5. no host sync in a warm step (benchmarks/gpu_sync_check.py): after two warm-up steps,
 #      one step under torch.cuda.set_sync_debug_mode("error") (any .item(), .cpu(), blocking
-#      copy or synchronize raises), on P=1 programs with fused F&B on two CUDA streams and,
+#      copy or synchronize raises), running the static plan bound on the first step (bound
+#      once, the same receive buffers on CUDA at every step: runtime/engine/bound.py), on P=1
+#      programs with fused F&B on two CUDA streams and,
 #      with two GPUs, P=2 over NCCL whose groups must go through batch_isend_irecv's
 #      coalescing branch (on CPU, tests/runtime/test_posting.py emulates that branch on gloo).
 set -euo pipefail

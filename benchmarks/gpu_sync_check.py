@@ -8,8 +8,10 @@ grouped sends and receives go through `batch_isend_irecv`'s coalescing branch. E
 an MLP (8 blocks of Linear(64, 64) + GELU, 4 rows a microbatch) under the default (NCCL-safe)
 comm policy: two warm-up steps, then one step under `torch.cuda.set_sync_debug_mode("error")`,
 where any synchronising CUDA call (`.item()`, `.cpu()`, a blocking copy, a stream or device
-synchronize) raises. Prints one line per case with where a sync happened; exits 1 if any case
-synchronised, failed, or (P=2) posted no coalesced group.
+synchronize) raises. The warm step must also run the plan bound on the first step (one
+static plan per shape signature: one binding in all, the same receive buffers before and
+after it). Prints one line per case with where a sync happened; exits 1 if any case
+synchronised, failed, bound its plan again, or (P=2) posted no coalesced group.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries  # noqa: E402
+from pipecc.runtime.engine.steps import PostStep  # noqa: E402
 from pipecc.runtime.tools.spawn import spawn  # noqa: E402
 
 from pipecc.api import compile_schedule  # noqa: E402
@@ -98,7 +101,7 @@ def run_case(case: Case, rank: int, device: torch.device, guard: Guard) -> dict[
     config = RuntimeConfig(device=device)
     runtime = PipelineRuntime(program, modules, infer_boundaries(stages, x[:ROWS]), config=config)
     fused = sum(1 for i in program.ranks[rank] if type(i) is Fused)
-    error = None
+    error, buffers = None, []
     with counted_groups() as groups:
         try:
             for step in range(WARM + 1):
@@ -106,11 +109,26 @@ def run_case(case: Case, rank: int, device: torch.device, guard: Guard) -> dict[
                     module.zero_grad(set_to_none=True)
                 with guard() if step == WARM else contextlib.nullcontext():
                     runtime.step(x, y)
+                buffers.append(receive_buffers(runtime))
         except Exception:  # noqa: BLE001  (reported per case, the others still run)
             error = "".join(traceback.format_exc(limit=-6).splitlines(keepends=True)[-14:])
     # plain values only: the result travels back from a spawned process
     case_fields = (case.schedule, case.ranks, case.microbatches)
-    return {"case": case_fields, "fused": fused, "groups": list(groups), "error": error}
+    reused = len(buffers) == WARM + 1 and all(b == buffers[0] for b in buffers)
+    plan = {"bindings": runtime.binder.count, "reused": reused}
+    return {"case": case_fields, "fused": fused, "groups": list(groups), "error": error, **plan}
+
+
+def receive_buffers(runtime: PipelineRuntime) -> list[int]:
+    """The id of every receive buffer of the training plan in use."""
+    plan = runtime.current.train
+    steps = () if plan is None else (*plan.head, *plan.tail)
+    return [
+        id(tensor)
+        for step in steps
+        if isinstance(step, PostStep) and step.buffers is not None
+        for tensor in step.buffers
+    ]
 
 
 def worker(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
@@ -129,6 +147,11 @@ def verdict(result: dict[str, Any]) -> tuple[bool, str]:
         return False, f"{name}: FAILED ({facts}):\n{result['error']}"
     if case.ranks > 1 and coalesced == 0:
         return False, f"{name}: FAILED: no group went through batch_isend_irecv ({facts})"
+    if result["bindings"] != 1 or not result["reused"]:
+        return False, (
+            f"{name}: FAILED: the plan was bound {result['bindings']} times, receive buffers "
+            f"{'kept' if result['reused'] else 'replaced'} ({facts})"
+        )
     return True, f"{name}: no host sync in the warm step ({facts})"
 
 

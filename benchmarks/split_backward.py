@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipecc.runtime.engine.split_backward import full_backward, input_backward  # noqa: E402
-from pipecc.runtime.engine.weight_contract import capturing  # noqa: E402
+from pipecc.runtime.engine.weight_contract import Capture, capturing  # noqa: E402
 
 ROWS = 32
 BLOCKS = 4
@@ -111,11 +111,12 @@ def sync(device: torch.device) -> None:
 def step(stage: Stage, variant: str) -> tuple[float, float]:
     """One step of one variant: ms per microbatch in the forwards and in the backwards."""
     module, ids, g = stage.copies[variant], stage.ids[variant], stage.g
+    capture = Capture() if variant == "contract" else None
     module.zero_grad(set_to_none=True)
     leaves = [x.detach().requires_grad_(True) for x in stage.xs]
     sync(g.device)
     start = time.perf_counter()
-    with capturing(module) if variant == "contract" else nullcontext():
+    with capturing(module, capture) if capture is not None else nullcontext():
         graphs = [(leaf, module(leaf)) for leaf in leaves]
     sync(g.device)
     middle = time.perf_counter()
@@ -123,7 +124,7 @@ def step(stage: Stage, variant: str) -> tuple[float, float]:
         for leaf, out in graphs:
             full_backward((out,), (g,), (leaf,))
     else:
-        pending = [input_backward((out,), (g,), (leaf,), ids)[1] for leaf, out in graphs]
+        pending = [input_backward((out,), (g,), (leaf,), ids, capture)[1] for leaf, out in graphs]
         for weight in pending:
             weight.run()
     sync(g.device)
@@ -179,10 +180,11 @@ def matmul_counts(device: torch.device) -> str:
         full_backward((stage.copies["B"](x),), (stage.g,), (x,))
     for variant in ("walk", "contract"):
         module = stage.copies[variant]
-        with capturing(module) if variant == "contract" else nullcontext():
+        capture = Capture() if variant == "contract" else None
+        with capturing(module, capture) if capture is not None else nullcontext():
             out = module(x)
         with counts[f"{variant} I"]:
-            _, weight = input_backward((out,), (stage.g,), (x,), stage.ids[variant])
+            _, weight = input_backward((out,), (stage.g,), (x,), stage.ids[variant], capture)
         with counts[f"{variant} W"]:
             weight.run()
     return ", ".join(f"{k} {c.ops['mm']}" for k, c in counts.items())
@@ -232,7 +234,8 @@ def labelled_step(stage: Stage, variant: str, label: Callable[[str], object]) ->
     module.zero_grad(set_to_none=True)
     leaves = [x.detach().requires_grad_(True) for x in stage.xs]
     forward = "F captured" if variant == "contract" else "F"
-    with label(forward), capturing(module) if variant == "contract" else nullcontext():  # type: ignore[attr-defined]
+    capture = Capture() if variant == "contract" else None
+    with label(forward), capturing(module, capture) if capture is not None else nullcontext():  # type: ignore[attr-defined]
         graphs = [(leaf, module(leaf)) for leaf in leaves]
     if variant == "B":
         for leaf, out in graphs:
@@ -242,7 +245,7 @@ def labelled_step(stage: Stage, variant: str, label: Callable[[str], object]) ->
     pending = []
     for leaf, out in graphs:
         with label("I"):  # type: ignore[attr-defined]
-            pending.append(input_backward((out,), (g,), (leaf,), stage.ids[variant])[1])
+            pending.append(input_backward((out,), (g,), (leaf,), stage.ids[variant], capture)[1])
     for weight in pending:
         with label("W"):  # type: ignore[attr-defined]
             weight.run()

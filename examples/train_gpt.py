@@ -5,7 +5,9 @@
 Every rank compiles the same program and builds the whole model (deterministic weights), keeps
 the stages of its chunks, and declares the parameters that are one object in two stages (the
 tied embedding) as shared, so their gradients are summed across the ranks that hold them.
-Boundary shapes are learned per step from a function of a sample microbatch. Each step:
+The runtime finds the boundary shapes itself, on the first step's real data (and again when
+the shapes change); every rank is given the batch (only its shapes are read where a rank
+holds neither the first nor the last stage). Each step:
 zero the gradients, `runtime.step(tokens, next_tokens)`, clip the global gradient norm (each
 parameter counted once over the pipeline), an AdamW step on `runtime.parameters()` (each
 parameter once), and rank 0 logs the step's loss (`runtime.global_loss()`, the mean over all
@@ -20,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 from gpt import GPTConfig, build_stages, loss_fn, make_batch  # examples/gpt.py, beside this
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
+from pipecc.runtime import PipelineRuntime, RuntimeConfig, shared_parameters
 from train_mlp import compile_for_world, setup  # examples/train_mlp.py, beside this
 
 
@@ -49,8 +51,7 @@ def main() -> None:
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}
     runtime = PipelineRuntime(
         program,
-        modules,
-        lambda sample: infer_boundaries(stages, sample),  # shapes learned per step
+        modules,  # the boundaries: found along the pipeline for each new shape signature
         loss_fn=loss_fn,
         config=RuntimeConfig(device=device, shared=shared_parameters(stages), seed=0),
     )

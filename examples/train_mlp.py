@@ -4,7 +4,8 @@
         --microbatches 16
 
 Every rank compiles the same program, builds the whole model (deterministic weights) and
-keeps the stages of its chunks; the boundary shapes are inferred locally on the meta device.
+keeps the stages of its chunks; the runtime finds the boundary shapes on the first step's
+real data, each stage run by the rank holding it (every rank is given the batch).
 Each step: zero the gradients, `runtime.step(inputs, targets)` (gradients accumulate as the
 mean over microbatches; the two copies of a DualPipe stage are summed at the end of the
 step), then an Adam step on this rank's parameters. The loss is printed on rank 0 as
@@ -20,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from mlp import build_stages, loss_fn, make_batch  # examples/mlp.py, beside this script
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries
+from pipecc.runtime import PipelineRuntime, RuntimeConfig
 
 from pipecc.api import compile_schedule
 from pipecc.ir.program import Program
@@ -65,13 +66,8 @@ def main() -> None:
     stages = [s.to(device) for s in build_stages(program.placement.num_stages(0))]
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}
     rows = args.batch_size or 8 * args.microbatches
-    sample = make_batch(rows, seed=0)[0][: rows // args.microbatches].to(device)
     runtime = PipelineRuntime(
-        program,
-        modules,
-        infer_boundaries(stages, sample),
-        loss_fn=loss_fn,
-        config=RuntimeConfig(device=device),
+        program, modules, loss_fn=loss_fn, config=RuntimeConfig(device=device)
     )
     optimizer = torch.optim.Adam(runtime.parameters(), lr=args.lr)  # each parameter once
     for step in range(args.steps):

@@ -35,10 +35,13 @@ class RuntimeConfig:
     finds them). `sync_duplicated`: sum the gradients of every parameter held by several
     ranks (duplicated stages, shared parameters) at the end of `step`. `timeout`: seconds a
     `wait` may block (gloo; NCCL relies on the process group's own timeout). `check_shapes`:
-    check each stage's output shapes when a step brings new shapes. `seed`, `derive_rng`:
-    each forward of (stage, microbatch) runs under an RNG state derived from (seed, step,
-    stage, microbatch). `autocast`: run forwards under `torch.autocast` with this dtype.
+    compare the boundaries given to the runtime, if any, with those found on real data.
+    `seed`, `derive_rng`: each forward of (stage, microbatch) runs under an RNG state
+    derived from (seed, step, stage, microbatch). `autocast`: run forwards under
+    `torch.autocast` with this dtype.
     `fp32_grads`: accumulate the gradients of low-precision parameters in fp32.
+    `static_shapes`: the inputs' shapes never change after the first step, so a rank may
+    be given no inputs (it keeps the first step's signature); a change is an error.
     """
 
     group: dist.ProcessGroup | None = None
@@ -52,3 +55,4 @@ class RuntimeConfig:
     derive_rng: bool = True
     autocast: torch.dtype | None = None
     fp32_grads: bool = False
+    static_shapes: bool = False

@@ -1,46 +1,55 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
 The runtime binds the program to this rank once (its chunks and their modules, the plans to
-walk, the parameters it shares with other ranks), builds the parts an `Interpreter` dispatches
-to, and for each step: splits the batch, learns the step's shapes with the other ranks
-(runtime/boundaries/signatures.py; a new signature is checked on every rank together, before
-any point-to-point op, runtime/plan/binding.py), runs the plan in a fresh `StepContext` (the
-gradient sums of parameters held by several ranks are instructions of it,
-runtime/comm/shared.py; a program without them gets them after it).
+The runtime binds the program to this rank once (its chunks and their modules, the plans to
+walk, each chunk's split-backward method, the parameters it shares with other ranks), builds
+the parts an `Interpreter` dispatches to, and for each step: splits the batch, computes the
+step's input signature from its own inputs (runtime/boundaries/signatures.py: host metadata,
+no exchange), and when the signature is new, discovers its boundaries with every rank on
+real data and checks them together before any point-to-point op
+(runtime/boundaries/discovery.py, runtime/plan/binding.py); its plans are compiled once into
+bound steps (runtime/engine/bound.py: `_use`); then runs the signature's bound plan in a
+fresh `StepContext` (the gradient sums of parameters held by several ranks are instructions
+of it, runtime/comm/shared.py; a program without them gets them after it). A step whose
+signature is known exchanges nothing outside the program.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, overload
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import ProgramError, SetupError
+from pipecc.diagnostics import InputError, PipeccError, ProgramError, SetupError
 from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
-from .boundaries.context import rows_problem, sample_context, split_context
-from .boundaries.signatures import BoundaryFn, BoundaryFnError, Gather, Seen, Signatures
-from .boundaries.specs import Boundary, Specs
+from .boundaries import discovery
+from .boundaries.context import sample_context, split_context
+from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
+from .boundaries.signatures import BoundaryFn, Signature, Signatures
+from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
 from .comm import agreement, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
 from .engine import aux_loss
 from .engine.aux_loss import LossBreakdown
+from .engine.bound import Binder, methods, unalias
+from .engine.bound import Signature as BoundPlans
 from .engine.compute import StageOps
 from .engine.context import StepContext
 from .engine.fused import FusedOps
-from .engine.interpreter import Interpreter
+from .engine.interpreter import InstructionError, Interpreter
 from .engine.precision import Fp32Grads
-from .engine.rng import ForwardRng
+from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
+from .engine.steps import Current
 from .engine.transfers import Transfers
 from .plan import binding
-from .plan.plan import build_plan, forward_only
+from .plan.plan import build_plan, forward_only, mailbox
 from .profiling.profiler import ProfilingInterpreter
 from .profiling.recorder import Recorder
 
@@ -48,17 +57,18 @@ from .profiling.recorder import Recorder
 class PipelineRuntime:
     """Executes one rank's part of a compiled program, one step at a time.
 
-    `modules[chunk]` is this rank's stage module for each chunk of the placement;
-    `boundaries`: the input of each stage s for one microbatch, `{s: specs}` (fixed shapes),
-    or a function of a sample microbatch of stage 0's input returning them (shapes learned
-    per step), e.g. `lambda sample: infer_boundaries(stages, sample)`.
+    `modules[chunk]` is this rank's stage module for each chunk of the placement. The
+    boundaries of each input signature are discovered on real data along the pipeline.
+    `boundaries` (optional) declares them: `{s: specs}`, or a function of a sample
+    microbatch of stage 0's input returning them; a declared boundary that the real run
+    contradicts stops every rank (with `check_shapes`).
     """
 
     def __init__(
         self,
         program: Program,
         modules: Mapping[int, torch.nn.Module] | Sequence[torch.nn.Module],
-        boundaries: Mapping[int, object] | BoundaryFn,
+        boundaries: Mapping[int, object] | BoundaryFn | None = None,
         *,
         loss_fn: LossFn = mse_loss,
         config: RuntimeConfig | None = None,
@@ -76,7 +86,9 @@ class PipelineRuntime:
         self.device = config.device or _device_of(self.modules)
         nccl = uses_nccl(self.group, self.device)
         limit = None if nccl else config.timeout
-        self.signatures = Signatures(boundaries, self.group, world, self.device, limit)
+        self.declared = _declared(boundaries)  # checked against the discovered ones
+        self.signatures = Signatures(program.num_microbatches)
+        self._limit = limit  # seconds the discovery's agreement waits for a rank (gloo)
         self._problem = binding.world_problem(
             program, world, self.rank_map, dist.get_rank()
         ) or binding.backend_problem(program, nccl=nccl)
@@ -86,6 +98,9 @@ class PipelineRuntime:
         self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
+        self._signatures: dict[int, BoundPlans] = {}  # the bound plans of each signature seen
+        self.current = Current()  # the bound plans in use
+        self._storages: frozenset[int] = frozenset()  # where their receive buffers are
         if self._problem is None:
             self._bind()
 
@@ -95,22 +110,23 @@ class PipelineRuntime:
         self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
         self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
         self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
-        params = shared.distinct(self.groups)
+        params = self._params = shared.distinct(self.groups)
         self.grads = Fp32Grads(params) if config.fp32_grads else shared.ParamGrads()
         self.to_sum = shared.to_sum(self.groups, self.grads)
         self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
         stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, (self.device, config.autocast))
         stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
-        stage.split = split_chunks(self.program.ranks[rank])
+        captures = methods(self.chunks, split_chunks(self.program.ranks[rank]))
         transfers = Transfers(self.channel, {}, self.device, config.timeout)
         self.sums = shared.GradientSums(
             self.program, rank, self.to_sum, self.grads, device=self.device
         )
         self.sums.enabled = config.sync_duplicated
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
-        self.interpreter = Interpreter(
-            rank, stage, FusedOps(stage, self.device), transfers, self.sums
-        )
+        fused = FusedOps(stage, self.device)
+        self.interpreter = Interpreter(rank, stage, fused, transfers, self.sums)
+        slots = mailbox(self.program.ranks[rank])
+        self.binder = Binder(stage, fused, self.channel, slots, captures)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -143,8 +159,9 @@ class PipelineRuntime:
         if precision is not None:
             precision.begin()
         with self.rng.step_scope():
-            interpreter.run(self.plan, ctx)
+            interpreter.run(self.current, ctx)
         ctx.settle()
+        unalias(self._params, self._storages)
         self._finish(ctx)
         if self.config.sync_duplicated and self.to_sum and self.sums.outside:
             start = time.perf_counter()  # a program without its sums: after it (shared.py)
@@ -166,11 +183,17 @@ class PipelineRuntime:
         with torch.no_grad():
             ctx = self._context(inputs, targets, training=False, context=context)
             with self.rng.step_scope():
-                self.interpreter.run(self.forward_plan, ctx)
+                self.interpreter.run(self.current, ctx)
             ctx.settle()
             self._finish(ctx)
         self._loss_of(ctx)
         return dict(sorted(ctx.outputs.items()))
+
+    @property
+    def boundaries(self) -> dict[int, Boundary]:
+        """The current signature's boundaries, `{stage: input of one microbatch}` (empty
+        before the first step)."""
+        return dict(self.signatures.cache.get(self.signatures.current, {}))
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameters, each object once (a weight used by two of its chunks, a
@@ -208,76 +231,135 @@ class PipelineRuntime:
     def _context(
         self, inputs: object, targets: object, *, training: bool, context: object = None
     ) -> StepContext:
-        """Split the batch, learn the step's shapes; a new signature is checked everywhere."""
+        """Split the batch and learn the step's signature; a new one is discovered."""
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
+        contexts = split_context(context, self.program.num_microbatches, self.device, found)
+        signature = self._signature(inputs, found, context if contexts else None)
         holds_first = any(c.first for c in self.chunks.values())
         holds_last = any(c.last for c in self.chunks.values())
         split_inputs = split_targets = None  # ranks that do not use them copy nothing
-        if holds_first:
+        if holds_first and not found:
             split_inputs = self._split(inputs, "inputs", found, required=True)
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
-        contexts = split_context(context, self.program.num_microbatches, self.device, found)
-        sample = split_inputs[0] if split_inputs else None
-        if (wrong := rows_problem(sample, contexts[0] if contexts else None)) is not None:
-            found.append(wrong)
-        gather = self.signatures.start(sample, bool(found), contexts[0] if contexts else None)
+        if signature is not None and signature.code == self.signatures.current:
+            if found:  # a known signature: nothing is exchanged, this rank stops alone
+                raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))
+        else:
+            with sample_context(contexts[0] if contexts else None):  # discovery runs on it
+                self._settle(signature, found, split_inputs)
         scale = 1.0 / self.program.num_microbatches
         ctx = StepContext(split_inputs, split_targets, scale, training, step=self.steps)
         ctx.context = contexts
-        settle = in_context(functools.partial(self._settle, gather, found), contexts)
-        # Known shapes (this rank's inputs have the current signature, or it has none and
-        # a signature is current): compute until the first post while the gather completes.
-        known = self.signatures.current != 0 and gather.code in (0, self.signatures.current)
-        if known:
-            ctx.before_post = settle
-        else:
-            settle()
         return ctx
 
-    def _settle(self, gather: Gather, found: list[str]) -> None:
-        """Complete the step's signature gather; check and switch to new boundaries."""
+    def _signature(
+        self, inputs: object, found: list[str], context: object = None
+    ) -> Signature | None:
+        """The step's signature from this rank's inputs (host metadata only); under
+        `static_shapes` a rank without inputs keeps the current one. None: to be learned
+        from the other ranks (first step, static shapes), or unusable (in `found`)."""
+        current = self.signatures.current
         where = f"rank {self.rank}, step {self.steps}"
+        if inputs is None:
+            if self.config.static_shapes:
+                return Signature(current, self.signatures.cache[current][0]) if current else None
+            if current:
+                raise SetupError(f"{where}: {NO_INPUTS}")
+            found.append(NO_INPUTS)
+            return None
         try:
-            seen, boundaries = self.signatures.finish(gather, where)
-        except BoundaryFnError as err:  # every rank reports it (the others are in _agree)
-            self._agree([*found, f"step {self.steps}: {err.message}"])
-            raise
-        if seen is Seen.UNUSABLE:
-            self._agree(found)
-            raise SetupError("the pipeline cannot start: a rank's batch is unusable")
-        if seen is Seen.NEW:
-            self._agree(found or self._problems(boundaries))
-        if seen is not Seen.CURRENT:
-            self._use(boundaries)
+            signature = self.signatures.of(inputs, cast(Mapping[str, Any] | None, context))
+        except InputError as err:
+            found.append(err.message)
+            return None
+        if self.config.static_shapes and current and signature.code != current:
+            raise SetupError(
+                f"{where}: RuntimeConfig(static_shapes=True) declares that the shapes never "
+                f"change, but the step's inputs are {signature.boundary.describe()} per "
+                f"microbatch, not {self.signatures.cache[current][0].describe()}"
+            )
+        return signature
+
+    def _settle(
+        self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
+    ) -> None:
+        """Switch to a signature seen before, or discover a new one with every rank
+        (runtime/boundaries/discovery.py) and check it."""
+        if signature is not None and not found and self.signatures.known(signature):
+            self.signatures.current = signature.code
+            self._use(self.signatures.cache[signature.code])
+            return
+        config = self.config
+        forward = Forward(config.autocast, self._seed_of, f"rank {self.rank}, step {self.steps}")
+        exchange = Exchange(self.group, self.rank_map, self.rank, self.device, self._limit)
+        agreed = discovery.agree_signature(exchange, signature, found + self._problems(), forward)
+        stages = PipeStages.of(self.program, self.rank, self.modules)
+        first = split_inputs[0] if split_inputs else None
+        try:
+            boundaries = discovery.along_pipeline(exchange, stages, first, agreed, forward)
+        except StageFailed as err:  # the user's exception, with its traceback
+            raise InstructionError(err.message) from err.__cause__
+        self._agree(binding.boundary_problems(self.program, self.rank, boundaries)
+                    + self._declared_problems(agreed, boundaries))  # fmt: skip
+        self.signatures.learn(agreed.code, boundaries)
+        self._use(boundaries)
+
+    def _seed_of(self, stage: int) -> int | None:
+        """The RNG seed of (this step, `stage`, microbatch 0), as its forward derives it."""
+        if not self.config.derive_rng:
+            return None
+        return derive_seed(self.config.seed, self.steps, stage, 0)
 
     def _split(
         self, value: object, what: str, found: list[str], *, required: bool
     ) -> list[object] | None:
         return binding.split_batch(value, what, self.program, self.device, found, required=required)
 
-    def _problems(self, boundaries: dict[int, Boundary]) -> list[str]:
-        """Modules, boundaries, shapes and shared parameters (first step and new shapes)."""
+    def _problems(self) -> list[str]:
+        """Modules and shared parameters (checked with every new signature)."""
         config = self.config
-        found = binding.problems(
-            self.program, self.rank, self.modules, boundaries,
-            check_shapes=config.check_shapes, autocast=config.autocast,
-        )  # fmt: skip
+        found = binding.module_problems(self.program, self.rank, self.modules)
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
         return found + self.sums.problems()
+
+    def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:
+        """Where the boundaries the user declared differ from those found."""
+        if self.declared is None or not self.config.check_shapes:
+            return []
+        declared = self.declared
+        if callable(declared):
+            given = agreed.boundary
+            sample = given.rebuild(synthetic(given.tensors, torch.device("cpu")))
+            try:
+                declared = normalise_boundaries(declared(sample))
+            except Exception as err:  # the user's function: reported on every rank
+                text = err.message if isinstance(err, PipeccError) else str(err).split("\n")[0]
+                return [
+                    f"step {self.steps}: the boundaries function failed on a sample microbatch "
+                    f"{given.describe()}: {type(err).__name__}: {text[:200]}"
+                ]
+        return binding.declared_problems(self.program, self.rank, declared, boundaries)
 
     def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]
         agreement.agree(named, self.group, self.program.num_ranks, self.device)
 
     def _use(self, boundaries: dict[int, Boundary]) -> None:
-        """Switch the primitives to a signature's boundaries and receive buffers."""
+        """Switch to a signature's plans: bound once, when it is first seen, to its
+        boundaries (stage -> the input of one microbatch) and receive specs."""
         key = self.signatures.current
-        if key not in self._recv_specs:
-            self._recv_specs[key] = binding.recv_specs(self.program, self.rank, boundaries)
+        if key not in self._signatures:
+            specs = binding.recv_specs(self.program, self.rank, boundaries)
+            self._recv_specs[key] = specs
+            plans = (self.plan, self.forward_plan)
+            self._signatures[key] = self.binder.bind(plans, boundaries, specs)
+        bound = self._signatures[key]
+        self.current.train, self.current.forward = bound.train, bound.forward
+        self._storages = bound.storages
         self.interpreter.stage.boundaries = boundaries
         self.interpreter.transfers.specs = self._recv_specs[key]
 
@@ -297,17 +379,19 @@ class PipelineRuntime:
         return torch.stack(list(self.losses.values())).mean()
 
 
-def in_context(settle: Callable[[], None], contexts: list[Any] | None) -> Callable[[], None]:
-    """`settle` run with this rank's first context microbatch as boundary inference's
-    sample context (a new signature runs the stages on it)."""
-    if not contexts:
-        return settle
+NO_INPUTS = (
+    "was given no inputs: every rank needs the step's inputs to learn the step's shape "
+    "signature (only their shapes are read; nothing is copied), or declare "
+    "RuntimeConfig(static_shapes=True) when the shapes never change"
+)
 
-    def run() -> None:
-        with sample_context(contexts[0]):
-            settle()
 
-    return run
+def _declared(
+    boundaries: Mapping[int, object] | BoundaryFn | None,
+) -> dict[int, Boundary] | BoundaryFn | None:
+    if boundaries is None or callable(boundaries):
+        return boundaries
+    return normalise_boundaries(boundaries)
 
 
 def _device_of(modules: Mapping[int, torch.nn.Module]) -> torch.device:

@@ -104,12 +104,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the runtime's own layers, bottom up (docs/architecture.md); its top (`__init__`, the
     # facade, and `pipeline`, the runtime that binds them) may import every one of them
     "pipecc.runtime": ("pipecc.diagnostics", "pipecc.ir", "torch"),
+    "pipecc.runtime.compat": ("torch",),  # torch's private APIs, each tested (test_compat)
     "pipecc.runtime.config": ("pipecc.diagnostics", "torch"),
-    "pipecc.runtime.comm": ("pipecc.diagnostics", "pipecc.ir", "torch"),
+    "pipecc.runtime.comm": ("pipecc.diagnostics", "pipecc.ir", "torch", "pipecc.runtime.compat"),
     "pipecc.runtime.boundaries": (
         "pipecc.diagnostics",
         "pipecc.ir",
         "torch",
+        "pipecc.runtime.compat",
         "pipecc.runtime.config",
         "pipecc.runtime.comm",
     ),
@@ -123,6 +125,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.diagnostics",
         "pipecc.ir",
         "torch",
+        "pipecc.runtime.compat",
         "pipecc.runtime.config",
         "pipecc.runtime.comm",
         "pipecc.runtime.boundaries",
@@ -133,6 +136,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.diagnostics",
         "pipecc.ir",
         "torch",
+        "pipecc.runtime.compat",
         "pipecc.runtime.config",
         "pipecc.runtime.comm",
         "pipecc.runtime.boundaries",

@@ -8,9 +8,9 @@ ranks: every rank holding a stage is given the whole context and splits it itsel
 rank of the pipeline passes the same context, or None on all of them).
 
 The context's shapes are part of the step's signature (runtime/boundaries/signatures.py:
-the rank holding stage 0 hashes its inputs and its context together), and boundary
-inference runs every stage with the context of a sample microbatch (`sample_context`):
-a stage whose output shape depends on a context entry gets the right boundary.
+every rank hashes its inputs and its context together), and the discovery of a new
+signature runs every stage with this rank's first context microbatch (`sample_context`):
+a stage whose output depends on a context entry gets the right boundary.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError
 
-from .trees import Boundary, flatten, split_tree
+from ..compat import pytree
+from .trees import Boundary, split_tree
 
 Context = dict[str, Any]
 MARK = "\n"  # between the inputs' and the context's text in a signature (json has none)
@@ -53,32 +53,22 @@ def split_context(
     return [dict(cast(Mapping[str, Any], part)) for part in parts]
 
 
-def rows_problem(inputs: object, context: Context | None) -> str | None:
-    """The context of one microbatch must have as many rows as its inputs (both are split
-    along dim 0 alike); what is wrong, or None."""
-    if context is None:
-        return None
-    rows = {_rows(inputs), _rows(context)} - {None}
-    if len(rows) < 2:
-        return None
-    return (
-        f"the context has {_rows(context)} rows per microbatch but the inputs have "
-        f"{_rows(inputs)}: both are split along dim 0 into the same microbatches"
-    )
+def rows_check(inputs: Boundary, context: Boundary) -> None:
+    """One microbatch of the context must have as many rows as one of the inputs (both are
+    split along dim 0 alike): an InputError naming both otherwise."""
+    rows = [_rows(b) for b in (inputs, context)]
+    if None not in rows and rows[0] != rows[1]:
+        raise InputError(
+            f"the context has {rows[1]} rows per microbatch but the inputs have {rows[0]}: "
+            "both are split along dim 0 into the same microbatches"
+        )
 
 
-def _rows(value: object) -> int | None:
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) and leaf.dim():
-            return int(leaf.shape[0])
+def _rows(boundary: Boundary) -> int | None:
+    for spec in boundary.tensors:
+        if spec.shape:
+            return int(spec.shape[0])
     return None
-
-
-def context_text(context: Mapping[str, Any] | None) -> str:
-    """The signature text of one microbatch's context (empty without one)."""
-    if context is None:
-        return ""
-    return MARK + flatten(dict(context), "the context")[1].text()
 
 
 def describe_signature(signature: str) -> str:
@@ -86,11 +76,6 @@ def describe_signature(signature: str) -> str:
     inputs, _, context = signature.partition(MARK)
     found = Boundary.from_text(inputs).describe()
     return found + (f" with context {Boundary.from_text(context).describe()}" if context else "")
-
-
-def inputs_text(signature: str) -> str:
-    """The inputs' part of a signature text (runtime/boundaries/signatures.py)."""
-    return signature.split(MARK, 1)[0]
 
 
 class _Sample:
@@ -112,14 +97,6 @@ def sample_context(value: Mapping[str, Any] | None) -> Iterator[None]:
 def current_sample() -> Context:
     """The sample context boundary inference passes now (empty outside `sample_context`)."""
     return dict(_Sample.value or {})
-
-
-def on_meta(context: Context) -> Context:
-    """The context with every tensor on the meta device (for a meta forward)."""
-    found: Context = pytree.tree_map_only(
-        torch.Tensor, lambda t: torch.empty_like(t, device="meta"), context
-    )
-    return found
 
 
 def on_device(context: Context, device: torch.device) -> Context:

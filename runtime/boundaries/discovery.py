@@ -1,107 +1,248 @@
-"""Boundaries along the pipeline, found without any rank needing another rank's modules.
+"""Boundaries found along the pipeline, on real data, each rank running only its own stages.
 
-`pipeline_boundaries` finds every stage's input boundary without any rank needing another
-rank's modules: stage by stage, in pipeline order, the lowest rank holding stage s computes
-its output boundary from its own module (on the meta device, else for real on synthetic data,
-as `infer_boundaries` does), and one small collective over the pipeline group tells every
-rank the result (or the failure, so every rank stops alike). It runs only when a step brings
-a signature not seen before (runtime/boundaries/signatures.py calls it on every rank alike), 2·S
-all-gathers of a few hundred bytes for S stages.
+When a step brings an input signature that no step had before, every rank of the pipeline
+runs this pass together, before the program (runtime/pipeline.py):
+
+1. **Agreement** (`agree_signature`): one gather of a short text per rank over the pipeline
+   group: the signature this rank computed from its inputs (none under `static_shapes`
+   without inputs) and its set-up problems (a module missing, a batch that cannot be
+   split). Problems, or ranks whose signatures differ, raise the same `SetupError` on
+   every rank; a rank that does not come (it saw a signature it knows) times the others
+   out with a `RankError` that says so.
+2. **Along the pipeline** (`along_pipeline`): stage by stage in pipe 0's order (DualPipe's
+   pipe 1 has the same stages, so the same boundaries), the rank holding stage s in pipe 0
+   runs its real module on the real value it holds (stage 0: the step's microbatch 0;
+   otherwise what the previous stage's holder sent it) under the same derived RNG state and
+   autocast as the real forward, with no side effect (runtime/boundaries/specs.py
+   `run_stage`: buffers copied, RNG restored, graph dropped, which outputs require a
+   gradient observed). The output's description goes to every rank in one gather (so every
+   rank learns every boundary, and a stage that fails stops every rank alike), the tensors
+   point to point to the holder of s+1 (kept locally when that is the same rank).
+
+So the boundaries are those of the real forward, whatever branch the model takes on real
+data (a mask helper that returns None, an autocast region inside a stage, data-dependent
+routing), and the shape check of a new signature holds by construction. It costs one
+forward of each stage on one microbatch and 2 + 2·S small gathers, once per signature.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import InputError
+from pipecc.diagnostics import InputError, RankError, SetupError
 from pipecc.ir.program import Program
 
-from ..comm.agreement import gather_texts
+from ..comm.agreement import ExchangeTimeout, gather_texts
 from ..config import RuntimeConfig
-from .specs import Boundary, stage_output
-from .trees import flatten
+from .context import describe_signature
+from .signatures import Signature, signature_from_text
+from .specs import OutputNotTree, StageRun, as_received, run_stage
+from .trees import Boundary
 
 __all__ = ["pipeline_boundaries"]
 
 
-def pipeline_boundaries(
-    program: Program,
-    modules: Mapping[int, torch.nn.Module],
-    config: RuntimeConfig | None = None,
-) -> Callable[[Any], dict[int, Boundary]]:
-    """A boundaries function for `PipelineRuntime` that needs only this rank's modules
-    (`modules[chunk]`, as given to the runtime, with the same `config`): each stage's output
-    is found by a rank holding it and shared with the others (module docs). Every rank of
-    the pipeline must call the function alike, as the runtime does."""
-    config = config or RuntimeConfig()
-    group = config.group
-    rank_map = tuple(config.rank_map or dist.get_process_group_ranks(group or dist.group.WORLD))
-    me = rank_map.index(dist.get_rank()) if dist.get_rank() in rank_map else -1
-    world = dist.get_world_size(group)
-    placement = program.placement
-    # not in the program (another world size, a wrong rank map): the runtime refuses that
-    # on its first step, before it calls this
-    held = placement.chunks(me) if 0 <= me < program.num_ranks else ()
-    mine = {slot.stage: modules.get(slot.chunk) for slot in held}
-    holders: dict[int, int] = {}  # the lowest rank holding each stage
-    for rank in range(program.num_ranks):
-        for slot in placement.chunks(rank):
-            holders.setdefault(slot.stage, rank)
-    num_stages = placement.num_stages(0)
-
-    def boundaries(sample: object) -> dict[int, Boundary]:
-        boundary = flatten(sample, "the sample input")[1]
-        device = config.device or _device_of(mine)
-        found = {0: boundary}
-        for stage in range(num_stages):
-            text = ""
-            if holders[stage] == me:
-                last = stage == num_stages - 1
-                text = _output_of(mine.get(stage), boundary, device, config.autocast, last)
-            texts = gather_texts(text, group, world, device)
-            reply = json.loads(next(t for t in texts if t))
-            if "error" in reply:
-                raise InputError(
-                    f"cannot infer the output shapes of stage {stage} (on rank "
-                    f"{holders[stage]}: {reply['error']}); give the boundaries explicitly "
-                    "(a model file's boundaries())"
-                )
-            if "end" in reply:  # the model's output is no pytree: only loss_fn reads it
-                break
-            boundary = Boundary.from_text(reply["boundary"])
-            found[stage + 1] = boundary
-        return found
-
-    return boundaries
+class StageFailed(RankError):
+    """A stage's forward failed on this rank during the discovery pass; its cause is the
+    user's exception (the other ranks raise a `SetupError` with the same message)."""
 
 
-def _output_of(
-    module: torch.nn.Module | None,
-    given: Boundary,
-    device: torch.device,
-    autocast: torch.dtype | None,
-    last: bool,
-) -> str:
-    """The holder's reply for one stage: its output boundary, the end (the last stage's
-    output is no pytree of tensors, as `infer_boundaries` allows), or the failure."""
-    if module is None:
-        return json.dumps({"error": "this rank was given no module for it"})
+@dataclass(frozen=True)
+class Exchange:
+    """Who takes part in a discovery and how they are reached."""
+
+    group: dist.ProcessGroup | None
+    rank_map: tuple[int, ...]  # pipeline rank -> global rank
+    rank: int  # this rank, in the pipeline
+    device: torch.device
+    timeout: float | None  # seconds the agreement may wait for a rank (gloo); None: no limit
+
+    def texts(self, text: str, *, timeout: float | None = None) -> list[str]:
+        """Every rank's `text`, by pipeline rank (the group orders them by its own ranks,
+        which a rank map may permute)."""
+        found = gather_texts(text, self.group, len(self.rank_map), self.device, timeout=timeout)
+        return [found[self._group_rank(g)] for g in self.rank_map]
+
+    def _group_rank(self, global_rank: int) -> int:
+        if self.group is None:
+            return global_rank
+        return dist.get_group_rank(self.group, global_rank)
+
+
+@dataclass(frozen=True)
+class PipeStages:
+    """Pipe 0's stages: which rank holds each, and this rank's modules of them."""
+
+    holders: tuple[int, ...]  # stage -> pipeline rank
+    mine: Mapping[int, torch.nn.Module]  # stage -> module, the stages this rank holds
+
+    @classmethod
+    def of(cls, program: Program, rank: int, modules: Mapping[int, torch.nn.Module]) -> PipeStages:
+        placement = program.placement
+        holders = {}
+        for holder in range(program.num_ranks):
+            for slot in placement.chunks(holder):
+                if slot.pipe == 0:
+                    holders[slot.stage] = holder
+        mine = {
+            slot.stage: modules[slot.chunk]
+            for slot in placement.chunks(rank)
+            if slot.pipe == 0 and slot.chunk in modules
+        }
+        return cls(tuple(holders[s] for s in range(len(holders))), mine)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """How a discovery forward runs: as the real forward of microbatch 0 does."""
+
+    autocast: torch.dtype | None
+    seed: Callable[[int], int | None]  # stage -> the derived seed of (step, stage, mb 0)
+    where: str  # "rank r, step t", for errors
+
+
+def agree_signature(
+    exchange: Exchange, signature: Signature | None, problems: list[str], forward: Forward
+) -> Signature:
+    """The step's signature, the same on every rank, or the same `SetupError` on every rank
+    (module docs, step 1)."""
+    mine = {
+        "signature": None if signature is None else signature.text(),
+        "problems": [f"rank {exchange.rank}: {text}" for text in problems],
+        "where": forward.where,
+    }
     try:
-        return json.dumps({"boundary": stage_output(module, given, device, autocast).text()})
-    except InputError as err:
-        return json.dumps({"end": True} if last else {"error": err.message})
-    except Exception as err:
-        return json.dumps({"error": f"{type(err).__name__}: {err}"})
+        texts = exchange.texts(json.dumps(mine), timeout=exchange.timeout)
+    except ExchangeTimeout as err:
+        raise RankError(
+            f"{forward.where}: the discovery of a new input signature did not complete "
+            f"within {exchange.timeout:g} s ({err}): a rank did not join it. Every rank must "
+            "be given the step's inputs, of the same shapes: a rank whose inputs have a "
+            "signature it knows, or that has none under static_shapes, runs the step "
+            "without a discovery"
+        ) from err
+    replies = [json.loads(text) for text in texts]
+    lines = [line for reply in replies for line in reply["problems"]]
+    if lines:
+        raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
+    return _common(replies)
 
 
-def _device_of(modules: Mapping[int, torch.nn.Module | None]) -> torch.device:
-    for module in modules.values():
-        if module is not None:
-            for tensor in (*module.parameters(), *module.buffers()):
-                return tensor.device
-    return torch.device("cpu")
+def _common(replies: list[dict[str, object]]) -> Signature:
+    seen = {rank: r["signature"] for rank, r in enumerate(replies) if r["signature"] is not None}
+    if not seen:
+        raise SetupError("the pipeline cannot start: no rank was given the step's inputs")
+    if len(set(seen.values())) > 1:
+        lines = [
+            f"{replies[rank]['where']}: {describe_signature(str(text))}"
+            for rank, text in seen.items()
+        ]
+        raise SetupError(
+            "the pipeline cannot start: the ranks were given inputs of different shapes "
+            "(one microbatch each):\n  " + "\n  ".join(lines)
+        )
+    return signature_from_text(str(next(iter(seen.values()))))
+
+
+def along_pipeline(
+    exchange: Exchange,
+    stages: PipeStages,
+    first: object | None,
+    signature: Signature,
+    forward: Forward,
+) -> dict[int, Boundary]:
+    """Every stage's input boundary (module docs, step 2). `first`: the step's microbatch 0
+    on the rank holding stage 0 of pipe 0 (None elsewhere). Every rank calls it alike."""
+    found = {0: signature.boundary}
+    value = first
+    for stage, holder in enumerate(stages.holders):
+        run: StageRun | Exception | None = None
+        if holder == exchange.rank:
+            run = _run(stages.mine[stage], value, exchange.device, forward, stage)
+        last = stage == len(stages.holders) - 1
+        reply = json.loads(exchange.texts(_reply(run, stage, forward, last=last))[holder])
+        if "error" in reply:
+            _fail(str(reply["error"]), run)
+        if "end" in reply:  # the model's output is no pytree: only loss_fn reads it
+            break
+        boundary = Boundary.from_text(str(reply["boundary"]))
+        found[stage + 1] = boundary
+        if stage + 1 < len(stages.holders):
+            tensors = run.tensors if isinstance(run, StageRun) else ()
+            value = _hand_on(exchange, (holder, stages.holders[stage + 1]), tensors, boundary)
+    return found
+
+
+def _run(
+    module: torch.nn.Module, value: object, device: torch.device, forward: Forward, stage: int
+) -> StageRun | Exception:
+    try:
+        return run_stage(module, value, device, autocast=forward.autocast, seed=forward.seed(stage))
+    except Exception as err:  # reported to every rank, then raised (`_fail`)
+        return err
+
+
+def _reply(run: StageRun | Exception | None, stage: int, forward: Forward, *, last: bool) -> str:
+    """The holder's reply for one stage: its output boundary, the end (the last stage's
+    output is no pytree of tensors), or the failure; "" on the other ranks."""
+    if run is None:
+        return ""
+    if isinstance(run, StageRun):
+        return json.dumps({"boundary": run.boundary.text()})
+    if last and isinstance(run, OutputNotTree):
+        return json.dumps({"end": True})
+    text = run.message if isinstance(run, InputError) else f"{type(run).__name__}: {run}"
+    return json.dumps(
+        {
+            "error": f"{forward.where}: stage {stage}'s forward on microbatch 0 failed "
+            f"(discovering the boundaries of a new input signature): {text}"
+        }
+    )
+
+
+def _fail(message: str, run: StageRun | Exception | None) -> None:
+    """Every rank stops: the stage's holder with the user's exception as the cause."""
+    if isinstance(run, Exception):
+        raise StageFailed(message) from run
+    raise SetupError(f"the pipeline cannot start: {message}")
+
+
+def _hand_on(
+    exchange: Exchange,
+    ranks: tuple[int, int],
+    tensors: tuple[torch.Tensor, ...],
+    boundary: Boundary,
+) -> object | None:
+    """Stage s+1's input on its holder: kept when the holder of s is the same rank, else
+    sent point to point (nothing on the other ranks)."""
+    source, target = ranks
+    me = exchange.rank
+    if me == source == target:
+        return as_received(boundary, tensors)
+    if me == source:
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), exchange.rank_map[target], group=exchange.group)
+    if me != target:
+        return None
+    received = tuple(
+        torch.empty(spec.shape, dtype=spec.dtype, device=exchange.device)
+        for spec in boundary.tensors
+    )
+    for tensor in received:
+        dist.recv(tensor, exchange.rank_map[source], group=exchange.group)
+    return as_received(boundary, received)
+
+
+def pipeline_boundaries(
+    program: Program, modules: Mapping[int, torch.nn.Module], config: RuntimeConfig | None = None
+) -> None:
+    """The runtime's own discovery (module docs), which `boundaries=None` selects: kept so
+    that code written for earlier versions, `PipelineRuntime(program, modules,
+    pipeline_boundaries(program, modules, config))`, runs unchanged."""
+    del program, modules, config
+    return None

@@ -1,39 +1,39 @@
 """What crosses a stage boundary: structure, shapes and dtypes, known before each receive.
 
 The runtime allocates every receive buffer from a `TensorSpec` before it posts the receive,
-so the boundaries of a step's shapes must be known before the step runs. They are never sent
-point to point outside the program (DESIGN §5): the ranks learn a step's input shapes with
-one small collective (runtime/boundaries/signatures.py) and each computes the boundaries
-locally, from the whole model (`infer_boundaries`) or from specs the user gives.
+so the boundaries of a step's shapes must be known before the step runs. They are found by
+running the stages for real, on real data: the runtime does it along the pipeline when a step
+brings an input signature it has not seen (runtime/boundaries/discovery.py), each rank
+running only its own stages; `infer_boundaries` does it for a whole model on one process.
 
 Boundaries are keyed by stage index in pipe 0's numbering (the `stage` of the program): entry
 s is the input of stage s. Two pipes over the same stages (DualPipe) share the keys, since
 stage s of either pipe is the same model stage. All microbatches of a step have the same
 shapes (the batch splits evenly into M microbatches).
 
-`infer_boundaries` runs each stage on the `meta` device (no memory, no arithmetic, the real
-modules untouched). When that fails (an op without a meta kernel, data-dependent code such
-as `.item()`) or when autocast is on (the meta device has no autocast), it runs the stage
-for real on a microbatch of synthetic data on the stage's device, with copies of its buffers
-and the RNG state restored after, so no parameter, buffer or random stream changes.
+A stage runs for real (`run_stage`), never on the `meta` device: a model may take another
+branch there (a mask helper that returns None on real data and a mask on meta, autocast,
+which the meta device does not apply, routing that depends on the values), and the
+boundary must be what the real forward returns. The run has no side effects: copies of the
+buffers, the RNG state restored, the graph dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
-import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from pipecc.diagnostics import InputError
 
-from .context import current_sample, on_device, on_meta, sample_context
-from .trees import Boundary, TensorSpec, boundary_of, flatten
+from ..compat import pytree
+from .context import current_sample, on_device, sample_context
+from .trees import Boundary, TensorSpec, flatten
 
-__all__ = ["Boundaries", "Boundary", "Specs", "TensorSpec", "infer_boundaries"]
+__all__ = ["Boundaries", "Boundary", "Specs", "StageRun", "TensorSpec", "infer_boundaries"]
 
 Specs: TypeAlias = tuple[TensorSpec, ...]  # the tensors of one message, in leaf order
 Boundaries: TypeAlias = Mapping[int, Boundary]
@@ -68,60 +68,54 @@ def _slots(leaves: tuple[TensorSpec, ...]) -> tuple[int, ...]:
     return tuple(range(len(leaves)))  # a tuple with one leaf per spec
 
 
-def meta_forward(module: torch.nn.Module, given: Boundary) -> Boundary:
-    """The output boundary of `module` for inputs of `given`, computed on the meta device.
-
-    The module's parameters and buffers are replaced by meta tensors for the call (with the
-    parameters' requires_grad, so the outputs say which carry a gradient)."""
-    state = {
-        name: torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
-        for name, value in module.named_parameters()
-    }
-    state.update({name: torch.empty_like(b, device="meta") for name, b in module.named_buffers()})
-    inputs = given.rebuild(
-        tuple(
-            torch.empty(s.shape, dtype=s.dtype, device="meta").requires_grad_(_wants_grad(s))
-            for s in given.tensors
-        )
-    )
-    with torch.enable_grad():
-        outputs = functional_call(module, state, _args(inputs), on_meta(current_sample()))
-    return boundary_of(outputs, "a stage's output")
+class OutputNotTree(InputError):
+    """A stage returned something that is not a pytree of tensors and constants: valid only
+    for the last stage, whose output only `loss_fn` reads."""
 
 
-def real_forward(
+class StageRun(NamedTuple):
+    """A stage run once for its boundary: its output's tensors (detached) and boundary."""
+
+    tensors: tuple[torch.Tensor, ...]
+    boundary: Boundary
+
+
+def run_stage(
     module: torch.nn.Module,
-    given: Boundary,
+    value: object,
     device: torch.device,
+    *,
     autocast: torch.dtype | None = None,
-) -> Boundary:
-    """The output boundary of `module` run for real on synthetic inputs of `given` on
-    `device` (under autocast when given), with no side effects: the buffers are copies and
-    the RNG state is restored."""
+    seed: int | None = None,
+) -> StageRun:
+    """Run `module` for real on `value` (its input, as the runtime passes it) and return
+    its output's tensors and boundary, with no side effect: the module's buffers are copies
+    (`functional_call`), the random generators of the CPU and `device` are restored (seeded
+    with `seed` for the call when given, as the real forward is), and the autograd graph is
+    dropped; which outputs require a gradient is observed before that (under autocast when
+    given). An output that is no pytree of tensors and constants is an `OutputNotTree`."""
     buffers = {name: b.clone() for name, b in module.named_buffers()}
     with _fork_rng(device):
-        inputs = given.rebuild(synthetic(given.tensors, device))
+        if seed is not None:
+            _seed(device, seed)
         with autocast_context(device, autocast), torch.enable_grad():
-            kwargs = on_device(current_sample(), device)
-            outputs = functional_call(module, buffers, _args(inputs), kwargs, strict=False)
-    return boundary_of(outputs, "a stage's output")
+            kwargs = on_device(current_sample(), device)  # the step's context, if any
+            outputs = functional_call(module, buffers, _args(value), kwargs, strict=False)
+    try:
+        tensors, boundary = flatten(outputs, "a stage's output")
+    except InputError as err:
+        raise OutputNotTree(err.message) from err
+    return StageRun(tuple(t.detach() for t in tensors), boundary)
 
 
-def stage_output(
-    module: torch.nn.Module,
-    given: Boundary,
-    device: torch.device | None = None,
-    autocast: torch.dtype | None = None,
-) -> Boundary:
-    """The output boundary of a stage: on the meta device, else for real (module docs)."""
-    device = device or _device_of(module)
-    if autocast is None:
-        try:
-            with _fork_rng(device):  # a meta dropout may still advance the generator
-                return meta_forward(module, given)
-        except Exception:  # no meta kernel, data-dependent code: run it for real
-            pass
-    return real_forward(module, given, device, autocast)
+def as_received(boundary: Boundary, tensors: tuple[torch.Tensor, ...]) -> object:
+    """The value the next stage takes: `tensors` as detached leaves, those that carry a
+    gradient requiring one (as the runtime's forward rebuilds a received message)."""
+    leaves = tuple(
+        t.detach().requires_grad_(spec.carries_grad)
+        for t, spec in zip(tensors, boundary.tensors, strict=True)
+    )
+    return boundary.rebuild(leaves)
 
 
 def infer_boundaries(
@@ -134,32 +128,34 @@ def infer_boundaries(
 ) -> dict[int, Boundary]:
     """Every stage's input boundary, from the whole model in stage order and one microbatch.
 
-    `sample` is the input of stage 0 for one microbatch, any pytree (only its structure,
-    shapes, dtypes and constants are used). Entry 0 is the sample itself; entry len(stages)
-    is the model's output, absent when it is not a pytree of tensors and constants (a
-    dataclass: only `loss_fn` reads it, nothing sends it). `autocast`: the dtype the forwards
-    run under, if any. `context`: one microbatch of the step's context (every stage's
-    keyword inputs, runtime/boundaries/context.py); by default the one the runtime
-    installs while it learns a new signature.
+    `sample` is the input of stage 0 for one microbatch, any pytree: each stage runs for
+    real on what the previous one returned (`run_stage`: no side effects), so the
+    boundaries are those of real data, whatever branch the model takes on it. Entry 0 is
+    the sample itself; entry len(stages) is the model's output, absent when it is not a
+    pytree of tensors and constants (a dataclass: only `loss_fn` reads it, nothing sends
+    it). `autocast`: the dtype the forwards run under, if any. `context`: the microbatch's
+    context (every stage's keyword inputs, runtime/boundaries/context.py); by default the
+    one the runtime installs while it discovers a new signature.
     """
     if context is not None:
         with sample_context(context):
             return infer_boundaries(stages, sample, autocast=autocast, device=device)
-    boundary = flatten(sample, "the sample input")[1]
-    boundaries = {0: boundary}
+    value = sample
+    boundaries = {0: flatten(sample, "the sample input")[1]}
     for index, stage in enumerate(stages):
+        where = device or _device_of(stage)
         try:
-            boundary = stage_output(stage, boundary, device, autocast)
-        except InputError:
+            run = run_stage(stage, _moved(value, where), where, autocast=autocast)
+        except OutputNotTree:
             if index == len(stages) - 1:  # the model's output, which no stage receives
                 break
             raise
         except Exception as err:
             raise InputError(
-                f"cannot infer the output shapes of stage {index} ({type(err).__name__}: "
-                f"{err}); give the boundaries explicitly (a model file's boundaries())"
+                f"stage {index} fails on the sample ({type(err).__name__}: {err})"
             ) from err
-        boundaries[index + 1] = boundary
+        boundaries[index + 1] = run.boundary
+        value = as_received(run.boundary, run.tensors)
     return boundaries
 
 
@@ -183,6 +179,17 @@ def _wants_grad(spec: TensorSpec) -> bool:
 
 def _args(value: object) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _moved(value: object, device: torch.device) -> object:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def _seed(device: torch.device, seed: int) -> None:
+    """Seed the generators as the runtime's forward does (runtime/engine/rng.py)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
 
 
 @contextlib.contextmanager

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError
+
+from ..compat import pytree
 
 CONSTANTS = (type(None), bool, int, float, str)
 
@@ -155,18 +156,7 @@ def split_tree(value: object, microbatches: int, what: str, device: torch.device
     """Split every tensor leaf of `value` into M equal microbatches along dim 0 (constants
     are repeated)."""
     leaves, tree = pytree.tree_flatten(value)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if not tensors:
-        raise InputError(f"{what}: expected tensors (in any tuple, list or dict), got {value!r}")
-    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
-    if len(rows) != 1:
-        raise InputError(f"{what}: the tensors have different numbers of rows {sorted(rows)}")
-    (count,) = rows
-    if count == 0 or count % microbatches:
-        raise InputError(
-            f"{what}: {count} rows cannot be split into {microbatches} equal microbatches"
-        )
-    size = count // microbatches
+    size = _rows(leaves, microbatches, what, value) // microbatches
     parts = [
         torch.split(leaf.to(device, non_blocking=True), size)
         if isinstance(leaf, torch.Tensor)
@@ -180,6 +170,41 @@ def split_tree(value: object, microbatches: int, what: str, device: torch.device
         )
         for mb in range(microbatches)
     ]
+
+
+def microbatch_boundary(value: object, microbatches: int, what: str) -> Boundary:
+    """The boundary of one microbatch of `value` as `split_tree` would cut it, read from the
+    host metadata of its leaves only (structure, shapes, dtypes): nothing is split, copied
+    or synchronised. The same errors as `split_tree`."""
+    leaves, tree = pytree.tree_flatten(value)
+    size = _rows(leaves, microbatches, what, value) // microbatches
+    specs = tuple(
+        TensorSpec.of(leaf)._replace(shape=(size, *leaf.shape[1:]))
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        for leaf in leaves
+    )
+    boundary = Boundary(tree, specs)
+    for leaf in leaves:
+        if not isinstance(leaf, (torch.Tensor, *CONSTANTS)):
+            flatten(value, what)  # the error naming the leaf's type
+    return boundary
+
+
+def _rows(leaves: list[Any], microbatches: int, what: str, value: object) -> int:
+    """The rows of the tensor leaves (all alike, divisible into `microbatches`)."""
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        raise InputError(f"{what}: expected tensors (in any tuple, list or dict), got {value!r}")
+    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
+    if len(rows) != 1:
+        raise InputError(f"{what}: the tensors have different numbers of rows {sorted(rows)}")
+    (count,) = rows
+    if count == 0 or count % microbatches:
+        raise InputError(
+            f"{what}: {count} rows cannot be split into {microbatches} equal microbatches"
+        )
+    return int(count)
 
 
 def unwrap(value: object) -> object:

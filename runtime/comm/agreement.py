@@ -1,12 +1,16 @@
 """Agreement among the ranks of a pipeline: every rank's findings, gathered in one collective.
 
 Every check that can fail differently on different ranks (a module missing on one rank, a
-stage whose output does not match the next stage's input) is gathered from all ranks before
-any point-to-point op, so every rank raises the same `SetupError` instead of some ranks
-hanging on a peer that gave up.
+declared boundary that the real run contradicts) is gathered from all ranks before any
+point-to-point op of the program, so every rank raises the same `SetupError` instead of
+some ranks hanging on a peer that gave up. These gathers run only when a step brings an
+input signature the runtime has not seen (runtime/boundaries/discovery.py), never in a step
+whose shapes are known.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,17 +30,34 @@ def agree(
         raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
 
 
+class ExchangeTimeout(Exception):
+    """A rank did not come to a gather within its time limit."""
+
+
 def gather_texts(
-    text: str, group: dist.ProcessGroup | None, world: int, device: torch.device
+    text: str,
+    group: dist.ProcessGroup | None,
+    world: int,
+    device: torch.device,
+    *,
+    timeout: float | None = None,
 ) -> list[str]:
     """Every rank's `text`, in rank order (called by every rank of `group` alike).
 
     Text travels as UTF-8 bytes in two `all_gather`s (sizes, then padded bytes; the second
-    only when some text is not empty): `all_gather_object` would need numpy."""
+    only when some text is not empty): `all_gather_object` would need numpy. `timeout`:
+    seconds the first may block (gloo) before `ExchangeTimeout`; None: the group's own."""
     data = text.encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    work = dist.all_gather(sizes, size, group=group, async_op=True)
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout))
+    except Exception as err:
+        raise ExchangeTimeout(str(err).split("\n")[0][:200]) from err
     longest = max(int(s.item()) for s in sizes)
     if longest == 0:
         return ["" for _ in range(world)]

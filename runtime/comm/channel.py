@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 from pipecc.diagnostics import InputError
 
+from ..compat import coalesces, post_p2p
+
 Work = dist.Work
 CLOCK_SLACK = 0.01  # seconds: gloo counts a wait's timeout in whole milliseconds
 POST_THREAD = "PIPECC_POST_THREAD"  # "0": no poster thread on gloo; "1" (default): one
@@ -157,16 +159,12 @@ def _post_now(ops: list[dist.P2POp], batched: bool) -> list[list[Work]]:
     the argument checks of `isend`/`irecv` (the ops come from a verified program): on gloo
     this Python runs in the poster thread, holding the interpreter lock that the compute
     thread needs (measured: docs/performance.md, "Less Python in the poster thread")."""
-    if not batched or not _coalesces(ops[0]):
+    if not batched or not coalesces(ops[0]):
         return [_single(op) for op in ops]
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
     if len(works) == len(ops):
         return [[w] for w in works]
     return [works for _ in ops]
-
-
-def _coalesces(op: dist.P2POp) -> bool:
-    return bool(op.group._get_backend(op.tensor.device).supports_coalescing)
 
 
 def _single(op: dist.P2POp) -> list[Work]:
@@ -176,6 +174,5 @@ def _single(op: dist.P2POp) -> list[Work]:
         work = op.op(op.tensor, op.peer, group=op.group, tag=op.tag)
     else:
         tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
-        post = op.group.send if op.op is dist.isend else op.group.recv
-        work = post([tensor], op.group_peer, op.tag)
+        work = post_p2p(op, tensor)
     return [work] if work is not None else []

@@ -1,16 +1,24 @@
 """The compute primitives of one rank: forward, backward (B), input backward (I), weight (W).
 
-`StageOps` runs one compute instruction of one (chunk, microbatch) against the step's
-`StepContext`: a forward takes its inputs (the step's inputs on stage 0, the mailbox
-elsewhere, rebuilt into the stage's pytree), leaves the tensors of its outputs for the next
-stage and what its backward needs; a backward takes the output gradients from the mailbox
-(ones of the scaled loss on a last stage) and leaves the input gradients for the previous
-stage. Stage inputs are detached leaves, so each (chunk, microbatch) has its own autograd
-graph from its input to its output. Only tensors that carry a gradient (runtime/boundaries/trees.py)
+`StageOps` runs one compute step of one (chunk, microbatch) against the step's
+`StepContext`, as bound to the signature's boundaries (runtime/engine/bound.py: its chunk,
+mailbox slots, boundaries and split-backward method resolved): a forward takes its inputs
+(the step's inputs on stage 0, the mailbox elsewhere, rebuilt into the stage's pytree),
+leaves the tensors of its outputs for the next stage and what its backward needs; a backward
+takes the output gradients from the mailbox (ones of the scaled loss on a last stage) and
+leaves the input gradients for the previous stage. Stage inputs are detached leaves, so each
+(chunk, microbatch) has its own autograd graph from its input to its output. Only tensors
+that carry a gradient (runtime/boundaries/trees.py)
 get one: the boundary of the stage says which, on both sides alike.
 
 Each forward runs under the RNG state derived for its (step, stage, microbatch)
 (runtime/engine/rng.py) and, when configured, under `torch.autocast`.
+
+A forward's output is checked against the next stage's input boundary in full (flattened,
+compared leaf by leaf, described in the error) by the first step of a signature; later steps
+only pull its tensor leaves and compare their count, shapes, dtypes and gradient flags,
+falling back to the full check (and its error) on any difference. Text is formatted only
+when an error is raised.
 """
 
 from __future__ import annotations
@@ -20,15 +28,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError, ProgramError, SetupError
-from pipecc.ir.keys import Message, consumed, produced
-from pipecc.ir.ops import Compute, Kind
+from pipecc.ir.ops import Compute
 from pipecc.ir.printer import describe, message
 
 from ..boundaries.specs import autocast_context
-from ..boundaries.trees import Boundary, call, flatten, unwrap
+from ..boundaries.trees import Boundary, TensorSpec, call, flatten, unwrap
+from ..compat import pytree
 from ..config import LossFn
 from ..plan.binding import Chunk
 from .aux_loss import collecting, scaled_roots, total
@@ -36,6 +43,7 @@ from .context import Saved, StepContext, Tensors
 from .precision import Fp32Grads
 from .rng import ForwardRng
 from .split_backward import full_backward, input_backward
+from .steps import ComputeStep
 from .weight_contract import capturing
 
 
@@ -57,86 +65,82 @@ class StageOps:
         self.rng = rng
         self.autocast_device, self.autocast_dtype = autocast
         self.precision: Fp32Grads | None = None
-        self.split: frozenset[int] = frozenset()  # chunks with I ops: forwards captured for W
 
-    def run(self, ctx: StepContext, op: Compute) -> None:
-        """One compute instruction, by kind."""
-        match op.kind:
-            case Kind.F:
-                self.forward(ctx, op)
-            case Kind.B:
-                self.backward(ctx, op)
-            case Kind.I:
-                self.backward_input(ctx, op)
-            case Kind.W:
-                self.weight(ctx, op)
+    def run(self, ctx: StepContext, op: ComputeStep) -> None:
+        """One compute step, by the method its kind was bound to."""
+        op.run(ctx, op)
 
-    def forward(self, ctx: StepContext, op: Compute) -> None:
-        chunk = self.chunks[op.chunk]
+    def forward(self, ctx: StepContext, op: ComputeStep) -> None:
+        chunk = op.unit
         value, inputs = self.stage_inputs(ctx, op)
         self.rng.seed(ctx.step, op.stage, op.mb)
-        captured = ctx.training and op.chunk in self.split
+        capture = op.capture if ctx.training else None
         added: list[torch.Tensor] = []
+        context = context_of(ctx, op.mb)
         with self.autocast():
-            with capturing(chunk.module) if captured else contextlib.nullcontext():
-                with collecting(added):
-                    output = call(chunk.module, value, context_of(ctx, op.mb))
+            with collecting(added):
+                if capture is not None:  # the contract method (runtime/engine/bound.py)
+                    with capturing(chunk.module, capture):
+                        output = call(chunk.module, value, context)
+                else:
+                    output = call(chunk.module, value, context)
             outputs = self.loss(ctx, op.mb, output) if chunk.last else None
         if outputs is None:
             outputs = self.hand_on(ctx, op, output)
+        elif not ctx.training and not chunk.first and op.mb in ctx.outputs:
+            ctx.outputs[op.mb] = _own(ctx.outputs[op.mb], value)
         if ctx.training:
-            ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs, record_added(ctx, op, added))
+            ctx.saved[op.key] = Saved(inputs, outputs, record_added(ctx, op, added))
         else:
             record_added(ctx, op, added)
 
-    def backward(self, ctx: StepContext, op: Compute) -> None:
-        saved = ctx.saved.pop((op.chunk, op.mb))
+    def backward(self, ctx: StepContext, op: ComputeStep) -> None:
+        saved = ctx.saved.pop(op.key)
         outputs, grads = self.output_grads(ctx, op, saved)
         self.hand_back(ctx, op, saved.inputs, full_backward(outputs, grads, saved.inputs))
-        self.drain(op.chunk)
+        self.drain(op.unit)
 
-    def backward_input(self, ctx: StepContext, op: Compute) -> None:
-        saved = ctx.saved.pop((op.chunk, op.mb))
+    def backward_input(self, ctx: StepContext, op: ComputeStep) -> None:
+        saved = ctx.saved.pop(op.key)
         outputs, grads = self.output_grads(ctx, op, saved)
-        params = self.chunks[op.chunk].params
-        input_grads, weight = input_backward(outputs, grads, saved.inputs, params)
-        ctx.weights[(op.chunk, op.mb)] = weight
+        params = op.unit.params
+        input_grads, weight = input_backward(outputs, grads, saved.inputs, params, op.capture)
+        ctx.weights[op.key] = weight
         self.hand_back(ctx, op, saved.inputs, input_grads)
-        self.drain(op.chunk)  # by contract, I leaves the gradients of non-Linear parameters
+        self.drain(op.unit)  # by contract, I leaves the gradients of non-Linear parameters
 
-    def weight(self, ctx: StepContext, op: Compute) -> None:
-        ctx.weights.pop((op.chunk, op.mb)).run()
-        self.drain(op.chunk)
+    def weight(self, ctx: StepContext, op: ComputeStep) -> None:
+        ctx.weights.pop(op.key).run()
+        self.drain(op.unit)
 
-    def drain(self, chunk: int) -> None:
+    def drain(self, chunk: Chunk) -> None:
         """With fp32 accumulation: move the chunk's new weight gradients into it."""
         if self.precision is not None:
-            self.precision.drain(self.chunks[chunk].module.parameters())
+            self.precision.drain(chunk.module.parameters())
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return autocast_context(self.autocast_device, self.autocast_dtype)
 
     # ---- tensors in and out of a stage -----------------------------------------------------
 
-    def stage_inputs(self, ctx: StepContext, op: Compute) -> tuple[object, Tensors]:
+    def stage_inputs(self, ctx: StepContext, op: ComputeStep) -> tuple[object, Tensors]:
         """A forward's input value, and its tensors that send a gradient back (detached
         leaves of this stage's graph when training)."""
-        chunk = self.chunks[op.chunk]
-        if chunk.first:
+        if op.unit.first:
             if ctx.inputs is None:
                 raise InputError(f"rank {self.rank} holds stage 0 and needs the step's inputs")
             return ctx.inputs[op.mb], ()
-        tensors = take(ctx, consumed(op.kind, op.pipe, op.stage, op.mb))
-        boundary = self.boundaries.get(op.stage)
-        carries = _carries(boundary, tensors)
-        if ctx.training:
-            tensors = tuple(
-                t.detach().requires_grad_(True) if c else t
-                for t, c in zip(tensors, carries, strict=True)
-            )
-        value = boundary.rebuild(tensors) if boundary is not None else tensors
-        grads_back = tuple(t for t, c in zip(tensors, carries, strict=True) if c)
-        return value, grads_back if ctx.training else ()
+        tensors = take(ctx, op.src)
+        carries = op.carries
+        if carries is None or len(carries) != len(tensors):
+            carries = _carries(op.given, tensors)
+        if not ctx.training:
+            return op.rebuild(tensors), ()
+        tensors = tuple(
+            t.detach().requires_grad_(True) if c else t
+            for t, c in zip(tensors, carries, strict=True)
+        )
+        return op.rebuild(tensors), tuple(t for t, c in zip(tensors, carries, strict=True) if c)
 
     def target(self, ctx: StepContext, mb: int) -> object:
         if ctx.targets is None:
@@ -160,30 +164,50 @@ class StageOps:
         ctx.losses[mb] = loss.detach()
         return (loss * ctx.scale,)
 
-    def hand_on(self, ctx: StepContext, op: Compute, output: object) -> Tensors:
+    def hand_on(self, ctx: StepContext, op: ComputeStep, output: object) -> Tensors:
         """Leave a forward's output tensors for the next stage (a send, or a local forward);
         return those a gradient comes back for."""
-        tensors, got = flatten(output, f"the output of {describe(op, places=True)}")
-        expected = self.boundaries.get(op.stage + 1)
-        if expected is not None:
-            check_output(op, got, expected, training=ctx.training)
-        ctx.mail[produced(op.kind, op.pipe, op.stage, op.mb)] = tuple(t.detach() for t in tensors)
-        carries = _carries(expected or got, tuple(tensors))
+        tensors = None
+        if op.checked and op.expected is not None:
+            tensors = pulled(output, op.expected, op.out_carries, training=ctx.training)
+        if tensors is None:  # the first step of the signature, or a difference: in full
+            tensors = self.checked_output(ctx, op, output)
+        ctx.mail[op.dst] = tuple(t.detach() for t in tensors)
+        carries = op.out_carries
+        if carries is None or len(carries) != len(tensors):
+            carries = _carries(None, tuple(tensors))
         return tuple(t for t, c in zip(tensors, carries, strict=True) if c)
 
-    def output_grads(self, ctx: StepContext, op: Compute, saved: Saved) -> tuple[Tensors, Tensors]:
+    def checked_output(
+        self, ctx: StepContext, op: ComputeStep, output: object
+    ) -> list[torch.Tensor]:
+        """A forward's output flattened and checked against the next stage's input in full
+        (an error describes both); the step is marked checked when it matches."""
+        tensors, got = flatten(output, f"the output of {describe(op.instr, places=True)}")
+        if op.expected is not None:
+            check_output(op.op, got, op.expected, training=ctx.training)
+            op.checked = True
+        return tensors
+
+    def output_grads(
+        self, ctx: StepContext, op: ComputeStep, saved: Saved
+    ) -> tuple[Tensors, Tensors]:
         """The outputs a backward starts from, with their gradients; then the forward's
         added loss, seeded with 1/M (runtime/engine/aux_loss.py)."""
         roots, seeds = scaled_roots(saved.added, ctx.scale)
-        if self.chunks[op.chunk].last:
+        if op.unit.last:
             ones = tuple(torch.ones_like(o) for o in saved.outputs)
             return saved.outputs + roots, ones + seeds
-        received = take(ctx, consumed(op.kind, op.pipe, op.stage, op.mb))
+        received = take(ctx, op.src)
         live = [(o, g) for o, g in zip(saved.outputs, received, strict=True) if o.requires_grad]
         return tuple(o for o, _ in live) + roots, tuple(g for _, g in live) + seeds
 
     def hand_back(
-        self, ctx: StepContext, op: Compute, inputs: Tensors, grads: Sequence[torch.Tensor | None]
+        self,
+        ctx: StepContext,
+        op: ComputeStep,
+        inputs: Tensors,
+        grads: Sequence[torch.Tensor | None],
     ) -> None:
         """Leave a backward's input gradients for the previous stage."""
         if op.stage == 0:
@@ -191,7 +215,7 @@ class StageOps:
         payload = tuple(
             g if g is not None else torch.zeros_like(x) for x, g in zip(inputs, grads, strict=True)
         )
-        ctx.mail[produced(op.kind, op.pipe, op.stage, op.mb)] = payload
+        ctx.mail[op.dst] = payload
 
 
 def context_of(ctx: StepContext, mb: int) -> dict[str, object]:
@@ -200,7 +224,9 @@ def context_of(ctx: StepContext, mb: int) -> dict[str, object]:
     return ctx.context[mb] if ctx.context is not None else {}
 
 
-def record_added(ctx: StepContext, op: Compute, added: list[torch.Tensor]) -> torch.Tensor | None:
+def record_added(
+    ctx: StepContext, op: ComputeStep, added: list[torch.Tensor]
+) -> torch.Tensor | None:
     """Report a forward's added losses (by microbatch, then stage); return their sum."""
     found = total(added)
     if found is not None:
@@ -231,12 +257,59 @@ def _carries(boundary: Boundary | None, tensors: Tensors) -> tuple[bool, ...]:
     return tuple(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors)
 
 
-def take(ctx: StepContext, key: Message) -> Tensors:
+def _own(output: object, given: object) -> object:
+    """An evaluation output with every tensor that shares storage with the stage's input
+    (a receive buffer, received into again at the next step) copied."""
+    inputs = [t for t in pytree.tree_leaves(given) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        shared = tensor.untyped_storage().data_ptr() in storages
+        return tensor.clone() if shared else tensor
+
+    return pytree.tree_map_only(torch.Tensor, own, output)
+
+
+def pulled(
+    output: object,
+    expected: Boundary,
+    carries: tuple[bool, ...] | None,
+    *,
+    training: bool,
+) -> list[torch.Tensor] | None:
+    """The tensor leaves of a forward's output when it matches `expected` in the cheap
+    check (the leaf count; each tensor's shape and dtype; a gradient needed only where one
+    comes back; each constant), None on any difference."""
+    leaves = [output] if type(output) is torch.Tensor else pytree.tree_leaves(output)
+    specs = expected.leaves
+    if len(leaves) != len(specs):
+        return None
+    tensors = []
+    for leaf, spec in zip(leaves, specs, strict=True):
+        if type(spec) is TensorSpec:
+            if (
+                not isinstance(leaf, torch.Tensor)
+                or leaf.shape != spec.shape
+                or leaf.dtype != spec.dtype
+            ):
+                return None
+            tensors.append(leaf)
+        elif isinstance(leaf, torch.Tensor) or leaf != spec:
+            return None
+    if training and carries is not None:
+        for tensor, carried in zip(tensors, carries, strict=True):
+            if tensor.requires_grad and not carried:
+                return None
+    return tensors
+
+
+def take(ctx: StepContext, slot: int) -> Tensors:
     """Take a message's tensors out of the mailbox; absent is a wrong program."""
-    found = ctx.mail.pop(key, None)
+    found = ctx.mail[slot]
     if found is None:
         raise ProgramError(
-            f"{message(key)} is not here: it was neither "
+            f"{message(ctx.messages[slot])} is not here: it was neither "
             "produced on this rank nor received by a completed wait before this instruction"
         )
+    ctx.mail[slot] = None
     return found

@@ -2,23 +2,27 @@
 
 Nothing here outlives a step: a fresh `StepContext` is built for each call, so two runtimes
 (or two steps) never share state, and a step that ends with anything left over is a wrong
-program (`leftovers`).
+program (`leftovers`). The mailbox is a list indexed by the plan's message slots
+(runtime/plan/plan.py `mailbox`), set up by the interpreter from the plan it runs; a step's
+receive buffers belong to the bound plan (runtime/engine/bound.py), not to the context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from pipecc.ir.keys import Message
-from pipecc.ir.ops import Recv, Send
 from pipecc.ir.printer import message
 
 from ..comm.channel import Posted
 from .split_backward import WeightGrad
+
+if TYPE_CHECKING:
+    from .steps import PostStep
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -40,7 +44,7 @@ class Saved(NamedTuple):
 class Pending(NamedTuple):
     """A posted send or receive, until its `wait`: one handle per tensor of its message."""
 
-    instr: Send | Recv
+    step: PostStep
     posted: tuple[Posted, ...]
     tensors: Tensors
 
@@ -55,11 +59,12 @@ class StepContext:
     training: bool  # False: forward only, nothing kept for a backward
     step: int = 0  # the runtime's step counter (the RNG derivation uses it)
     before_post: Callable[[], None] | None = None  # completes the step's shape gather
-    mail: dict[Message, Tensors] = field(default_factory=dict)
+    mail: list[Tensors | None] = field(default_factory=list)  # by slot (the interpreter's)
+    messages: tuple[Message, ...] = ()  # the message of each slot
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)
     pending: dict[int, Pending] = field(default_factory=dict)
-    queue: list[tuple[int, Send | Recv, Tensors]] = field(default_factory=list)
+    queue: list[tuple[PostStep, Tensors]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     # the losses added inside each stage's forward, by microbatch then stage (detached sums)
     aux_losses: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
@@ -82,7 +87,8 @@ class StepContext:
             found.append(f"forwards without a backward: (chunk, mb) {sorted(self.saved)}")
         if self.weights:
             found.append(f"I without its W: (chunk, mb) {sorted(self.weights)}")
-        if self.mail:
-            names = sorted(message(key) for key in self.mail)
+        left = [slot for slot, tensors in enumerate(self.mail) if tensors is not None]
+        if left:
+            names = sorted(message(self.messages[slot]) for slot in left)
             found.append("tensors produced but never consumed: " + "; ".join(names))
         return found

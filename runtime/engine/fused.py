@@ -21,9 +21,9 @@ with a middle stage's added loss and its seed 1/M, and the hook's forward of mod
 collected like any forward. A step context reaches the hook's `module0(*inputs0)` call as
 keywords (a forward pre-hook on module0).
 
-`FusedOps` runs a fused instruction: through the hook when there is one (F&B only), else on
-CUDA the forward on a side stream concurrently with the backward on the current one, else
-one after the other.
+`FusedOps` runs a fused step: through the hook when there is one (F&B only; found when the
+plan is bound, runtime/engine/bound.py), else on CUDA the forward on a side stream
+concurrently with the backward on the current one, else one after the other.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from typing import Any
 import torch
 
 from pipecc.diagnostics import ProgramError
-from pipecc.ir.ops import Compute, Fused, Kind
 
 from ..boundaries.trees import unwrap
 from .aux_loss import collecting, scaled_roots
 from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
+from .steps import ComputeStep, FusedStep
 
 HOOK = "overlapped_forward_backward"
 Hook = Callable[..., tuple[Any, Any]]
@@ -91,39 +91,40 @@ class FusedOps:
         self.device = device
         self.side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
-    def run(self, ctx: StepContext, instr: Fused) -> None:
-        forward, backward = instr.forward, instr.backward
-        hook = self.hooks.get((forward.chunk, backward.chunk))
-        if hook is not None and backward.kind is Kind.B:
-            self._overlapped(ctx, hook, forward, backward)
+    def run(self, ctx: StepContext, step: FusedStep) -> None:
+        forward, backward = step.forward, step.backward
+        if step.hook is not None:  # bound for an F&B only
+            self._overlapped(ctx, step.hook, forward, backward)
         elif self.side is not None:
             self._on_two_streams(ctx, forward, backward)
         else:
             self.ops.forward(ctx, forward)
-            self.ops.run(ctx, backward)
+            backward.run(ctx, backward)
 
-    def _on_two_streams(self, ctx: StepContext, forward: Compute, backward: Compute) -> None:
+    def _on_two_streams(
+        self, ctx: StepContext, forward: ComputeStep, backward: ComputeStep
+    ) -> None:
         """The forward on a side stream, concurrently with the backward on the current one."""
         assert self.side is not None
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
             self.ops.forward(ctx, forward)
-        self.ops.run(ctx, backward)
+        backward.run(ctx, backward)
         main.wait_stream(self.side)
 
     def _overlapped(
-        self, ctx: StepContext, hook: Hook, forward: Compute, backward: Compute
+        self, ctx: StepContext, hook: Hook, forward: ComputeStep, backward: ComputeStep
     ) -> None:
         """F&B through the module class's `overlapped_forward_backward` (DualPipe's hook)."""
         ops = self.ops
-        fchunk, bchunk = ops.chunks[forward.chunk], ops.chunks[backward.chunk]
+        fchunk, bchunk = forward.unit, backward.unit
         value, inputs = ops.stage_inputs(ctx, forward)
         criterion, labels = None, []
         if fchunk.last:
             labels = _as_list(ops.target(ctx, forward.mb))
             criterion = ScaledCriterion(ops.loss_fn, ctx.scale, len(labels))
-        saved = ctx.saved.pop((backward.chunk, backward.mb))
+        saved = ctx.saved.pop(backward.key)
         loss1, outputs1, grads1 = None, [], []
         if bchunk.last:
             loss1 = _with_added(saved, ctx.scale)
@@ -141,17 +142,17 @@ class FusedOps:
                 bchunk.module, loss1, outputs1, grads1,
             )  # fmt: skip
         self._after(ctx, forward, inputs, outputs0, loss0, criterion)
-        ctx.saved[(forward.chunk, forward.mb)] = ctx.saved[(forward.chunk, forward.mb)]._replace(
+        ctx.saved[forward.key] = ctx.saved[forward.key]._replace(
             added=record_added(ctx, forward, added)
         )
         grads = tuple(x.grad if x.requires_grad else None for x in saved.inputs)
         ops.hand_back(ctx, backward, saved.inputs, grads)
-        ops.drain(backward.chunk)
+        ops.drain(bchunk)
 
     def _after(
         self,
         ctx: StepContext,
-        op: Compute,
+        op: ComputeStep,
         inputs: Tensors,
         outputs0: Any,
         loss0: Any,
@@ -167,7 +168,7 @@ class FusedOps:
             outputs: Tensors = (loss0,)
         else:
             outputs = self.ops.hand_on(ctx, op, outputs0)
-        ctx.saved[(op.chunk, op.mb)] = Saved(inputs, outputs)
+        ctx.saved[op.key] = Saved(inputs, outputs)
 
 
 def _with_added(saved: Saved, scale: float) -> torch.Tensor:

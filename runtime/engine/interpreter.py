@@ -1,21 +1,25 @@
-"""The interpreter: walks this rank's instruction list and dispatches each instruction.
+"""The interpreter: walks this rank's bound plan and hands each step to the part that runs it.
 
-One loop walks the plan (runtime/plan/plan.py) in order and hands each instruction to the part
-that executes it: a compute op to `StageOps` (F, B, I, W; runtime/engine/compute.py), a fused
-op to `FusedOps` (runtime/engine/fused.py), a sequential one (torch's OVERLAP_F_B) part by
-part, a send or receive and a wait to `Transfers` (runtime/engine/transfers.py), torch's
-per-stage actions to runtime/engine/stage_actions.py, a collective (the gradient sum of shared
-parameters) to `GradientSums` (runtime/comm/shared.py). It contains no schedule-specific
-code: 1F1B, ZB-H1 and DualPipe differ only in their programs. An exception inside an
-instruction (the user's module or loss, or a bug) becomes an `InstructionError`: a `RankError`
-whose one-line message names the rank, the step, the instruction index and the instruction,
-raised from the exception, which keeps its full traceback (`details()`; `pipecc run` prints it
-under the line). A pipecc error raised there (a stage output that does not match the next
-stage's input, a loss that is not a scalar) keeps its kind and gets the same prefix, and no
-traceback: it is one message.
+One loop walks the plan bound to the step's shape signature (runtime/engine/bound.py: every
+instruction resolved once into a step, runtime/engine/steps.py) in order and hands each step
+to the part that executes it: a compute step to `StageOps` (F, B, I, W;
+runtime/engine/compute.py), a fused one to `FusedOps` (runtime/engine/fused.py), a sequential
+one (torch's OVERLAP_F_B) part by part, a send or receive and a wait to `Transfers`
+(runtime/engine/transfers.py), torch's per-stage actions to runtime/engine/stage_actions.py,
+a collective (the gradient sum of shared parameters) to `GradientSums`
+(runtime/comm/shared.py). It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe
+differ only in their programs. The steps before this rank's first post run first; then the
+step's shapes are settled (the runtime may switch to another signature's plan) and the rest
+runs. An exception inside an instruction (the user's module or loss, or a bug) becomes an
+`InstructionError`: a `RankError` whose one-line message names the rank, the step, the
+instruction index and the instruction, raised from the exception, which keeps its full
+traceback (`details()`; `pipecc run` prints it under the line). A pipecc error raised there
+(a stage output that does not match the next stage's input, a loss that is not a scalar)
+keeps its kind and gets the same prefix, and no traceback: it is one message. The text is
+built only then.
 
-Subclasses change what happens around an instruction by overriding `compute`, `post`, `wait`
-and `collective`: `ProfilingInterpreter` (runtime/profiling/profiler.py) times them.
+Subclasses change what happens around a step by overriding `compute`, `post`, `wait` and
+`collective`: `ProfilingInterpreter` (runtime/profiling/profiler.py) times them.
 """
 
 from __future__ import annotations
@@ -23,15 +27,25 @@ from __future__ import annotations
 import traceback
 
 from pipecc.diagnostics import PipeccError, RankError
-from pipecc.ir.ops import Collective, Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
-from pipecc.ir.printer import describe
+from pipecc.ir.ops import Collective
 
 from ..comm.shared import GradientSums
-from ..plan.plan import Plan
 from .compute import StageOps
 from .context import StepContext
 from .fused import FusedOps
 from .stage_actions import run_stage_op
+from .steps import (
+    Bound,
+    ComputeStep,
+    Current,
+    FusedStep,
+    PostStep,
+    SequentialStep,
+    StageStep,
+    Step,
+    WaitStep,
+    where,
+)
 from .transfers import Transfers
 
 
@@ -64,50 +78,53 @@ class Interpreter:
         self.transfers = transfers
         self.sums = sums
 
-    def run(self, plan: Plan, ctx: StepContext) -> None:
-        for index, instr, commit in plan:
+    def run(self, current: Current, ctx: StepContext) -> None:
+        """One step: the bound plan in use (training or forward only, as `ctx` says), its
+        steps before the first post, the step's shapes settled, then the rest."""
+        plan = _plan(current, ctx.training)
+        ctx.mail = [None] * len(plan.messages)
+        ctx.messages = plan.messages
+        self.walk(plan.head, ctx)
+        if ctx.before_post is not None:
+            ctx.settle()  # may switch `current` to another signature's plans
+            plan = _plan(current, ctx.training)
+        self.walk(plan.tail, ctx)
+
+    def walk(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
+        for step in steps:
             try:
-                self.dispatch(ctx, index, instr, commit)
+                step.go(self, ctx)
             except PipeccError as err:  # named where it happened, unless it says already
                 if not err.message.startswith("rank "):
-                    err.message = f"{self.where(ctx, index, instr)}: {err.message}"
+                    err.message = f"{self.where(ctx, step)}: {err.message}"
                     err.args = (err.message,)
                 raise
             except Exception as err:
                 raise InstructionError(
-                    self.where(ctx, index, instr) + f": {type(err).__name__}: {err}"
+                    self.where(ctx, step) + f": {type(err).__name__}: {err}"
                 ) from err
 
-    def dispatch(self, ctx: StepContext, index: int, instr: Instr, commit: bool) -> None:
-        match instr:
-            case Compute() | Fused() | Sequential():
-                self.compute(ctx, instr)
-            case Send() | Recv():
-                self.post(ctx, index, instr, commit)
-            case Wait():
-                self.wait(ctx, index, instr)
-            case StageOp():  # torch's UNSHARD & co.: FSDP stages only (stage_ops.py)
-                chunk = self.stage.chunks.get(instr.chunk)
-                run_stage_op(chunk.module if chunk is not None else None, instr)
-            case Collective():
-                self.collective(instr)
-            case _:
-                raise AssertionError(f"unknown instruction {instr!r}")
-
-    def compute(self, ctx: StepContext, instr: Compute | Fused | Sequential) -> None:
-        if isinstance(instr, Sequential):  # torch's OVERLAP_F_B: its parts in the order written
-            for part in instr.parts:
+    def compute(self, ctx: StepContext, step: ComputeStep | FusedStep | SequentialStep) -> None:
+        if type(step) is ComputeStep:
+            step.run(ctx, step)
+        elif type(step) is FusedStep:
+            self.fused.run(ctx, step)
+        else:  # torch's OVERLAP_F_B: its parts in the order written
+            assert isinstance(step, SequentialStep)
+            for part in step.parts:
                 self.compute(ctx, part)
-        elif isinstance(instr, Fused):
-            self.fused.run(ctx, instr)
-        else:
-            self.stage.run(ctx, instr)
 
-    def post(self, ctx: StepContext, index: int, instr: Send | Recv, commit: bool) -> None:
-        self.transfers.post(ctx, index, instr, commit)
+    def post(self, ctx: StepContext, step: PostStep) -> None:
+        self.transfers.post(ctx, step)
+        if step.commit:
+            self.transfers.commit(ctx)
 
-    def wait(self, ctx: StepContext, index: int, instr: Wait) -> None:
-        self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
+    def wait(self, ctx: StepContext, step: WaitStep) -> None:
+        self.transfers.wait(ctx, step, self.rank)
+
+    def stage_op(self, step: StageStep) -> None:
+        """torch's UNSHARD & co.: FSDP stages only (runtime/engine/stage_actions.py)."""
+        run_stage_op(step.module, step.action)
 
     def collective(self, instr: Collective) -> None:
         """The program's gradient sum over the holders of a parameter
@@ -115,6 +132,12 @@ class Interpreter:
         assert self.sums is not None  # bound with the runtime's sums whenever a plan runs
         self.sums.run(instr)
 
-    def where(self, ctx: StepContext, index: int, instr: Instr) -> str:
+    def where(self, ctx: StepContext, step: Step) -> str:
         """The rank, the step and the instruction, for errors."""
-        return f"rank {self.rank}, step {ctx.step}: instruction {index} ({describe(instr)})"
+        return where(self.rank, ctx.step, step.index, step.instr)
+
+
+def _plan(current: Current, training: bool) -> Bound:
+    plan = current.train if training else current.forward
+    assert plan is not None  # the runtime binds a signature before any step runs
+    return plan

@@ -1,7 +1,9 @@
 """Split backward: `I` computes input gradients only, `W` later the weight gradients.
 
-Two methods. For a chunk whose forward ran inside `weight_contract.capturing(module)` and used
-modules with a weight-gradient contract (`nn.Linear`, or any class registered), `I` is one
+Two methods, chosen per chunk when the runtime binds its plan (runtime/engine/bound.py): a
+chunk with modules that have a weight-gradient contract (`nn.Linear`, or any class
+registered) runs its forwards inside `weight_contract.capturing(module, capture)` and its `I`
+with the same `capture`; then `I` is one
 ordinary engine call over the whole graph in which each contracted call defers its input
 and output gradient to `W`, and `W` computes those weights' gradients directly
 (runtime/engine/weight_contract.py): no graph walk, no hooks on the graph, no second engine call,
@@ -41,11 +43,11 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
-from torch.autograd.variable import Variable
 
 from pipecc.ir.ops import Compute, Fused, Instr, Kind
 
-from .weight_contract import CONTRACTED, Deferred, accumulate, deferring
+from ..compat import ACCUMULATE_GRAD, leaf_of, run_backward
+from .weight_contract import Capture, Deferred, accumulate, deferring
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -60,14 +62,12 @@ def _engine(
 ) -> Grads:
     """One call of the autograd engine.
 
-    The engine is called directly, as `torch.autograd.backward`/`grad` do after validating
-    their arguments: that validation costs about 25 µs a call, and a W makes one call per
-    anchor group (one per Linear layer), so it would be most of W's fixed cost. The runtime
-    builds the arguments itself and they are always well formed.
+    The engine is called directly (runtime/compat.py), as `torch.autograd.backward`/`grad`
+    do after validating their arguments: that validation costs about 25 µs a call, and a W
+    makes one call per anchor group (one per Linear layer), so it would be most of W's fixed
+    cost. The runtime builds the arguments itself and they are always well formed.
     """
-    return _ENGINE.run_backward(
-        tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
-    )
+    return run_backward(roots, grads, inputs, keep_graph=keep_graph, accumulate=accumulate)
 
 
 def full_backward(
@@ -79,8 +79,6 @@ def full_backward(
     return tuple(x.grad if x.requires_grad else None for x in inputs)
 
 
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]  # a leaf's node
-_ENGINE = Variable._execution_engine
 TO_INPUT, TO_PARAM = 1, 2  # what a node reaches (bits)
 
 
@@ -167,16 +165,18 @@ def input_backward(
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
     params: AbstractSet[int],
+    capture: Capture | None = None,
 ) -> tuple[Grads, WeightGrad]:
     """`I`: the inputs' gradients now, and what `W` needs to finish the weights later.
 
-    `params` holds the `id` of every parameter of the chunk; if any of them was ever
-    detached by a captured call, the chunk uses the contract method (module docstring).
-    Both methods, as `full_backward`, take `inputs` that are leaves (the runtime's are).
+    `params` holds the `id` of every parameter of the chunk. With `capture` (the one its
+    forward ran under) the chunk uses the contract method, else the graph walk (module
+    docstring). Both methods, as `full_backward`, take `inputs` that are leaves (the
+    runtime's are).
     """
-    if any(key in CONTRACTED for key in params):
+    if capture is not None:
         store: list[Deferred] = []
-        with deferring(store):
+        with deferring(capture, store):
             found = full_backward(outputs, grads, inputs)
         return found, WeightGrad([], {}, store)
     wanted = [x for x in inputs if x.requires_grad]
@@ -238,7 +238,7 @@ def _walk(
             bits = 0
             for child in children_of[node]:
                 bits |= reach[child]
-            if type(node) is _ACCUMULATE_GRAD:
+            if type(node) is ACCUMULATE_GRAD:
                 bits |= _leaf_bits(node, graph, input_ids, params)
             reach[node] = bits
         elif node not in children_of:
@@ -250,7 +250,7 @@ def _walk(
 
 
 def _leaf_bits(node: Node, graph: _Graph, input_ids: set[int], params: AbstractSet[int]) -> int:
-    variable = node.variable  # type: ignore[attr-defined]  # AccumulateGrad's leaf
+    variable = leaf_of(node)
     if id(variable) in params:
         graph.params[node] = variable
         return TO_PARAM

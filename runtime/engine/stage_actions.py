@@ -15,12 +15,14 @@ module that is an FSDP module (`torch.distributed.fsdp.fully_shard`), as torch's
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from pipecc.ir.ops import StageAction, StageOp
+
+from ..compat import fsdp_post_backward
 
 
 def run_stage_op(module: torch.nn.Module | None, op: StageOp) -> None:
@@ -45,7 +47,4 @@ def _post_backward(module: Any) -> None:
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
-    state = cast(Any, fully_shard).state(module)  # `state` is added by torch's decorator
-    for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
-            group.post_backward()
+    fsdp_post_backward(module)

@@ -1,9 +1,11 @@
 """The program's sends, receives and waits on this rank, over a `Channel` (runtime/comm/channel.py).
 
-A send takes its message's tensors out of the mailbox; a receive allocates its buffers from
-the boundary specs. Both are queued until their group ends, then posted together
-(`batch_isend_irecv` for a group, alone otherwise). A wait completes the posted ops it names
-and drops each received message in the mailbox for the instruction that consumes it.
+A send takes its message's tensors out of the mailbox; a receive uses the buffers its step
+was bound with (allocated once per signature, runtime/engine/bound.py). Both are queued until
+their group ends, then posted together (`batch_isend_irecv` for a group where the backend
+coalesces, alone otherwise), each through the point-to-point ops its step keeps. A wait
+completes the posted ops it names and drops each received message in the mailbox for the
+instruction that consumes it. An instruction is named in text only when one fails.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from pipecc.diagnostics import ProgramError, RankError, RecvTimeoutError
-from pipecc.ir.keys import carried
-from pipecc.ir.ops import Msg, Recv, Send, Wait
+from pipecc.ir.ops import Msg, Recv, Send
 from pipecc.ir.printer import describe
 
 from ..boundaries.specs import Specs
 from ..comm.channel import Channel, OpTimeout
 from .compute import take
 from .context import Pending, StepContext
+from .steps import PostStep, WaitStep, where
+
+_SENT = torch.empty(0)  # what a send's op holds between its posts
 
 
 class Transfers:
@@ -34,47 +39,46 @@ class Transfers:
         timeout: float,
     ) -> None:
         self.channel = channel
-        self.specs = specs
+        self.specs = specs  # the receive specs of the signature in use (what its buffers hold)
         self.device = device
         self.timeout = timeout
 
-    def post(self, ctx: StepContext, index: int, instr: Send | Recv, commit: bool) -> None:
-        """Queue a send or receive; at the end of its group, post the group. The first
-        post of a step first completes the step's shape gather
-        (runtime/boundaries/signatures.py)."""
-        ctx.settle()
-        if type(instr) is Send:
-            tensors = take(ctx, carried(instr))
+    def post(self, ctx: StepContext, step: PostStep) -> None:
+        """Queue a send or receive (the interpreter commits the group at its end)."""
+        if step.send:
+            tensors = take(ctx, step.slot)
             tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
+            if len(step.ops) != len(tensors):  # made once, then given each step's tensors
+                step.ops = [self.channel.p2p(True, t, step.peer) for t in tensors]
+        elif step.buffers is None:
+            raise ProgramError("no boundary says what this message holds")
         else:
-            specs = self.specs[(instr.what, instr.pipe, instr.stage)]
-            tensors = tuple(torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs)
-        ctx.queue.append((index, instr, tensors))
-        if commit:
-            self.commit(ctx)
+            tensors = step.buffers
+        ctx.queue.append((step, tensors))
 
     def commit(self, ctx: StepContext) -> None:
         """Post the queued ops: one op alone, a group together (`batch_isend_irecv`)."""
-        ops = [
-            self.channel.p2p(type(instr) is Send, tensor, instr.peer)
-            for _, instr, tensors in ctx.queue
-            for tensor in tensors
-        ]
-        handles = self.channel.post(ops, batched=ctx.queue[0][1].group is not None)
+        ops: list[dist.P2POp] = []
+        for step, tensors in ctx.queue:
+            if step.send:
+                for op, tensor in zip(step.ops, tensors, strict=True):
+                    op.tensor = tensor  # its last post completed: the step's wait came first
+            ops.extend(step.ops)
+        handles = self.channel.post(ops, batched=ctx.queue[0][0].batched)
         first = 0  # each queued op's tensors are a contiguous run of `ops`
-        for index, instr, tensors in ctx.queue:
+        for step, tensors in ctx.queue:
             mine = tuple(handles[first : first + len(tensors)])
-            ctx.pending[index] = Pending(instr, mine, tensors)
+            ctx.pending[step.index] = Pending(step, mine, tensors)
             first += len(tensors)
         ctx.queue.clear()
 
-    def wait(self, ctx: StepContext, where: str, instr: Wait) -> tuple[list[Send | Recv], float]:
-        """Complete the ops of `instr`; the ops waited for and when the last completed.
-        `where` names the instruction in errors."""
+    def wait(self, ctx: StepContext, step: WaitStep, rank: int) -> tuple[list[Send | Recv], float]:
+        """Complete the ops of `step`; the ops waited for and when the last completed.
+        `rank` names the instruction in errors."""
         released = time.perf_counter()
         deadline = time.monotonic() + self.timeout
         waited: list[Send | Recv] = []
-        for op_index in instr.ops:
+        for op_index in step.ops:
             pending = ctx.pending.pop(op_index, None)
             if pending is None:
                 raise ProgramError(f"instruction {op_index} is not a posted, unwaited op")
@@ -82,15 +86,20 @@ class Transfers:
                 try:
                     self.channel.complete(posted, deadline)
                 except Exception as err:
-                    raise self._failure(where, op_index, pending, err) from err
+                    named = where(rank, ctx.step, step.index, step.instr)
+                    raise self._failure(named, op_index, pending, err) from err
             released = time.perf_counter()
-            waited.append(pending.instr)
-            if type(pending.instr) is Recv:
-                ctx.mail[carried(pending.instr)] = pending.tensors
+            done = pending.step
+            waited.append(done.comm)
+            if done.send:
+                for op in done.ops:  # the step's tensors are not kept alive by its ops
+                    op.tensor = _SENT
+            else:
+                ctx.mail[done.slot] = pending.tensors
         return waited, released
 
     def _failure(self, where: str, op_index: int, pending: Pending, err: Exception) -> RankError:
-        what = f"{describe(pending.instr)} (instruction {op_index})"
+        what = f"{describe(pending.step.instr)} (instruction {op_index})"
         if isinstance(err, OpTimeout):
             return RecvTimeoutError(f"{where}: {what} did not complete within {self.timeout:g} s")
         return RankError(f"{where}: {what} failed: {_short(str(err))}")

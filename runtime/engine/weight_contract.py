@@ -2,14 +2,15 @@
 
 A module class *registers a contract* (`register_weight_grad`) when its parameters'
 gradients are a function of its input and its output's gradient alone; `nn.Linear` is
-registered here: `dW = gᵀ·x`, `db = Σ g` over the rows. Inside `capturing(module)` (the runtime
-enters it around the forward of a chunk whose backward is split), each call of such a module
+registered here: `dW = gᵀ·x`, `db = Σ g` over the rows. Inside `capturing(module, capture)` (the
+runtime enters it around the forward of a chunk whose backward is split), each call of such a module
 whose input needs a gradient runs with its trainable parameters *detached*, so the autograd
 graph has no edge from that call to them, and a pre-hook on the node that made the call's
 output (`_producer`) keeps the input `x` and, when the backward reaches the output,
 receives its gradient `g`:
 
-* inside `input_backward` (`I`) the hook defers `(x, g)` to a store that `W` later turns
+* inside `input_backward` (`I`), given the same `Capture`, the hook defers `(x, g)` to the
+  capture's store, which `W` later turns
   into the parameters' gradients, one matmul per Linear and no autograd engine at all
   (added into `.grad` by the matmul itself when it already holds one: `accumulate`);
 * in any other backward (`B`, or a user's own) it computes them at once, where the graph
@@ -27,11 +28,16 @@ weight gradient computed in `I`; so is a parameter with gradient hooks (`_hooked
 
 A subclass inherits a contract only if it keeps the registered class's `forward` (a
 subclass that computes something else must not get `gᵀ·x`).
+
+What is process-wide is only what holds for a class: the registered contracts and which
+class gets which (`contract_of`, cached). Where a hook defers to is a `Capture`, an object
+of the caller's (the runtime has one per chunk whose backward it splits, chosen when the
+plan is bound: runtime/engine/bound.py), so two runtimes in one process, or two chunks,
+never see each other's choice or store.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
@@ -40,6 +46,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from ..compat import grad_hooked
 
 # (module, its input, its output's gradient, the names wanted) -> gradient by parameter name
 WeightFn = Callable[
@@ -62,10 +70,7 @@ def linear_weight_grads(
 
 
 _CONTRACTS: dict[type, WeightFn] = {nn.Linear: linear_weight_grads}
-_RESOLVED: dict[type, WeightFn | None] = {}
-# id() of every live parameter a captured call has detached (an id leaves the set when its
-# parameter dies, since a dead parameter's id may be reused)
-CONTRACTED: set[int] = set()
+_RESOLVED: dict[type, WeightFn | None] = {}  # a cache of class facts (`contract_of`)
 
 
 def register_weight_grad(cls: type[nn.Module], fn: WeightFn) -> None:
@@ -100,43 +105,61 @@ class Deferred(NamedTuple):
     g: torch.Tensor
 
 
-class _State:
-    """Process-wide: where `I` defers to. Not thread-local on purpose: on CUDA the autograd
-    engine runs hooks on its device threads, not on the thread that called it."""
+class Capture:
+    """Where the hooks of the calls captured with it defer their work: `store` while an `I`
+    runs (`deferring`), None otherwise (the work is done at once). Not thread-local on
+    purpose: on CUDA the autograd engine runs hooks on its device threads."""
 
-    store: list[Deferred] | None = None
+    __slots__ = ("modules", "store")
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        self.store: list[Deferred] | None = None
+        # the contracted submodules of the module it is made for, found once
+        self.modules = None if module is None else _contracted_modules(module)
+
+
+def _contracted_modules(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if contract_of(m) is not None]
+
+
+def contracted(module: nn.Module) -> bool:
+    """Whether any submodule of `module` has a contract (the class facts only): a chunk
+    whose backward is split uses the contract method then, the graph walk otherwise."""
+    return bool(_contracted_modules(module))
 
 
 @contextmanager
-def capturing(module: nn.Module) -> Iterator[None]:
-    """Calls of `module`'s contracted submodules inside run as the module docstring says.
+def capturing(module: nn.Module, capture: Capture | None = None) -> Iterator[Capture]:
+    """Calls of `module`'s contracted submodules inside run as the module docstring says,
+    their hooks deferring to `capture` (a new one if not given), which the block gets.
 
     For the extent of the block each of them gets an instance attribute `forward` (which
     `nn.Module.__call__` finds before the class's), removed on the way out; so hooks, the
     call path and every other module are as without a capture."""
-    installed = [
-        m for m in module.modules() if contract_of(m) is not None and "forward" not in m.__dict__
-    ]
+    capture = capture if capture is not None else Capture()
+    found = capture.modules if capture.modules is not None else _contracted_modules(module)
+    installed = [m for m in found if "forward" not in m.__dict__]
     for sub in installed:
-        sub.__dict__["forward"] = partial(_captured_call, sub)
+        sub.__dict__["forward"] = partial(_captured_call, capture, sub)
     try:
-        yield
+        yield capture
     finally:
         for sub in installed:
             sub.__dict__.pop("forward", None)
 
 
 @contextmanager
-def deferring(store: list[Deferred]) -> Iterator[None]:
-    """Hooks fired inside (the `I` engine call) defer their work to `store`."""
-    previous, _State.store = _State.store, store
+def deferring(capture: Capture, store: list[Deferred]) -> Iterator[None]:
+    """Hooks of calls captured with `capture` that fire inside (the `I` engine call) defer
+    their work to `store`."""
+    previous, capture.store = capture.store, store
     try:
         yield
     finally:
-        _State.store = previous
+        capture.store = previous
 
 
-def _captured_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _captured_call(capture: Capture, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A contracted module's forward: its trainable parameters detached for the call, and a
     pre-hook on its output's node for the output gradient (or the plain forward when there
     is nothing to capture: no gradient wanted, no trainable parameter, a hooked one)."""
@@ -146,30 +169,23 @@ def _captured_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if fn is None or not isinstance(x, torch.Tensor) or not x.requires_grad:
         return forward(module, *args, **kwargs)
     params = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-    if not params or not torch.is_grad_enabled() or any(_hooked(p) for p in params.values()):
-        return forward(module, x)
+    if not params or not torch.is_grad_enabled() or any(grad_hooked(p) for p in params.values()):
+        return forward(module, x)  # a hooked parameter keeps its ordinary edges
     for name, param in params.items():
         module._parameters[name] = param.detach()  # type: ignore[assignment]  # restored below
-        if id(param) not in CONTRACTED:
-            CONTRACTED.add(id(param))
-            weakref.finalize(param, CONTRACTED.discard, id(param))
     try:
         output = forward(module, x)
     finally:
         module._parameters.update(params)
-    return _keep(module, fn, params, x, output)
+    return _keep(capture, (module, fn, params, x), output)
 
 
-def _hooked(param: torch.Tensor) -> bool:
-    """Whether hooks wait for the parameter's gradient from autograd (a `register_hook`, a
-    post-accumulate hook, as DDP's): then its calls keep their ordinary edges."""
-    return bool(param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+Call = tuple[nn.Module, WeightFn, dict[str, nn.Parameter], torch.Tensor]  # module, fn, params, x
 
 
-def _keep(
-    module: nn.Module, fn: WeightFn, params: dict[str, nn.Parameter], x: torch.Tensor, output: Any
-) -> Any:
+def _keep(capture: Capture, call: Call, output: Any) -> Any:
     """Hook the node of a contracted call's output; returns the output (a copy if needed)."""
+    module = call[0]
     if not isinstance(output, torch.Tensor) or output.grad_fn is None:
         got = "a tensor without a graph" if isinstance(output, torch.Tensor) else type(output)
         raise RuntimeError(
@@ -182,9 +198,7 @@ def _keep(
         producer = output = output.clone()
     node = producer.grad_fn
     assert node is not None
-    node.register_prehook(
-        partial(_arrived, module, fn, params, x, producer.output_nr, output.shape)
-    )
+    node.register_prehook(partial(_arrived, capture, call, producer.output_nr, output.shape))
     return output
 
 
@@ -205,10 +219,8 @@ def _producer(output: torch.Tensor) -> torch.Tensor | None:
 
 
 def _arrived(
-    module: nn.Module,
-    fn: WeightFn,
-    params: dict[str, nn.Parameter],
-    x: torch.Tensor,
+    capture: Capture,
+    call: Call,
     slot: int,
     shape: torch.Size,
     grads: tuple[torch.Tensor | None, ...],
@@ -217,9 +229,10 @@ def _arrived(
     g = grads[slot]
     if g is None:
         return
-    work = Deferred(module, fn, params, x, g.reshape(shape))
-    if _State.store is not None:
-        _State.store.append(work)
+    work = Deferred(*call, g.reshape(shape))
+    store = capture.store
+    if store is not None:
+        store.append(work)
     else:
         accumulate(work)
 

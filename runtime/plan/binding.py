@@ -1,11 +1,12 @@
 """Binding a program to this rank: its chunks, their modules and boundary shapes; and the
-checks of the first step.
+checks of a new input signature.
 
 Every check that can fail differently on different ranks (a module missing on one rank, a
-stage whose output does not match the next stage's input) runs on the first step, and the
-findings of all ranks are gathered with one collective before any point-to-point op
-(runtime/comm/agreement.py), so every rank raises the same `SetupError` instead of some ranks
-hanging on a peer that gave up.
+declared boundary the real run contradicts) runs when a step brings a signature not seen
+before (the first step included), and the findings of all ranks are gathered before any
+point-to-point op of the program (runtime/boundaries/discovery.py, runtime/comm/agreement.py),
+so every rank raises the same `SetupError` instead of some ranks hanging on a peer that gave
+up. A step whose signature is known runs none of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pipecc.ir.ops import Msg, Recv
 from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Backend, Program
 
-from ..boundaries.specs import Boundaries, Specs, stage_output
+from ..boundaries.specs import Boundaries, Specs
 from ..boundaries.trees import split_tree
 
 
@@ -106,16 +107,11 @@ def backend_problem(program: Program, *, nccl: bool) -> str | None:
     return None
 
 
-def problems(
-    program: Program,
-    rank: int,
-    modules: Mapping[int, torch.nn.Module],
-    boundaries: Boundaries,
-    *,
-    check_shapes: bool,
-    autocast: torch.dtype | None = None,
+def module_problems(
+    program: Program, rank: int, modules: Mapping[int, torch.nn.Module]
 ) -> list[str]:
-    """What is wrong on this rank: missing modules, boundaries, shape or dtype mismatches."""
+    """What is wrong with this rank's modules: a chunk without one, one for a chunk it does
+    not hold (checked before the discovery pass, which runs them)."""
     found = []
     placement = program.placement
     for slot in placement.chunks(rank):
@@ -127,49 +123,61 @@ def problems(
     extra = sorted(set(modules) - {s.chunk for s in placement.chunks(rank)})
     if extra:
         found.append(f"stage modules given for chunks {extra} that this rank does not hold")
-    for what, pipe, stage in _messages(program, rank):
+    return found
+
+
+def boundary_problems(program: Program, rank: int, boundaries: Boundaries) -> list[str]:
+    """The messages this rank receives that no boundary describes (a stage before the last
+    whose output only `loss_fn` could read)."""
+    found = []
+    for what, pipe, stage in sorted(_messages(program, rank), key=_message_order):
         if message_specs(what, stage, boundaries) is None:
             need = stage if what is Msg.ACT else stage + 1
             found.append(
                 f"no boundary shapes for the input of stage {need} "
                 f"({what.value} pipe {pipe} stage {stage})"
             )
-    if check_shapes and not found:
-        found.extend(_shape_problems(program, rank, modules, boundaries, autocast))
     return found
+
+
+def declared_problems(
+    program: Program, rank: int, declared: Boundaries, found: Boundaries
+) -> list[str]:
+    """Where boundaries the user declared differ from those the real run found: each
+    reported by the rank holding, in pipe 0, the stage that produced it (stage 0's input,
+    the step's inputs, by the holder of stage 0). The model's output, which no stage
+    receives, is not compared."""
+    problems = []
+    placement = program.placement
+    for slot in placement.chunks(rank):
+        if slot.pipe != 0:
+            continue
+        given, wanted = found.get(slot.stage), declared.get(slot.stage)
+        if slot.stage == 0 and given is not None and wanted is not None:
+            if not wanted.same_as(given, grads=False):
+                problems.append(
+                    f"the step's inputs are {given.describe()} per microbatch, but the "
+                    f"boundaries were given for {wanted.describe()}"
+                )
+        got, wanted = found.get(slot.stage + 1), declared.get(slot.stage + 1)
+        last = placement.is_last_stage(slot.pipe, slot.stage)
+        if last or given is None or got is None or wanted is None:
+            continue
+        if not got.same_as(wanted, grads=False):
+            problems.append(
+                f"chunk {slot.chunk} (stage {slot.stage} of pipe {slot.pipe}) returns "
+                f"{got.describe()} for input {given.describe()}, but stage "
+                f"{slot.stage + 1} takes {wanted.describe()}"
+            )
+    return problems
 
 
 def _messages(program: Program, rank: int) -> set[tuple[Msg, int, int]]:
     return {(i.what, i.pipe, i.stage) for i in program.ranks[rank] if type(i) is Recv}
 
 
-def _shape_problems(
-    program: Program,
-    rank: int,
-    modules: Mapping[int, torch.nn.Module],
-    boundaries: Boundaries,
-    autocast: torch.dtype | None,
-) -> list[str]:
-    """Run each chunk (on the meta device, or for real under autocast) and compare with the
-    next stage's input."""
-    found = []
-    placement = program.placement
-    for slot in placement.chunks(rank):
-        last = slot.stage == placement.num_stages(slot.pipe) - 1
-        given, wanted = boundaries.get(slot.stage), boundaries.get(slot.stage + 1)
-        if last or given is None or wanted is None:
-            continue
-        try:
-            got = stage_output(modules[slot.chunk], given, autocast=autocast)
-        except Exception:  # the stage fails on synthetic data: the check at send time remains
-            continue
-        if not got.same_as(wanted, grads=False):
-            found.append(
-                f"chunk {slot.chunk} (stage {slot.stage} of pipe {slot.pipe}) returns "
-                f"{got.describe()} for input {given.describe()}, but stage "
-                f"{slot.stage + 1} takes {wanted.describe()}"
-            )
-    return found
+def _message_order(key: tuple[Msg, int, int]) -> tuple[str, int, int]:
+    return (key[0].value, key[1], key[2])
 
 
 def split_batch(

@@ -3,13 +3,16 @@
 A plan pairs each instruction with its index in the rank's list (errors and waits name
 instructions by it) and, for a send or receive, whether its group of posts ends after it
 (the point at which the group is posted together). The forward-only plan is the program's
-forward part, for evaluation.
+forward part, for evaluation. `mailbox` numbers every message the rank's instructions hand
+on or take, once for the program: the engine's mailbox is a list indexed by these slots
+(runtime/engine/bound.py binds each instruction to its slots).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipecc.ir.keys import Message, carried, consumed, produced
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Sequential, Wait
 
 Plan = tuple[tuple[int, Instr, bool], ...]  # (index in the rank's list, instruction, commit)
@@ -49,3 +52,27 @@ def forward_only(instrs: Sequence[Instr]) -> list[tuple[int, Instr]]:
                 if ops:
                     kept.append((index, Wait(ops, instr.span)))
     return kept
+
+
+def mailbox(instrs: Sequence[Instr]) -> dict[Message, int]:
+    """A slot for every message `instrs` may put in or take from the mailbox: what each
+    computation (not a W) consumes and produces, what each send or receive carries."""
+    slots: dict[Message, int] = {}
+    for instr in instrs:
+        if type(instr) is Send or type(instr) is Recv:
+            slots.setdefault(carried(instr), len(slots))
+        for op in _computes(instr):
+            if op.kind is not Kind.W:
+                slots.setdefault(consumed(op.kind, op.pipe, op.stage, op.mb), len(slots))
+                slots.setdefault(produced(op.kind, op.pipe, op.stage, op.mb), len(slots))
+    return slots
+
+
+def _computes(instr: Instr) -> tuple[Compute, ...]:
+    if isinstance(instr, Compute):
+        return (instr,)
+    if isinstance(instr, Fused):
+        return (instr.forward, instr.backward)
+    if isinstance(instr, Sequential):
+        return instr.parts
+    return ()

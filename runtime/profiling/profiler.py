@@ -13,10 +13,11 @@ import time
 import torch
 
 from pipecc.ir.keys import carried
-from pipecc.ir.ops import Collective, Compute, Fused, Kind, Recv, Send, Sequential, Wait
+from pipecc.ir.ops import Collective, Fused, Kind, Send
 
 from ..engine.context import StepContext
 from ..engine.interpreter import Interpreter
+from ..engine.steps import ComputeStep, FusedStep, PostStep, SequentialStep, WaitStep
 from .recorder import Recorder
 
 
@@ -28,37 +29,38 @@ class ProfilingInterpreter(Interpreter):
         self.recorder = recorder
         self.cuda = base.transfers.device if base.transfers.device.type == "cuda" else None
 
-    def compute(self, ctx: StepContext, instr: Compute | Fused | Sequential) -> None:
-        if isinstance(instr, Sequential):  # each part timed as the op it is
-            super().compute(ctx, instr)
+    def compute(self, ctx: StepContext, step: ComputeStep | FusedStep | SequentialStep) -> None:
+        if isinstance(step, SequentialStep):  # each part timed as the op it is
+            super().compute(ctx, step)
             return
         self._synchronize()
         start = time.perf_counter()
-        super().compute(ctx, instr)
+        super().compute(ctx, step)
         self._synchronize()
         seconds = time.perf_counter() - start
+        instr = step.instr
         if isinstance(instr, Fused):
             kind = "FB" if instr.backward.kind is Kind.B else "FI"
             self.recorder.compute(kind, instr.forward.stage, seconds)
         else:
-            self.recorder.compute(instr.kind.value, instr.stage, seconds)
+            assert isinstance(step, ComputeStep)
+            self.recorder.compute(step.kind.value, step.stage, seconds)
 
-    def post(self, ctx: StepContext, index: int, instr: Send | Recv, commit: bool) -> None:
-        ctx.settle()  # the step's shape gather is not a post's host time
+    def post(self, ctx: StepContext, step: PostStep) -> None:
         start = time.perf_counter()
-        self.transfers.post(ctx, index, instr, commit=False)
-        if commit:
+        self.transfers.post(ctx, step)
+        if step.commit:
             group = list(ctx.queue)
             self.transfers.commit(ctx)
             now = time.perf_counter()  # the group is posted (its ops go out from the poster)
-            for _, op, tensors in group:
+            for posted, tensors in group:
                 nbytes = sum(t.nbytes for t in tensors)
-                self.recorder.posted(type(op) is Send, carried(op), now, nbytes)
+                self.recorder.posted(posted.send, carried(posted.comm), now, nbytes)
         self.recorder.post(time.perf_counter() - start)
 
-    def wait(self, ctx: StepContext, index: int, instr: Wait) -> None:
+    def wait(self, ctx: StepContext, step: WaitStep) -> None:
         start = time.perf_counter()
-        waited, released = self.transfers.wait(ctx, self.where(ctx, index, instr), instr)
+        waited, released = self.transfers.wait(ctx, step, self.rank)
         ops = tuple((type(op) is Send, carried(op)) for op in waited)
         self.recorder.wait(ops, (start, max(start, released), time.perf_counter()))
 

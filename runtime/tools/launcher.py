@@ -1,24 +1,23 @@
 """What `pipecc run` does: spawn P ranks, run steps, time them, check, profile.
 
 The model file's contract is in runtime/tools/model_file.py. With `build_stage` each rank builds
-only the stages of its chunks (stage s of either pipe is model stage s) and the boundaries
-of a new shape signature are found along the pipeline, each stage by a rank holding it
-(runtime/tools/split_model.py); with `build_stages` every rank builds the whole model, keeps its
-own stages, declares shared the parameters that are one object in two stages (tied
-weights) and infers the boundaries locally from the whole model. A model file's
-`boundaries(example_inputs)` replaces either inference. Nothing is exchanged point to point
-outside the program. Each step: zero the gradients, make the batch
-with `seed` = step index (warm-up steps first), barrier, `step`, barrier; the time between
-the barriers on rank 0 is the step time. Weights stay fixed (no optimizer), so the check
-compares every step with the single-process reference (runtime/tools/checking.py).
+only the stages of its chunks (stage s of either pipe is model stage s); with `build_stages`
+every rank builds the whole model, keeps its own stages and declares shared the parameters
+that are one object in two stages (tied weights). Either way the runtime finds the
+boundaries of each new shape signature along the pipeline on the step's real data, each
+stage run by a rank holding it (runtime/boundaries/discovery.py): every rank is given the
+whole batch (its shapes give the step's signature; only the ranks holding a first or a last
+stage split it). A model file's `boundaries(example_inputs)` is checked against them. Each
+step: zero the gradients, make the batch with `seed` = step index (warm-up steps first),
+barrier, `step`, barrier; the time between the barriers on rank 0 is the step time. Weights
+stay fixed (no optimizer), so the check compares every step with the single-process
+reference (runtime/tools/checking.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +27,6 @@ import torch.distributed as dist
 from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
-from ..boundaries.context import context_text, current_sample, sample_context
-from ..boundaries.discovery import pipeline_boundaries
-from ..boundaries.specs import infer_boundaries
-from ..boundaries.trees import boundary_of
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..pipeline import PipelineRuntime
@@ -40,7 +35,7 @@ from .checking import check_run
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
-from .training_run import aux_by_stage, first_microbatch, reported_aux, stages_of
+from .training_run import aux_by_stage, reported_aux, stages_of
 from .whole_reference import check_whole_run, held_grads
 
 __all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "run_job"]
@@ -171,20 +166,9 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
         derive_rng=job.derive_rng, autocast=autocast,
     )  # fmt: skip
-    if model.boundaries is not None:
-        boundaries = _remembered(model.boundaries)
-    elif whole:
-        stages = list(built.values())
-        boundaries = _remembered(
-            lambda sample: infer_boundaries(stages, sample, autocast=autocast, device=device)
-        )
-    else:  # no rank has every stage: each stage's boundary from a rank holding it
-        boundaries = _remembered(pipeline_boundaries(program, modules, config))
-    first, first_context = first_microbatch(model.batch(job.batch_size, seed=0), program)
-    # computed before the timed steps (the first step finds it here); when it fails, the
-    # first step reports that on every rank, naming the rank and the step
-    with contextlib.suppress(Exception), sample_context(first_context):
-        boundaries(first)
+    # the boundaries of each new shape signature are found along the pipeline on the
+    # step's real data (every rank is given the batch); a file's boundaries() is checked
+    boundaries = model.boundaries
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=model.loss_fn, config=config)
     out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": [], "aux": []}
     out["dtypes"] = param_dtypes(modules.values())
@@ -204,19 +188,6 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
         if recorder is not None:
             out["records"].append(recorder)
     return out
-
-
-def _remembered(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`function` of a sample, computed once per signature of the sample."""
-    memo: dict[str, Any] = {}
-
-    def remembered(sample: Any) -> Any:
-        key = boundary_of(sample, "the inputs").text() + context_text(current_sample())
-        if key not in memo:
-            memo[key] = function(sample)
-        return memo[key]
-
-    return remembered
 
 
 def _timed_step(

@@ -15,13 +15,14 @@ weights):
   tied weight).
 
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
-`boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input, when
-they cannot be inferred by running the stages) and `autocast` (a dtype the forwards run
-under, e.g. `torch.bfloat16`), `build_model() -> nn.Module` (the whole, unsplit model:
-`model(inputs, **context)` returns what `loss_fn` takes; its parameter names are the
-stages', for `--check --reference whole`, runtime/tools/whole_reference.py). `--check`
-builds every stage in the launcher for its single-process reference (with `build_stage`
-when defined, so the reference has the ranks' weights).
+`boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input,
+declared: checked against those the runtime finds by running the stages on real data),
+`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`) and `build_model() ->
+nn.Module` (the whole, unsplit model: `model(inputs, **context)` returns what `loss_fn`
+takes; its parameter names are the stages', for `--check --reference whole`,
+runtime/tools/whole_reference.py). `--check` builds every stage in the launcher for its
+single-process reference (with `build_stage` when defined, so the reference has the ranks'
+weights).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecc.diagnostics import InputError
 
+from ..compat import pytree
 from ..config import mse_loss
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,30 +1,19 @@
 """What `pipecc run` adds for training features: the step's context and its added losses.
 
-Kept apart from the launcher's loop (runtime/tools/launcher.py calls these): the first
-microbatch of a batch with its context (boundary inference runs the stages on both), the
-losses the stages added (`add_loss`) as each rank reports them, and their sum over the
-ranks for `--json` (`aux_loss`, `aux_loss_by_stage`).
+Kept apart from the launcher's loop (runtime/tools/launcher.py calls these): the losses
+the stages added (`add_loss`) as each rank reports them, their sum over the ranks for
+`--json` (`aux_loss`, `aux_loss_by_stage`), and each rank's modules by stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from pipecc.ir.program import Program
 
-from ..boundaries.trees import split_tree
 from ..pipeline import PipelineRuntime
-from .reference import context_microbatches
-
-
-def first_microbatch(batch: tuple[Any, ...], program: Program) -> tuple[Any, dict[str, Any]]:
-    """Microbatch 0 of the batch's inputs and of its context (empty without one), on CPU."""
-    cpu = torch.device("cpu")
-    inputs = split_tree(batch[0], program.num_microbatches, "inputs", cpu)[0]
-    return inputs, context_microbatches(batch, program.num_microbatches, cpu)[0]
 
 
 def reported_aux(runtime: PipelineRuntime) -> dict[int, dict[int, float]]:

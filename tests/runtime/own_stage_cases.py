@@ -1,10 +1,10 @@
 """What the spawned ranks of tests/runtime/test_own_stages.py run, through the Python API.
 
 Each rank builds only its own stages, with `split_model` from one meta model (the model of
-own_stage_model.py), finds the boundaries along the pipeline (`pipeline_boundaries`), runs
-one step and sends back its gradients by name, what it materialized and the boundaries; the
-test compares them with the whole model in the test's own process. The last case's stage
-raises (a bug in the user's block): the rank reports the error it got.
+own_stage_model.py), runs one step (the runtime finds the boundaries along the pipeline)
+and sends back its gradients by name, what it materialized and the boundaries; the test
+compares them with the whole model in the test's own process. The last case's stage raises
+(a bug in the user's block): the rank reports the error it got.
 """
 
 from __future__ import annotations
@@ -13,13 +13,7 @@ from typing import Any
 
 import own_stage_model as model
 import torch
-from pipecc.runtime import (
-    InstructionError,
-    PipelineRuntime,
-    RuntimeConfig,
-    pipeline_boundaries,
-    split_model,
-)
+from pipecc.runtime import InstructionError, PipelineRuntime, RuntimeConfig, split_model
 
 from pipecc.api import compile_schedule
 from pipecc.diagnostics import PipeccError
@@ -62,9 +56,7 @@ def _train(rank: int, schedule: str) -> dict[str, Any]:
     program = compile_schedule(schedule, ranks=2, microbatches=MICROBATCHES)
     materialized: list[str] = []
     modules = _own_stages(program, rank, materialized)
-    config = RuntimeConfig(timeout=30.0)
-    boundaries = pipeline_boundaries(program, modules, config)
-    runtime = PipelineRuntime(program, modules, boundaries, config=config)
+    runtime = PipelineRuntime(program, modules, config=RuntimeConfig(timeout=30.0))
     inputs, targets = model.make_batch(ROWS * MICROBATCHES, seed=1)
     runtime.step(inputs, targets)
     grads = {
@@ -73,7 +65,7 @@ def _train(rank: int, schedule: str) -> dict[str, Any]:
         for name, p in module.named_parameters()
         if p.grad is not None
     }
-    found = boundaries(inputs[:ROWS])
+    found = runtime.boundaries
     return {
         "grads": grads,
         "materialized": materialized,
@@ -85,9 +77,7 @@ def _train(rank: int, schedule: str) -> dict[str, Any]:
 def _raise(rank: int) -> dict[str, Any]:
     program = compile_schedule("1f1b", ranks=2, microbatches=2)
     modules = _own_stages(program, rank, [], raising=model.BLOCKS // 2)  # stage 1's first
-    config = RuntimeConfig(timeout=10.0)
-    runtime = PipelineRuntime(program, modules, pipeline_boundaries(program, modules, config),
-                              config=config)  # fmt: skip
+    runtime = PipelineRuntime(program, modules, config=RuntimeConfig(timeout=10.0))
     inputs, targets = model.make_batch(ROWS * 2, seed=1)
     try:
         runtime.step(inputs, targets)

@@ -6,7 +6,8 @@ PIPECC_TEST_LOG: a file to which every `build_stage` call appends one JSON line:
 (its distributed rank, or null in a process without one, the launcher's reference), the
 stage, the device of each parameter of the built stage, and the number of parameters of the
 whole meta model not on the meta device (which must stay 0).
-PIPECC_TEST_FAULT=raise: stage 1 raises in its forward (a bug in the user's model).
+PIPECC_TEST_FAULT=raise: stage 1 raises in its forward in the step (a bug in the user's
+model).
 """
 
 from __future__ import annotations
@@ -34,10 +35,16 @@ class Block(nn.Module):
 
 
 class Raising(Block):
-    """Fails on real data only (the shapes are found on the meta device): in the step."""
+    """Fails from its second call on: in the step (the first call is the runtime's
+    discovery of the boundaries, on the step's first microbatch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "meta":
+        self.calls += 1
+        if self.calls > 1:
             raise ValueError("a bug in the user's block")  # the line the traceback names
         return super().forward(x)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, TensorSpec, infer_boundaries
+from pipecc.runtime import PipelineRuntime, RuntimeConfig, TensorSpec
 from pipecc.runtime.profiling.recorder import Recorder
 from pipecc.runtime.tools.reference import gradients, reference_step
 from torch import nn
@@ -235,7 +235,7 @@ def _setup(rank: int, case: Case) -> _Run:
     if device.type != "cpu":
         inputs, targets = _to(inputs, device), targets.to(device)
     loss_fn = tuple_loss if case.model == "tuple" else nn.functional.mse_loss
-    boundaries = case.boundaries or infer_boundaries(stages, _first(inputs))
+    boundaries = case.boundaries  # None: found along the pipeline by the runtime
     config = RuntimeConfig(group=group, rank_map=rank_map, sync_duplicated=case.mode != "nosync",
                            timeout=case.timeout, device=device)  # fmt: skip
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=loss_fn, config=config)
@@ -255,9 +255,8 @@ def _to(value: Any, device: torch.device) -> Any:
 
 
 def _timeout_case(run: _Run) -> dict[str, Any]:
-    """Step 1: rank 0 learns the step's shapes with the others, then stays away from the
-    program: the others time out in a wait. Step 2: rank 0 stays away from the step: the
-    others time out gathering the shape signature."""
+    """Step 1: rank 0 stays away from the program (the shapes are known: nothing is
+    exchanged before it): the others time out in a wait. Step 2: the same again."""
     if run.me == 0:
         run.runtime.interpreter.run = lambda plan, ctx: time.sleep(run.case.timeout + 1.5)  # type: ignore[method-assign]
         run.runtime.step(run.inputs, run.targets)
@@ -274,14 +273,14 @@ def _timeout_case(run: _Run) -> dict[str, Any]:
 
 
 def _signatures_case(run: _Run) -> dict[str, Any]:
-    """After a good step (the caller's): step 2 gives the last rank twice the rows per
-    microbatch, step 3 a batch it cannot split into M, step 4 every rank the first shapes
-    again. On a bidirectional program every rank holds a stage 0, so every rank's code
-    counts."""
+    """After a good step (the caller's): step 2 gives every rank a new signature, but
+    another on each (three times the rows per microbatch on rank 0, twice on the last),
+    step 3 every rank a batch it cannot split into M, step 4 every rank the first shapes
+    again. On a bidirectional program every rank holds a stage 0."""
     last = run.me == run.case.program.num_ranks - 1
     inputs: torch.Tensor = run.inputs
-    wider = torch.cat([inputs, inputs]) if last else inputs
-    uneven = inputs[:-1] if last else inputs
+    wider = torch.cat([inputs] * (2 if last else 3))
+    uneven = inputs[:-1]
     found: dict[int, dict[str, Any]] = {}
     for step, given in ((2, wider), (3, uneven), (4, inputs)):
         try:
@@ -290,12 +289,6 @@ def _signatures_case(run: _Run) -> dict[str, Any]:
         except PipeccError as err:
             found[step] = {"error": type(err).__name__, "message": str(err)}
     return found
-
-
-def _first(inputs: Any) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return inputs[:ROWS]
-    return tuple(t[:ROWS] for t in inputs)
 
 
 def _compare(

@@ -1,5 +1,6 @@
-"""Boundaries without a process group: pytrees, shape inference (meta, real, autocast),
-explicit specs, signatures, the RNG derivation, shared-parameter detection."""
+"""Boundaries without a process group: pytrees, shape inference (real data, autocast, no
+side effects), explicit specs, signatures from host metadata, the RNG derivation,
+shared-parameter detection."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import dataclasses
 import pytest
 import torch
 from pipecc.runtime import TensorSpec, infer_boundaries, shared_parameters
-from pipecc.runtime.boundaries.signatures import signature_of
-from pipecc.runtime.boundaries.specs import meta_forward, normalise_boundaries, real_forward
-from pipecc.runtime.boundaries.trees import Boundary, boundary_of, flatten, split_tree
+from pipecc.runtime.boundaries.signatures import Signatures, signature_of
+from pipecc.runtime.boundaries.specs import normalise_boundaries, run_stage
+from pipecc.runtime.boundaries.trees import (
+    Boundary,
+    boundary_of,
+    flatten,
+    microbatch_boundary,
+    split_tree,
+)
 from pipecc.runtime.engine.rng import ForwardRng, derive_seed
 from torch import nn
 
@@ -20,7 +27,9 @@ F32, I64 = torch.float32, torch.int64
 
 
 class Split(nn.Module):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return x.sum(-1).to(torch.int64), x * 2
 
 
@@ -86,18 +95,22 @@ def test_a_last_stage_may_return_what_only_the_loss_reads() -> None:
         infer_boundaries([ToOutput(), nn.Identity()], torch.zeros(2, 3))
 
 
-def test_meta_forward_leaves_the_module_untouched() -> None:
+def test_a_stage_run_leaves_the_module_and_the_rng_untouched() -> None:
     norm = nn.BatchNorm1d(4)
-    given = boundary_of(torch.zeros(3, 4), "x")
-    assert meta_forward(norm, given).tensors == (TensorSpec((3, 4), F32, True),)
+    x = torch.randn(3, 4)
+    torch.manual_seed(3)
+    expected = torch.rand(8)
+    torch.manual_seed(3)
+    run = run_stage(norm, x, torch.device("cpu"), seed=11)
+    assert run.boundary.tensors == (TensorSpec((3, 4), F32, True),)
+    assert not any(t.requires_grad for t in run.tensors), "the graph is dropped"
     assert int(norm.num_batches_tracked) == 0
     assert torch.equal(norm.running_mean, torch.zeros(4))
+    assert torch.equal(torch.rand(8), expected), "the seeded run restored the stream"
 
 
 def test_data_dependent_stages_run_for_real_without_side_effects() -> None:
     stage = DataDependent()
-    with pytest.raises(Exception):  # noqa: B017  # meta tensors have no .item()
-        meta_forward(stage, boundary_of(torch.zeros(3, 4), "x"))
     stages = [nn.Linear(4, 4), stage]
     torch.manual_seed(5)
     expected = torch.rand(8)
@@ -109,17 +122,47 @@ def test_data_dependent_stages_run_for_real_without_side_effects() -> None:
     assert torch.equal(stage.norm.running_mean, torch.zeros(4))
 
 
+class MetaMask(nn.Module):
+    """HF's pattern: a mask helper that returns None on real data (the model's own fast
+    path) and a bool mask on the meta device; the stage passes it on."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mask = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool) if x.is_meta else None
+        return x * 2, mask
+
+
+class OwnAutocast(nn.Module):
+    """Enters autocast(bfloat16) inside its own forward: a bf16 boundary for real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.linear(x)
+
+
+def test_boundaries_are_those_of_real_data() -> None:
+    """A helper that branches on the meta device, an autocast region inside a stage:
+    the boundaries are what the real forward returns."""
+    found = infer_boundaries([MetaMask(), Split()], torch.randn(3, 4))
+    assert found[1].leaves == (TensorSpec((3, 4), F32, False), None)
+    found = infer_boundaries([OwnAutocast(), nn.Identity()], torch.randn(3, 4))
+    assert found[1].tensors == (TensorSpec((3, 4), torch.bfloat16, True),)
+
+
 def test_autocast_outputs_are_inferred_in_their_dtype() -> None:
     stages = [nn.Linear(4, 4), nn.Linear(4, 2)]
     found = infer_boundaries(stages, torch.zeros(3, 4), autocast=torch.bfloat16)
     assert found[1].tensors == (TensorSpec((3, 4), torch.bfloat16, True),)
     assert found[2].tensors == (TensorSpec((3, 2), torch.bfloat16, True),)
-    plain = real_forward(stages[0], found[0], torch.device("cpu"))
-    assert plain.tensors == (TensorSpec((3, 4), F32, True),)
+    plain = run_stage(stages[0], torch.zeros(3, 4), torch.device("cpu"))
+    assert plain.boundary.tensors == (TensorSpec((3, 4), F32, True),)
 
 
-def test_inference_failure_asks_for_explicit_boundaries() -> None:
-    with pytest.raises(InputError, match="give the boundaries explicitly"):
+def test_a_stage_that_fails_on_the_sample_is_named() -> None:
+    with pytest.raises(InputError, match="stage 0 fails on the sample"):
         infer_boundaries([nn.Linear(3, 5)], torch.zeros(2, 4))
 
 
@@ -145,10 +188,24 @@ def test_boundary_text_round_trips_and_signatures_tell_shapes_apart() -> None:
     value = {"ids": torch.zeros(2, 8, dtype=I64), "mask": None, "scale": 0.5}
     boundary = boundary_of(value, "x")
     assert Boundary.from_text(boundary.text()) == boundary
-    assert signature_of(value) == signature_of({**value})
+    assert signature_of(value, 2) == signature_of({**value}, 2)
     other = {**value, "ids": torch.zeros(2, 6, dtype=I64)}
-    assert signature_of(value)[0] != signature_of(other)[0]
+    assert signature_of(value, 2).code != signature_of(other, 2).code
+    assert signature_of(value, 1).code != signature_of(value, 2).code
     assert boundary.describe() == "{'ids': int64[2, 8], 'mask': None, 'scale': 0.5}"
+
+
+def test_a_signature_is_one_microbatch_read_from_metadata() -> None:
+    """The signature's boundary is the first microbatch's, as split_tree cuts it, from
+    the shapes alone (a meta tensor has no data to copy), with split_tree's errors."""
+    value = {"x": torch.zeros(6, 3, device="meta"), "ids": torch.zeros(6, dtype=I64), "k": 1}
+    want = boundary_of(split_tree(value, 3, "inputs", torch.device("meta"))[0], "x")
+    assert microbatch_boundary(value, 3, "inputs") == want
+    assert signature_of(value, 3).boundary == want
+    with pytest.raises(InputError, match="6 rows cannot be split into 4"):
+        signature_of(value, 4)
+    with pytest.raises(InputError, match="different numbers of rows"):
+        signature_of((torch.zeros(4), torch.zeros(2)), 2)
 
 
 def test_split_tree_splits_tensor_leaves_and_repeats_constants() -> None:
@@ -183,3 +240,20 @@ def test_shared_parameters_are_found_by_identity() -> None:
     stages = [nn.Sequential(embed), nn.Linear(3, 3), nn.Sequential(head)]
     assert shared_parameters(stages) == (((0, "0.weight"), (2, "0.weight")),)
     assert shared_parameters([nn.Linear(2, 2), nn.Linear(2, 2)]) == ()
+
+
+def test_a_remembered_signature_is_the_computed_one() -> None:
+    """`Signatures.of` remembers a layout's signature: the same as computing it, another
+    for other shapes, dtypes or constants, and an unusable batch is refused every time."""
+    signatures = Signatures(2)
+    values = [
+        torch.zeros(4, 3), torch.zeros(4, 5), torch.zeros(4, 3, dtype=I64),
+        {"x": torch.zeros(4, 3), "k": 1}, {"x": torch.zeros(4, 3), "k": 2},
+    ]  # fmt: skip
+    for _ in range(2):
+        for value in values:
+            assert signatures.of(value) == signature_of(value, 2)
+    assert len({signatures.of(v).code for v in values}) == len(values)
+    for _ in range(2):
+        with pytest.raises(InputError, match="3 rows cannot be split into 2"):
+            signatures.of(torch.zeros(3, 3))

@@ -66,6 +66,7 @@ def test_the_sync_checks_case_runs_fused_ops_on_the_cpu(one_rank: None) -> None:
     program = compile_schedule("dualpipev", ranks=1, microbatches=6)
     fused = sum(1 for i in program.ranks[0] if type(i) is Fused)
     assert result["fused"] == fused > 0 and result["groups"] == [], "P=1: no messages"
+    assert result["bindings"] == 1 and result["reused"], "one plan for the warm steps"
     assert check.verdict(result) == (
         True, f"dualpipev P=1 M=6: no host sync in the warm step ({fused} fused F&B, "
         "0 coalesced groups)",
@@ -84,8 +85,14 @@ def test_the_sync_check_reports_a_sync_and_a_missing_coalesced_group(one_rank: N
     ok, line = check.verdict(result)
     assert not ok and line.startswith("1f1b P=1 M=3: FAILED (0 fused F&B, 0 coalesced groups):")
     assert "RuntimeError: called a synchronizing CUDA operation" in line
-    two = {"case": ("zbv", 2, 4), "fused": 0, "groups": [1, 1], "error": None}
+    two = {"case": ("zbv", 2, 4), "fused": 0, "groups": [1, 1], "error": None, "bindings": 1,
+           "reused": True}  # fmt: skip
     assert check.verdict(two) == (
         False, "zbv P=2 M=4: FAILED: no group went through batch_isend_irecv (0 fused F&B, "
         "0 coalesced groups)",
+    )  # fmt: skip
+    rebound = {**two, "groups": [2], "bindings": 3}
+    assert check.verdict(rebound) == (
+        False, "zbv P=2 M=4: FAILED: the plan was bound 3 times, receive buffers kept (0 fused "
+        "F&B, 1 coalesced groups)",
     )  # fmt: skip

@@ -18,13 +18,8 @@ from typing import Any
 import pytest
 import torch
 from pipecc.runtime import add_loss
-from pipecc.runtime.boundaries.context import (
-    describe_signature,
-    inputs_text,
-    rows_problem,
-    split_context,
-)
-from pipecc.runtime.boundaries.signatures import signature_of
+from pipecc.runtime.boundaries.context import describe_signature, split_context
+from pipecc.runtime.boundaries.signatures import signature_from_text, signature_of
 from pipecc.runtime.tools.model_file import load_model
 from pipecc.runtime.tools.spawn import spawn
 from torch import nn
@@ -181,21 +176,17 @@ def test_the_context_must_be_a_dict_of_keywords() -> None:
     assert [p["pos"].tolist() for p in parts] == [[0, 1], [2, 3]] and parts[1]["flag"] is True
 
 
-def test_the_context_has_the_rows_of_the_inputs() -> None:
-    assert rows_problem(torch.ones(2, 3), {"pos": torch.ones(2, 5)}) is None
-    assert rows_problem(torch.ones(2, 3), None) is None
-    found = rows_problem((torch.ones(2, 3),), {"pos": torch.ones(4, 5)})
-    assert found is not None and "4 rows per microbatch but the inputs have 2" in found
-
-
 def test_the_context_shapes_are_part_of_the_signature() -> None:
-    x = torch.ones(2, 3)
-    plain = signature_of(x)
-    short = signature_of(x, {"mask": torch.ones(2, 4)})
-    longer = signature_of(x, {"mask": torch.ones(2, 5)})
-    assert len({plain[0], short[0], longer[0]}) == 3
-    assert inputs_text(short[1]) == plain[1]
-    assert "with context" in describe_signature(longer[1])
+    x = torch.ones(4, 3)
+    plain = signature_of(x, 2)
+    short = signature_of(x, 2, {"mask": torch.ones(4, 4)})
+    longer = signature_of(x, 2, {"mask": torch.ones(4, 5)})
+    assert len({plain.code, short.code, longer.code}) == 3
+    assert short.boundary == plain.boundary  # stage 0's input is the inputs alone
+    assert signature_from_text(short.text()) == short
+    assert "with context" in describe_signature(longer.text())
+    with pytest.raises(InputError, match="4 rows per microbatch but the inputs have 2"):
+        signature_of(x, 2, {"mask": torch.ones(8, 5)})
 
 
 def test_make_batch_returns_two_or_three_values(tmp_path: Path) -> None:

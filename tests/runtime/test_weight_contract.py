@@ -125,8 +125,9 @@ def run(
     """Forward, then B (plain) or I + W (captured); every gradient, and the ops of I and W."""
     leaves = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     ids = {id(p) for p in module.parameters()}
+    capture = None
     if split:
-        with capturing(module):
+        with capturing(module) as capture:
             out = module(*leaves)
     else:
         out = module(*leaves)
@@ -136,7 +137,7 @@ def run(
     counted = [CountOps(), CountOps()]
     with counted[0]:
         if split:
-            found, weight = input_backward(outputs, grads, leaves, ids)
+            found, weight = input_backward(outputs, grads, leaves, ids, capture)
         else:
             found = full_backward(outputs, grads, leaves)
     if split:
@@ -228,10 +229,10 @@ def test_interleaved_microbatches_and_any_backward() -> None:
         x, g = floats(2, 8, H), torch.randn(2, 8, H)
         full_backward((plain(x),), (g,), (x,))
         leaf = x.detach().requires_grad_(True)
-        with capturing(captured):
+        with capturing(captured) as capture:
             out = captured(leaf)
         if seed < 3:
-            pending.append(input_backward((out,), (g,), (leaf,), ids)[1])
+            pending.append(input_backward((out,), (g,), (leaf,), ids, capture)[1])
         elif seed == 3:
             full_backward((out,), (g,), (leaf,))
         else:
@@ -302,10 +303,10 @@ def test_a_contract_that_returns_a_wrong_shape_is_named() -> None:
     register_weight_grad(Bad, lambda m, x, g, n: {"d": g})
     module = nn.Sequential(nn.Linear(H, H), Bad())
     x = floats(4, H)
-    with capturing(module):
+    with capturing(module) as capture:
         out = module(x)
     _, weight = input_backward(
-        (out,), (torch.ones_like(out),), (x,), {id(p) for p in module.parameters()}
+        (out,), (torch.ones_like(out),), (x,), {id(p) for p in module.parameters()}, capture
     )
     with pytest.raises(
         RuntimeError, match=r"contract of Bad returned shape \(4, 16\) for parameter 'd'"
@@ -430,9 +431,9 @@ def test_w_adds_into_existing_gradients_inside_the_matmul(dtype: torch.dtype) ->
         x, g = floats(4, H, dtype=dtype), torch.randn(4, H, dtype=dtype)
         full_backward((plain(x),), (g,), (x,))
         leaf = x.detach().requires_grad_(True)
-        with capturing(captured):
+        with capturing(captured) as capture:
             out = captured(leaf)
-        _, weight = input_backward((out,), (g,), (leaf,), ids)
+        _, weight = input_backward((out,), (g,), (leaf,), ids, capture)
         with counted if seed == 1 else contextlib.nullcontext():
             weight.run()
     assert counted.ops["addmm_"] == 3 and counted.ops["mm"] == 0
@@ -460,9 +461,9 @@ def test_the_contract_on_the_gpu(dtype: torch.dtype) -> None:
         g = torch.randn_like(x)
         leaf = x.detach().requires_grad_(True)
         want = full_backward((plain(x.requires_grad_(True)),), (g,), (x,))
-        with capturing(captured):
+        with capturing(captured) as capture:
             out = captured(leaf)
-        got, weight = input_backward((out,), (g,), (leaf,), ids)
+        got, weight = input_backward((out,), (g,), (leaf,), ids, capture)
         assert weight.deferred, "the Linears deferred their weight work"
         weight.run()
         tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}

@@ -1,0 +1,112 @@
+"""Every private torch API of runtime/compat.py, one test each: when a torch release changes
+one, its test fails here by name, before any step of a runtime does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from pipecc.runtime import compat
+from torch.autograd.graph import get_gradient_edge
+
+
+@dataclass
+class Pair:
+    a: torch.Tensor
+    b: int
+
+
+def test_pytree_flattens_rebuilds_serialises_and_registers() -> None:
+    value = {"x": (torch.ones(2), 3), "y": [None, torch.zeros(1)]}
+    leaves, tree = compat.pytree.tree_flatten(value)
+    assert [type(leaf).__name__ for leaf in leaves] == ["Tensor", "int", "NoneType", "Tensor"]
+    assert compat.pytree.tree_leaves(value) == leaves
+    again = compat.pytree.treespec_loads(compat.pytree.treespec_dumps(tree))
+    assert again == tree
+    assert compat.pytree.tree_unflatten(leaves, again)["x"][1] == 3
+    compat.pytree.register_pytree_node(
+        Pair, lambda p: ([p.a, p.b], None), lambda leaves, _: Pair(*leaves)
+    )
+    assert len(compat.pytree.tree_leaves(Pair(torch.ones(1), 2))) == 2
+    mapped = compat.pytree.tree_map_only(torch.Tensor, lambda t: t + 1, value)
+    assert torch.equal(mapped["x"][0], torch.full((2,), 2.0))
+
+
+def test_run_backward_returns_or_accumulates_gradients() -> None:
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    y = x * w
+    g = torch.ones(3)
+    (got,) = compat.run_backward((y,), (g,), (x,), keep_graph=True, accumulate=False)
+    assert torch.equal(got, w.detach()) and x.grad is None and w.grad is None
+    compat.run_backward((get_gradient_edge(y),), (g,), (), keep_graph=False, accumulate=True)
+    assert torch.equal(x.grad, w.detach()) and torch.equal(w.grad, x.detach())
+
+
+def test_accumulate_grad_nodes_and_their_leaves() -> None:
+    x = torch.randn(2, requires_grad=True)
+    node = (x * 2).grad_fn
+    assert node is not None
+    leaf_node = node.next_functions[0][0]
+    assert type(leaf_node) is compat.ACCUMULATE_GRAD
+    assert compat.leaf_of(leaf_node) is x
+
+
+def test_grad_hooks_on_a_parameter_are_seen() -> None:
+    plain, hooked, accumulated = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    hooked.register_hook(lambda g: g)
+    accumulated.register_post_accumulate_grad_hook(lambda p: None)
+    assert [compat.grad_hooked(p) for p in (plain, hooked, accumulated)] == [False, True, True]
+
+
+@pytest.fixture
+def gloo(tmp_path: Path) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("gloo")
+def test_gloo_does_not_coalesce() -> None:
+    op = dist.P2POp(dist.isend, torch.ones(2), 0)
+    assert compat.coalesces(op) is False
+
+
+def test_an_op_is_posted_on_its_group_to_the_peer_in_it() -> None:
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        sent, received = torch.arange(4.0), torch.zeros(4)
+        send = dist.P2POp(dist.isend, sent, 1)
+        recv = dist.P2POp(dist.irecv, received, 1)
+        assert send.group_peer == 1 and send.tag == 0
+        for op, tensor in ((send, sent), (recv, received)):
+            work = compat.post_p2p(op, tensor)
+            assert work is not None
+            work.wait()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("gloo")
+def test_fsdp_post_backward_reduces_the_unsynced_gradients() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+    module.set_requires_gradient_sync(False)
+    module(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is None for p in module.parameters()), "held unreduced by FSDP"
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    compat.fsdp_post_backward(module)
+    assert {type(p.grad).__name__ for p in module.parameters()} == {"DTensor"}
