@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/train_moe.py --schedule zb_h1 --microbatches 4
 
 Each rank builds only its own stages (`build_stage`: cut from the meta model, parameter
-names kept) and finds the boundaries along the pipeline. Every MoE layer adds its router's
+names kept); the runtime finds the boundaries along the pipeline, and every rank is given
+the batch. Every MoE layer adds its router's
 balancing loss with `add_loss` where it is computed, so each step's gradient is that of
 mean over microbatches of (cross-entropy + balancing losses), and rank 0 logs both parts
 (`runtime.global_loss(breakdown=True)`, the same on every rank). Every rank also holds the
@@ -20,7 +21,7 @@ import argparse
 import torch
 import torch.distributed as dist
 from moe import build_model, build_stage, loss_fn, make_batch  # examples/moe.py, beside this
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, check_against, pipeline_boundaries
+from pipecc.runtime import PipelineRuntime, RuntimeConfig, check_against
 from train_mlp import compile_for_world, setup  # examples/train_mlp.py, beside this
 
 
@@ -44,11 +45,9 @@ def main() -> None:
         slot.chunk: build_stage(slot.stage, num_stages).to(device)
         for slot in program.placement.chunks(rank)
     }
-    config = RuntimeConfig(device=device)
     runtime = PipelineRuntime(
-        program, modules, pipeline_boundaries(program, modules, config), loss_fn=loss_fn,
-        config=config,
-    )  # fmt: skip
+        program, modules, loss_fn=loss_fn, config=RuntimeConfig(device=device)
+    )
     whole = build_model().to(device)  # for check_against only: never trained here
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=args.lr)
     for step in range(args.steps):

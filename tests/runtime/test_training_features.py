@@ -49,7 +49,7 @@ def cases_2() -> list[Case]:
         _case("aux-dualpipe-hook", "dualpipe", 2, 6, model="hooked"),
         _case("aux-dualpipev-hook", "dualpipev", 2, 5, model="hooked"),
         _case("context-1f1b", "1f1b", 2, 4, model="context"),
-        _case("context-zbv", "zbv", 2, 4, model="context"),
+        _case("context-zbv", "zbv", 2, 4, model="context", fixed=True),
         _case("context-dualpipe", "dualpipe", 2, 6, model="context", infer=True),
         _case("context-rows", "1f1b", 2, 4, model="context", bad_rows=True),
         _case("against", "zbv", 2, 4, model="against"),

@@ -142,13 +142,15 @@ def batch(microbatches: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, dic
 @dataclass(frozen=True)
 class Case:
     """`model`: moe, raw, hooked (added losses) or context (context inputs);
-    `infer`: learn the boundaries with a function of the sample (the runtime's sample
-    context reaches the stages), else fixed ones given with the context."""
+    boundaries: discovered by the runtime; `infer`: also declared by a function of the
+    sample (the discovery's context reaches the stages it runs), `fixed`: also declared as
+    fixed ones computed with the context."""
 
     name: str
     program: Program
     model: str = "moe"
     infer: bool = False
+    fixed: bool = False  # declare the boundaries found by `infer_boundaries` with the context
     bad_rows: bool = False  # the context has twice the inputs' rows: refused on every rank
 
 
@@ -173,9 +175,10 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
     x, y, context = batch(program.num_microbatches, seed=3)
     uses_context = case.model == "context"
     ctx0 = {k: v[:ROWS] for k, v in context.items()}
-    if case.infer:
-        boundaries: Any = lambda sample: infer_boundaries(stages, sample)  # noqa: E731
-    else:
+    boundaries: Any = None  # found by the runtime's discovery, on real data
+    if case.infer:  # declared by a function, checked (the discovery's context reaches it)
+        boundaries = lambda sample: infer_boundaries(stages, sample)  # noqa: E731
+    elif case.fixed:  # declared, checked
         boundaries = infer_boundaries(stages, x[:ROWS], context=ctx0 if uses_context else None)
     config = RuntimeConfig(timeout=60.0)
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=_mse, config=config)
