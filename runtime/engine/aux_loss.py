@@ -19,10 +19,13 @@ the scaling of the main loss. How it does so depends on who runs the forward:
   tensor must be used (`h = add_loss(h, aux)`), as it is in a stage that passes it on.
 
 One model file therefore works in both (no pipecc-specific branch). The collector is
-process-wide, not thread-local: only the thread running a forward installs it, and the
-autograd engine's threads (which may re-run a forward for recomputation) must see plain
-mode, which they do as they never install one and a recomputed forward is not re-collected
-while no forward is running. Nothing here is kept across steps.
+process-wide, not thread-local: only a forward installs it.
+
+pipecc recomputes nothing itself. A user's activation checkpointing inside a stage re-runs
+forwards during the backward, outside any collector: with torch's non-reentrant
+checkpointing the recomputed `add_loss` is in plain mode but its node is not in the graph
+being differentiated, so nothing counts twice; reentrant checkpointing (its forward under
+`no_grad`) would seed the loss with 1 instead of 1/M. Neither is covered by the tests.
 """
 
 from __future__ import annotations
