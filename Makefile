@@ -13,7 +13,7 @@ OUT ?= out
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[runtime,dev]"
+	$(BIN)/pip install --quiet -e ".[runtime,dev,exact]"
 	touch $(STAMP)
 
 # The main job on a bundled schedule: compile it, verify it under every comm model, simulate

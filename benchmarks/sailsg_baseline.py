@@ -41,11 +41,10 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipecc.ir.ops import Kind
 from pipecc.search.problem import (  # noqa: E402
     Objective,
-    OpKind,
     Order,
-    Placement,
     Problem,
     SearchOp,
     evaluate,
@@ -53,7 +52,7 @@ from pipecc.search.problem import (  # noqa: E402
 )
 from pipecc.semantics.costs import CostModel, StageCost, parse_cost_flag  # noqa: E402
 
-_KINDS = (OpKind.F, OpKind.I, OpKind.W)
+_KINDS = (Kind.F, Kind.I, Kind.W)
 
 
 class Switches(NamedTuple):
@@ -242,7 +241,7 @@ class _Greedy:
 def greedy(problem: Problem, switches: Switches) -> tuple[Order, float]:
     """One run of the heuristic: the order and the span it computes (MemoryShort when the
     cap cannot be met this way)."""
-    if problem.placement is not Placement.LOOP:
+    if problem.placement != "loop":
         raise ValueError("sail-sg's heuristic schedules one stage per rank (loop placement)")
     state = _Greedy(problem, switches)
     span = state.run()
@@ -300,7 +299,7 @@ def grid_problem(
     microbatches: int,
     cap: float,
     *,
-    placement: Placement = Placement.LOOP,
+    placement: str = "loop",
     objective: Objective = Objective.MAKESPAN,
 ) -> Problem:
     """The search problem of one grid cell (default memory: F +1, I 0, W -1 per share): the
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_cost_flag(args.cost),
         ranks=args.P,
         microbatches=args.M,
-        placement=Placement.LOOP,
+        placement="loop",
         cap=args.memory,
     )
     result = sailsg_schedule(problem)

@@ -33,9 +33,10 @@ from sailsg_baseline import (  # noqa: E402
     grid_profiles,
 )
 
-from pipecc.search.problem import OpKind, Order, Placement, Problem, SearchOp, evaluate  # noqa: E402
+from pipecc.ir.ops import Kind
+from pipecc.search.problem import Order, Problem, SearchOp, evaluate  # noqa: E402
 
-_KINDS = (OpKind.F, OpKind.I, OpKind.W)
+_KINDS = (Kind.F, Kind.I, Kind.W)
 
 
 def load_upstream(repo: Path) -> types.ModuleType:
@@ -139,7 +140,7 @@ def v_figures(repo: Path) -> None:
         Profile("unit", (1.0,) * 4, (1.0,) * 4, (1.0,) * 4, 0.0),
         16,
         math.inf,
-        placement=Placement.VSHAPE,
+        placement="vshape",
     )
     for pattern in ("half", "min"):
         result = upstream_v(repo, problem, pattern)

@@ -52,16 +52,16 @@ from pipecc.search.baseline import bundled_orders  # noqa: E402
 from pipecc.search.bounds import lower_bound  # noqa: E402
 from pipecc.search.engine import default_time_limit, search  # noqa: E402
 from pipecc.search.lower import lower  # noqa: E402
-from pipecc.search.problem import MemDeltas, Order, Placement, Problem, evaluate, fits  # noqa: E402
+from pipecc.search.problem import SHAPES, MemDeltas, Order, Problem, evaluate, fits  # noqa: E402
 from pipecc.search.run import Outcome, Request, run_search  # noqa: E402
 from pipecc.semantics import CommModel  # noqa: E402
 from pipecc.semantics.costs import CostModel, StageCost  # noqa: E402
 
 SCHEDULES = (
-    ("1F1B", "1f1b", Placement.LOOP),
-    ("ZB-H1", "zb_h1", Placement.LOOP),
-    ("ZB-H2", "zb_h2", Placement.LOOP),
-    ("ZB-V", "zbv", Placement.VSHAPE),
+    ("1F1B", "1f1b", "loop"),
+    ("ZB-H1", "zb_h1", "loop"),
+    ("ZB-H2", "zb_h2", "loop"),
+    ("ZB-V", "zbv", "vshape"),
 )
 
 
@@ -117,9 +117,7 @@ def _fitting(problem: Problem, name: str) -> float | None:
     return fitting.get(name)
 
 
-def _exact(
-    problems: dict[Placement, Problem], outcome: Outcome, limit: float
-) -> tuple[float, bool]:
+def _exact(problems: dict[str, Problem], outcome: Outcome, limit: float) -> tuple[float, bool]:
     """CP-SAT's best over the placements, each hinted with the search's order for it (the
     command's for its placement, the engine's for the other), and whether every placement's
     optimum was proven."""
@@ -140,17 +138,17 @@ def _exact(
 
 def measure(profile: Profile, mbs: int, cap: float, *, exact_limit: float = 0.0) -> Cell:
     """Every figure of one cell (CP-SAT too when `exact_limit` > 0)."""
-    problems = {p: grid_problem(profile, mbs, cap, placement=p) for p in Placement}
+    problems = {p: grid_problem(profile, mbs, cap, placement=p) for p in SHAPES}
     outcome = run(profile, mbs, cap, "auto")
     makespan = outcome.lowered.makespan  # eager: the latency model
     nccl = lower(outcome.problem, outcome.order).makespan  # aligned for nccl
     best, proven = _exact(problems, outcome, exact_limit) if exact_limit > 0 else (None, False)
     bundled = tuple(_fitting(problems[where], name) for _, name, where in SCHEDULES)
-    sail = sailsg_schedule(problems[Placement.LOOP])
+    sail = sailsg_schedule(problems["loop"])
     sail_value = None
     if sail is not None:
-        evaluation = evaluate(problems[Placement.LOOP], sail.order)
-        assert evaluation is not None and fits(problems[Placement.LOOP], evaluation)
+        evaluation = evaluate(problems["loop"], sail.order)
+        assert evaluation is not None and fits(problems["loop"], evaluation)
         sail_value = evaluation.makespan
     bound = min(lower_bound(problem) for problem in problems.values())
     return Cell(
@@ -159,7 +157,7 @@ def measure(profile: Profile, mbs: int, cap: float, *, exact_limit: float = 0.0)
         profile.name,
         cap,
         makespan,
-        outcome.problem.placement.value,
+        outcome.problem.placement,
         nccl,
         best,
         proven,
@@ -237,7 +235,7 @@ def v_rows(repo: Path | None) -> list[tuple[str, float, float, float]]:
     """`--placement vshape` against ZB-V, V-Half and V-Min at their own memory: (name,
     peak, their makespan, the search's)."""
     unit = Profile("unit", (1.0,) * 4, (1.0,) * 4, (1.0,) * 4, 0.0)
-    loose = grid_problem(unit, 16, math.inf, placement=Placement.VSHAPE)
+    loose = grid_problem(unit, 16, math.inf, placement="vshape")
     references: dict[str, tuple[float, float]] = dict(RECORDED_V)
     if repo is not None:
         for pattern in ("min", "half"):

@@ -145,6 +145,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.runtime.pipeline",
     ),
     "pipecc.search": (
+        "pipecc.analysis",  # search.partition: a cut's peak bytes by the one memory rule
         "pipecc.api",  # search.baseline: the bundled schedules' orders
         "pipecc.diagnostics",
         "pipecc.ir",

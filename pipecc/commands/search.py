@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from pipecc.commands.common import SubParsers, positive, write_output
+from pipecc.commands.search_layers import add_layer_flags, run_layers
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
 from pipecc.ir.program import Backend
@@ -18,7 +19,6 @@ from pipecc.passes.insert_comms import POLICIES
 from pipecc.render.grid import format_timeline
 from pipecc.search.engine import placements
 from pipecc.search.lower import ALIGNED, Placing
-from pipecc.search.problem import Placement
 from pipecc.search.run import (
     Outcome,
     Request,
@@ -57,6 +57,7 @@ examples:
   pipecc search -P 4 -M 16 --cost-file costs.toml --memory 6 -o best.json --sched best.sched
   pipecc search -P 8 -M 32 --cost F=1,I=1,W=1,comm=1 --memory 4 --placement auto --json
   pipecc search -P 2 -M 8 --cost-file prof.toml --memory 2 --backend gloo -o best.json
+  pipecc search -P 4 -M 16 --layers layers.toml --memory 40GiB -o best.json --partition cut.toml
 
 exit codes: 0 a schedule was found; 1 no schedule fits the cap (the message gives the
 smallest cap that has one); 2 input pipecc cannot use.
@@ -88,10 +89,11 @@ def register(commands: SubParsers) -> None:
     )
     cmd.add_argument(
         "--memory",
+        "--memory-budget",
+        dest="memory",
         metavar="CAP",
-        type=float,
-        required=True,
-        help="per-rank memory cap (--mem units)",
+        help="per-rank memory cap (--mem units; with --layers, bytes: 40GiB, no cap if "
+        "omitted); --memory-budget is the same flag (the name verify uses)",
     )
     cmd.add_argument(
         "--mem",
@@ -104,6 +106,7 @@ def register(commands: SubParsers) -> None:
         "-o", "--output", metavar="OUT.json", help="write the program (and OUT.costs.toml)"
     )
     cmd.add_argument("--sched", metavar="OUT.sched", help="write the order as a .sched file")
+    add_layer_flags(cmd)
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(run=run)
 
@@ -112,9 +115,9 @@ def _add_choices(cmd: argparse.ArgumentParser) -> None:
     """The search's options: placement, objective, comm model, time limit, seed."""
     cmd.add_argument(
         "--placement",
-        choices=("loop", "vshape", "auto"),
+        choices=("loop", "vshape", "v", "auto"),
         default="loop",
-        help="loop (default), vshape, or auto: both, the faster wins",
+        help="loop (default), vshape (or v), or auto: both, the faster wins",
     )
     cmd.add_argument("--objective", choices=("makespan", "span"), default="makespan")
     _add_backend(cmd)
@@ -180,9 +183,23 @@ def _costs(args: argparse.Namespace) -> CostModel:
     return model
 
 
+def _memory(args: argparse.Namespace) -> float:
+    if args.memory is None:
+        raise InputError("give the per-rank memory cap: --memory CAP (in --mem units)")
+    try:
+        cap = float(args.memory)
+    except ValueError:
+        raise InputError(
+            f"--memory must be a number (in --mem units; bytes such as 40GiB go with "
+            f"--layers), got {args.memory!r}"
+        ) from None
+    if not math.isfinite(cap) or cap <= 0:
+        raise InputError(f"--memory must be a positive number, got {cap:g}")
+    return cap
+
+
 def _request(args: argparse.Namespace) -> Request:
-    if not math.isfinite(args.memory) or args.memory <= 0:
-        raise InputError(f"--memory must be a positive number, got {args.memory:g}")
+    cap = _memory(args)
     if args.time_limit is not None and not (0 < args.time_limit < math.inf):
         raise InputError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}"
@@ -192,7 +209,7 @@ def _request(args: argparse.Namespace) -> Request:
         ranks=args.ranks,
         microbatches=args.microbatches,
         costs=_costs(args),
-        cap=args.memory,
+        cap=cap,
         mem=parse_mem(args.mem),
         placement=args.placement,
         objective=args.objective,
@@ -205,6 +222,12 @@ def _request(args: argparse.Namespace) -> Request:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.placement == "v":
+        args.placement = "vshape"
+    if args.layers is not None:
+        return run_layers(args, _placing(args))
+    if args.partition is not None:
+        raise InputError("--partition writes the cut of a layer search: give --layers")
     began = time.perf_counter()
     request = _request(args)
     _note_host_costs(request.costs)
@@ -240,8 +263,8 @@ def _note_conversions(request: Request) -> None:
     """Say (on stderr) how a profile measured on another cut is converted for each
     placement searched (docs/simulate.md)."""
     for placement in placements(request.placement):
-        stages = request.ranks * (1 if placement is Placement.LOOP else 2)
-        cut = Cut(request.ranks, stages, placement.value)
+        stages = request.ranks * (1 if placement == "loop" else 2)
+        cut = Cut(request.ranks, stages, placement)
         if note := request.costs.for_cut(cut).conversion():
             print(f"note: {note}", file=sys.stderr)
 
@@ -273,7 +296,7 @@ def _table(outcome: Outcome, total: float) -> str:
         *([f"span         {outcome.span:g} (the objective, latency model)"] if span else []),
         f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g})",
         f"baseline     {baseline}",
-        f"placement    {problem.placement.value}   chosen by {outcome.chosen_by}",
+        f"placement    {problem.placement}   chosen by {outcome.chosen_by}",
         f"seconds      {outcome.seconds:.3f} search, {total:.3f} in all",
     ]
     return "\n".join(lines) + "\n"

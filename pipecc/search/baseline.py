@@ -19,13 +19,13 @@ from pipecc.api import bundled_schedules, compile_schedule, read_text
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import Compute, Fused, Kind
 from pipecc.ir.program import Program
-from pipecc.search.problem import OpKind, Order, Problem, SearchOp, evaluate, fits
+from pipecc.search.problem import Order, Problem, SearchOp, evaluate, fits
 
 _SPLIT = {
-    Kind.F: (OpKind.F,),
-    Kind.I: (OpKind.I,),
-    Kind.W: (OpKind.W,),
-    Kind.B: (OpKind.I, OpKind.W),
+    Kind.F: (Kind.F,),
+    Kind.I: (Kind.I,),
+    Kind.W: (Kind.W,),
+    Kind.B: (Kind.I, Kind.W),
 }
 
 
@@ -44,15 +44,26 @@ def bundled_orders(problem: Problem) -> tuple[Bundled, ...]:
     """The bundled schedules of the problem's placement that compile, as orders that fit the
     cap, best first."""
     found = []
-    for name, path in bundled_schedules().items():
-        compiled = _order(name, path, problem)
-        if compiled is None:
-            continue
-        order, program = compiled
+    for name, order, program in compiled_orders(problem.ranks, problem.microbatches,
+                                                problem.placement):  # fmt: skip
         evaluation = evaluate(problem, order)
         if evaluation is not None and fits(problem, evaluation):
             found.append(Bundled(name, order, evaluation.score(problem.objective), program))
     return tuple(sorted(found, key=lambda b: (b.score, b.name)))
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_orders(
+    ranks: int, microbatches: int, placement: str
+) -> tuple[tuple[str, Order, Program], ...]:
+    """(name, order, program) of every bundled schedule of `placement` that compiles for
+    `ranks` and `microbatches` without fused ops: what does not depend on the costs."""
+    found = []
+    for name, path in bundled_schedules().items():
+        compiled = _order(name, path, ranks, microbatches, placement)
+        if compiled is not None:
+            found.append((name, *compiled))
+    return tuple(found)
 
 
 def _placement_line(path: Path) -> str | None:
@@ -61,16 +72,18 @@ def _placement_line(path: Path) -> str | None:
     return found[1] if found else "loop"
 
 
-def _order(name: str, path: Path, problem: Problem) -> tuple[Order, Program] | None:
-    if _placement_line(path) != problem.placement.value:  # spares compiling the others
+def _order(
+    name: str, path: Path, ranks: int, microbatches: int, placement: str
+) -> tuple[Order, Program] | None:
+    if _placement_line(path) != placement:  # spares compiling the others
         return None
     try:
-        program = compile_schedule(path, ranks=problem.ranks, microbatches=problem.microbatches)
+        program = compile_schedule(path, ranks=ranks, microbatches=microbatches)
     except PipeccError:  # the schedule does not support this size
         return None
-    if program.placement.name != problem.placement.value:
+    if program.placement.name != placement:
         return None
-    ranks = []
+    order = []
     for instrs in program.ranks:
         ops: list[SearchOp] = []
         for instr in instrs:
@@ -78,5 +91,5 @@ def _order(name: str, path: Path, problem: Problem) -> tuple[Order, Program] | N
                 ops += [SearchOp(kind, instr.stage, instr.mb) for kind in _SPLIT[instr.kind]]
             elif type(instr) is Fused:  # two ops overlapped: not in the search's op set
                 return None
-        ranks.append(tuple(ops))
-    return tuple(ranks), program
+        order.append(tuple(ops))
+    return tuple(order), program

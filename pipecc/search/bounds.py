@@ -25,9 +25,10 @@ import heapq
 import math
 from typing import NamedTuple
 
-from pipecc.search.problem import Objective, OpKind, Problem, SearchOp
+from pipecc.ir.ops import Kind
+from pipecc.search.problem import Objective, Problem, SearchOp
 
-_KINDS = (OpKind.F, OpKind.I, OpKind.W)
+_KINDS = (Kind.F, Kind.I, Kind.W)
 
 _EPS = 1e-9
 
@@ -82,7 +83,7 @@ def memory_precedences(problem: Problem) -> list[tuple[SearchOp, SearchOp]] | No
             preds = _memory_preds(problem, stage, mb)
             if preds is None:
                 return None
-            later = SearchOp(OpKind.F, stage, mb)
+            later = SearchOp(Kind.F, stage, mb)
             pairs.extend((_search_op(problem, pred), later) for pred, _ in preds)
     return pairs
 

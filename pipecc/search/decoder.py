@@ -23,11 +23,12 @@ import heapq
 import math
 from typing import NamedTuple
 
-from pipecc.search.problem import Evaluation, Objective, OpKind, Order, Problem, SearchOp
+from pipecc.ir.ops import Kind
+from pipecc.search.problem import SPLIT, Evaluation, Objective, Order, Problem, SearchOp
 
 EPS = 1e-9
 NO_LIMIT = 1 << 30
-F, I, W = OpKind.F, OpKind.I, OpKind.W  # noqa: E741
+F, I, W = SPLIT  # noqa: E741
 
 
 class Reserve(enum.Enum):
@@ -171,7 +172,7 @@ class _Decoder:
                 return False
         return rank.mem + self.mem_i[stage] <= self.cap
 
-    def choose(self, r: int, rank: _Rank, now: float) -> tuple[OpKind, int] | None:
+    def choose(self, r: int, rank: _Rank, now: float) -> tuple[Kind, int] | None:
         """The policy's pick among the ops that may start now (None: idle)."""
         pol = self.policy[r]
         nw, ni = rank.nw, rank.ni
@@ -207,17 +208,17 @@ class _Decoder:
             return True
         return all(n >= self.m for n in rank.ni)
 
-    def start(self, r: int, rank: _Rank, choice: tuple[OpKind, int], now: float) -> None:
+    def start(self, r: int, rank: _Rank, choice: tuple[Kind, int], now: float) -> None:
         kind, c = choice
         stage = rank.stages[c]
         p, m = self.p, self.m
-        if kind is OpKind.F:
+        if kind is Kind.F:
             mb, rank.nf[c] = rank.nf[c], rank.nf[c] + 1
             end = now + p.f[stage]
             rank.mem += p.mem_f[stage]
             self.fend[stage * m + mb] = end
             consumer = self.rank_of[stage + 1] if stage < self.last else r
-        elif kind is OpKind.I:
+        elif kind is Kind.I:
             mb, rank.ni[c] = rank.ni[c], rank.ni[c] + 1
             rank.pending += 1
             end = now + p.i[stage]

@@ -40,7 +40,7 @@ from pipecc.search import exact
 from pipecc.search.bounds import lower_bound
 from pipecc.search.decoder import NO_LIMIT, Decoded, Policy, RankPolicy, Reserve, decode
 from pipecc.search.polish import Polisher
-from pipecc.search.problem import Evaluation, Order, Placement, Problem, evaluate, fits
+from pipecc.search.problem import SHAPES, Evaluation, Order, Problem, evaluate, fits
 
 POLICY_SHARE = 0.6  # of the time limit, for the policy search; the polish has the rest
 # The time limit becomes a number of decodes and moves by these costs (measured on the
@@ -364,8 +364,10 @@ def smallest_cap(problem: Problem) -> float:
     return max(decoded.evaluation.peak)
 
 
-def placements(choice: str) -> tuple[Placement, ...]:
+def placements(choice: str) -> tuple[str, ...]:
     """`--placement`'s value → the placements to search."""
     if choice == "auto":
-        return (Placement.LOOP, Placement.VSHAPE)
-    return (Placement(choice),)
+        return SHAPES
+    if choice not in SHAPES:
+        raise ValueError(f"unknown placement {choice!r}: {SHAPES}")
+    return (choice,)

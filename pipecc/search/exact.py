@@ -20,10 +20,11 @@ import importlib.util
 import math
 from typing import Any, NamedTuple
 
+from pipecc.ir.ops import Kind
 from pipecc.search.bounds import earliest_starts, lower_bound, memory_precedences
 from pipecc.search.problem import (
+    SPLIT,
     Objective,
-    OpKind,
     Order,
     Problem,
     SearchOp,
@@ -33,6 +34,8 @@ from pipecc.search.problem import (
 )
 
 _MAX_DIGITS = 4
+DEFAULT_WORK = 20.0  # CP-SAT's deterministic seconds (about a second of one core each)
+DEFAULT_CLOCK = 300.0  # a wall-clock safety limit; the deterministic budget ends it first
 
 
 class ExactResult(NamedTuple):
@@ -57,16 +60,18 @@ def available() -> bool:
 def solve(
     problem: Problem,
     *,
-    time_limit: float = 10.0,
+    time_limit: float = DEFAULT_CLOCK,
     hint: Order | None = None,
-    workers: int = 2,
-    work: float | None = None,
+    workers: int = 1,
+    work: float | None = DEFAULT_WORK,
     seed: int = 0,
 ) -> ExactResult:
-    """The best order CP-SAT finds within `time_limit` seconds, starting from `hint` (by
-    default `one_at_a_time`). With `work` (CP-SAT's deterministic time, about a second of
-    one core each) and one worker, the result depends only on the problem, the hint, `seed`
-    and `work`, wherever the clock does not end the solve first."""
+    """The best order CP-SAT finds within `work` deterministic seconds (CP-SAT's
+    deterministic time, about a second of one core each; None: no such limit) and
+    `time_limit` seconds of the clock, starting from `hint` (by default `one_at_a_time`).
+    With one worker (the default) the result depends only on the problem, the hint, `seed`
+    and `work`, wherever the clock does not end the solve first, so a loaded machine gets
+    the same answer as a quiet one, only later."""
     try:
         from ortools.sat.python import cp_model  # type: ignore[import-not-found,unused-ignore]  # optional extra
     except ImportError as err:
@@ -112,9 +117,9 @@ def one_at_a_time(problem: Problem) -> Order:
         stages = problem.stages_of(rank)
         ops: list[SearchOp] = []
         for mb in range(problem.microbatches):
-            ops.extend(SearchOp(OpKind.F, stage, mb) for stage in stages)
+            ops.extend(SearchOp(Kind.F, stage, mb) for stage in stages)
             for stage in reversed(stages):
-                ops += [SearchOp(OpKind.I, stage, mb), SearchOp(OpKind.W, stage, mb)]
+                ops += [SearchOp(Kind.I, stage, mb), SearchOp(Kind.W, stage, mb)]
         order.append(tuple(ops))
     return tuple(order)
 
@@ -181,13 +186,13 @@ class _Model:
 
     def _lasts(self, rank: int) -> list[SearchOp]:
         last = self.p.microbatches - 1
-        return [SearchOp(kind, stage, last) for stage in self.p.stages_of(rank) for kind in OpKind]
+        return [SearchOp(kind, stage, last) for stage in self.p.stages_of(rank) for kind in SPLIT]
 
     def objective(self) -> Any:
         """The objective variable, minimised."""
         value = self.model.new_int_var(0, self.horizon, "objective")
         for rank in range(self.p.ranks):
-            first = self.start[SearchOp(OpKind.F, self.p.stages_of(rank)[0], 0)]
+            first = self.start[SearchOp(Kind.F, self.p.stages_of(rank)[0], 0)]
             for op in self._lasts(rank):
                 if self.p.objective is Objective.MAKESPAN:
                     self.model.add(value >= self.end[op])

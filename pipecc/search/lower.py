@@ -15,16 +15,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pipecc.diagnostics import PipeccError
-from pipecc.ir.ops import Compute, Kind
-from pipecc.ir.placement import loop_placement, vshape_placement
+from pipecc.ir.ops import Compute
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.align_comms import POLICY, align_comms
 from pipecc.passes.comm.placement import backend_of
 from pipecc.passes.insert_comms import POLICIES, insert_comms, strip_comms
 from pipecc.search.problem import (
-    OpKind,
     Order,
-    Placement,
     Problem,
     SearchOp,
     evaluate,
@@ -37,8 +34,6 @@ from pipecc.verify import ALL_MODELS, Options, verify
 
 SOURCE = "pipecc search"
 ALIGNED = POLICY  # the alignment's policy name, "aligned"
-_KINDS = {OpKind.F: Kind.F, OpKind.I: Kind.I, OpKind.W: Kind.W}
-_OP_KINDS = {kind: op for op, kind in _KINDS.items()}
 
 
 class LoweringError(PipeccError):
@@ -93,20 +88,14 @@ class Lowered(NamedTuple):
 
 def chunk_of(problem: Problem, stage: int) -> int:
     """The chunk index of `stage` on its rank."""
-    return 0 if problem.placement is Placement.LOOP or stage < problem.ranks else 1
+    return 0 if problem.placement == "loop" or stage < problem.ranks else 1
 
 
 def to_program(problem: Problem, order: Order, name: str = "search") -> Program:
     """The compute-only Program of `order`."""
-    placement = (
-        loop_placement(problem.ranks, 1)
-        if problem.placement is Placement.LOOP
-        else vshape_placement(problem.ranks)
-    )
+    placement = problem.ir_placement()
     ranks = tuple(
-        tuple(
-            Compute(_KINDS[op.kind], chunk_of(problem, op.stage), 0, op.stage, op.mb) for op in ops
-        )
+        tuple(Compute(op.kind, chunk_of(problem, op.stage), 0, op.stage, op.mb) for op in ops)
         for ops in order
     )
     return Program(
@@ -125,7 +114,7 @@ def compute_order(program: Program) -> Order:
     """The compute order of a (lowered) program, as search ops."""
     return tuple(
         tuple(
-            SearchOp(_OP_KINDS[instr.kind], instr.stage, instr.mb)
+            SearchOp(instr.kind, instr.stage, instr.mb)
             for instr in instrs
             if type(instr) is Compute
         )
@@ -145,7 +134,7 @@ def stage_costs(problem: Problem, unit: str = "") -> CostModel:
 def costs_toml(problem: Problem, unit: str = "") -> str:
     """`stage_costs` as a cost file (`pipecc simulate --cost-file`)."""
     lines = [
-        f"# per-stage costs of the {problem.placement.value} cut chosen by pipecc search",
+        f"# per-stage costs of the {problem.placement} cut chosen by pipecc search",
         f"# (P={problem.ranks}, M={problem.microbatches}, {problem.num_stages} stages)",
         "",
         "[cost]",
@@ -153,7 +142,7 @@ def costs_toml(problem: Problem, unit: str = "") -> str:
     if unit:
         lines.append(f'unit = "{unit}"')
     # the cut the tables name (docs/simulate.md): another program converts them
-    lines.append(f'placement = "{problem.placement.value}"')
+    lines.append(f'placement = "{problem.placement}"')
     lines += [f"ranks = {problem.ranks}", f"stages = {problem.num_stages}"]
     lines.append(f"comm = {problem.comm!r}")
     for s in range(problem.num_stages):

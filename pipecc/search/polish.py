@@ -15,11 +15,12 @@ import math
 import random
 from collections.abc import Callable
 
-from pipecc.search.problem import OpKind, Order, Problem, SearchOp
+from pipecc.ir.ops import Kind
+from pipecc.search.problem import SPLIT, Order, Problem, SearchOp
 
 Score = tuple[float, float]
 WINDOW = 6  # how far one step moves an op
-_KIND_INDEX = {OpKind.F: 0, OpKind.I: 1, OpKind.W: 2}
+_KIND_INDEX = {Kind.F: 0, Kind.I: 1, Kind.W: 2}
 
 
 class Timer:
@@ -35,7 +36,7 @@ class Timer:
         self.preds: list[tuple[tuple[int, float], ...]] = [()] * count
         for stage in range(stages):
             for mb in range(m):
-                for kind in OpKind:
+                for kind in SPLIT:
                     op = SearchOp(kind, stage, mb)
                     g = self.op_id(op)
                     self.duration[g] = problem.duration(op)
@@ -48,14 +49,14 @@ class Timer:
     def _preds(self, op: SearchOp) -> tuple[tuple[int, float], ...]:
         p = self.problem
         kind, stage, mb = op
-        if kind is OpKind.F:
-            needs = [SearchOp(OpKind.F, stage - 1, mb)] if stage > 0 else []
-        elif kind is OpKind.W:
-            needs = [SearchOp(OpKind.I, stage, mb)]
+        if kind is Kind.F:
+            needs = [SearchOp(Kind.F, stage - 1, mb)] if stage > 0 else []
+        elif kind is Kind.W:
+            needs = [SearchOp(Kind.I, stage, mb)]
         else:
-            needs = [SearchOp(OpKind.F, stage, mb)]
+            needs = [SearchOp(Kind.F, stage, mb)]
             if stage < self.stages - 1:
-                needs.append(SearchOp(OpKind.I, stage + 1, mb))
+                needs.append(SearchOp(Kind.I, stage + 1, mb))
         return tuple(
             (self.op_id(n), 0.0 if p.rank_of(n.stage) == p.rank_of(stage) else p.comm)
             for n in needs

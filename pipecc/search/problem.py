@@ -31,14 +31,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipecc.diagnostics import CostModelError
+from pipecc.ir.ops import Kind
+from pipecc.ir.placement import Placement, loop_placement, vshape_placement
 from pipecc.semantics.costs import CostModel, Cut
-
-
-class Placement(enum.Enum):
-    """How stages map to ranks."""
-
-    LOOP = "loop"  # S = P stages, stage s on rank s
-    VSHAPE = "vshape"  # S = 2P stages, stage s on rank s for s < P, on rank 2P-1-s otherwise
 
 
 class Objective(enum.Enum):
@@ -48,24 +43,24 @@ class Objective(enum.Enum):
     SPAN = "span"  # the largest, over ranks, of a rank's last end minus its first start
 
 
-class OpKind(enum.Enum):
-    """The three ops of the zero-bubble split."""
-
-    F = "F"
-    I = "I"  # noqa: E741
-    W = "W"
-
-
 class SearchOp(NamedTuple):
     """One op of the search: its kind, stage and microbatch."""
 
-    kind: OpKind
+    kind: Kind
     stage: int
     mb: int
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.stage}.{self.mb}"
 
+
+SPLIT = (Kind.F, Kind.I, Kind.W)
+"""The three ops of the zero-bubble split (the IR's kinds; a full backward B is not one)."""
+
+SHAPES = ("loop", "vshape")
+"""The placements the search takes, by the IR's names (`pipecc.ir.placement`): loop, S = P
+stages, stage s on rank s; vshape, S = 2P stages, stage s on rank s for s < P, on rank
+2P-1-s otherwise."""
 
 Order = tuple[tuple[SearchOp, ...], ...]
 """One tuple of ops per rank, in the order the rank runs them."""
@@ -88,7 +83,7 @@ class Problem:
 
     ranks: int
     microbatches: int
-    placement: Placement
+    placement: str
     f: tuple[float, ...]
     i: tuple[float, ...]
     w: tuple[float, ...]
@@ -108,33 +103,41 @@ class Problem:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values, need {stages}")
         if self.comm < 0:
             raise ValueError(f"comm must be ≥ 0, got {self.comm}")
+        if self.placement not in SHAPES:
+            raise ValueError(f"placement {self.placement!r}: the search takes {SHAPES}")
+
+    def ir_placement(self) -> Placement:
+        """The IR's placement of that name for P ranks (what the lowered program carries)."""
+        if self.placement == "loop":
+            return loop_placement(self.ranks, 1)
+        return vshape_placement(self.ranks)
 
     @property
     def num_stages(self) -> int:
         """S: P for the loop placement, 2P for the V shape."""
-        return self.ranks if self.placement is Placement.LOOP else 2 * self.ranks
+        return self.ranks if self.placement == "loop" else 2 * self.ranks
 
     def rank_of(self, stage: int) -> int:
         """The rank that runs `stage`."""
-        if self.placement is Placement.LOOP or stage < self.ranks:
+        if self.placement == "loop" or stage < self.ranks:
             return stage
         return 2 * self.ranks - 1 - stage
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs, in increasing order."""
-        if self.placement is Placement.LOOP:
+        if self.placement == "loop":
             return (rank,)
         return (rank, 2 * self.ranks - 1 - rank)
 
     def duration(self, op: SearchOp) -> float:
         """How long `op` runs."""
-        table = self.f if op.kind is OpKind.F else self.i if op.kind is OpKind.I else self.w
+        table = self.f if op.kind is Kind.F else self.i if op.kind is Kind.I else self.w
         return table[op.stage]
 
     def mem_delta(self, op: SearchOp) -> float:
         """How much `op` changes its rank's memory."""
         kind = op.kind
-        table = self.mem_f if kind is OpKind.F else self.mem_i if kind is OpKind.I else self.mem_w
+        table = self.mem_f if kind is Kind.F else self.mem_i if kind is Kind.I else self.mem_w
         return table[op.stage]
 
     def ops_of(self, rank: int) -> tuple[SearchOp, ...]:
@@ -143,7 +146,7 @@ class Problem:
             SearchOp(kind, stage, mb)
             for stage in self.stages_of(rank)
             for mb in range(self.microbatches)
-            for kind in OpKind
+            for kind in SPLIT
         )
 
     @classmethod
@@ -153,7 +156,7 @@ class Problem:
         *,
         ranks: int,
         microbatches: int,
-        placement: Placement,
+        placement: str,
         cap: float,
         mem: MemDeltas = DEFAULT_MEM,
         objective: Objective = Objective.MAKESPAN,
@@ -162,8 +165,8 @@ class Problem:
 
         Raises CostModelError for a stage table the cut does not have or message latencies
         that differ between stages (the search's latency model has one `comm`)."""
-        stages = ranks if placement is Placement.LOOP else 2 * ranks
-        cost = stage_costs(costs.for_cut(Cut(ranks, stages, placement.value)), stages)
+        stages = ranks if placement == "loop" else 2 * ranks
+        cost = stage_costs(costs.for_cut(Cut(ranks, stages, placement)), stages)
         scale = ranks / stages
         return cls(
             ranks=ranks,
@@ -243,13 +246,13 @@ def check_order(problem: Problem, order: Order) -> None:
 
 def _inputs(problem: Problem, op: SearchOp) -> tuple[SearchOp, ...]:
     kind, stage, mb = op
-    if kind is OpKind.F:
-        return (SearchOp(OpKind.F, stage - 1, mb),) if stage > 0 else ()
-    if kind is OpKind.W:
-        return (SearchOp(OpKind.I, stage, mb),)
+    if kind is Kind.F:
+        return (SearchOp(Kind.F, stage - 1, mb),) if stage > 0 else ()
+    if kind is Kind.W:
+        return (SearchOp(Kind.I, stage, mb),)
     if stage == problem.num_stages - 1:
-        return (SearchOp(OpKind.F, stage, mb),)
-    return (SearchOp(OpKind.F, stage, mb), SearchOp(OpKind.I, stage + 1, mb))
+        return (SearchOp(Kind.F, stage, mb),)
+    return (SearchOp(Kind.F, stage, mb), SearchOp(Kind.I, stage + 1, mb))
 
 
 def _arrival(problem: Problem, producer: SearchOp, consumer: SearchOp, end: float) -> float:

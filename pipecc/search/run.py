@@ -40,7 +40,6 @@ from pipecc.search.problem import (
     MemDeltas,
     Objective,
     Order,
-    Placement,
     Problem,
     evaluate,
 )
@@ -135,7 +134,7 @@ class Outcome(NamedTuple):
             "lower_bound": self.lower_bound,
             "gap": self.gap,
             "peak": list(self.peak),
-            "placement": self.problem.placement.value,
+            "placement": self.problem.placement,
             "seconds": self.seconds,
             "baseline": None if base is None else {"name": base.name, "makespan": base.makespan},
             "backend": self.backend,
@@ -146,7 +145,7 @@ class Outcome(NamedTuple):
         """A comment header for the written files."""
         p = self.problem
         return (
-            f"pipecc search  P={p.ranks} M={p.microbatches}  placement {p.placement.value}  "
+            f"pipecc search  P={p.ranks} M={p.microbatches}  placement {p.placement}  "
             f"objective {p.objective.value}  comm {self.comm.value}  cap {p.cap:g}\n"
             f"per-stage costs: the .costs.toml written beside the program"
         )
@@ -187,7 +186,7 @@ def run_search(req: Request) -> Outcome:
     results, smallest, searched = [], [], []
     for problem in problems:
         need = smallest_cap(problem)
-        smallest.append((need, problem.placement.value))
+        smallest.append((need, problem.placement))
         if problem.cap < need - 1e-9:
             continue
         searched.append(problem)
@@ -211,7 +210,17 @@ def run_search(req: Request) -> Outcome:
     return _finish(req, results, bundled, searched, seconds)
 
 
-def _problem(req: Request, placement: Placement) -> Problem:
+def finish(
+    req: Request, results: list[SearchResult], searched: list[Problem], seconds: float
+) -> Outcome:
+    """Lower, check and report search results found elsewhere (the layer search's), as
+    `run_search` does with its own: the best of `results`, the bundled baseline of the
+    `searched` problems."""
+    bundled = {problem.placement: bundled_orders(problem) for problem in searched}
+    return _finish(req, results, bundled, searched, seconds)
+
+
+def _problem(req: Request, placement: str) -> Problem:
     return Problem.from_costs(
         req.costs,
         ranks=req.ranks,
@@ -230,7 +239,7 @@ def _bundled_candidates(problem: Problem) -> list[Order]:
 def _finish(
     req: Request,
     results: list[SearchResult],
-    bundled: dict[Placement, tuple[Bundled, ...]],
+    bundled: dict[str, tuple[Bundled, ...]],
     searched: list[Problem],
     seconds: float,
 ) -> Outcome:
@@ -271,7 +280,7 @@ def _best(req: Request, results: list[SearchResult]) -> tuple[SearchResult, Lowe
     """The result to keep: the best objective; for the makespan, the shortest as `pipecc
     compare` simulates it (with host time, under --comm), since the search's latency model
     can rank placements otherwise (--placement auto)."""
-    ranked = sorted(results, key=lambda r: (r.score, r.problem.placement.value))
+    ranked = sorted(results, key=lambda r: (r.score, r.problem.placement))
     if req.objective != Objective.MAKESPAN.value:
         ranked = ranked[:1]
     found = []
@@ -285,7 +294,7 @@ def _best(req: Request, results: list[SearchResult]) -> tuple[SearchResult, Lowe
 
 
 def _baseline(
-    req: Request, bundled: dict[Placement, tuple[Bundled, ...]], problems: list[Problem]
+    req: Request, bundled: dict[str, tuple[Bundled, ...]], problems: list[Problem]
 ) -> Baseline | None:
     """The bundled schedules in latency-model order; each is simulated as `pipecc compare
     --backend` does (its compiled program as `pipecc run` places it on the backend, the given

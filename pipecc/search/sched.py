@@ -13,7 +13,8 @@ no chain). A `require` line pins the file to the size it was searched for.
 
 from __future__ import annotations
 
-from pipecc.search.problem import OpKind, Order, Placement, Problem, SearchOp
+from pipecc.ir.ops import Kind
+from pipecc.search.problem import Order, Problem, SearchOp
 
 MAX_BLOCK = 12  # longest repeated block looked for
 WIDTH = 96
@@ -21,13 +22,13 @@ WIDTH = 96
 
 def op_tokens(problem: Problem, ops: tuple[SearchOp, ...]) -> list[str]:
     """The DSL spelling of one rank's ops (bare where the counter gives the microbatch)."""
-    loop = problem.placement is Placement.LOOP
-    nxt: dict[tuple[OpKind, int], int] = {}
+    loop = problem.placement == "loop"
+    nxt: dict[tuple[Kind, int], int] = {}
     pending: dict[int, list[int]] = {}  # stage -> microbatches whose I ran, W not yet
     tokens = []
     for op in ops:
         chunk = "" if loop else str(0 if op.stage < problem.ranks else 1)
-        if op.kind is OpKind.W:
+        if op.kind is Kind.W:
             queue = pending[op.stage]
             bare = queue[0] == op.mb
             queue.remove(op.mb)
@@ -36,9 +37,9 @@ def op_tokens(problem: Problem, ops: tuple[SearchOp, ...]) -> list[str]:
             bare = nxt.get(counter, 0) == op.mb
             if bare:
                 nxt[counter] = op.mb + 1
-            if op.kind is OpKind.I:
+            if op.kind is Kind.I:
                 pending.setdefault(op.stage, []).append(op.mb)
-        if op.kind is not OpKind.W or bare:
+        if op.kind is not Kind.W or bare:
             tokens.append(f"{op.kind.value}{chunk}" + ("" if bare else f"[{op.mb}]"))
         else:
             tokens.append(f"W{chunk or '0'}[{op.mb}]")
@@ -123,7 +124,7 @@ def write_sched(problem: Problem, order: Order, name: str, header: str = "") -> 
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += [
         f"schedule {name}",
-        f"placement {problem.placement.value}",
+        f"placement {problem.placement}",
         f"require P == {problem.ranks}, M == {problem.microbatches}",
     ]
     split = [split_phases(op_tokens(problem, ops)) for ops in order]

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
+from pipecc.ir.ops import Kind
 from pipecc.search.problem import (
+    SPLIT,
     Objective,
-    OpKind,
     Order,
-    Placement,
     Problem,
     SearchOp,
     _inputs,
@@ -44,14 +44,14 @@ class Optimum(NamedTuple):
 def rank_orders(problem: Problem, rank: int) -> list[tuple[SearchOp, ...]]:
     """Every FIFO, F-before-I-before-W order of `rank`'s ops within the cap."""
     stages = problem.stages_of(rank)
-    counts = {(kind, stage): 0 for kind in OpKind for stage in stages}
+    counts = {(kind, stage): 0 for kind in SPLIT for stage in stages}
     return list(_extend(problem, stages, counts, [], 0.0))
 
 
 def _extend(
     problem: Problem,
     stages: tuple[int, ...],
-    counts: dict[tuple[OpKind, int], int],
+    counts: dict[tuple[Kind, int], int],
     prefix: list[SearchOp],
     memory: float,
 ) -> Iterator[tuple[SearchOp, ...]]:
@@ -59,7 +59,7 @@ def _extend(
         yield tuple(prefix)
         return
     for stage in stages:
-        for kind in OpKind:
+        for kind in SPLIT:
             done = counts[(kind, stage)]
             if done == problem.microbatches or not _inputs_run(counts, stages, kind, stage):
                 continue
@@ -75,17 +75,17 @@ def _extend(
 
 
 def _inputs_run(
-    counts: dict[tuple[OpKind, int], int], stages: tuple[int, ...], kind: OpKind, stage: int
+    counts: dict[tuple[Kind, int], int], stages: tuple[int, ...], kind: Kind, stage: int
 ) -> bool:
     """Whether the next `kind` op of `stage` has its inputs on this rank already in the
     order (its own F before its I before its W; in a V, the lower stage's F before the
     upper's, the upper stage's I before the lower's): otherwise the order deadlocks."""
     done = counts[(kind, stage)]
-    if kind is OpKind.W:
-        return done < counts[(OpKind.I, stage)]
-    if kind is OpKind.I and done >= counts[(OpKind.F, stage)]:
+    if kind is Kind.W:
+        return done < counts[(Kind.I, stage)]
+    if kind is Kind.I and done >= counts[(Kind.F, stage)]:
         return False
-    kin = [other for other in stages if (other < stage if kind is OpKind.F else other > stage)]
+    kin = [other for other in stages if (other < stage if kind is Kind.F else other > stage)]
     return all(done < counts[(kind, other)] for other in kin)
 
 
@@ -162,7 +162,7 @@ class Case(NamedTuple):
     last_share: float  # the last share's durations are this times the others'
     ranks: int
     microbatches: int
-    placement: Placement
+    placement: str
     cap: float
     objective: Objective
 
@@ -188,7 +188,7 @@ class Case(NamedTuple):
 
     def __str__(self) -> str:
         return (
-            f"{self.cost}x{self.last_share:g}-P{self.ranks}-M{self.microbatches}-{self.placement.value}"
+            f"{self.cost}x{self.last_share:g}-P{self.ranks}-M{self.microbatches}-{self.placement}"
             f"-cap{self.cap:g}-{self.objective.value}"
         )
 
@@ -205,13 +205,13 @@ PROFILES = (
 )
 
 _SMALL = (
-    (2, 2, Placement.LOOP, (1, 2)),
-    (2, 3, Placement.LOOP, (1, 2, 3)),
-    (2, 4, Placement.LOOP, (2,)),
-    (3, 2, Placement.LOOP, (1, 2, 3)),
-    (2, 2, Placement.VSHAPE, (1,)),
+    (2, 2, "loop", (1, 2)),
+    (2, 3, "loop", (1, 2, 3)),
+    (2, 4, "loop", (2,)),
+    (3, 2, "loop", (1, 2, 3)),
+    (2, 2, "vshape", (1,)),
 )
-_LARGER = ((2, 4, Placement.LOOP, (3,)), (2, 2, Placement.VSHAPE, (1.5,)))  # ~2 s each
+_LARGER = ((2, 4, "loop", (3,)), (2, 2, "vshape", (1.5,)))  # ~2 s each
 
 CASES = tuple(
     Case(cost, last_share, ranks, mbs, placement, cap, objective)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from pipecc.search.problem import MemDeltas, Objective, Placement, Problem
+from pipecc.search.problem import SHAPES, MemDeltas, Objective, Problem
 from pipecc.semantics.costs import CostModel, StageCost
 
 
@@ -34,7 +34,7 @@ def random_problem(rng: random.Random, *, max_ranks: int = 4, max_mb: int = 6) -
         random_costs(rng, ranks),
         ranks=ranks,
         microbatches=rng.randint(1, max_mb),
-        placement=rng.choice(tuple(Placement)),
+        placement=rng.choice(SHAPES),
         cap=rng.choice((1, 1.5, 2, ranks, 2 * ranks)),
         mem=rng.choice((MemDeltas(), MemDeltas(1.0, 0.25, -1.25))),
         objective=rng.choice(tuple(Objective)),

@@ -11,7 +11,7 @@ from profiles import random_problem
 from pipecc.search.decoder import NO_LIMIT, RankPolicy, Reserve, decode
 from pipecc.search.engine import smallest_cap, structured_policies
 from pipecc.search.polish import Polisher, Timer
-from pipecc.search.problem import OpKind, evaluate, fits
+from pipecc.search.problem import SPLIT, evaluate, fits
 
 
 def _random_policy(rng: random.Random, ranks: int) -> tuple[RankPolicy, ...]:
@@ -71,7 +71,7 @@ def test_ops_of_one_kind_and_stage_run_in_microbatch_order() -> None:
         if decoded is None:
             continue
         for ops in decoded.order:
-            for kind in OpKind:
+            for kind in SPLIT:
                 for stage in {op.stage for op in ops}:
                     mbs = [op.mb for op in ops if op.kind is kind and op.stage == stage]
                     assert mbs == sorted(mbs)

@@ -10,7 +10,7 @@ from brute_force import CASES, Case, case_optimum
 
 from pipecc.search import exact
 from pipecc.search.bounds import lower_bound
-from pipecc.search.problem import Placement, Problem, evaluate, fits
+from pipecc.search.problem import Problem, evaluate, fits
 from pipecc.semantics.costs import parse_cost_flag
 
 needs_ortools = pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
@@ -19,7 +19,7 @@ needs_ortools = pytest.mark.skipif(not exact.available(), reason="OR-Tools is no
 @needs_ortools
 @pytest.mark.parametrize("case", CASES[::3], ids=str)
 def test_exact_matches_the_brute_force(case: Case) -> None:
-    result = exact.solve(case.problem(), time_limit=20)
+    result = exact.solve(case.problem())
     assert result.optimal
     assert result.value == pytest.approx(case_optimum(case).value, abs=1e-9)
     assert result.order is not None
@@ -39,9 +39,9 @@ def test_exact_matches_the_brute_force(case: Case) -> None:
 def test_exact_optima_at_p4_m8(cost: str, cap: float, optimum: float) -> None:
     """P=4, M=8: the issue's cap-P/2 reference (63, where sail-sg's heuristic gives 85)."""
     problem = Problem.from_costs(
-        parse_cost_flag(cost), ranks=4, microbatches=8, placement=Placement.LOOP, cap=cap
+        parse_cost_flag(cost), ranks=4, microbatches=8, placement="loop", cap=cap
     )
-    result = exact.solve(problem, time_limit=30)
+    result = exact.solve(problem)
     assert result.optimal and result.value == pytest.approx(optimum)
     assert lower_bound(problem) <= result.value + 1e-9
 
@@ -49,9 +49,9 @@ def test_exact_optima_at_p4_m8(cost: str, cap: float, optimum: float) -> None:
 @needs_ortools
 def test_exact_reports_an_infeasible_cap() -> None:
     problem = Problem.from_costs(
-        parse_cost_flag("F=1,I=1,W=1"), ranks=2, microbatches=2, placement=Placement.LOOP, cap=0.5
+        parse_cost_flag("F=1,I=1,W=1"), ranks=2, microbatches=2, placement="loop", cap=0.5
     )
-    result = exact.solve(problem, time_limit=5)
+    result = exact.solve(problem)
     assert result.order is None and result.optimal
 
 
@@ -77,8 +77,8 @@ def test_without_ortools_the_solver_says_what_to_install(monkeypatch: pytest.Mon
 def test_v_shape_bound_is_at_most_the_exact_optimum(cost: str, cap: float) -> None:
     """P=3, M=4 in the V shape, where the bound's cross-stage memory edges apply."""
     problem = Problem.from_costs(
-        parse_cost_flag(cost), ranks=3, microbatches=4, placement=Placement.VSHAPE, cap=cap
+        parse_cost_flag(cost), ranks=3, microbatches=4, placement="vshape", cap=cap
     )
-    result = exact.solve(problem, time_limit=30)
+    result = exact.solve(problem)
     assert result.optimal
     assert lower_bound(problem) <= result.value + 1e-9

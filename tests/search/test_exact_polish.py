@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from pipecc.search import engine, exact
-from pipecc.search.problem import Placement, Problem, evaluate, fits
+from pipecc.search.problem import Problem, evaluate, fits
 from pipecc.semantics.costs import parse_cost_flag
 
 
 def _v_case(ranks: int = 3, microbatches: int = 4, cap: float = 2) -> Problem:
     # a V case whose optimum (26.5, CP-SAT's proof) the policies and the moves miss (27.5)
     return Problem.from_costs(parse_cost_flag("F=1,I=1,W=1,comm=1"), ranks=ranks,
-                              microbatches=microbatches, placement=Placement.VSHAPE,
+                              microbatches=microbatches, placement="vshape",
                               cap=cap)  # fmt: skip
 
 

@@ -14,14 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from sailsg_baseline import grid_problem, grid_profiles  # noqa: E402
 
-from pipecc.search import exact
+from pipecc.search import engine, exact
 from pipecc.search.bounds import lower_bound
-from pipecc.search.problem import Objective, Placement, Problem, evaluate, fits
+from pipecc.search.problem import Objective, Problem, evaluate, fits
 from pipecc.semantics.costs import parse_cost_flag
 
 _TOL = 1e-9
-
-engine = pytest.importorskip("pipecc.search.engine", reason="the search engine is not merged yet")
 
 
 def _searched(problem: Problem) -> float:
@@ -63,11 +61,11 @@ def test_search_reaches_the_exact_optimum(
         parse_cost_flag(cost),
         ranks=ranks,
         microbatches=mbs,
-        placement=Placement.LOOP,
+        placement="loop",
         cap=cap,
         objective=objective,
     )
-    best = exact.solve(problem, time_limit=30)
+    best = exact.solve(problem)
     assert best.optimal, "pick cases CP-SAT settles within the limit"
     assert lower_bound(problem) <= best.value + _TOL
     assert _searched(problem) == pytest.approx(best.value, abs=1e-6)
@@ -75,7 +73,7 @@ def test_search_reaches_the_exact_optimum(
 
 def test_the_brute_force_replay_is_the_reference_replay() -> None:
     """The oracle's fast replay agrees with `problem.evaluate` on every order of a case."""
-    case = Case("F=1,I=1.5,W=0.5,comm=0.5", 1.0, 2, 3, Placement.LOOP, 2, Objective.SPAN)
+    case = Case("F=1,I=1.5,W=0.5,comm=0.5", 1.0, 2, 3, "loop", 2, Objective.SPAN)
     problem = case.problem()
     replay = _FastReplay(problem)
     orders = [rank_orders(problem, rank) for rank in range(problem.ranks)]
@@ -105,7 +103,7 @@ EXACT_V_CASES = [
 def test_search_reaches_the_exact_v_optimum(cost: str, ranks: int, mbs: int, cap: float) -> None:
     """The V shape: CP-SAT, hinted with the search's order, proves the optimum."""
     problem = Problem.from_costs(
-        parse_cost_flag(cost), ranks=ranks, microbatches=mbs, placement=Placement.VSHAPE, cap=cap
+        parse_cost_flag(cost), ranks=ranks, microbatches=mbs, placement="vshape", cap=cap
     )
     _assert_reaches_the_exact_optimum(problem)
 
@@ -116,7 +114,7 @@ def test_search_reaches_the_exact_v_optimum_on_the_grids_random_profile(cap: flo
     """search_quality's random profile (last stage ×2) at P=4, M=8, V shape."""
     profile = grid_profiles(4)[2]
     assert profile.name.startswith("random")
-    _assert_reaches_the_exact_optimum(grid_problem(profile, 8, cap, placement=Placement.VSHAPE))
+    _assert_reaches_the_exact_optimum(grid_problem(profile, 8, cap, placement="vshape"))
 
 
 def _assert_reaches_the_exact_optimum(problem: Problem) -> None:
@@ -124,6 +122,6 @@ def _assert_reaches_the_exact_optimum(problem: Problem) -> None:
     decodes, moves = engine.budgets(problem, limit)
     found = engine.search(problem, time_limit=60 * limit, budget=decodes, moves=moves)
     assert found is not None
-    best = exact.solve(problem, time_limit=30, hint=found.order)
+    best = exact.solve(problem, hint=found.order)
     assert best.optimal, "pick cases CP-SAT settles within the limit"
     assert found.score == pytest.approx(best.value, abs=1e-6)

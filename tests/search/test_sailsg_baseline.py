@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from sailsg_baseline import grid_problem, grid_profiles, sailsg_schedule  # noqa: E402
 
-from pipecc.search.problem import Placement, evaluate, fits  # noqa: E402
+from pipecc.search.problem import evaluate, fits  # noqa: E402
 
 
 @pytest.mark.parametrize(("ranks", "mbs", "cap", "span"), [(4, 8, 2, 85), (8, 16, 8, 89)])
@@ -38,6 +38,6 @@ def test_orders_replay_to_the_reported_span_within_the_cap(ranks: int, mbs: int)
 
 
 def test_only_the_loop_placement() -> None:
-    problem = grid_problem(grid_profiles(4)[0], 8, 4, placement=Placement.VSHAPE)
+    problem = grid_problem(grid_profiles(4)[0], 8, 4, placement="vshape")
     with pytest.raises(ValueError, match="loop placement"):
         sailsg_schedule(problem)

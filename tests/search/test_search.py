@@ -15,7 +15,7 @@ from pipecc.api import compile_source
 from pipecc.search.baseline import bundled_orders
 from pipecc.search.engine import search, smallest_cap
 from pipecc.search.lower import compute_order
-from pipecc.search.problem import MemDeltas, Placement, Problem, evaluate, fits
+from pipecc.search.problem import MemDeltas, Problem, evaluate, fits
 from pipecc.search.run import NoScheduleError, Request, run_search
 from pipecc.search.sched import write_sched
 from pipecc.semantics import CommModel
@@ -85,7 +85,7 @@ def test_finds_the_known_optima_with_costly_messages(
     ranks: int, microbatches: int, cap: float, optimum: float
 ) -> None:
     problem = Problem.from_costs(parse_cost_flag(F1), ranks=ranks, microbatches=microbatches,
-                                 placement=Placement.LOOP, cap=cap)  # fmt: skip
+                                 placement="loop", cap=cap)  # fmt: skip
     result = search(problem, time_limit=5)
     assert result is not None
     assert result.evaluation.makespan == pytest.approx(optimum)
@@ -94,7 +94,7 @@ def test_finds_the_known_optima_with_costly_messages(
 def test_same_seed_same_order() -> None:
     rng = random.Random(3)
     problem = Problem.from_costs(random_costs(rng, 4), ranks=4, microbatches=8,
-                                 placement=Placement.VSHAPE, cap=3)  # fmt: skip
+                                 placement="vshape", cap=3)  # fmt: skip
     first = search(problem, time_limit=30, budget=120, moves=500, seed=5)
     second = search(problem, time_limit=30, budget=120, moves=500, seed=5)
     assert first is not None and second is not None
@@ -104,14 +104,14 @@ def test_same_seed_same_order() -> None:
 def test_below_the_smallest_cap_there_is_no_order() -> None:
     rng = random.Random(4)
     problem = Problem.from_costs(random_costs(rng, 3), ranks=3, microbatches=4,
-                                 placement=Placement.VSHAPE, cap=1)  # fmt: skip
+                                 placement="vshape", cap=1)  # fmt: skip
     assert smallest_cap(problem) == pytest.approx(1.0)  # two half-share forwards
     assert search(replace(problem, cap=0.9), time_limit=1) is None
 
 
 def test_a_periodic_order_is_written_with_phases_and_repeats() -> None:
     problem = Problem.from_costs(parse_cost_flag("F=1,I=1,W=1"), ranks=4, microbatches=12,
-                                 placement=Placement.LOOP, cap=4)  # fmt: skip
+                                 placement="loop", cap=4)  # fmt: skip
     zb_h1 = next(b for b in bundled_orders(problem) if b.name == "zb_h1")
     text = write_sched(problem, zb_h1.order, "again")
     assert "phase warmup" in text and "phase steady" in text and "phase cooldown" in text

@@ -59,6 +59,17 @@ def test_table_and_grid_without_json(capsys: pytest.CaptureFixture[str]) -> None
     assert "lower bound" in out and "baseline" in out and "rank 1 |" in out
 
 
+def test_memory_budget_is_the_memory_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["-P", "2", "-M", "4", "--cost", "F=1,I=1,W=1,comm=0.5", "--json"]
+    reports = []
+    for flag in ("--memory", "--memory-budget"):
+        code, out, _ = _search(capsys, *args, flag, "1")
+        assert code == 0
+        reports.append(json.loads(out))
+    assert max(reports[1]["peak"]) <= 1
+    assert {**reports[0], "seconds": 0} == {**reports[1], "seconds": 0}
+
+
 def test_no_schedule_fits_exits_1_with_the_smallest_cap(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _search(capsys, "-P", "4", "-M", "8", "--cost", "F=1", "--memory", "0.5",
                              "--placement", "auto")  # fmt: skip
