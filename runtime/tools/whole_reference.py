@@ -93,7 +93,7 @@ def whole_step(
         added += 0.0 if extra is None else float(extra.detach())
     grads = {
         name: None if p.grad is None else p.grad.detach().cpu().clone()
-        for name, p in model.named_parameters()
+        for name, p in model.named_parameters(remove_duplicate=False)  # a tied weight: both
     }
     return WholeStep(main / microbatches, added / microbatches, grads)
 
@@ -103,7 +103,7 @@ def held_grads(stages: Mapping[int, torch.nn.Module], rank: int) -> list[Held]:
     return [
         Held(rank, stage, name, None if p.grad is None else p.grad.detach().cpu().clone())
         for stage, module in sorted(stages.items())
-        for name, p in module.named_parameters()
+        for name, p in module.named_parameters(remove_duplicate=False)
     ]
 
 
@@ -267,7 +267,7 @@ def _synced_copy(
     """A copy of `model` on the runtime's device, every parameter held by a stage set to
     that stage's current value (broadcast from the lowest rank holding it)."""
     reference = copy.deepcopy(model).to(runtime.device)
-    local = {n: p for m in mine.values() for n, p in m.named_parameters()}
+    local = {n: p for m in mine.values() for n, p in m.named_parameters(remove_duplicate=False)}
     shapes = json.dumps({name: list(p.shape) for name, p in local.items()})
     holders = gather_texts(shapes, runtime.group, runtime.program.num_ranks, runtime.device)
     owner: dict[str, tuple[int, list[int]]] = {}
@@ -275,7 +275,7 @@ def _synced_copy(
         for name, shape in json.loads(text).items():
             owner.setdefault(name, (rank, shape))
     with torch.no_grad():
-        for name, param in reference.named_parameters():
+        for name, param in reference.named_parameters(remove_duplicate=False):
             rank, shape = owner.get(name, (-1, []))
             if rank < 0 or shape != list(param.shape):  # in no stage, or another shape:
                 continue  # the comparison reports it

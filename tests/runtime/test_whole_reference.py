@@ -31,6 +31,7 @@ from pipecc.runtime.tools.whole_reference import (
     held_grads,
     whole_step,
 )
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")
@@ -144,3 +145,31 @@ def test_the_losses_are_compared_too() -> None:
     whole = WholeStep(1.0, 0.5, {"w": torch.ones(2)})
     found = compare_by_name([Held(0, 0, "w", torch.ones(2))], whole, (1.0, 0.25), 1e-5)
     assert found.failures == ["the added loss 0.25 differs from the whole model's 0.5"]
+
+
+def test_a_tied_weight_is_compared_under_both_names() -> None:
+    """A head tied to the embedding: the stage holding the head names it `head.weight`,
+    which the model lists only once unless asked for duplicates."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(x))
+
+    model = Tied()
+    tokens = torch.randint(0, 5, (4, 2))
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.reshape(-1, 5), y.reshape(-1))
+
+    whole = whole_step(model, (tokens, tokens), 2, loss_fn)
+    assert whole.grads["head.weight"] is not None
+    assert torch.equal(whole.grads["head.weight"], whole.grads["embed.weight"])
+    held = [Held(0, 0, "embed.weight", whole.grads["embed.weight"]),
+            Held(1, 1, "head.weight", whole.grads["head.weight"])]  # fmt: skip
+    assert compare_by_name(held, whole, (whole.loss, 0.0), 1e-6).failures == []
