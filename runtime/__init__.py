@@ -16,18 +16,24 @@ from .boundaries.discovery import pipeline_boundaries
 from .boundaries.specs import Boundary, TensorSpec, infer_boundaries
 from .comm.shared import shared_parameters
 from .config import RuntimeConfig, mse_loss
+from .engine.aux_loss import LossBreakdown, add_loss
 from .engine.interpreter import InstructionError
 from .pipeline import PipelineRuntime
 from .profiling.recorder import Recorder
 from .tools.split_model import split_model
+from .tools.whole_reference import WholeCheck, check_against
 
 __all__ = [
     "Boundary",
     "InstructionError",
+    "LossBreakdown",
     "PipelineRuntime",
     "Recorder",
     "RuntimeConfig",
     "TensorSpec",
+    "WholeCheck",
+    "add_loss",
+    "check_against",
     "infer_boundaries",
     "mse_loss",
     "pipeline_boundaries",

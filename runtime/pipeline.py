@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,15 @@ from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
 from .boundaries import discovery
+from .boundaries.context import sample_context, split_context
 from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
 from .boundaries.signatures import BoundaryFn, Signature, Signatures
 from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
 from .comm import agreement, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
+from .engine import aux_loss
+from .engine.aux_loss import LossBreakdown
 from .engine.bound import Binder, methods, unalias
 from .engine.bound import Signature as BoundPlans
 from .engine.compute import StageOps
@@ -91,6 +95,7 @@ class PipelineRuntime:
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
         self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
         self.losses: dict[int, torch.Tensor] = {}
+        self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
         self._signatures: dict[int, BoundPlans] = {}  # the bound plans of each signature seen
@@ -126,16 +131,25 @@ class PipelineRuntime:
     # ---- public API ------------------------------------------------------------------------
 
     def step(
-        self, inputs: object = None, targets: object = None, *, recorder: Recorder | None = None
+        self,
+        inputs: object = None,
+        targets: object = None,
+        *,
+        context: object = None,
+        recorder: Recorder | None = None,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of all M microbatches.
 
         Gradients accumulate into `.grad` as the mean over microbatches (zero them before, as
         with a single-process step). Returns the mean loss of the microbatches whose last
-        stage lives on this rank (None elsewhere); `self.losses` maps each to its loss.
-        `recorder`: time every instruction into it (runtime/profiling/profiler.py).
+        stage lives on this rank (None elsewhere); `self.losses` maps each to its loss, and
+        `self.aux_losses` each microbatch to the losses its stages on this rank added
+        (`add_loss`), by stage. `context`: a dict of every stage's keyword inputs, split
+        into microbatches like the inputs (runtime/boundaries/context.py); every rank
+        passes the same one. `recorder`: time every instruction into it
+        (runtime/profiling/profiler.py).
         """
-        ctx = self._context(inputs, targets, training=True)
+        ctx = self._context(inputs, targets, training=True, context=context)
         interpreter = self.interpreter
         if recorder is not None:
             interpreter = ProfilingInterpreter(interpreter, recorder)
@@ -158,12 +172,15 @@ class PipelineRuntime:
         self.steps += 1
         return self._loss_of(ctx)
 
-    def forward(self, inputs: object = None, targets: object = None) -> dict[int, object]:
+    def forward(
+        self, inputs: object = None, targets: object = None, *, context: object = None
+    ) -> dict[int, object]:
         """Forward only (evaluation): the program's forwards and activation messages, under
         `torch.no_grad()`. Returns the outputs of the microbatches whose last stage lives
-        here, by microbatch; with `targets`, `self.losses` holds their losses."""
+        here, by microbatch; with `targets`, `self.losses` holds their losses (and
+        `self.aux_losses` the added ones). `context` as for `step`."""
         with torch.no_grad():
-            ctx = self._context(inputs, targets, training=False)
+            ctx = self._context(inputs, targets, training=False, context=context)
             with self.rng.step_scope():
                 self.interpreter.run(self.current, ctx)
             self._finish(ctx)
@@ -190,19 +207,34 @@ class PipelineRuntime:
         training.scale_grads(self.parameters(), float(max_norm) / (float(total) + 1e-6))
         return total
 
-    def global_loss(self) -> torch.Tensor:
-        """The last step's mean loss over all M microbatches, on every rank (a collective:
-        every rank calls it)."""
-        return training.mean_loss(list(self.losses.values()), self.group, self.device)
+    @overload
+    def global_loss(self, *, breakdown: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def global_loss(self, *, breakdown: Literal[True]) -> LossBreakdown: ...
+    def global_loss(self, *, breakdown: bool = False) -> torch.Tensor | LossBreakdown:
+        """The last step's loss over all M microbatches, on every rank (a collective: every
+        rank calls it): the mean main loss plus the mean of the losses added inside the
+        stages (`add_loss`), the loss whose gradient `.grad` holds. `breakdown=True`
+        returns a `LossBreakdown`: total, main, added, and added by stage."""
+        found = aux_loss.breakdown(  # one all-reduce, alike on every rank
+            self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
+            self.device,
+        )  # fmt: skip
+        if breakdown:
+            return found
+        return torch.tensor(found.total, dtype=torch.float32, device=self.device)
 
     # ---- the step --------------------------------------------------------------------------
 
-    def _context(self, inputs: object, targets: object, *, training: bool) -> StepContext:
+    def _context(
+        self, inputs: object, targets: object, *, training: bool, context: object = None
+    ) -> StepContext:
         """Split the batch and learn the step's signature; a new one is discovered."""
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
-        signature = self._signature(inputs, found)
+        contexts = split_context(context, self.program.num_microbatches, self.device, found)
+        signature = self._signature(inputs, found, context if contexts else None)
         holds_first = any(c.first for c in self.chunks.values())
         holds_last = any(c.last for c in self.chunks.values())
         split_inputs = split_targets = None  # ranks that do not use them copy nothing
@@ -211,16 +243,21 @@ class PipelineRuntime:
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
         if signature is None or not self.signatures.known(signature):
-            self._settle(signature, found, split_inputs)
+            with sample_context(contexts[0] if contexts else None):  # discovery runs on it
+                self._settle(signature, found, split_inputs)
         elif found:  # a known signature: nothing is exchanged, this rank stops alone
             raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))
         elif signature.code != self.signatures.current:  # seen before: switched to locally
             self.signatures.current = signature.code
             self._use(self.signatures.cache[signature.code])
         scale = 1.0 / self.program.num_microbatches
-        return StepContext(split_inputs, split_targets, scale, training, step=self.steps)
+        ctx = StepContext(split_inputs, split_targets, scale, training, step=self.steps)
+        ctx.context = contexts
+        return ctx
 
-    def _signature(self, inputs: object, found: list[str]) -> Signature | None:
+    def _signature(
+        self, inputs: object, found: list[str], context: object = None
+    ) -> Signature | None:
         """The step's signature from this rank's inputs (host metadata only); under
         `static_shapes` a rank without inputs keeps the current one. None: to be learned
         from the other ranks (first step, static shapes), or unusable (in `found`)."""
@@ -234,7 +271,7 @@ class PipelineRuntime:
             found.append(NO_INPUTS)
             return None
         try:
-            signature = self.signatures.of(inputs)
+            signature = self.signatures.of(inputs, cast(Mapping[str, Any] | None, context))
         except InputError as err:
             found.append(err.message)
             return None
@@ -332,6 +369,7 @@ class PipelineRuntime:
 
     def _loss_of(self, ctx: StepContext) -> torch.Tensor | None:
         self.losses = dict(sorted(ctx.losses.items()))
+        self.aux_losses = {mb: dict(sorted(v.items())) for mb, v in sorted(ctx.aux_losses.items())}
         if not self.losses:
             return None
         return torch.stack(list(self.losses.values())).mean()

@@ -39,9 +39,11 @@ single-process reference (docs/runtime.md).
 
 The model file defines build_stage(stage, num_stages) -> module (one stage: each rank builds
 only its own) or build_stages(num_stages) -> list of modules (the whole model as consecutive
-stages), deterministic, make_batch(num_rows, seed) -> (inputs, targets), and
-optionally loss_fn(output, target) (default: mean squared error, for floating targets),
-boundaries(example_inputs) (explicit boundary specs) and autocast (a torch dtype).
+stages), deterministic, make_batch(num_rows, seed) -> (inputs, targets) or (inputs,
+targets, context) (context: a dict of keyword inputs every stage takes, split like the
+inputs, never sent), and optionally loss_fn(output, target) (default: mean squared error,
+for floating targets), boundaries(example_inputs) (explicit boundary specs), autocast (a
+torch dtype) and build_model() (the whole model, for --check --reference whole).
 
 The program is resolved as `pipecc verify FILE --backend B` resolves it, B being the backend
 this run uses: a compute-only input (a .sched file that places no comm op by hand, a
@@ -61,6 +63,7 @@ examples:
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
   pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy default --check
   pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
+  pipecc run zb_h1 --nproc 2 -M 4 --model examples/moe.py --check --reference whole
   pipecc run dl.sched --nproc 2 -M 2 --model examples/mlp.py --unverified --timeout 5
 
 exit codes: 0 ok; 1 the program fails verification (refused, with verify's report), the
@@ -100,6 +103,14 @@ def register(commands: SubParsers) -> None:
         "--check",
         action="store_true",
         help="compare every step with a single-process reference; exit 1 if not equal",
+    )
+    cmd.add_argument(
+        "--reference",
+        choices=("stages", "whole"),
+        default="stages",
+        help="what --check compares with: the model file's stages run one after another in "
+        "one process (default), or the whole unsplit model of its build_model(), parameter "
+        "by parameter name (checks the split too: a forgotten layer, a dropped norm)",
     )
     cmd.add_argument(
         "--tolerance",
@@ -290,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         derive_rng=args.derive_rng,
         autocast=AUTOCAST.get(args.autocast),
+        reference=args.reference,
     )
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
@@ -315,6 +327,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
+    found = _numbers_failure(fields, tolerance)
+    if fields["check_failures"]:  # --reference whole: the split itself is wrong
+        split = "the pipelined model is not the whole model:\n  " + "\n  ".join(
+            fields["check_failures"]
+        )
+        return split if found is None else f"{split}\n{found}"
+    return found
+
+
+def _numbers_failure(fields: dict[str, Any], tolerance: float) -> str | None:
     rel = fields["max_rel_grad_diff"]
     if rel > tolerance:
         worst = "".join(
@@ -326,7 +348,17 @@ def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
     loss, ref = fields["loss"], fields["reference_loss"]
     if abs(loss - ref) > tolerance * max(abs(ref), 1e-30):
         return f"loss {loss!r} differs from the reference {ref!r} (tolerance {tolerance:g})"
+    added, ref_added = fields["aux_loss"], fields["reference_aux_loss"]
+    if ref_added is not None and abs(added - ref_added) > tolerance * max(abs(ref_added), 1e-30):
+        return (
+            f"added loss {added!r} differs from the whole model's {ref_added!r} "
+            f"(tolerance {tolerance:g})"
+        )
     return None
+
+
+def _reference_name(fields: dict[str, Any]) -> str:
+    return " against the whole model" if fields["reference"] == "whole" else ""
 
 
 def _print_summary(
@@ -340,10 +372,17 @@ def _print_summary(
     if fields["reference_loss"] is not None:
         line += f" (reference {fields['reference_loss']:.6g})"
     print(line)
+    if fields["aux_loss_by_stage"]:
+        stages = ", ".join(f"stage {s} {v:.6g}" for s, v in fields["aux_loss_by_stage"].items())
+        line = f"added loss {fields['aux_loss']:.6g} ({stages})"
+        if fields["reference_aux_loss"] is not None:
+            line += f" (whole model {fields['reference_aux_loss']:.6g})"
+        print(line)
     if args.check:
         verdict = "ok" if failure is None else "FAILED"
         print(
-            f"gradients: max abs diff {fields['max_abs_grad_diff']:.3g}, max rel diff "
+            f"gradients{_reference_name(fields)}: max abs diff "
+            f"{fields['max_abs_grad_diff']:.3g}, max rel diff "
             f"{fields['max_rel_grad_diff']:.3g} (tolerance {fields['tolerance']:g}): {verdict}"
         )
     print(

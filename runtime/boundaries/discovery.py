@@ -39,7 +39,8 @@ from pipecc.ir.program import Program
 
 from ..comm.agreement import ExchangeTimeout, gather_texts
 from ..config import RuntimeConfig
-from .signatures import Signature, code_of
+from .context import describe_signature
+from .signatures import Signature, signature_from_text
 from .specs import OutputNotTree, StageRun, as_received, run_stage
 from .trees import Boundary
 
@@ -111,7 +112,7 @@ def agree_signature(
     """The step's signature, the same on every rank, or the same `SetupError` on every rank
     (module docs, step 1)."""
     mine = {
-        "signature": None if signature is None else signature.boundary.text(),
+        "signature": None if signature is None else signature.text(),
         "problems": [f"rank {exchange.rank}: {text}" for text in problems],
         "where": forward.where,
     }
@@ -138,15 +139,14 @@ def _common(replies: list[dict[str, object]]) -> Signature:
         raise SetupError("the pipeline cannot start: no rank was given the step's inputs")
     if len(set(seen.values())) > 1:
         lines = [
-            f"{replies[rank]['where']}: {Boundary.from_text(str(text)).describe()}"
+            f"{replies[rank]['where']}: {describe_signature(str(text))}"
             for rank, text in seen.items()
         ]
         raise SetupError(
             "the pipeline cannot start: the ranks were given inputs of different shapes "
             "(one microbatch each):\n  " + "\n  ".join(lines)
         )
-    boundary = Boundary.from_text(str(next(iter(seen.values()))))
-    return Signature(code_of(boundary), boundary)
+    return signature_from_text(str(next(iter(seen.values()))))
 
 
 def along_pipeline(

@@ -30,6 +30,7 @@ from torch.func import functional_call
 from pipecc.diagnostics import InputError
 
 from ..compat import pytree
+from .context import current_sample, on_device, sample_context
 from .trees import Boundary, TensorSpec, flatten
 
 __all__ = ["Boundaries", "Boundary", "Specs", "StageRun", "TensorSpec", "infer_boundaries"]
@@ -98,7 +99,8 @@ def run_stage(
         if seed is not None:
             _seed(device, seed)
         with autocast_context(device, autocast), torch.enable_grad():
-            outputs = functional_call(module, buffers, _args(value), strict=False)
+            kwargs = on_device(current_sample(), device)  # the step's context, if any
+            outputs = functional_call(module, buffers, _args(value), kwargs, strict=False)
     try:
         tensors, boundary = flatten(outputs, "a stage's output")
     except InputError as err:
@@ -122,6 +124,7 @@ def infer_boundaries(
     *,
     autocast: torch.dtype | None = None,
     device: torch.device | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> dict[int, Boundary]:
     """Every stage's input boundary, from the whole model in stage order and one microbatch.
 
@@ -130,8 +133,13 @@ def infer_boundaries(
     boundaries are those of real data, whatever branch the model takes on it. Entry 0 is
     the sample itself; entry len(stages) is the model's output, absent when it is not a
     pytree of tensors and constants (a dataclass: only `loss_fn` reads it, nothing sends
-    it). `autocast`: the dtype the forwards run under, if any.
+    it). `autocast`: the dtype the forwards run under, if any. `context`: the microbatch's
+    context (every stage's keyword inputs, runtime/boundaries/context.py); by default the
+    one the runtime installs while it discovers a new signature.
     """
+    if context is not None:
+        with sample_context(context):
+            return infer_boundaries(stages, sample, autocast=autocast, device=device)
     value = sample
     boundaries = {0: flatten(sample, "the sample input")[1]}
     for index, stage in enumerate(stages):

@@ -15,6 +15,7 @@ argument otherwise (a tensor, a dict, a dataclass).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -142,11 +143,13 @@ def boundary_of(value: object, what: str) -> Boundary:
     return flatten(value, what)[1]
 
 
-def call(module: torch.nn.Module, value: object) -> Any:
-    """Run a stage on a value: a tuple or list as positional arguments, else one argument."""
+def call(module: torch.nn.Module, value: object, context: Mapping[str, Any] | None = None) -> Any:
+    """Run a stage on a value: a tuple or list as positional arguments, else one argument;
+    `context` (the microbatch's context, a dict) as keyword arguments."""
+    kwargs = dict(context) if context else {}
     if isinstance(value, (tuple, list)):
-        return module(*value)
-    return module(value)
+        return module(*value, **kwargs)
+    return module(value, **kwargs)
 
 
 def split_tree(value: object, microbatches: int, what: str, device: torch.device) -> list[object]:

@@ -38,6 +38,7 @@ from ..boundaries.trees import Boundary, TensorSpec, call, flatten, unwrap
 from ..compat import pytree
 from ..config import LossFn
 from ..plan.binding import Chunk
+from .aux_loss import collecting, scaled_roots, total
 from .context import Saved, StepContext, Tensors
 from .precision import Fp32Grads
 from .rng import ForwardRng
@@ -74,19 +75,24 @@ class StageOps:
         value, inputs = self.stage_inputs(ctx, op)
         self.rng.seed(ctx.step, op.stage, op.mb)
         capture = op.capture if ctx.training else None
+        added: list[torch.Tensor] = []
+        context = context_of(ctx, op.mb)
         with self.autocast():
-            if capture is not None:  # the contract method (runtime/engine/bound.py)
-                with capturing(chunk.module, capture):
-                    output = call(chunk.module, value)
-            else:
-                output = call(chunk.module, value)
+            with collecting(added):
+                if capture is not None:  # the contract method (runtime/engine/bound.py)
+                    with capturing(chunk.module, capture):
+                        output = call(chunk.module, value, context)
+                else:
+                    output = call(chunk.module, value, context)
             outputs = self.loss(ctx, op.mb, output) if chunk.last else None
         if outputs is None:
             outputs = self.hand_on(ctx, op, output)
         elif not ctx.training and not chunk.first and op.mb in ctx.outputs:
             ctx.outputs[op.mb] = _own(ctx.outputs[op.mb], value)
         if ctx.training:
-            ctx.saved[op.key] = Saved(inputs, outputs)
+            ctx.saved[op.key] = Saved(inputs, outputs, record_added(ctx, op, added))
+        else:
+            record_added(ctx, op, added)
 
     def backward(self, ctx: StepContext, op: ComputeStep) -> None:
         saved = ctx.saved.pop(op.key)
@@ -185,12 +191,15 @@ class StageOps:
     def output_grads(
         self, ctx: StepContext, op: ComputeStep, saved: Saved
     ) -> tuple[Tensors, Tensors]:
-        """The outputs a backward starts from, with their gradients."""
+        """The outputs a backward starts from, with their gradients; then the forward's
+        added loss, seeded with 1/M (runtime/engine/aux_loss.py)."""
+        roots, seeds = scaled_roots(saved.added, ctx.scale)
         if op.unit.last:
-            return saved.outputs, tuple(torch.ones_like(o) for o in saved.outputs)
+            ones = tuple(torch.ones_like(o) for o in saved.outputs)
+            return saved.outputs + roots, ones + seeds
         received = take(ctx, op.src)
         live = [(o, g) for o, g in zip(saved.outputs, received, strict=True) if o.requires_grad]
-        return tuple(o for o, _ in live), tuple(g for _, g in live)
+        return tuple(o for o, _ in live) + roots, tuple(g for _, g in live) + seeds
 
     def hand_back(
         self,
@@ -206,6 +215,22 @@ class StageOps:
             g if g is not None else torch.zeros_like(x) for x, g in zip(inputs, grads, strict=True)
         )
         ctx.mail[op.dst] = payload
+
+
+def context_of(ctx: StepContext, mb: int) -> dict[str, object]:
+    """The keyword arguments of every stage's forward on microbatch `mb` (the step's
+    context, split like the inputs; none without one)."""
+    return ctx.context[mb] if ctx.context is not None else {}
+
+
+def record_added(
+    ctx: StepContext, op: ComputeStep, added: list[torch.Tensor]
+) -> torch.Tensor | None:
+    """Report a forward's added losses (by microbatch, then stage); return their sum."""
+    found = total(added)
+    if found is not None:
+        ctx.aux_losses.setdefault(op.mb, {})[op.stage] = found.detach()
+    return found
 
 
 def check_output(op: Compute, got: Boundary, expected: Boundary, *, training: bool) -> None:

@@ -30,11 +30,14 @@ class Saved(NamedTuple):
     """What a forward leaves for the backward of one (chunk, mb).
 
     `inputs` are the stage's input leaves; `outputs` the tensors a backward starts from (the
-    stage outputs, or the loss already scaled by 1/M on a last stage).
+    stage outputs, or the loss already scaled by 1/M on a last stage); `added` the sum of
+    the losses the forward added (`add_loss`, runtime/engine/aux_loss.py), unscaled: an
+    extra root of the backward, seeded with 1/M.
     """
 
     inputs: Tensors
     outputs: Tensors
+    added: torch.Tensor | None = None
 
 
 class Pending(NamedTuple):
@@ -61,6 +64,9 @@ class StepContext:
     pending: dict[int, Pending] = field(default_factory=dict)
     queue: list[tuple[PostStep, Tensors]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the losses added inside each stage's forward, by microbatch then stage (detached sums)
+    aux_losses: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    context: list[dict[str, object]] | None = None  # this rank's microbatches of the context
     outputs: dict[int, object] = field(default_factory=dict)
 
     def leftovers(self) -> list[str]:

@@ -15,6 +15,11 @@ not use it: the signature has no way to ask for input gradients only, so the run
 `F&I` as it runs `F&B` without a hook. `criterion0` returns the microbatch's loss already
 scaled by 1/M, so that `loss1.backward()` inside the hook accumulates the mean over
 microbatches, as the runtime's own backward does; `loss1` is scaled the same way.
+Losses added inside the stages (`add_loss`, runtime/engine/aux_loss.py) are in what the
+hook receives: `loss1` includes module1's (scaled by 1/M), `outputs1`/`output_grads1` end
+with a middle stage's added loss and its seed 1/M, and the hook's forward of module0 is
+collected like any forward. A step context reaches the hook's `module0(*inputs0)` call as
+keywords (a forward pre-hook on module0).
 
 `FusedOps` runs a fused step: through the hook when there is one (F&B only; found when the
 plan is bound, runtime/engine/bound.py), else on CUDA the forward on a side stream
@@ -23,7 +28,8 @@ concurrently with the backward on the current one, else one after the other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,7 +37,8 @@ import torch
 from pipecc.diagnostics import ProgramError
 
 from ..boundaries.trees import unwrap
-from .compute import StageOps
+from .aux_loss import collecting, scaled_roots
+from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
 from .steps import ComputeStep, FusedStep
 
@@ -120,16 +127,24 @@ class FusedOps:
         saved = ctx.saved.pop(backward.key)
         loss1, outputs1, grads1 = None, [], []
         if bchunk.last:
-            loss1 = saved.outputs[0]
+            loss1 = _with_added(saved, ctx.scale)
         else:
             outputs1, grads1 = (list(x) for x in ops.output_grads(ctx, backward, saved))
         ops.rng.seed(ctx.step, forward.stage, forward.mb)
-        with ops.autocast():
+        added: list[torch.Tensor] = []
+        with (
+            ops.autocast(),
+            collecting(added),
+            _keywords(fchunk.module, context_of(ctx, forward.mb)),
+        ):
             outputs0, loss0 = hook(
                 fchunk.module, _as_list(value), criterion, labels,
                 bchunk.module, loss1, outputs1, grads1,
             )  # fmt: skip
         self._after(ctx, forward, inputs, outputs0, loss0, criterion)
+        ctx.saved[forward.key] = ctx.saved[forward.key]._replace(
+            added=record_added(ctx, forward, added)
+        )
         grads = tuple(x.grad if x.requires_grad else None for x in saved.inputs)
         ops.hand_back(ctx, backward, saved.inputs, grads)
         ops.drain(bchunk)
@@ -154,6 +169,30 @@ class FusedOps:
         else:
             outputs = self.ops.hand_on(ctx, op, outputs0)
         ctx.saved[op.key] = Saved(inputs, outputs)
+
+
+def _with_added(saved: Saved, scale: float) -> torch.Tensor:
+    """`loss1` of the hook: the scaled main loss plus the scaled losses the forward added."""
+    roots, _ = scaled_roots(saved.added, scale)
+    return saved.outputs[0] + roots[0] * scale if roots else saved.outputs[0]
+
+
+@contextmanager
+def _keywords(module: torch.nn.Module, context: dict[str, object]) -> Iterator[None]:
+    """The hook calls `module0(*inputs0)`: the microbatch's context reaches that call as
+    keyword arguments through a forward pre-hook, for the extent of the hook."""
+    if not context:
+        yield
+        return
+
+    def add(_: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return args, {**context, **kwargs}
+
+    handle = module.register_forward_pre_hook(add, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _as_list(value: object) -> list[Any]:

@@ -25,6 +25,8 @@ class CheckResult(NamedTuple):
     max_rel: float
     reference_loss: float
     worst: tuple[ParamDiff, ...]  # the worst parameters over all steps, worst first
+    failures: tuple[str, ...] = ()  # what fails whatever the tolerance (--reference whole)
+    reference_added: float | None = None  # the reference's mean added loss (add_loss)
 
 
 def check_run(

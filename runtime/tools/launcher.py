@@ -35,6 +35,8 @@ from .checking import check_run
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
+from .training_run import aux_by_stage, reported_aux, stages_of
+from .whole_reference import check_whole_run, held_grads
 
 __all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "run_job"]
 
@@ -54,6 +56,7 @@ class RunJob:
     seed: int = 0
     derive_rng: bool = True
     autocast: torch.dtype | None = None  # overrides the model file's
+    reference: str = "stages"  # --check against: "stages" (one after another) or "whole"
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,13 @@ class RunReport:
     profile_spread: float | None = None
     profile_spread_at: str | None = None
     profile_spread_bound: float | None = None
+    # the last step's losses added inside the stages (add_loss), summed over the stages,
+    # mean over the microbatches (`loss` is the main loss alone), and by stage
+    aux_loss: float = 0.0
+    aux_loss_by_stage: dict[int, float] = field(default_factory=dict)
+    reference: str = "stages"  # what --check compared with
+    reference_aux_loss: float | None = None  # with --check --reference whole
+    check_failures: list[str] = field(default_factory=list)  # fail whatever the tolerance
 
 
 def backend_for(ranks: int) -> str:
@@ -96,12 +106,13 @@ def run_job(job: RunJob) -> RunReport:
             f"{job.program.num_microbatches} equal microbatches"
         )
     model = load_model(job.model)
-    check_targets(job.model, model, model.make_batch(job.batch_size, seed=0)[1])
+    check_targets(job.model, model, model.batch(job.batch_size, seed=0)[1])
     backend = backend_for(job.program.num_ranks)
     results = spawn(_worker, job.program.num_ranks, job, backend=backend, timeout=job.timeout)
     last = job.warmup + job.steps - 1
     losses = [loss for r in results for mb, loss in r["losses"][last].items()]
     checked = _check(job, model, results, backend) if job.check else None
+    aux = aux_by_stage([r["aux"][last] for r in results], job.program.num_microbatches)
     program = job.program
     worst = worst_spread(_records(results)) if job.profile else None
     return RunReport(
@@ -126,6 +137,11 @@ def run_job(job: RunJob) -> RunReport:
         profile_spread=None if worst is None else worst.spread,
         profile_spread_at=None if worst is None else f"stage {worst.stage} {worst.kind}",
         profile_spread_bound=SPREAD_BOUND if job.profile else None,
+        aux_loss=sum(aux.values()),
+        aux_loss_by_stage=aux,
+        reference=job.reference,
+        reference_aux_loss=None if checked is None else checked.reference_added,
+        check_failures=[] if checked is None else list(checked.failures),
     )
 
 
@@ -154,19 +170,20 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     # step's real data (every rank is given the batch); a file's boundaries() is checked
     boundaries = model.boundaries
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=model.loss_fn, config=config)
-    out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": []}
+    out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": [], "aux": []}
     out["dtypes"] = param_dtypes(modules.values())
     out["shared_stages"] = shared_stages(shared)
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup
         recorder = Recorder(step=step) if job.profile and timed else None
-        elapsed = _timed_step(
-            runtime, modules, model.make_batch(job.batch_size, seed=step), recorder
-        )
+        elapsed = _timed_step(runtime, modules, model.batch(job.batch_size, seed=step), recorder)
         if timed:
             out["step_ms"].append(elapsed * 1e3)
         out["losses"].append({mb: float(v) for mb, v in runtime.losses.items()})
-        if job.check:
+        out["aux"].append(reported_aux(runtime))
+        if job.check and job.reference == "whole":
+            out["grads"].append(held_grads(stages_of(program, rank, modules), rank))
+        elif job.check:
             out["grads"].append(_my_grads(program, rank, modules))
         if recorder is not None:
             out["records"].append(recorder)
@@ -176,14 +193,16 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
 def _timed_step(
     runtime: PipelineRuntime,
     modules: dict[int, torch.nn.Module],
-    batch: tuple[Any, Any],
+    batch: tuple[Any, ...],
     recorder: Recorder | None,
 ) -> float:
     for module in modules.values():
         module.zero_grad(set_to_none=True)
     dist.barrier()
     start = time.perf_counter()
-    runtime.step(batch[0], batch[1], recorder=recorder)
+    runtime.step(
+        batch[0], batch[1], context=batch[2] if len(batch) > 2 else None, recorder=recorder
+    )
     dist.barrier()
     return time.perf_counter() - start
 
@@ -206,10 +225,10 @@ def _check(job: RunJob, model: ModelFile, results: list[dict[str, Any]], backend
         seed=job.seed, derive_rng=job.derive_rng, autocast=_autocast(job, model),
         device=device,
     )  # fmt: skip
-    batches = [
-        model.make_batch(job.batch_size, seed=step) for step in range(job.warmup + job.steps)
-    ]
+    batches = [model.batch(job.batch_size, seed=step) for step in range(job.warmup + job.steps)]
     grads = [result["grads"] for result in results]
+    if job.reference == "whole":
+        return check_whole_run(model, batches, job.program.num_microbatches, options, grads)
     num_stages = job.program.placement.num_stages(0)
     return check_run(model, num_stages, batches, job.program.num_microbatches, options, grads)
 

@@ -1,8 +1,10 @@
 """The model file of `pipecc run`: what it must and may define.
 
-Required: `make_batch(num_rows, seed) -> (inputs, targets)` (inputs and targets any pytree of
-tensors, split along dim 0) and one of two ways to build the model, both deterministic
-(every process builds the same weights):
+Required: `make_batch(num_rows, seed) -> (inputs, targets)` or `(inputs, targets, context)`
+(inputs and targets any pytree of tensors, split along dim 0; context a dict of every
+stage's keyword inputs, split alike and given to every rank, runtime/boundaries/context.py)
+and one of two ways to build the model, both deterministic (every process builds the same
+weights):
 
 - `build_stage(stage, num_stages) -> nn.Module`: that one stage. Each rank calls it only for
   the stages it holds, so no rank constructs another rank's stages (a model that fits only
@@ -14,10 +16,13 @@ tensors, split along dim 0) and one of two ways to build the model, both determi
 
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
 `boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input,
-declared: checked against those the runtime finds by running the stages on real data) and
-`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`). `--check` builds every
-stage in the launcher for its single-process reference (with `build_stage` when defined, so
-the reference has the ranks' weights).
+declared: checked against those the runtime finds by running the stages on real data),
+`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`) and `build_model() ->
+nn.Module` (the whole, unsplit model: `model(inputs, **context)` returns what `loss_fn`
+takes; its parameter names are the stages', for `--check --reference whole`,
+runtime/tools/whole_reference.py). `--check` builds every stage in the launcher for its
+single-process reference (with `build_stage` when defined, so the reference has the ranks'
+weights).
 """
 
 from __future__ import annotations
@@ -49,6 +54,23 @@ class ModelFile:
     autocast: torch.dtype | None = None
     build_stage: Callable[[int, int], torch.nn.Module] | None = None
     path: str = "the model file"
+    build_model: Callable[[], torch.nn.Module] | None = None
+
+    def batch(self, num_rows: int, seed: int) -> tuple[Any, ...]:
+        """`make_batch(num_rows, seed)`: (inputs, targets) or (inputs, targets, context)."""
+        found = self.make_batch(num_rows, seed=seed)
+        if not isinstance(found, tuple) or len(found) not in (2, 3):
+            raise InputError(
+                f"{self.path}: make_batch must return (inputs, targets) or (inputs, targets, "
+                f"context), got {type(found).__name__}"
+                + (f" of {len(found)}" if isinstance(found, tuple) else "")
+            )
+        if len(found) == 3 and not isinstance(found[2], Mapping):
+            raise InputError(
+                f"{self.path}: make_batch's context (its third value) must be a dict of "
+                f"keyword arguments, got {type(found[2]).__name__}"
+            )
+        return found
 
     def stages(self, wanted: Iterable[int], num_stages: int) -> dict[int, torch.nn.Module]:
         """The modules of the `wanted` stages, each built once: with `build_stage` only
@@ -103,16 +125,25 @@ def load_model(path: str) -> ModelFile:
     loss_fn = names.get("loss_fn", mse_loss)
     if not callable(loss_fn):
         raise InputError(f"{path}: loss_fn must be a function")
-    boundaries = names.get("boundaries")
-    if boundaries is not None and not callable(boundaries):
-        raise InputError(f"{path}: boundaries must be a function of the example inputs")
+    boundaries = _optional_function(names, "boundaries", path, " of the example inputs")
+    build_model = _optional_function(names, "build_model", path)
     autocast = names.get("autocast")
     if autocast is not None and not isinstance(autocast, torch.dtype):
         raise InputError(f"{path}: autocast must be a torch dtype, e.g. torch.bfloat16")
     return ModelFile(
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
-        autocast, builders["build_stage"], path,
+        autocast, builders["build_stage"], path, build_model,
     )  # fmt: skip
+
+
+def _optional_function(
+    names: dict[str, Any], name: str, path: str, what: str = ""
+) -> Callable[..., Any] | None:
+    """An optional name of the model file: absent, or a function."""
+    value = names.get(name)
+    if value is not None and not callable(value):
+        raise InputError(f"{path}: {name} must be a function{what}")
+    return value
 
 
 def _user_frames(err: BaseException, path: str) -> str:

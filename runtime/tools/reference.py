@@ -7,6 +7,11 @@ under the RNG state the runtime derives for it (runtime/engine/rng.py), under th
 the ranks' device type, so dropout masks and dtypes are the ones of the pipelined run.
 Floating-point sums then differ from the pipeline's only in the order microbatches are
 accumulated (and in the thread count, which the caller sets to the ranks').
+
+A batch of three, `(inputs, targets, context)`, calls every stage with the microbatch's
+context as keywords, as the runtime does. Losses added inside a stage (`add_loss`) are
+collected around each microbatch's forward and added to its loss before the 1/M scaling,
+as the runtime seeds them.
 """
 
 from __future__ import annotations
@@ -17,9 +22,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pipecc.diagnostics import InputError
+
+from ..boundaries.context import split_context
 from ..boundaries.specs import autocast_context
 from ..boundaries.trees import call, split_tree, unwrap
 from ..comm.shared import distinct_parameters
+from ..engine.aux_loss import collecting
+from ..engine.aux_loss import total as added_total
 from ..engine.precision import Fp32Grads
 from ..engine.rng import ForwardRng
 
@@ -39,7 +49,7 @@ class Options(NamedTuple):
 
 def reference_step(
     stages: Sequence[torch.nn.Module],
-    batch: tuple[Any, Any],
+    batch: tuple[Any, ...],
     microbatches: int,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     options: Options | None = None,
@@ -51,6 +61,7 @@ def reference_step(
     device = options.device
     inputs = split_tree(batch[0], microbatches, "inputs", device)
     targets = split_tree(batch[1], microbatches, "targets", device)
+    contexts = context_microbatches(batch, microbatches, device)
     rng = ForwardRng(device, options.seed, enabled=options.derive_rng)
     precision = Fp32Grads(distinct_parameters(stages)) if options.fp32_grads else None
     if precision is not None:
@@ -58,8 +69,13 @@ def reference_step(
     total = 0.0
     with rng.step_scope():
         for mb in range(microbatches):
-            loss = _microbatch(stages, inputs[mb], targets[mb], loss_fn, rng, options, mb)
-            torch.autograd.backward(loss * (1.0 / microbatches))  # as the runtime scales
+            added: list[torch.Tensor] = []
+            with collecting(added):
+                data = (inputs[mb], targets[mb], contexts[mb])
+                loss = _microbatch(stages, data, loss_fn, rng, options, mb)
+            extra = added_total(added)
+            full = loss if extra is None else loss + extra
+            torch.autograd.backward(full * (1.0 / microbatches))  # as the runtime scales
             if precision is not None:
                 precision.drain(distinct_parameters(stages))
             total += float(loss.detach())
@@ -70,18 +86,31 @@ def reference_step(
 
 def _microbatch(
     stages: Sequence[torch.nn.Module],
-    value: object,
-    target: object,
+    data: tuple[object, object, dict[str, object]],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     rng: ForwardRng,
     options: Options,
     mb: int,
 ) -> torch.Tensor:
+    value, target, context = data
     with autocast_context(options.device, options.autocast):
         for index, stage in enumerate(stages):
             rng.seed(options.step, index, mb)
-            value = call(stage, value)
+            value = call(stage, value, context)
         return loss_fn(unwrap(value), unwrap(target))
+
+
+def context_microbatches(
+    batch: tuple[Any, ...], microbatches: int, device: torch.device
+) -> list[dict[str, object]]:
+    """The context of each microbatch: the batch's third entry split, else empty."""
+    context = batch[2] if len(batch) > 2 else None
+    found: list[str] = []
+    split = split_context(context, microbatches, device, found)
+    if found:
+        raise InputError(found[0])
+    empty: list[dict[str, object]] = [{} for _ in range(microbatches)]
+    return split or empty
 
 
 def gradients(stages: Sequence[torch.nn.Module]) -> dict[ParamKey, torch.Tensor]:

@@ -23,3 +23,23 @@ def test_train_gpt_trains_under_torchrun() -> None:
     assert losses[0] < 4.3, "GPT-2's init: the first loss is near ln(vocab) = 4.16"
     assert all(b < a for a, b in zip(losses[:-1], losses[1:], strict=True)), losses
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_train_moe_checks_against_the_whole_model_after_training() -> None:
+    """Each rank trains only its stages; check_against at the first and the last step still
+    equals the whole model (it takes the stages' current weights), and the logged loss is
+    the cross-entropy plus the balancing losses added in the stages."""
+    result = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "train_moe.py",
+         "--schedule", "zbv", "--microbatches", "4", "--steps", "3"],
+        cwd=ROOT / "examples", capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    checks = re.findall(r"^check against the whole model: (\S+)", result.stdout, re.M)
+    assert checks == ["ok", "ok"], result.stdout
+    steps = re.findall(r"^step +\d+ +loss ([\d.]+) = cross-entropy ([\d.]+) \+ balancing ([\d.]+)",
+                       result.stdout, re.M)  # fmt: skip
+    assert len(steps) == 3, result.stdout
+    for total, main, added in steps:
+        assert float(added) > 0.1
+        assert abs(float(total) - float(main) - float(added)) < 2e-5
