@@ -70,9 +70,11 @@ from pipecc.passes.comm.placement import (
     UNIT_COST,
     CommPlacement,
     Grouping,
+    MessageOrder,
     RecvPosting,
     SendWait,
 )
+from pipecc.passes.comm.refine import refine
 
 __all__ = [
     "DEFAULT",
@@ -83,6 +85,7 @@ __all__ = [
     "UNIT_COST",
     "CommPlacement",
     "Grouping",
+    "MessageOrder",
     "RecvPosting",
     "SendWait",
     "insert_comms",
@@ -122,7 +125,9 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     manual_sends, manual_recvs = (
         manual_messages(prog, ranks, keys, span) if any(manual) else ({}, {})
     )
-    events = message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
+    events = message_events(ranks, manual_sends, manual_recvs, span, placement)
+    if not any(manual) and (placement.order is not MessageOrder.MADE or placement.recv_lead):
+        refine(events, ranks, keys.size, placement)
     for ops in ranks:  # what the events now hold: freed, so that emission reuses the memory
         ops.outputs.clear()
         ops.publish = None
