@@ -24,7 +24,7 @@ from pipecc.ir.ops import (
 )
 from pipecc.ir.printer import message
 from pipecc.ir.program import Program
-from pipecc.passes.comm.placement import CommPlacement, Grouping, RecvPosting
+from pipecc.passes.comm.placement import CommPlacement, Grouping, MessageOrder, RecvPosting
 
 # A message event, the post of a send or a receive: (gap, order, payload, key, is_send, made).
 # It is posted before compute op `gap` of its rank; `order` sorts every message into one
@@ -36,6 +36,8 @@ from pipecc.passes.comm.placement import CommPlacement, Grouping, RecvPosting
 # `comm.refine` read alone): there are two per message, and as a NamedTuple they cost 5% of
 # a compile of 10⁶ instructions.
 Event = tuple[int, int, tuple[object, ...], int, bool, int]
+# Room left after each message's order for the messages `comm.refine` moves right after it
+SLOTS: Final = 64
 GAP: Final = 0
 ORDER: Final = 1
 PAYLOAD: Final = 2
@@ -341,9 +343,15 @@ def message_events(
     # BY_PAIR without hand-placed ops: within one moment, the messages go pair by pair
     pair_unit = unit if placement.grouping is Grouping.BY_PAIR and not manual else 0
     moment = unit + pair_unit * (num_ranks * num_ranks - 1)  # the orders of one time
+    # REPLY_FIRST: every order times SLOTS, leaving room after each for the messages
+    # `comm.refine` moves there
+    slots = SLOTS if placement.order is MessageOrder.REPLY_FIRST and not manual else 1
     for src, ops in enumerate(ranks):
         own, ends, positions = events[src], ops.end, ops.positions
         first = src * span  # _message_order, inlined: this loop sees every message
+        pairs = [
+            (min(src, dst) * num_ranks + max(src, dst)) * pair_unit for dst in range(num_ranks)
+        ]
         for k, outputs in enumerate(ops.outputs):
             if not outputs:
                 continue
@@ -352,7 +360,7 @@ def message_events(
             for sub, (key, dst, send, recv, _) in enumerate(outputs):
                 if dst == src:
                     continue
-                order = base + sub + (min(src, dst) * num_ranks + max(src, dst)) * pair_unit
+                order = (base + sub + pairs[dst]) * slots
                 if manual:
                     _manual_events(
                         events,

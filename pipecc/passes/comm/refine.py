@@ -27,7 +27,17 @@ from __future__ import annotations
 
 from typing import cast
 
-from pipecc.passes.comm.order import GAP, IS_SEND, KEY, MADE, ORDER, PAYLOAD, Event, RankOps
+from pipecc.passes.comm.order import (
+    GAP,
+    IS_SEND,
+    KEY,
+    MADE,
+    ORDER,
+    PAYLOAD,
+    SLOTS,
+    Event,
+    RankOps,
+)
 from pipecc.passes.comm.placement import CommPlacement, MessageOrder
 
 
@@ -58,11 +68,11 @@ def _consumers(ranks: list[RankOps], size: int) -> list[int]:
 
 def _reply_first(events: list[list[Event]], ranks: list[RankOps], consumer: list[int]) -> None:
     """Move each message that its sender's next op's reply should precede (module
-    docstring) right after that reply in the global order, and renumber the orders."""
+    docstring) right after that reply in the global order."""
     sends = _Sends(events, len(consumer))
-    after: dict[int, tuple[int, int]] = {}  # moved message -> (anchor order, depth)
-    for order, key, dst in sorted(sends.sent, reverse=True):  # a reply before what it passes
-        src, next_op = sends.src[key], sends.made_by[key] + 1
+    after: dict[int, tuple[int, int]] = {}  # moved message -> (anchor's order, depth)
+    for order, key in sorted(sends.sent, reverse=True):  # a reply before what it passes
+        src, dst, next_op = sends.src[key], sends.dst[key], sends.made_by[key] + 1
         inputs = ranks[src].inputs
         best: tuple[int, int] | None = None
         for reply in inputs[next_op] if next_op < len(inputs) else ():
@@ -76,54 +86,82 @@ def _reply_first(events: list[list[Event]], ranks: list[RankOps], consumer: list
         if best is not None:
             after[key] = (best[0], best[1] + 1)
     if after:
-        _renumber(events, after, max(sends.order) + 1)
+        _move(events, sends, _new_orders(after, sends.order))
 
 
 class _Sends:
-    """Per message key: its sender, the index of the compute op that makes it, its order;
-    and every message as (order, key, receiver)."""
+    """Per message key: its sender and receiver, the index of the compute op that makes it,
+    its order, and where its send and its receive are in their ranks' events; and every
+    message as (order, key)."""
 
     def __init__(self, events: list[list[Event]], size: int) -> None:
-        self.src, self.made_by, self.order = [-1] * size, [-1] * size, [0] * size
-        self.sent: list[tuple[int, int, int]] = []
-        for src, rank_events in enumerate(events):
-            for event in rank_events:
-                if event[IS_SEND]:
-                    key = event[KEY]
-                    self.src[key], self.made_by[key] = src, event[GAP] - 1
-                    self.order[key] = event[ORDER]
-                    self.sent.append((event[ORDER], key, cast("int", event[PAYLOAD][1])))
+        self.src, self.dst, self.made_by = [-1] * size, [-1] * size, [-1] * size
+        self.order, self.send_at, self.recv_at = [0] * size, [-1] * size, [-1] * size
+        self.sent: list[tuple[int, int]] = []
+        for rank, rank_events in enumerate(events):
+            for i, (gap, order, payload, key, is_send, _) in enumerate(rank_events):
+                if is_send:
+                    self.src[key], self.dst[key] = rank, cast("int", payload[1])
+                    self.made_by[key], self.order[key], self.send_at[key] = gap - 1, order, i
+                    self.sent.append((order, key))
+                else:
+                    self.recv_at[key] = i
 
 
-def _renumber(events: list[list[Event]], after: dict[int, tuple[int, int]], bound: int) -> None:
-    """New orders: an unmoved message keeps its place, a moved one goes right after its
-    anchor (deeper moves after shallower ones, then by its own order, below `bound`)."""
-    stride = (max(depth for _, depth in after.values()) + 1) * bound
-    for rank, rank_events in enumerate(events):
-        renumbered = []
-        for event in rank_events:
-            moved = after.get(event[KEY])
-            if moved is None:
-                order = event[ORDER] * stride
-            else:
-                order = moved[0] * stride + moved[1] * bound + event[ORDER]
-            renumbered.append((event[GAP], order, *event[PAYLOAD:]))
-        events[rank] = renumbered
+def _new_orders(after: dict[int, tuple[int, int]], orders: list[int]) -> dict[int, int]:
+    """The order of each moved message: right after its anchor's, in the room `SLOTS` left
+    there (deeper moves after shallower ones, then in their own order). Where more moved
+    messages share an anchor than there is room, every order is renumbered instead."""
+    moved = sorted((anchor, depth, orders[key], key) for key, (anchor, depth) in after.items())
+    new: dict[int, int] = {}
+    previous, slot = -1, 0
+    for anchor, _, _, key in moved:
+        slot = slot + 1 if anchor == previous else 1
+        if slot >= SLOTS:
+            return _renumbered(moved, orders)
+        new[key], previous = anchor + slot, anchor
+    return new
+
+
+def _renumbered(moved: list[tuple[int, int, int, int]], orders: list[int]) -> dict[int, int]:
+    """`_new_orders` without the room limit: every message a new order (rare: a program
+    where one message is the reply for more than SLOTS - 1 others)."""
+    keys = {key for *_, key in moved}
+    ranked = sorted(
+        [(orders[key], 0, 0, key) for key in range(len(orders)) if orders[key] and key not in keys]
+        + moved
+    )
+    return {key: index * SLOTS for index, (*_, key) in enumerate(ranked)}
+
+
+def _move(events: list[list[Event]], sends: _Sends, new: dict[int, int]) -> None:
+    """Give the sends and receives of the messages in `new` their new orders."""
+    for key, order in new.items():
+        for rank, i in ((sends.src[key], sends.send_at[key]), (sends.dst[key], sends.recv_at[key])):
+            event = events[rank][i]
+            events[rank][i] = (event[GAP], order, *event[PAYLOAD:])
 
 
 def _lead_receives(rank_events: list[Event], consumer: list[int], lead: int) -> None:
     """Post each receive at least `lead` compute ops before its consumer, unless it shares
-    its moment and peer with another post of the rank (their group is kept)."""
-    moments: dict[tuple[int, object], int] = {}
-    for event in rank_events:
-        moment = (event[MADE], event[PAYLOAD][1])
-        moments[moment] = moments.get(moment, 0) + 1
+    its moment and peer with another post of the rank (their group is kept: such posts are
+    neighbours in the rank's events, in one gap, adjacent in the order)."""
+    last = len(rank_events) - 1
     for i, event in enumerate(rank_events):
-        if event[IS_SEND] or moments[(event[MADE], event[PAYLOAD][1])] > 1:
+        if event[IS_SEND]:
             continue
-        gap = max(0, consumer[event[KEY]] - lead)
-        if gap < event[GAP]:
-            rank_events[i] = (gap, *event[ORDER:])
+        gap = consumer[event[KEY]] - lead
+        if gap >= event[GAP]:
+            continue
+        if (i > 0 and _one_moment(rank_events[i - 1], event)) or (
+            i < last and _one_moment(rank_events[i + 1], event)
+        ):
+            continue
+        rank_events[i] = (max(gap, 0), *event[ORDER:])
+
+
+def _one_moment(a: Event, b: Event) -> bool:
+    return a[MADE] == b[MADE] and a[PAYLOAD][1] == b[PAYLOAD][1]
 
 
 def _keep_order(rank_events: list[Event], consumer: list[int]) -> None:
