@@ -6,8 +6,8 @@ The order of `comm.order` sorts messages by the moment each comes to exist in a 
 a nominal latency. Two refinements make it hold up when the real latency is longer (up to
 a compute op or more), where every pair's stream carries one transfer after the other:
 
-- **Reply first.** Rank a makes message m for rank b, and the compute op right after it on
-  rank a consumes a message m' from b that comes to exist later. Posted in the order they
+- **Reply first.** Rank a makes message m for rank b, and its compute op right after the
+  one that makes m consumes a message m' from b that comes to exist later. Posted in the order they
   are made, m's transfer runs ahead of m' on the pair's stream, and rank a's next op waits
   for both. Unless rank b needs m as urgently (its op right after making m' consumes m: a
   cross exchange, kept in the order made), m goes right after m' in the global order.
