@@ -41,7 +41,7 @@ class SendWait(enum.Enum):
 class Grouping(enum.Enum):
     """Which posts between two compute ops are posted together (one nccl unit)."""
 
-    PER_GAP = "per-gap"  # all of them (the default policy)
+    PER_GAP = "per-gap"  # all of them (the early-recv policy)
     BY_TIME = "by-time"  # those whose messages come to exist at the same moment
     # those of one moment and one peer (the default policy): two transfers of one pair made
     # together run at once, and a group never ties one stream to another
@@ -87,9 +87,10 @@ def nominal_latency(stage: int) -> float:
 @dataclass(frozen=True, slots=True)
 class CommPlacement:
     """The knobs of the lowering: the durations and latencies of the replay that orders the
-    program, where receives go, what is grouped, and where sends are completed (the field
-    defaults are the knobs of the early-recv policy and of the alignment pass, which set
-    their own `recv_posting` and `grouping`). `DEFAULT` is the default policy; the alignment
+    program, where receives go, what is grouped, where sends are completed, how the global
+    order is refined and how far ahead receives are posted (the field defaults are the knobs
+    of the early-recv policy and of the alignment pass, which set their own `recv_posting`
+    and `grouping`). `DEFAULT` is the default policy; the alignment
     pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
     on its kind and stage only: it is asked once per (kind, pipe, stage), not per op."""
 
