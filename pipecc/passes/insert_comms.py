@@ -135,7 +135,8 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
         manual_messages(prog, ranks, keys, span) if any(manual) else ({}, {})
     )
     events = message_events(ranks, manual_sends, manual_recvs, span, placement)
-    if not any(manual) and (placement.order is not MessageOrder.MADE or placement.recv_lead):
+    hand_placed = bool(manual_sends or manual_recvs)  # (torch's StageOps alone are not)
+    if not hand_placed and (placement.order is not MessageOrder.MADE or placement.recv_lead):
         refine(events, ranks, keys.size, placement)
     for ops in ranks:  # what the events now hold: freed, so that emission reuses the memory
         ops.outputs.clear()

@@ -8,7 +8,8 @@ import pytest
 
 import pipecc.passes.comm.refine as refine
 from pipecc.api import compile_schedule
-from pipecc.ir.ops import Instr, Recv, Send
+from pipecc.interop import torch_csv
+from pipecc.ir.ops import Instr, Recv, Send, StageOp, Wait
 from pipecc.ir.printer import describe
 from pipecc.passes.insert_comms import DEFAULT, Grouping, MessageOrder, lower, strip_comms
 
@@ -78,3 +79,26 @@ def test_groups_hold_one_moment_and_one_peer() -> None:
         assert all(len(members) == 1 for members in peers.values())
     by_time = lower(strip_comms(program), replace(DEFAULT, grouping=Grouping.BY_TIME))
     assert by_time != program
+
+
+def test_torch_stage_ops_alone_are_not_hand_placed_comm_ops() -> None:
+    # a torch CSV with UNSHARD/RESHARD/REDUCE_GRAD and no comm cells gets the sends and
+    # receives of the same compute order without them (the refinements included)
+    program = compile_schedule("zb_h1", ranks=4, microbatches=8)
+    with_stage_ops = torch_csv.loads(torch_csv.dumps(program, with_comms=True)).program
+    compute_and_stage_ops = replace(
+        with_stage_ops,
+        ranks=tuple(
+            tuple(
+                i
+                for i in instrs
+                if type(i) is not Send and type(i) is not Recv and type(i) is not Wait
+            )
+            for instrs in with_stage_ops.ranks
+        ),
+    )
+    lowered = lower(compute_and_stage_ops, DEFAULT)
+    for ours, theirs in zip(lowered.ranks, program.ranks, strict=True):  # (wait indices shift)
+        assert [i for i in ours if type(i) is not StageOp and type(i) is not Wait] == [
+            i for i in theirs if type(i) is not Wait
+        ]
