@@ -25,6 +25,7 @@ posts are kept in the global order by posting a post no earlier than the one bef
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import cast
 
 from pipecc.passes.comm.order import (
@@ -70,23 +71,27 @@ def _reply_first(events: list[list[Event]], ranks: list[RankOps], consumer: list
     """Move each message that its sender's next op's reply should precede (module
     docstring) right after that reply in the global order."""
     sends = _Sends(events, len(consumer))
-    after: dict[int, tuple[int, int]] = {}  # moved message -> (anchor's order, depth)
-    for order, key in sorted(sends.sent, reverse=True):  # a reply before what it passes
-        src, dst, next_op = sends.src[key], sends.dst[key], sends.made_by[key] + 1
+    src_of, dst_of, made_by, orders = sends.src, sends.dst, sends.made_by, sends.order
+    candidates = []  # (order, key, its replies), in one pass, before any sorting
+    for order, key in sends.sent:
+        src, dst, next_op = src_of[key], dst_of[key], made_by[key] + 1
         inputs = ranks[src].inputs
-        best: tuple[int, int] | None = None
-        for reply in inputs[next_op] if next_op < len(inputs) else ():
-            if sends.src[reply] != dst or sends.order[reply] < order:
-                continue
-            if consumer[key] <= sends.made_by[reply] + 1:
-                continue  # rank b needs m right after making the reply: a cross exchange
-            anchor = after.get(reply, (sends.order[reply], 0))
-            if best is None or anchor > best:
-                best = anchor
-        if best is not None:
-            after[key] = (best[0], best[1] + 1)
+        if next_op < len(inputs):
+            replies = [
+                reply
+                for reply in inputs[next_op]
+                if src_of[reply] == dst
+                and orders[reply] > order
+                and consumer[key] > made_by[reply] + 1  # else a cross exchange: kept
+            ]
+            if replies:
+                candidates.append((order, key, replies))
+    after: dict[int, tuple[int, int]] = {}  # moved message -> (anchor's order, depth)
+    for _, key, replies in sorted(candidates, reverse=True):  # a reply before what it passes
+        best = max(after.get(reply, (orders[reply], 0)) for reply in replies)
+        after[key] = (best[0], best[1] + 1)
     if after:
-        _move(events, sends, _new_orders(after, sends.order))
+        _move(events, sends, _new_orders(after, orders))
 
 
 class _Sends:
@@ -168,7 +173,7 @@ def _keep_order(rank_events: list[Event], consumer: list[int]) -> None:
     """Sort the rank's posts by the global order, each posted no earlier than the one before
     it (a send may move later, never earlier than its op; a receive stays before its
     consumer: see the module docstring)."""
-    rank_events.sort(key=_order)
+    rank_events.sort(key=itemgetter(ORDER))
     gap = 0
     for i, event in enumerate(rank_events):
         if event[GAP] < gap:
@@ -176,7 +181,3 @@ def _keep_order(rank_events: list[Event], consumer: list[int]) -> None:
             assert event[IS_SEND] or gap <= consumer[event[KEY]], "a receive after its consumer"
         else:
             gap = event[GAP]
-
-
-def _order(event: Event) -> int:
-    return event[ORDER]
