@@ -73,8 +73,8 @@ def _reply_first(events: list[list[Event]], ranks: list[RankOps], consumer: list
     sends = _Sends(events, len(consumer))
     src_of, dst_of, made_by, orders = sends.src, sends.dst, sends.made_by, sends.order
     candidates = []  # (order, key, its replies), in one pass, before any sorting
-    for order, key in sends.sent:
-        src, dst, next_op = src_of[key], dst_of[key], made_by[key] + 1
+    for key in sends.sent:
+        order, src, dst, next_op = orders[key], src_of[key], dst_of[key], made_by[key] + 1
         inputs = ranks[src].inputs
         if next_op < len(inputs):
             replies = [
@@ -95,22 +95,20 @@ def _reply_first(events: list[list[Event]], ranks: list[RankOps], consumer: list
 
 
 class _Sends:
-    """Per message key: its sender and receiver, the index of the compute op that makes it,
-    its order, and where its send and its receive are in their ranks' events; and every
-    message as (order, key)."""
+    """Per message key: its sender and receiver, the index of the compute op that makes it
+    and its order; and every message's key."""
 
     def __init__(self, events: list[list[Event]], size: int) -> None:
         self.src, self.dst, self.made_by = [-1] * size, [-1] * size, [-1] * size
-        self.order, self.send_at, self.recv_at = [0] * size, [-1] * size, [-1] * size
-        self.sent: list[tuple[int, int]] = []
+        self.order = [0] * size
+        self.sent: list[int] = []
+        src, dst, made_by, orders, sent = self.src, self.dst, self.made_by, self.order, self.sent
         for rank, rank_events in enumerate(events):
-            for i, (gap, order, payload, key, is_send, _) in enumerate(rank_events):
+            for gap, order, payload, key, is_send, _ in rank_events:
                 if is_send:
-                    self.src[key], self.dst[key] = rank, cast("int", payload[1])
-                    self.made_by[key], self.order[key], self.send_at[key] = gap - 1, order, i
-                    self.sent.append((order, key))
-                else:
-                    self.recv_at[key] = i
+                    src[key], dst[key] = rank, cast("int", payload[1])
+                    made_by[key], orders[key] = gap - 1, order
+                    sent.append(key)
 
 
 def _new_orders(after: dict[int, tuple[int, int]], orders: list[int]) -> dict[int, int]:
@@ -141,10 +139,13 @@ def _renumbered(moved: list[tuple[int, int, int, int]], orders: list[int]) -> di
 
 def _move(events: list[list[Event]], sends: _Sends, new: dict[int, int]) -> None:
     """Give the sends and receives of the messages in `new` their new orders."""
-    for key, order in new.items():
-        for rank, i in ((sends.src[key], sends.send_at[key]), (sends.dst[key], sends.recv_at[key])):
-            event = events[rank][i]
-            events[rank][i] = (event[GAP], order, *event[PAYLOAD:])
+    ranks = {sends.src[key] for key in new} | {sends.dst[key] for key in new}
+    for rank in sorted(ranks):
+        rank_events = events[rank]
+        for i, event in enumerate(rank_events):
+            order = new.get(event[KEY])
+            if order is not None:
+                rank_events[i] = (event[GAP], order, *event[PAYLOAD:])
 
 
 def _lead_receives(rank_events: list[Event], consumer: list[int], lead: int) -> None:
