@@ -16,21 +16,30 @@ The policy, "default":
    the ties of a unit-time replay the way a real one does: a message comes to exist on its
    receiver during an op, not at its boundary.
 2. Give each message the time its producer ends and sort every message into one global
-   order. Each rank posts its sends and receives in that order: a send right after the op
-   that produces it, a receive before the compute op of its rank during which the message
-   comes to exist (so a transfer can start as soon as the data is there). Every pair of
+   order (time, then the pair of ranks, then rank and position). Two refinements
+   (`comm.refine`) hold up under a latency as long as a compute op, where a pair's
+   transfers run one after the other on its stream: a message goes right after a later
+   one from its receiver that its sender's very next op consumes ("reply first"), unless
+   the receiver's next op needs it as urgently (a cross exchange); and a receive is posted
+   at least two compute ops before the op that consumes it. Each rank posts its sends and
+   receives in the global order: a send right after the op that produces it, a receive
+   before the compute op of its rank during which the message comes to exist (or earlier,
+   as just said), each post no earlier than the one before it in the order. Every pair of
    ranks therefore sees its messages in the same order on both sides, and the global order
-   is itself a run in which every op completes when it is reached — which is why no comm
-   model can deadlock it.
-3. The posts of one gap whose messages come to exist at the same moment form one group
-   (posted together, as `batch_isend_irecv`: a fused op's two outputs, a rank's receives from
-   both neighbours); the others are posted alone, so that a group never holds one stream up
-   for a transfer on another. Before each compute op one Wait completes the receives it
+   is itself a run in which every op completes when it is reached (a send is posted after
+   its op, a receive before its consumer: a moved message still comes to exist before its
+   consumer starts) — which is why no comm model can deadlock it.
+3. The posts of one gap whose messages come to exist at the same moment and go to or come
+   from the same peer form one group (posted together, as `batch_isend_irecv`: a fused
+   op's two outputs to one rank, a send and a receive of one pair), so that their transfers
+   run at once; the others are posted alone, so that a group never ties one stream to
+   another. Before each compute op one Wait completes the receives it
    consumes; a send is completed in the Wait of the first receive from the same peer posted
    after it (a send ahead of that receive on their pair is done by the time the receive is,
    under every comm model, so waiting for it there costs nothing), and the sends no receive
    follows by a final Wait, as torch's runtime completes every send at the end of the step.
-   Hand-placed sends without a hand-placed `wait` follow the same rule.
+   Hand-placed sends without a hand-placed `wait` follow the same rule (a program with
+   hand-placed comm ops is ordered by time alone, without the refinements of step 2).
 
 The policy "early-recv" (`EARLY_RECV`) orders by a unit-time replay without latency and
 posts every receive it places before the first compute op, still in the global order, so a
@@ -70,9 +79,11 @@ from pipecc.passes.comm.placement import (
     UNIT_COST,
     CommPlacement,
     Grouping,
+    MessageOrder,
     RecvPosting,
     SendWait,
 )
+from pipecc.passes.comm.refine import refine
 
 __all__ = [
     "DEFAULT",
@@ -83,6 +94,7 @@ __all__ = [
     "UNIT_COST",
     "CommPlacement",
     "Grouping",
+    "MessageOrder",
     "RecvPosting",
     "SendWait",
     "insert_comms",
@@ -122,7 +134,10 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
     manual_sends, manual_recvs = (
         manual_messages(prog, ranks, keys, span) if any(manual) else ({}, {})
     )
-    events = message_events(ranks, manual_sends, manual_recvs, span, placement.recv_posting)
+    events = message_events(ranks, manual_sends, manual_recvs, span, placement)
+    hand_placed = bool(manual_sends or manual_recvs)  # (torch's StageOps alone are not)
+    if not hand_placed and (placement.order is not MessageOrder.MADE or placement.recv_lead):
+        refine(events, ranks, keys.size, placement)
     for ops in ranks:  # what the events now hold: freed, so that emission reuses the memory
         ops.outputs.clear()
         ops.publish = None

@@ -25,7 +25,7 @@ def test_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(rank) >= {"busy", "idle", "internal_idle", "peak_activations", "peak_at", "stalls"}
     assert rank["peak_activations"] == 4
     assert rank["stalls"][0] == {
-        "index": 9,
+        "index": 10,
         "since": 4.0,
         "length": 6.0,
         "released_by": 8,

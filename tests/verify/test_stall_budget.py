@@ -62,7 +62,7 @@ def test_default_placement_fails_a_zero_budget_only_with_a_long_latency(
         "rank 1 @37 F0.5 (stage 1 mb 5) waits 1 longer than its data needs (20 to 21, of which"
         " 0 dependency-bound) under nccl, over the stall budget 0: [33] recv act pipe 0 stage 1"
         " mb 5 from rank 0 completed at 21: rank 0's [20] send act pipe 0 stage 1 mb 5 to rank 1"
-        " was queued on its nccl stream behind [18] recv grad pipe 0 stage 0 mb 2 from rank 1"
+        " was queued on its nccl stream behind [17] recv grad pipe 0 stage 0 mb 2 from rank 1"
         " until 20"
     )
     assert first["line"] == 13  # the .sched line of the F that waited

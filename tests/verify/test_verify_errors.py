@@ -68,7 +68,7 @@ CASES: dict[str, tuple[Callable[[], Program], str, dict[str, object]]] = {
     "forward-before-input": (lambda: move(_zbv(), 1, 4, 2), "forward-before-input", {}),
     "backward-before-gradient": (lambda: move(_zbv(), 1, 15, 12), "backward-before-gradient", {}),
     "backward-before-forward": (lambda: move(_1f1b(), 1, 4, 2), "backward-before-forward", {}),
-    "weight-before-input-grad": (lambda: move(_zbv(), 0, 10, 8), "weight-before-input-grad", {}),
+    "weight-before-input-grad": (lambda: move(_zbv(), 0, 10, 7), "weight-before-input-grad", {}),
     "send-before-compute": (lambda: move(_1f1b(), 0, 1, 0), "send-before-compute", {}),
     "recv-after-use": (lambda: move(_1f1b(), 1, 0, 3), "recv-after-use", {}),
     "missing-recv": (lambda: drop(_zbv(), 1, 1), "missing-recv", {}),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pipecc.ir.keys import StageMajorKeys
 from pipecc.ir.ops import Instr, Recv, Send, StageOp, Wait
-from pipecc.passes.comm.order import GAP, MADE, Event, RankOps
+from pipecc.passes.comm.order import GAP, MADE, PAYLOAD, Event, RankOps
 from pipecc.passes.comm.placement import Grouping, SendWait
 
 _new = tuple.__new__
@@ -45,9 +45,14 @@ class Emitter:
             for event in batch:
                 self._post_group([event])
         else:
+            by_pair = self.grouping is Grouping.BY_PAIR
             start = 0
             for i in range(1, len(batch) + 1):
-                if i == len(batch) or batch[i][MADE] != batch[start][MADE]:
+                if (
+                    i == len(batch)
+                    or batch[i][MADE] != batch[start][MADE]
+                    or (by_pair and batch[i][PAYLOAD][1] != batch[start][PAYLOAD][1])
+                ):
                     self._post_group(batch[start:i])
                     start = i
 
@@ -144,7 +149,8 @@ def emit_rank(  # noqa: C901
     (every post alone, and hand-placed comm ops)."""
     if emitter.grouping is Grouping.NONE or len(ops.computes) != len(instrs):  # hand-placed
         return _emit_rank_general(instrs, ops, events, emitter)
-    by_time = emitter.grouping is Grouping.BY_TIME
+    by_time = emitter.grouping is Grouping.BY_TIME or emitter.grouping is Grouping.BY_PAIR
+    by_pair = emitter.grouping is Grouping.BY_PAIR
     with_reply = emitter.send_wait is SendWait.WITH_REPLY
     out, recv_at, due = emitter.out, emitter.recv_at, emitter.due
     open_sends, replies = emitter.open_sends, emitter.replies
@@ -163,8 +169,11 @@ def emit_rank(  # noqa: C901
                 last = stop
                 if by_time:  # those whose messages come to exist at one moment
                     made = events[cursor][MADE]
+                    peer = events[cursor][PAYLOAD][1] if by_pair else None  # (and one peer)
                     last = cursor + 1
                     while last < stop and events[last][MADE] == made:
+                        if by_pair and events[last][PAYLOAD][1] != peer:
+                            break
                         last += 1
                 if last - cursor > 1:
                     tail: tuple[int | None, None] = (group, None)

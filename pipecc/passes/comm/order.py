@@ -24,18 +24,25 @@ from pipecc.ir.ops import (
 )
 from pipecc.ir.printer import message
 from pipecc.ir.program import Program
-from pipecc.passes.comm.placement import CommPlacement, RecvPosting
+from pipecc.passes.comm.placement import CommPlacement, Grouping, MessageOrder, RecvPosting
 
 # A message event, the post of a send or a receive: (gap, order, payload, key, is_send, made).
 # It is posted before compute op `gap` of its rank; `order` sorts every message into one
 # global order (`_message_order`: by the time the message comes to exist, then rank, then
-# position in the rank's list, the same on every rank); `payload` is the Send/Recv fields up to
-# the group (what, peer, pipe, stage, mb); `key` the message's; `made` the moment it comes to
-# exist, for grouping. A plain tuple, unpacked by name where it is read (`GAP` and `MADE`
-# index the fields the emission's scan reads alone): there are two per message, and as a NamedTuple
-# they cost 5% of a compile of 10⁶ instructions.
+# position in the rank's list, the same on every rank; `comm.refine` may move a message);
+# `payload` is the Send/Recv fields up to the group (what, peer, pipe, stage, mb); `key` the
+# message's; `made` the moment it comes to exist, for grouping. A plain tuple, unpacked by
+# name where it is read (`GAP`, `ORDER`, ... index the fields the emission's scan and
+# `comm.refine` read alone): there are two per message, and as a NamedTuple they cost 5% of
+# a compile of 10⁶ instructions.
 Event = tuple[int, int, tuple[object, ...], int, bool, int]
+# Room left after each message's order for the messages `comm.refine` moves right after it
+SLOTS: Final = 64
 GAP: Final = 0
+ORDER: Final = 1
+PAYLOAD: Final = 2
+KEY: Final = 3
+IS_SEND: Final = 4
 MADE: Final = 5
 
 
@@ -311,9 +318,14 @@ def message_events(
     manual_sends: dict[int, int],
     manual_recvs: dict[int, int],
     span: int,
-    posting: RecvPosting,
+    placement: CommPlacement,
 ) -> list[list[Event]]:
-    """Every rank's message events (its sends and its recvs), in the order it posts them."""
+    """Every rank's message events (its sends and its recvs), in the order it posts them.
+
+    With `Grouping.BY_PAIR` (and no hand-placed comm op) the messages of one moment are
+    ordered pair by pair, so that those of one pair are adjacent on both of its ranks: one
+    key for every rank, so the order stays one global order."""
+    posting = placement.recv_posting
     num_ranks = len(ranks)
     events: list[list[Event]] = [[] for _ in range(num_ranks)]
     # a receive goes before the first compute op that starts at or after the moment its
@@ -328,27 +340,36 @@ def message_events(
         find, times = _first_gap, [ops.start for ops in ranks]
     unit = 2 * num_ranks * span  # an order divided by this is its time
     manual = bool(manual_sends or manual_recvs)
+    # BY_PAIR without hand-placed ops: within one moment, the messages go pair by pair
+    pair_unit = unit if placement.grouping is Grouping.BY_PAIR and not manual else 0
+    moment = unit + pair_unit * (num_ranks * num_ranks - 1)  # the orders of one time
+    # REPLY_FIRST: every order times SLOTS, leaving room after each for the messages
+    # `comm.refine` moves there
+    slots = SLOTS if placement.order is MessageOrder.REPLY_FIRST and not manual else 1
     for src, ops in enumerate(ranks):
         own, ends, positions = events[src], ops.end, ops.positions
         first = src * span  # _message_order, inlined: this loop sees every message
+        pairs = [
+            (min(src, dst) * num_ranks + max(src, dst)) * pair_unit for dst in range(num_ranks)
+        ]
         for k, outputs in enumerate(ops.outputs):
             if not outputs:
                 continue
             made = int(ends[k])  # an integer time: see integer_times
-            base = made * unit + first + 2 * positions[k]
+            base = made * moment + first + 2 * positions[k]
             for sub, (key, dst, send, recv, _) in enumerate(outputs):
                 if dst == src:
                     continue
+                order = (base + sub + pairs[dst]) * slots
                 if manual:
                     _manual_events(
                         events,
-                        (k, src, dst, key, base + sub, made, send, recv),
+                        (k, src, dst, key, order, made, send, recv),
                         manual_sends,
                         manual_recvs,
                         (find, times[dst], unit),
                     )
                     continue
-                order = base + sub
                 own.append((k + 1, order, send, key, True, made))
                 # found by the time as the replay left it: a float compares faster with floats
                 gap = find(times[dst], ends[k])

@@ -41,9 +41,22 @@ class SendWait(enum.Enum):
 class Grouping(enum.Enum):
     """Which posts between two compute ops are posted together (one nccl unit)."""
 
-    PER_GAP = "per-gap"  # all of them (the default policy)
+    PER_GAP = "per-gap"  # all of them (the early-recv policy)
     BY_TIME = "by-time"  # those whose messages come to exist at the same moment
+    # those of one moment and one peer (the default policy): two transfers of one pair made
+    # together run at once, and a group never ties one stream to another
+    BY_PAIR = "by-pair"
     NONE = "none"  # each alone
+
+
+class MessageOrder(enum.Enum):
+    """How the global order of messages is chosen (`comm.refine`)."""
+
+    # by the moment each message comes to exist in the ordering replay
+    MADE = "made"
+    # the same, except that a message is put after a later one from its receiver that its
+    # sender's next compute op consumes (the default policy; `comm.refine`)
+    REPLY_FIRST = "reply-first"
 
 
 def unit_duration(instr: Compute | Fused | Sequential) -> float:
@@ -74,9 +87,10 @@ def nominal_latency(stage: int) -> float:
 @dataclass(frozen=True, slots=True)
 class CommPlacement:
     """The knobs of the lowering: the durations and latencies of the replay that orders the
-    program, where receives go, what is grouped, and where sends are completed (the field
-    defaults are the knobs of the early-recv policy and of the alignment pass, which set
-    their own `recv_posting` and `grouping`). `DEFAULT` is the default policy; the alignment
+    program, where receives go, what is grouped, where sends are completed, how the global
+    order is refined and how far ahead receives are posted (the field defaults are the knobs
+    of the early-recv policy and of the alignment pass, which set their own `recv_posting`
+    and `grouping`). `DEFAULT` is the default policy; the alignment
     pass (`align_comms`) uses the real costs. A compute op's `duration` may depend
     on its kind and stage only: it is asked once per (kind, pipe, stage), not per op."""
 
@@ -86,6 +100,10 @@ class CommPlacement:
     recv_posting: RecvPosting = RecvPosting.WHEN_MADE
     grouping: Grouping = Grouping.PER_GAP
     send_wait: SendWait = SendWait.WHEN_CONSUMED
+    order: MessageOrder = MessageOrder.MADE
+    # a receive is posted at least this many compute ops before the op that consumes it,
+    # where the pair's order allows (0: where `recv_posting` puts it)
+    recv_lead: int = 0
     backend: Backend = Backend.ANY  # what the placed program needs of the backend
 
     @property
@@ -98,8 +116,10 @@ DEFAULT = CommPlacement(
     "default",
     latency=nominal_latency,
     recv_posting=RecvPosting.BEFORE_BUSY,
-    grouping=Grouping.BY_TIME,
+    grouping=Grouping.BY_PAIR,
     send_wait=SendWait.WITH_REPLY,
+    order=MessageOrder.REPLY_FIRST,
+    recv_lead=2,
 )
 POLICY = DEFAULT.policy
 EARLY_RECV = CommPlacement(
