@@ -242,7 +242,13 @@ def _program(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Ver
 
 
 def _check_sizes(args: argparse.Namespace, program: Program) -> None:
-    """--nproc and -M, where given, agree with a compiled program's sizes."""
+    """--nproc and -M, where given, agree with a compiled program's sizes; a program for a
+    mesh of several pipelines is not run on one pipeline (docs/parallelism.md)."""
+    if program.mesh is not None and program.mesh.pipelines > 1:
+        raise InputError(
+            f"{args.file}: the program is for the mesh {program.mesh.describe()}; "
+            "pipecc run runs a single pipeline (compile it without --mesh)"
+        )
     if args.ranks is not None and program.num_ranks != args.ranks:
         raise InputError(
             f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"

@@ -10,15 +10,18 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_mesh_args,
     comm_model,
     load_costs,
     load_input,
     positive,
+    print_notes,
     program_costs,
     write_output,
 )
 from pipecc.diagnostics import InputError
 from pipecc.driver.lowering import add_lowering_arg
+from pipecc.driver.mesh import whole_mesh
 from pipecc.interop.torch_csv import has_stage_ops
 from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
@@ -55,6 +58,7 @@ def register(commands: SubParsers) -> None:
     )
     add_input_args(cmd)
     add_lowering_arg(cmd)
+    add_mesh_args(cmd)
     add_cost_args(cmd, backend=True)
     cmd.add_argument(
         "--stall-threshold",
@@ -75,7 +79,8 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    program = load_input(args.file, args)
+    program, whole = whole_mesh(load_input(args.file, args))  # a mesh: every rank of it
+    print_notes(whole)
     costs = program_costs(load_costs(args), program)
     if costs.names_stage_ops() and not has_stage_ops(program):
         print(
