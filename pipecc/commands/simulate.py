@@ -113,9 +113,15 @@ def summary(timeline: Timeline) -> str:
     """The headline figures and the per-rank table."""
     program = timeline.program
     step = f"   step {timeline.step:g} (sync {timeline.sync:g})" if timeline.sync else ""
+    sizes = f"P={program.num_ranks} M={program.num_microbatches}"
+    if program.mesh is not None:  # the whole mesh: its sizes, and the pipeline's
+        m = program.num_microbatches // program.mesh.pipelines
+        sizes = (
+            f"mesh {program.mesh.describe()} ({program.num_ranks} ranks)  P={program.mesh.pp} M={m}"
+        )
     lines = [
-        f"# {program.schedule}  P={program.num_ranks} M={program.num_microbatches}  "
-        f"comm {timeline.model.value}  costs {timeline.costs.describe()}",
+        f"# {program.schedule}  {sizes}  comm {timeline.model.value}  "
+        f"costs {timeline.costs.describe()}",
         f"makespan {timeline.makespan:g}{step}   bubble ratio {timeline.bubble_ratio:.4f}",
         "rank   busy     idle  in-bubble  peak act  stalls (count, total)  "
         "dependency-bound  placement-bound",

@@ -35,7 +35,10 @@ from pipecc.ir.program import Program
 def header(program: Program) -> str:
     params = " ".join(f"{k}={v}" for k, v in program.params)
     extra = f"  {params}" if params else ""
-    if program.mesh is not None:
+    if program.is_whole_mesh:  # the whole mesh: one list per global rank
+        assert program.mesh is not None
+        extra += f"  mesh {program.mesh.describe()} ({program.num_ranks} ranks)"
+    elif program.mesh is not None:
         extra += f"  mesh {program.mesh.describe()}"
     return (
         f"# {program.schedule}  P={program.num_ranks} M={program.num_microbatches}  "

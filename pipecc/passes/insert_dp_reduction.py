@@ -5,9 +5,10 @@ pipeline computes the gradients of its own share of the batch, and each stage's 
 are summed over the replicas before the optimizer step. The compiler places that sum as an
 instruction, as Megatron-LM's overlapped gradient reduction issues it: right after the
 stage's last gradient op on its rank (its last B or W, or its REDUCE_GRAD when FSDP reduces
-it first), asynchronous, so it overlaps the rest of the cooldown, and completed by one Wait
-before the step ends (before the gradient sums of shared parameters, which read the same
-gradients).
+it first; after the sends posted just after it, so the gradient the upstream rank waits for
+does not queue behind the reduction), asynchronous, so it overlaps the rest of the
+cooldown, and completed by one Wait before the step ends (before the gradient sums of
+shared parameters, which read the same gradients).
 
 In a pipeline's program the collective names its own pipeline rank and the mesh dimension
 (`ranks=[r]`, `dims=["dp_replicate"]`): every pipeline runs the same list, and on the
@@ -25,6 +26,8 @@ from pipecc.ir.ops import (
     CollectiveKind,
     Instr,
     Kind,
+    Recv,
+    Send,
     StageAction,
     StageOp,
     Wait,
@@ -46,7 +49,8 @@ def insert_dp_reduction(prog: Program, *, shards: int = 1) -> Program:
     Ensures: the data-parallel reductions the program held (and Waits left empty) are
     replaced; each stage with a B or W on its rank gets one
     `Collective(all_reduce, (rank,), "dp-grad s<stage>", async, dims=("dp_replicate",))`
-    just after its last B, W or REDUCE_GRAD, in stage order where several end together, and
+    just after its last B, W or REDUCE_GRAD and the sends, receives and stage actions that
+    directly follow it, in stage order where several end together, and
     one Wait listing them all sits at the end of the rank's list, before any trailing
     blocking collectives; every other Wait keeps its ops.
     """
@@ -65,7 +69,7 @@ def _rank(
     placement: Placement, rank: int, instrs: Sequence[Instr], shards: int
 ) -> tuple[Instr, ...]:
     bare = splice(instrs, drop=is_dp_reduction)
-    ends = _last_grad_ops(bare)
+    ends = {chunk: _past_posts(bare, i) for chunk, i in _last_grad_ops(bare).items()}
     after: dict[int, list[Instr]] = {}
     made: list[Instr] = []
     for chunk, i in sorted(
@@ -105,6 +109,16 @@ def _last_grad_ops(instrs: Sequence[Instr]) -> dict[int, int]:
             if op.kind is Kind.B or op.kind is Kind.W:
                 found[op.chunk] = i
     return found
+
+
+def _past_posts(instrs: Sequence[Instr], i: int) -> int:
+    """Instruction i, or the last of the sends, receives and stage actions just after it:
+    posting them never blocks, and a send there carries the gradient the upstream rank waits
+    for, which must not queue behind the reduction (nor behind FSDP's reduce_scatter that
+    the reduction waits for)."""
+    while i + 1 < len(instrs) and type(instrs[i + 1]) in (Send, Recv, StageOp):
+        i += 1
+    return i
 
 
 def _tail(instrs: Sequence[Instr]) -> int:

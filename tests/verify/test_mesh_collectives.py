@@ -109,8 +109,8 @@ def test_a_collective_of_another_kind_is_a_mismatch() -> None:
     result = report(with_rank(whole, 3, tuple(instrs)))
     assert codes(result) == ["mismatch"]
     message = result.violations[0].message
-    assert "all_reduce dp-grad s1 over ranks 2, 3 [async] on rank 2 (@9)" in message
-    assert "reduce_scatter dp-grad s1 over ranks 2, 3 [async] on rank 3 (@9)" in message
+    assert "all_reduce dp-grad s1 over ranks 2, 3 [async] on rank 2 (@10)" in message
+    assert "reduce_scatter dp-grad s1 over ranks 2, 3 [async] on rank 3 (@10)" in message
 
 
 def test_a_collective_a_member_never_reaches_is_an_orphan() -> None:
