@@ -30,7 +30,7 @@ from .boundaries import discovery
 from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
 from .boundaries.signatures import BoundaryFn, Signature, Signatures
 from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
-from .comm import agreement, shared, training
+from .comm import agreement, mesh, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
 from .engine.bound import Binder, methods, unalias
@@ -74,10 +74,12 @@ class PipelineRuntime:
         self.config = config
         self.modules = dict(modules.items() if isinstance(modules, Mapping) else enumerate(modules))
         self.loss_fn = loss_fn
-        self.group = config.group
+        self.group, rank_map = config.group, config.rank_map
+        if config.mesh is not None:  # the pipeline is the mesh's pp dimension (comm/mesh.py)
+            self.group, rank_map = mesh.pipeline_of(config.mesh, config.pp_dim)
         world = dist.get_world_size(self.group)
         self.rank_map = tuple(
-            config.rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
         )
         self.device = config.device or _device_of(self.modules)
         nccl = uses_nccl(self.group, self.device)
@@ -122,6 +124,8 @@ class PipelineRuntime:
         self.interpreter = Interpreter(rank, stage, fused, transfers, self.sums)
         slots = mailbox(self.program.ranks[rank])
         self.binder = Binder(stage, fused, self.channel, slots, captures)
+        self.mesh = mesh.DataParallel(self.program, rank, self.modules, config.mesh)
+        self.interpreter.mesh = self.mesh
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -195,7 +199,8 @@ class PipelineRuntime:
     def global_loss(self) -> torch.Tensor:
         """The last step's mean loss over all M microbatches, on every rank (a collective:
         every rank calls it)."""
-        return training.mean_loss(list(self.losses.values()), self.group, self.device)
+        loss = training.mean_loss(list(self.losses.values()), self.group, self.device)
+        return mesh.replicas_mean(loss, self.config.mesh, self.config.pp_dim)
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -287,7 +292,7 @@ class PipelineRuntime:
         found = binding.module_problems(self.program, self.rank, self.modules)
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
-        return found + self.sums.problems()
+        return found + self.sums.problems() + self.mesh.problems()
 
     def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:
         """Where the boundaries the user declared differ from those found."""

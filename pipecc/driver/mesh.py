@@ -83,7 +83,28 @@ def _has_dims(program: Program) -> bool:
     return any(isinstance(x, Collective) and x.dims for instrs in program.ranks for x in instrs)
 
 
-def check_mesh_text(text: str) -> str:
-    """An argparse check of `--mesh` (the sizes; pp is checked against P later)."""
-    parse_mesh(text)
-    return text
+def run_mesh(text: str, processes: int | None) -> Mesh:
+    """`pipecc run --mesh TEXT --nproc N`: the mesh, its pp given or N over the product of the
+    other sizes; InputError when N is not the mesh's world size, or for a dimension the
+    runtime cannot run yet (FSDP2 and tensor-parallel stages: docs/parallelism.md)."""
+    given = parse_mesh(text)
+    others = given.world // given.pp
+    if "pp=" not in text.replace(" ", ""):
+        if processes is None or processes % others:
+            raise InputError(
+                f"--mesh {text}: --nproc {processes} is not a multiple of {others}, the "
+                "product of the mesh's sizes (give pp=, or --nproc as the world size)"
+            )
+        given = replace(given, pp=processes // others)
+    if processes is not None and processes != given.world:
+        raise InputError(
+            f"--mesh {text}: the mesh has {given.world} processes, not --nproc {processes}"
+        )
+    unsupported = [d for d in ("dp_shard", "cp", "tp") if given.size(d) > 1]
+    if unsupported:
+        raise InputError(
+            f"--mesh {text}: pipecc run runs pp × dp_replicate meshes; "
+            f"{', '.join(unsupported)} stages (FSDP2, context or tensor parallel modules) are "
+            "compiled, verified and simulated, but not run yet (docs/parallelism.md)"
+        )
+    return given

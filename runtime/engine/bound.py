@@ -68,6 +68,7 @@ from .steps import (
     ComputeStep,
     FusedStep,
     PostStep,
+    ReduceStep,
     SequentialStep,
     StageStep,
     Step,
@@ -181,6 +182,8 @@ class Binder:
             chunk = self.stage.chunks.get(instr.chunk)
             return StageStep(index, instr, chunk.module if chunk is not None else None)
         if isinstance(instr, Collective):
+            if instr.dims:  # over mesh dimensions: runtime/comm/mesh.py
+                return ReduceStep(index, instr)
             return CollectiveStep(index, instr)
         raise AssertionError(f"unknown instruction {instr!r}")
 

@@ -25,12 +25,14 @@ import torch
 import torch.distributed as dist
 
 from pipecc.diagnostics import InputError
+from pipecc.ir.mesh import Mesh
 from pipecc.ir.program import Program
 
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..pipeline import PipelineRuntime
 from ..profiling.recorder import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
+from . import mesh_job
 from .checking import check_run
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .reference import Options, ParamKey, default_tolerance
@@ -54,6 +56,7 @@ class RunJob:
     seed: int = 0
     derive_rng: bool = True
     autocast: torch.dtype | None = None  # overrides the model file's
+    mesh: Mesh | None = None  # --mesh: the world is the mesh, the program one pipeline's
 
 
 @dataclass(frozen=True)
@@ -90,15 +93,18 @@ def backend_for(ranks: int) -> str:
 
 def run_job(job: RunJob) -> RunReport:
     """Run the job on `program.num_ranks` local processes and report."""
-    if job.batch_size % job.program.num_microbatches:
+    replicas = _replicas(job)
+    if job.batch_size % (job.program.num_microbatches * replicas):
+        shares = f"{replicas} replicas' shares of " if replicas > 1 else ""
         raise InputError(
-            f"--batch-size {job.batch_size} cannot be split into "
+            f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
     model = load_model(job.model)
     check_targets(job.model, model, model.make_batch(job.batch_size, seed=0)[1])
-    backend = backend_for(job.program.num_ranks)
-    results = spawn(_worker, job.program.num_ranks, job, backend=backend, timeout=job.timeout)
+    world = job.mesh.world if job.mesh is not None else job.program.num_ranks
+    backend = backend_for(world)
+    results = spawn(_worker, world, job, backend=backend, timeout=job.timeout)
     last = job.warmup + job.steps - 1
     losses = [loss for r in results for mb, loss in r["losses"][last].items()]
     checked = _check(job, model, results, backend) if job.check else None
@@ -109,7 +115,7 @@ def run_job(job: RunJob) -> RunReport:
         ranks=program.num_ranks,
         microbatches=program.num_microbatches,
         batch_size=job.batch_size,
-        loss=sum(losses) / program.num_microbatches,
+        loss=sum(losses) / (program.num_microbatches * replicas),
         max_abs_grad_diff=None if checked is None else checked.max_abs,
         max_rel_grad_diff=None if checked is None else checked.max_rel,
         reference_loss=None if checked is None else checked.reference_loss,
@@ -129,6 +135,11 @@ def run_job(job: RunJob) -> RunReport:
     )
 
 
+def _replicas(job: RunJob) -> int:
+    """How many pipelines see different data (1 without a mesh)."""
+    return 1 if job.mesh is None else job.mesh.dp_replicate * job.mesh.dp_shard
+
+
 def _autocast(job: RunJob, model: ModelFile) -> torch.dtype | None:
     """--autocast, else the model file's `autocast`."""
     return job.autocast or model.autocast
@@ -139,7 +150,8 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     program = job.program
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     num_stages = program.placement.num_stages(0)
-    slots = program.placement.chunks(rank)
+    where = mesh_job.place(job.mesh, rank, device)  # the pipeline rank, the batch share
+    slots = program.placement.chunks(where.pp_rank)
     whole = model.build_stage is None  # build_stages: every rank builds every stage
     built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
     built = {stage: module.to(device) for stage, module in built.items()}
@@ -148,7 +160,8 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     shared = shared_parameters(list(built.values())) if whole else ()
     config = RuntimeConfig(
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
-        derive_rng=job.derive_rng, autocast=autocast,
+        derive_rng=job.derive_rng, autocast=autocast, group=where.group,
+        rank_map=where.rank_map, mesh=where.mesh,
     )  # fmt: skip
     # the boundaries of each new shape signature are found along the pipeline on the
     # step's real data (every rank is given the batch); a file's boundaries() is checked
@@ -161,13 +174,13 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
         timed = step >= job.warmup
         recorder = Recorder(step=step) if job.profile and timed else None
         elapsed = _timed_step(
-            runtime, modules, model.make_batch(job.batch_size, seed=step), recorder
+            runtime, modules, where.share(model.make_batch(job.batch_size, seed=step)), recorder
         )
         if timed:
             out["step_ms"].append(elapsed * 1e3)
         out["losses"].append({mb: float(v) for mb, v in runtime.losses.items()})
         if job.check:
-            out["grads"].append(_my_grads(program, rank, modules))
+            out["grads"].append(_my_grads(program, where.pp_rank, modules))
         if recorder is not None:
             out["records"].append(recorder)
     return out
@@ -211,7 +224,8 @@ def _check(job: RunJob, model: ModelFile, results: list[dict[str, Any]], backend
     ]
     grads = [result["grads"] for result in results]
     num_stages = job.program.placement.num_stages(0)
-    return check_run(model, num_stages, batches, job.program.num_microbatches, options, grads)
+    microbatches = job.program.num_microbatches * _replicas(job)  # the whole batch
+    return check_run(model, num_stages, batches, microbatches, options, grads)
 
 
 def _records(results: list[dict[str, Any]]) -> list[Recorder]:

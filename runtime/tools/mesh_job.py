@@ -1,0 +1,66 @@
+"""`pipecc run --mesh`: where a process sits on the device mesh, and its share of the batch.
+
+Process g of the world builds the mesh (`init_device_mesh` with torchtitan's dimension names,
+pp outermost, as pipecc numbers global ranks: ir/mesh.py), runs pipeline rank `pp_rank` of
+the program in the pipeline of its coordinates, and takes its replica's contiguous share of
+the global batch: the replicas are the pipelines that see different data (dp_replicate and
+dp_shard), so replica d of D gets rows d·N/D .. (d+1)·N/D − 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from pipecc.ir.mesh import DIMS, Mesh
+
+from ..comm.mesh import pipeline_of
+
+
+class Place(NamedTuple):
+    """One process on the mesh (none: the pipeline is the world)."""
+
+    mesh: Any  # the torch DeviceMesh, or None
+    pp_rank: int
+    replica: int
+    replicas: int
+    group: Any = None  # the pipeline's process group
+    rank_map: tuple[int, ...] | None = None
+
+    def share(self, batch: tuple[Any, Any]) -> tuple[Any, Any]:
+        """This replica's contiguous share of a global batch (inputs and targets)."""
+        if self.replicas == 1:
+            return batch
+        return _rows(batch[0], self.replica, self.replicas), _rows(
+            batch[1], self.replica, self.replicas
+        )
+
+
+def place(mesh: Mesh | None, rank: int, device: torch.device) -> Place:
+    """Where global `rank` sits (module docstring)."""
+    if mesh is None:
+        return Place(None, rank, 0, 1)
+    names = tuple(d for d in DIMS if mesh.size(d) > 1 or d == "pp")
+    torch_mesh = init_device_mesh(
+        device.type, tuple(mesh.size(d) for d in names), mesh_dim_names=names
+    )
+    coords = dict(zip(DIMS, mesh.coords(rank), strict=True))
+    replicas = mesh.dp_replicate * mesh.dp_shard
+    replica = coords["dp_replicate"] * mesh.dp_shard + coords["dp_shard"]
+    group, rank_map = pipeline_of(torch_mesh, "pp")
+    return Place(torch_mesh, coords["pp"], replica, replicas, group, rank_map)
+
+
+def _rows(value: Any, replica: int, replicas: int) -> Any:
+    """Rows replica·N/D .. of every tensor of a batch (a tensor, or a tuple, list or dict of
+    them, split along dimension 0)."""
+    if isinstance(value, torch.Tensor):
+        rows = value.shape[0] // replicas
+        return value[replica * rows : (replica + 1) * rows]
+    if isinstance(value, dict):
+        return {k: _rows(v, replica, replicas) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_rows(v, replica, replicas) for v in value)
+    return value
