@@ -19,9 +19,10 @@ On a device mesh (docs/parallelism.md), `--pp P --dp-replicate D` with P·D proc
 
 builds `init_device_mesh(device, (P, D), mesh_dim_names=("pp", "dp_replicate"))`, compiles the
 schedule for P ranks with each stage's data-parallel all_reduce (`--mesh dp_replicate=D`),
-and gives each replica its contiguous share of the global batch. `--dp-shard` and `--tp`
-(FSDP2 and tensor-parallel stages) are compiled, verified and simulated by pipecc, but not
-run by its runtime yet: they are refused.
+and gives each replica its contiguous share of the global batch. `--tp T` adds a tp
+dimension (innermost) and splits every block's MLP over it (`parallelize` of
+examples/gpt.py). `--dp-shard` (FSDP2 stages) is compiled, verified and simulated by pipecc
+but not run by its runtime yet: it is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpt import GPTConfig, build_stages, loss_fn, make_batch  # examples/gpt.py, beside this
+from gpt import (  # examples/gpt.py, beside this
+    GPTConfig,
+    build_stages,
+    loss_fn,
+    make_batch,
+    parallelize,
+)
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, shared_parameters
 from torch.distributed.device_mesh import init_device_mesh
 from train_mlp import setup  # examples/train_mlp.py, beside this
@@ -57,28 +64,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pp", type=int, help="pipeline ranks (default: the world size)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards (not run yet)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel (not run yet)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel (each block's MLP)")
     return parser.parse_args()
 
 
 def on_mesh(args: argparse.Namespace, device: torch.device) -> tuple[Program, Any, int]:
-    """The program, the DeviceMesh (None without --pp/--dp-replicate) and this process's
+    """The program, the DeviceMesh (None without --dp-replicate or --tp) and this process's
     replica index."""
-    if args.dp_shard > 1 or args.tp > 1:
-        raise SystemExit("--dp-shard and --tp stages are not run by pipecc's runtime yet")
+    if args.dp_shard > 1:
+        raise SystemExit("--dp-shard (FSDP2) stages are not run by pipecc's runtime yet")
     world = dist.get_world_size()
-    pp = args.pp or world // args.dp_replicate
-    if pp * args.dp_replicate != world:
-        raise SystemExit(f"--pp {pp} x --dp-replicate {args.dp_replicate} is not {world}")
+    pp = args.pp or world // (args.dp_replicate * args.tp)
+    if pp * args.dp_replicate * args.tp != world:
+        raise SystemExit(f"--pp {pp} x --dp-replicate {args.dp_replicate} x --tp {args.tp} "
+                         f"is not the world size {world}")  # fmt: skip
     values = {k: int(v) for k, v in (d.split("=", 1) for d in args.defines)}
     program = compile_schedule(args.schedule, ranks=pp, microbatches=args.microbatches,
                                defines=values)  # fmt: skip
-    if args.dp_replicate == 1:
+    sizes = {"pp": pp, "dp_replicate": args.dp_replicate, "tp": args.tp}
+    names = tuple(d for d, n in sizes.items() if n > 1 or d == "pp")
+    if names == ("pp",):
         return program, None, 0
-    mesh = init_device_mesh(device.type, (pp, args.dp_replicate),
-                            mesh_dim_names=("pp", "dp_replicate"))  # fmt: skip
-    program = place_mesh(program, MeshOptions(f"dp_replicate={args.dp_replicate}"))
-    return program, mesh, mesh.get_coordinate()[1]
+    mesh = init_device_mesh(device.type, tuple(sizes[d] for d in names), mesh_dim_names=names)
+    program = place_mesh(program, MeshOptions(",".join(f"{d}={sizes[d]}" for d in names)))
+    replica = mesh.get_coordinate()[1] if "dp_replicate" in names else 0
+    return program, mesh, replica
 
 
 def main() -> None:
@@ -89,6 +99,9 @@ def main() -> None:
     pp_rank = rank if mesh is None else mesh.get_coordinate()[0]
     config = GPTConfig(tied=args.tied, dropout=args.dropout, layers=args.layers)
     stages = [s.to(device) for s in build_stages(program.placement.num_stages(0), config)]
+    if args.tp > 1:  # every block's MLP split over the tp group (examples/gpt.py)
+        for stage, module in enumerate(stages):
+            parallelize(module, stage, mesh["tp"])
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(pp_rank)}
     runtime = PipelineRuntime(
         program,

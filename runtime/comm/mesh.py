@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Work
+from torch.distributed.tensor import DTensor
 
 from pipecc.ir.ops import Collective, CollectiveKind
 from pipecc.ir.program import Program
@@ -86,7 +87,9 @@ class DataParallel:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             param.grad.div_(size)
-            works.append(dist.all_reduce(param.grad, group=group, async_op=True))
+            grad = param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # a tp shard
+            works.append(dist.all_reduce(local, group=group, async_op=True))
         return works
 
     def _group(self, dims: tuple[str, ...]) -> tuple[dist.ProcessGroup, int]:

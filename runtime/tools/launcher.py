@@ -107,6 +107,7 @@ def run_job(job: RunJob) -> RunReport:
     results = spawn(_worker, world, job, backend=backend, timeout=job.timeout)
     last = job.warmup + job.steps - 1
     losses = [loss for r in results for mb, loss in r["losses"][last].items()]
+    pipelines = 1 if job.mesh is None else job.mesh.pipelines  # each reports its M losses
     checked = _check(job, model, results, backend) if job.check else None
     program = job.program
     worst = worst_spread(_records(results)) if job.profile else None
@@ -115,7 +116,7 @@ def run_job(job: RunJob) -> RunReport:
         ranks=program.num_ranks,
         microbatches=program.num_microbatches,
         batch_size=job.batch_size,
-        loss=sum(losses) / (program.num_microbatches * replicas),
+        loss=sum(losses) / (program.num_microbatches * pipelines),
         max_abs_grad_diff=None if checked is None else checked.max_abs,
         max_rel_grad_diff=None if checked is None else checked.max_rel,
         reference_loss=None if checked is None else checked.reference_loss,
@@ -155,6 +156,7 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     whole = model.build_stage is None  # build_stages: every rank builds every stage
     built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
     built = {stage: module.to(device) for stage, module in built.items()}
+    mesh_job.parallelize(model, built, where)  # --mesh tp=N: the model file's parallelize
     modules = {slot.chunk: built[slot.stage] for slot in slots}
     autocast = _autocast(job, model)
     shared = shared_parameters(list(built.values())) if whole else ()
@@ -208,7 +210,7 @@ def _my_grads(
     for slot in program.placement.chunks(rank):
         for name, p in modules[slot.chunk].named_parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads[(slot.stage, name)] = grad.detach().cpu().clone()
+            grads[(slot.stage, name)] = mesh_job.whole(grad).detach().cpu().clone()
     return grads
 
 

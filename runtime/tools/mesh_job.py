@@ -4,7 +4,8 @@ Process g of the world builds the mesh (`init_device_mesh` with torchtitan's dim
 pp outermost, as pipecc numbers global ranks: ir/mesh.py), runs pipeline rank `pp_rank` of
 the program in the pipeline of its coordinates, and takes its replica's contiguous share of
 the global batch: the replicas are the pipelines that see different data (dp_replicate and
-dp_shard), so replica d of D gets rows d·N/D .. (d+1)·N/D − 1.
+dp_shard), so replica d of D gets rows d·N/D .. (d+1)·N/D − 1; the ranks of a tp group take
+the same rows. With tp > 1 the model file's `parallelize` shards each stage module.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
+from pipecc.diagnostics import InputError
 from pipecc.ir.mesh import DIMS, Mesh
 
 from ..comm.mesh import pipeline_of
@@ -51,6 +54,26 @@ def place(mesh: Mesh | None, rank: int, device: torch.device) -> Place:
     replica = coords["dp_replicate"] * mesh.dp_shard + coords["dp_shard"]
     group, rank_map = pipeline_of(torch_mesh, "pp")
     return Place(torch_mesh, coords["pp"], replica, replicas, group, rank_map)
+
+
+def parallelize(model: Any, built: dict[int, torch.nn.Module], where: Place) -> None:
+    """With tp > 1, the model file's `parallelize(module, stage, tp_mesh)` on every stage
+    built (before shared parameters are found: it replaces the parameters it shards)."""
+    mesh = where.mesh
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return
+    if model.parallelize is None:
+        raise InputError(
+            f"{model.path}: --mesh tp=N needs the model file's parallelize(module, stage, "
+            "tp_mesh) (docs/parallelism.md)"
+        )
+    for stage, module in built.items():
+        model.parallelize(module, stage, mesh["tp"])
+
+
+def whole(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as a whole tensor (a tensor-parallel parameter's gathered)."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def _rows(value: Any, replica: int, replicas: int) -> Any:

@@ -14,10 +14,12 @@ tensors, split along dim 0) and one of two ways to build the model, both determi
 
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
 `boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input,
-declared: checked against those the runtime finds by running the stages on real data) and
-`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`). `--check` builds every
-stage in the launcher for its single-process reference (with `build_stage` when defined, so
-the reference has the ranks' weights).
+declared: checked against those the runtime finds by running the stages on real data),
+`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`) and `parallelize(module,
+stage, tp_mesh)` (tensor parallelism of one stage module over the mesh's tp dimension,
+`parallelize_module` as torchtitan applies it; `pipecc run --mesh tp=N` calls it on every
+stage it builds). `--check` builds every stage in the launcher for its single-process
+reference (with `build_stage` when defined, so the reference has the ranks' weights).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ModelFile:
     autocast: torch.dtype | None = None
     build_stage: Callable[[int, int], torch.nn.Module] | None = None
     path: str = "the model file"
+    parallelize: Callable[[torch.nn.Module, int, Any], object] | None = None
 
     def stages(self, wanted: Iterable[int], num_stages: int) -> dict[int, torch.nn.Module]:
         """The modules of the `wanted` stages, each built once: with `build_stage` only
@@ -109,10 +112,19 @@ def load_model(path: str) -> ModelFile:
     autocast = names.get("autocast")
     if autocast is not None and not isinstance(autocast, torch.dtype):
         raise InputError(f"{path}: autocast must be a torch dtype, e.g. torch.bfloat16")
+    parallelize = _optional_function(names, "parallelize", path)
     return ModelFile(
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
-        autocast, builders["build_stage"], path,
+        autocast, builders["build_stage"], path, parallelize,
     )  # fmt: skip
+
+
+def _optional_function(names: dict[str, Any], name: str, path: str) -> Any:
+    """A function the model file may define (None when it does not)."""
+    value = names.get(name)
+    if value is not None and not callable(value):
+        raise InputError(f"{path}: {name} must be a function")
+    return value
 
 
 def _user_frames(err: BaseException, path: str) -> str:

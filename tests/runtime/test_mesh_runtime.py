@@ -1,7 +1,8 @@
-"""The runtime on a device mesh (docs/parallelism.md): PP=2 × dp_replicate=2 on 4 gloo
-processes, one process group for every case (mesh_cases.py). The GPT with tied embeddings on
-1F1B, ZB-H1, ZBV and DualPipeV: loss and every gradient within 1e-5 of one process training
-the whole batch, and 3 AdamW steps with clipping matching; `pipecc run --mesh` with --check."""
+"""The runtime on a device mesh (docs/parallelism.md): PP=2 × dp_replicate=2 and PP=2 × tp=2
+on 4 gloo processes, one process group for every case (mesh_cases.py). The GPT with tied
+embeddings on 1F1B, ZB-H1, ZBV and DualPipeV: loss and every gradient within 1e-5 of one
+process training the whole batch, and 3 AdamW steps with clipping matching; `pipecc run
+--mesh` with --check."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 from helpers import run_cli
-from mesh_cases import run_mesh_cases
+from mesh_cases import MeshCase, run_mesh_cases
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
@@ -25,17 +26,22 @@ SCHEDULES = ("1f1b", "zb_h1", "zbv", "dualpipev")
 TRAINING = ("zb_h1", "dualpipev")
 
 
-def _program(name: str) -> Program:
+DIMS = ("dp_replicate", "tp")
+
+
+def _program(name: str, dim: str) -> Program:
     program = compile_case(name, 2, 4)
     last = program.placement.num_stages(0) - 1
     tied = sum_shared(program, shared=((0, last),))
-    return place_mesh(tied, MeshOptions("dp_replicate=2"))
+    return place_mesh(tied, MeshOptions(f"{dim}=2"))
 
 
 @functools.cache
-def _cases() -> list[tuple[str, Program, bool]]:
-    found = [(name, _program(name), False) for name in SCHEDULES]
-    return found + [(f"train-{name}", _program(name), True) for name in TRAINING]
+def _cases() -> list[MeshCase]:
+    found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
+    return found + [
+        MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +56,21 @@ def _each(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return found
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_replicas_match_one_process_on_the_whole_batch(
-    results: list[dict[str, Any]], name: str
+def test_the_mesh_matches_one_process_on_the_whole_batch(
+    results: list[dict[str, Any]], name: str, dim: str
 ) -> None:
-    for result in _each(results, name):
+    for result in _each(results, f"{dim}-{name}"):
         assert result["grad_rel"] <= 1e-5, result["grad_rel"]
         got, want = result["loss"]
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("name", TRAINING)
-def test_adamw_steps_match(results: list[dict[str, Any]], name: str) -> None:
-    for result in _each(results, f"train-{name}"):
+def test_adamw_steps_match(results: list[dict[str, Any]], name: str, dim: str) -> None:
+    for result in _each(results, f"train-{dim}-{name}"):
         assert result["weight_rel"] <= 1e-5, result["weight_rel"]
         for got, want in (*result["losses"], *result["norms"]):
             assert abs(got - want) <= 1e-5 * abs(want), (got, want)
@@ -87,7 +95,7 @@ def test_pipecc_run_on_a_mesh_checks_against_the_whole_batch(
 def test_pipecc_run_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     model = str(ROOT / "examples" / "gpt.py")
     for mesh, nproc, message in (
-        ("tp=2", "4", "tp stages (FSDP2, context or tensor parallel modules) are compiled"),
+        ("dp_shard=2", "4", "dp_shard stages (FSDP2 or context parallel modules) are compiled"),
         ("pp=2,dp_replicate=2", "2", "the mesh has 4 processes, not --nproc 2"),
         ("dp_replicate=3", "4", "--nproc 4 is not a multiple of 3"),
     ):
