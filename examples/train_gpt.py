@@ -21,8 +21,8 @@ builds `init_device_mesh(device, (P, D), mesh_dim_names=("pp", "dp_replicate"))`
 schedule for P ranks with each stage's data-parallel all_reduce (`--mesh dp_replicate=D`),
 and gives each replica its contiguous share of the global batch. `--tp T` adds a tp
 dimension (innermost) and splits every block's MLP over it (`parallelize` of
-examples/gpt.py). `--dp-shard` (FSDP2 stages) is compiled, verified and simulated by pipecc
-but not run by its runtime yet: it is refused.
+examples/gpt.py); `--dp-shard S` wraps the stages each process holds with FSDP2 (schedules
+with full backwards only, untied: docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from gpt import (  # examples/gpt.py, beside this
 )
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, shared_parameters
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from train_mlp import setup  # examples/train_mlp.py, beside this
 
 from pipecc.api import compile_schedule
@@ -63,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--pp", type=int, help="pipeline ranks (default: the world size)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas")
-    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards (not run yet)")
+    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards (full backwards)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel (each block's MLP)")
     return parser.parse_args()
 
@@ -71,23 +72,26 @@ def parse_args() -> argparse.Namespace:
 def on_mesh(args: argparse.Namespace, device: torch.device) -> tuple[Program, Any, int]:
     """The program, the DeviceMesh (None without --dp-replicate or --tp) and this process's
     replica index."""
-    if args.dp_shard > 1:
-        raise SystemExit("--dp-shard (FSDP2) stages are not run by pipecc's runtime yet")
     world = dist.get_world_size()
-    pp = args.pp or world // (args.dp_replicate * args.tp)
-    if pp * args.dp_replicate * args.tp != world:
-        raise SystemExit(f"--pp {pp} x --dp-replicate {args.dp_replicate} x --tp {args.tp} "
-                         f"is not the world size {world}")  # fmt: skip
+    others = args.dp_replicate * args.dp_shard * args.tp
+    pp = args.pp or world // others
+    if pp * others != world:
+        raise SystemExit(
+            f"--pp {pp} x --dp-replicate {args.dp_replicate} x --dp-shard {args.dp_shard} "
+            f"x --tp {args.tp} is not the world size {world}"
+        )
     values = {k: int(v) for k, v in (d.split("=", 1) for d in args.defines)}
     program = compile_schedule(args.schedule, ranks=pp, microbatches=args.microbatches,
                                defines=values)  # fmt: skip
-    sizes = {"pp": pp, "dp_replicate": args.dp_replicate, "tp": args.tp}
+    sizes = {"pp": pp, "dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard,
+             "tp": args.tp}  # fmt: skip
     names = tuple(d for d, n in sizes.items() if n > 1 or d == "pp")
     if names == ("pp",):
         return program, None, 0
     mesh = init_device_mesh(device.type, tuple(sizes[d] for d in names), mesh_dim_names=names)
     program = place_mesh(program, MeshOptions(",".join(f"{d}={sizes[d]}" for d in names)))
-    replica = mesh.get_coordinate()[1] if "dp_replicate" in names else 0
+    at = dict(zip(names, mesh.get_coordinate(), strict=True))
+    replica = at.get("dp_replicate", 0) * args.dp_shard + at.get("dp_shard", 0)
     return program, mesh, replica
 
 
@@ -102,6 +106,10 @@ def main() -> None:
     if args.tp > 1:  # every block's MLP split over the tp group (examples/gpt.py)
         for stage, module in enumerate(stages):
             parallelize(module, stage, mesh["tp"])
+    if args.dp_shard > 1:  # FSDP2 on the stages held here, gradient sync at REDUCE_GRAD only
+        for slot in program.placement.chunks(pp_rank):
+            fully_shard(stages[slot.stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
+            stages[slot.stage].set_requires_gradient_sync(False)
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(pp_rank)}
     runtime = PipelineRuntime(
         program,
@@ -110,8 +118,9 @@ def main() -> None:
         config=RuntimeConfig(device=device, shared=shared_parameters(stages), seed=0, mesh=mesh),
     )
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=args.lr)
-    rows = args.batch_size or 8 * args.microbatches * args.dp_replicate  # the global batch
-    share = rows // args.dp_replicate
+    replicas = args.dp_replicate * args.dp_shard
+    rows = args.batch_size or 8 * args.microbatches * replicas  # the global batch
+    share = rows // replicas
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         tokens, targets = make_batch(rows, seed=step, config=config)

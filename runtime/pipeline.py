@@ -33,6 +33,7 @@ from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
 from .comm import agreement, mesh, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
+from .engine import stage_actions
 from .engine.bound import Binder, methods, unalias
 from .engine.bound import Signature as BoundPlans
 from .engine.compute import StageOps
@@ -290,6 +291,15 @@ class PipelineRuntime:
         """Modules and shared parameters (checked with every new signature)."""
         config = self.config
         found = binding.module_problems(self.program, self.rank, self.modules)
+        split = split_chunks(self.program.ranks[self.rank])
+        found += stage_actions.fsdp_problems(split, self.modules)
+        fsdp = any(stage_actions.is_fsdp(m) for m in self.modules.values())
+        if fsdp and self.to_sum:
+            found.append(
+                "a parameter is held on several ranks (a tied weight or a duplicated stage) "
+                "and the stages are FSDP2 modules: the runtime does not sum sharded "
+                "gradients across ranks yet (untie it, or use dp_replicate)"
+            )
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
         return found + self.sums.problems() + self.mesh.problems()

@@ -90,10 +90,11 @@ def register(commands: SubParsers) -> None:
         "--mesh",
         metavar="DIM=N,...",
         type=mesh_text,
-        help="run on a device mesh, e.g. dp_replicate=2 (pp: --nproc over the other sizes): "
-        "each replica takes its contiguous share of --batch-size, the program gets each "
-        "stage's data-parallel all_reduce, --check compares with the whole batch "
-        "(docs/parallelism.md)",
+        help="run on a device mesh, e.g. dp_replicate=2, dp_shard=2 or tp=2 (pp: --nproc "
+        "over the other sizes): each replica takes its contiguous share of --batch-size, the "
+        "program gets each stage's data-parallel all_reduce and FSDP's stage actions, the "
+        "stages FSDP2 (dp_shard) and the model file's parallelize (tp); --check compares "
+        "with the whole batch (docs/parallelism.md)",
     )
     cmd.add_argument("--model", required=True, metavar="FILE.py", help="the model file")
     cmd.add_argument(

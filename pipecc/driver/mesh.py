@@ -86,7 +86,7 @@ def _has_dims(program: Program) -> bool:
 def run_mesh(text: str, processes: int | None) -> Mesh:
     """`pipecc run --mesh TEXT --nproc N`: the mesh, its pp given or N over the product of the
     other sizes; InputError when N is not the mesh's world size, or for a dimension the
-    runtime cannot run yet (FSDP2 and context parallel stages: docs/parallelism.md)."""
+    runtime cannot run yet (context parallel: docs/parallelism.md)."""
     given = parse_mesh(text)
     others = given.world // given.pp
     if "pp=" not in text.replace(" ", ""):
@@ -100,11 +100,10 @@ def run_mesh(text: str, processes: int | None) -> Mesh:
         raise InputError(
             f"--mesh {text}: the mesh has {given.world} processes, not --nproc {processes}"
         )
-    unsupported = [d for d in ("dp_shard", "cp") if given.size(d) > 1]
-    if unsupported:
+    if given.cp > 1:
         raise InputError(
-            f"--mesh {text}: pipecc run runs pp × dp_replicate × tp meshes; "
-            f"{', '.join(unsupported)} stages (FSDP2 or context parallel modules) are "
-            "compiled, verified and simulated, but not run yet (docs/parallelism.md)"
+            f"--mesh {text}: pipecc run runs pp × dp_replicate × dp_shard × tp meshes; cp "
+            "(context parallel) is compiled, verified and simulated, but not run yet "
+            "(docs/parallelism.md)"
         )
     return given

@@ -5,15 +5,17 @@ pp outermost, as pipecc numbers global ranks: ir/mesh.py), runs pipeline rank `p
 the program in the pipeline of its coordinates, and takes its replica's contiguous share of
 the global batch: the replicas are the pipelines that see different data (dp_replicate and
 dp_shard), so replica d of D gets rows d·N/D .. (d+1)·N/D − 1; the ranks of a tp group take
-the same rows. With tp > 1 the model file's `parallelize` shards each stage module.
+the same rows. With tp > 1 the model file's `parallelize` shards each stage module; with
+dp_shard > 1 `fully_shard` wraps each stage this process holds.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import InputError
@@ -69,6 +71,20 @@ def parallelize(model: Any, built: dict[int, torch.nn.Module], where: Place) -> 
         )
     for stage, module in built.items():
         model.parallelize(module, stage, mesh["tp"])
+
+
+def shard(built: dict[int, torch.nn.Module], held: set[int], where: Place) -> None:
+    """With dp_shard > 1, FSDP2's `fully_shard` on every stage this process holds, over the
+    mesh's dp_shard dimension, with gradient sync off: the program's REDUCE_GRAD reduces
+    once, after the stage's last backward, and its UNSHARD and RESHARD place the gathers
+    (torchtitan applies TP first, then FSDP: `parallelize` runs before this)."""
+    mesh = where.mesh
+    if mesh is None or "dp_shard" not in (mesh.mesh_dim_names or ()):
+        return
+    for stage in sorted(held):
+        module = built[stage]
+        fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        cast(Any, module).set_requires_gradient_sync(False)
 
 
 def whole(grad: torch.Tensor) -> torch.Tensor:

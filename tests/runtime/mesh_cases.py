@@ -1,8 +1,10 @@
 """Mesh cases run inside one spawned process group of 4 (gloo): a pipeline of 2 times 2
 data-parallel replicas, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp",
-"dp_replicate"))`, and a pipeline of 2 times a tensor-parallel group of 2 (`("pp", "tp")`,
-examples/gpt.py's `parallelize`: every block's MLP split over tp), the GPT of examples/gpt.py
-with tied embeddings.
+"dp_replicate"))`, a pipeline of 2 times a tensor-parallel group of 2 (`("pp", "tp")`,
+examples/gpt.py's `parallelize`: every block's MLP split over tp), and a pipeline of 2 times
+2 FSDP2 shards (`("pp", "dp_shard")`, `fully_shard` on every held stage, gradient sync off but
+at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings (untied with
+FSDP, whose sharded copies of one parameter on two ranks the runtime does not sum).
 
 Each case compiles a schedule with the tie's sum (and, with replicas, their reductions:
 `--shared 0+S --mesh dp_replicate=2`), gives each replica its contiguous share of the global
@@ -14,7 +16,7 @@ Functions here run in the spawned processes: keep them importable and picklable.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from gpt_cases import ROWS, _gpt, _worst, build, config, loss_fn
@@ -22,6 +24,7 @@ from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, sha
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import PipeccError
@@ -40,7 +43,7 @@ class MeshCase(NamedTuple):
 
     name: str
     program: Program
-    dim: str  # "dp_replicate" or "tp"
+    dim: str  # "dp_replicate", "tp" or "dp_shard"
     train: bool = False
 
 
@@ -48,7 +51,7 @@ def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, An
     """Every case on this rank (global rank `rank` of 4); per case what the tests assert."""
     meshes = {
         dim: init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", dim))
-        for dim in ("dp_replicate", "tp")
+        for dim in ("dp_replicate", "tp", "dp_shard")
     }
     results: dict[str, Any] = {}
     for case in cases:
@@ -61,12 +64,16 @@ def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, An
 
 
 def _replicas(case: MeshCase) -> int:
-    return 2 if case.dim == "dp_replicate" else 1
+    return 1 if case.dim == "tp" else 2
+
+
+def _variant(case: MeshCase) -> str:
+    return "plain" if case.dim == "dp_shard" else "tied"
 
 
 def _share(case: MeshCase, mesh: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
     """This replica's contiguous share of the global batch (all of it in a tp group)."""
-    if case.dim != "dp_replicate":
+    if case.dim == "tp":
         return batch
     rows, at = batch[0].shape[0] // 2, mesh.get_coordinate()[1]
     return batch[0][at * rows : (at + 1) * rows], batch[1][at * rows : (at + 1) * rows]
@@ -75,21 +82,27 @@ def _share(case: MeshCase, mesh: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]
 def _global_batch(case: MeshCase, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = ROWS * case.program.num_microbatches * _replicas(case)
     batch: tuple[torch.Tensor, torch.Tensor] = _gpt().make_batch(
-        rows, seed=step, config=config("tied")
+        rows, seed=step, config=config(_variant(case))
     )
     return batch
 
 
 def _stages(case: MeshCase, mesh: Any) -> list[nn.Module]:
-    stages = build("tied", case.program.placement.num_stages(0))
+    stages = build(_variant(case), case.program.placement.num_stages(0))
     if case.dim == "tp":
         for stage, module in enumerate(stages):
             _gpt().parallelize(module, stage, mesh["tp"])
+    if case.dim == "dp_shard":
+        held = {s.stage for s in case.program.placement.chunks(mesh.get_coordinate()[0])}
+        for stage in sorted(held):
+            fully_shard(stages[stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
+            cast(Any, stages[stage]).set_requires_gradient_sync(False)
     return stages
 
 
 def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module]) -> PipelineRuntime:
-    cfg = RuntimeConfig(shared=shared_parameters(stages), seed=OPTIONS.seed, mesh=mesh)
+    shared = shared_parameters(stages) if case.dim != "dp_shard" else ()
+    cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, mesh=mesh)
     chunks = case.program.placement.chunks(mesh.get_coordinate()[0])
     modules = {s.chunk: stages[s.stage] for s in chunks}
     return PipelineRuntime(
@@ -104,7 +117,7 @@ def _whole(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
 
 def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
     stages = _stages(case, mesh)
-    reference = build("tied", case.program.placement.num_stages(0))
+    reference = build(_variant(case), case.program.placement.num_stages(0))
     runtime = _runtime(mesh, case, stages)
     held = {slot.stage for slot in case.program.placement.chunks(runtime.rank)}
     data = _global_batch(case, 0)
@@ -117,7 +130,7 @@ def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
 
 def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:
     stages = _stages(case, mesh)
-    single = build("tied", case.program.placement.num_stages(0))
+    single = build(_variant(case), case.program.placement.num_stages(0))
     runtime = _runtime(mesh, case, stages)
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2, eps=EPS)
     params = list({id(p): p for s in single for p in s.parameters()}.values())

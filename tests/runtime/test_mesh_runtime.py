@@ -27,18 +27,27 @@ TRAINING = ("zb_h1", "dualpipev")
 
 
 DIMS = ("dp_replicate", "tp")
+# FSDP2 stages run full backwards only (runtime/engine/stage_actions.py): 1F1B and
+# interleaved 1F1B; a split backward (ZB-H1) is refused before the first step
+FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 
 def _program(name: str, dim: str) -> Program:
     program = compile_case(name, 2, 4)
-    last = program.placement.num_stages(0) - 1
-    tied = sum_shared(program, shared=((0, last),))
-    return place_mesh(tied, MeshOptions(f"{dim}=2"))
+    if dim != "dp_shard":  # the tied GPT: its sum placed (untied with FSDP: mesh_cases.py)
+        last = program.placement.num_stages(0) - 1
+        program = sum_shared(program, shared=((0, last),))
+    return place_mesh(program, MeshOptions(f"{dim}=2"))
 
 
 @functools.cache
 def _cases() -> list[MeshCase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
+    found += [
+        MeshCase(f"dp_shard-{n}", _program(n, "dp_shard"), "dp_shard") for n in FSDP_SCHEDULES
+    ]
+    found.append(MeshCase("dp_shard-zb_h1", _program("zb_h1", "dp_shard"), "dp_shard"))
+    found.append(MeshCase("train-dp_shard-1f1b", _program("1f1b", "dp_shard"), "dp_shard", True))
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -95,7 +104,7 @@ def test_pipecc_run_on_a_mesh_checks_against_the_whole_batch(
 def test_pipecc_run_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     model = str(ROOT / "examples" / "gpt.py")
     for mesh, nproc, message in (
-        ("dp_shard=2", "4", "dp_shard stages (FSDP2 or context parallel modules) are compiled"),
+        ("cp=2", "4", "cp (context parallel) is compiled, verified and simulated"),
         ("pp=2,dp_replicate=2", "2", "the mesh has 4 processes, not --nproc 2"),
         ("dp_replicate=3", "4", "--nproc 4 is not a multiple of 3"),
     ):
@@ -103,3 +112,21 @@ def test_pipecc_run_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str
             capsys, "run", "1f1b", "-M", "2", "--nproc", nproc, "--mesh", mesh, "--model", model
         )
         assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("name", FSDP_SCHEDULES)
+def test_fsdp_stages_match_one_process_on_the_whole_batch(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    for result in _each(results, f"dp_shard-{name}"):
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    for result in _each(results, "train-dp_shard-1f1b"):
+        assert result["weight_rel"] <= 1e-5, result["weight_rel"]
+
+
+def test_fsdp_stages_with_a_split_backward_are_refused(results: list[dict[str, Any]]) -> None:
+    for result in (r["dp_shard-zb_h1"] for r in results):
+        assert result.get("error") == "SetupError", result
+        assert "splits its backward into I and W" in result["message"]
