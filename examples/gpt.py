@@ -18,17 +18,20 @@ variables:
 | PIPECC_GPT_TIED | 1: the LM head is the token embedding (GPT-2 style, one Parameter) | 0 |
 | PIPECC_GPT_DROPOUT | dropout probability (attention and residual) | 0.0 |
 
-`GPTConfig` and `build_stages(num_stages, config)` can also be imported (with `runpy` or as
-a module) to build the same model with other sizes.
+`parallelize(module, stage, tp_mesh)` shards each block's MLP over the mesh's tp dimension
+(`pipecc run --mesh tp=2`). `GPTConfig` and `build_stages(num_stages, config)` can also be
+imported (with `runpy` or as a module) to build the same model with other sizes.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 def _env_int(name: str, default: int) -> int:
@@ -193,3 +196,16 @@ def make_batch(
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the logits [rows, tokens, vocab] against the int64 next tokens."""
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def parallelize(module: nn.Module, stage: int, tp_mesh: Any) -> None:
+    """Tensor parallelism of one stage over the mesh's tp dimension (`pipecc run --mesh
+    tp=N`), as torchtitan applies it to an MLP: the first Linear of every block's MLP split by
+    output features, the second by input features, so each rank computes half of the hidden
+    layer and the block's output is whole again (replicated, a plain tensor) after the second
+    Linear's all-reduce, which lies inside the module. The attention and the embeddings stay
+    whole."""
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    for name, sub in module.named_modules():
+        if name.endswith("mlp"):
+            parallelize_module(sub, tp_mesh, plan)

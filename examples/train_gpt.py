@@ -12,18 +12,42 @@ zero the gradients, `runtime.step(tokens, next_tokens)`, clip the global gradien
 parameter counted once over the pipeline), an AdamW step on `runtime.parameters()` (each
 parameter once), and rank 0 logs the step's loss (`runtime.global_loss()`, the mean over all
 microbatches on every rank).
+
+On a device mesh (docs/parallelism.md), `--pp P --dp-replicate D` with P·D processes:
+
+    torchrun --nproc-per-node 4 examples/train_gpt.py --schedule zbv --pp 2 --dp-replicate 2
+
+builds `init_device_mesh(device, (P, D), mesh_dim_names=("pp", "dp_replicate"))`, compiles the
+schedule for P ranks with each stage's data-parallel all_reduce (`--mesh dp_replicate=D`),
+and gives each replica its contiguous share of the global batch. `--tp T` adds a tp
+dimension (innermost) and splits every block's MLP over it (`parallelize` of
+examples/gpt.py); `--dp-shard S` wraps the stages each process holds with FSDP2 (schedules
+with full backwards only, untied: docs/parallelism.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpt import GPTConfig, build_stages, loss_fn, make_batch  # examples/gpt.py, beside this
+from gpt import (  # examples/gpt.py, beside this
+    GPTConfig,
+    build_stages,
+    loss_fn,
+    make_batch,
+    parallelize,
+)
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, shared_parameters
-from train_mlp import compile_for_world, setup  # examples/train_mlp.py, beside this
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from train_mlp import setup  # examples/train_mlp.py, beside this
+
+from pipecc.api import compile_schedule
+from pipecc.driver.mesh import MeshOptions, place_mesh
+from pipecc.ir.program import Program
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,28 +62,69 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--layers", type=int, default=0, help="blocks (0: one per stage)")
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--pp", type=int, help="pipeline ranks (default: the world size)")
+    parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards (full backwards)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel (each block's MLP)")
     return parser.parse_args()
+
+
+def on_mesh(args: argparse.Namespace, device: torch.device) -> tuple[Program, Any, int]:
+    """The program, the DeviceMesh (None without --dp-replicate or --tp) and this process's
+    replica index."""
+    world = dist.get_world_size()
+    others = args.dp_replicate * args.dp_shard * args.tp
+    pp = args.pp or world // others
+    if pp * others != world:
+        raise SystemExit(
+            f"--pp {pp} x --dp-replicate {args.dp_replicate} x --dp-shard {args.dp_shard} "
+            f"x --tp {args.tp} is not the world size {world}"
+        )
+    values = {k: int(v) for k, v in (d.split("=", 1) for d in args.defines)}
+    program = compile_schedule(args.schedule, ranks=pp, microbatches=args.microbatches,
+                               defines=values)  # fmt: skip
+    sizes = {"pp": pp, "dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard,
+             "tp": args.tp}  # fmt: skip
+    names = tuple(d for d, n in sizes.items() if n > 1 or d == "pp")
+    if names == ("pp",):
+        return program, None, 0
+    mesh = init_device_mesh(device.type, tuple(sizes[d] for d in names), mesh_dim_names=names)
+    program = place_mesh(program, MeshOptions(",".join(f"{d}={sizes[d]}" for d in names)))
+    at = dict(zip(names, mesh.get_coordinate(), strict=True))
+    replica = at.get("dp_replicate", 0) * args.dp_shard + at.get("dp_shard", 0)
+    return program, mesh, replica
 
 
 def main() -> None:
     args = parse_args()
     device = setup()
     rank = dist.get_rank()
-    program = compile_for_world(args.schedule, args.microbatches, args.defines)
+    program, mesh, replica = on_mesh(args, device)
+    pp_rank = rank if mesh is None else mesh.get_coordinate()[0]
     config = GPTConfig(tied=args.tied, dropout=args.dropout, layers=args.layers)
     stages = [s.to(device) for s in build_stages(program.placement.num_stages(0), config)]
-    modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(rank)}
+    if args.tp > 1:  # every block's MLP split over the tp group (examples/gpt.py)
+        for stage, module in enumerate(stages):
+            parallelize(module, stage, mesh["tp"])
+    if args.dp_shard > 1:  # FSDP2 on the stages held here, gradient sync at REDUCE_GRAD only
+        for slot in program.placement.chunks(pp_rank):
+            fully_shard(stages[slot.stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
+            stages[slot.stage].set_requires_gradient_sync(False)
+    modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(pp_rank)}
     runtime = PipelineRuntime(
         program,
         modules,  # the boundaries: found along the pipeline for each new shape signature
         loss_fn=loss_fn,
-        config=RuntimeConfig(device=device, shared=shared_parameters(stages), seed=0),
+        config=RuntimeConfig(device=device, shared=shared_parameters(stages), seed=0, mesh=mesh),
     )
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=args.lr)
-    rows = args.batch_size or 8 * args.microbatches
+    replicas = args.dp_replicate * args.dp_shard
+    rows = args.batch_size or 8 * args.microbatches * replicas  # the global batch
+    share = rows // replicas
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         tokens, targets = make_batch(rows, seed=step, config=config)
+        tokens, targets = (t[replica * share : (replica + 1) * share] for t in (tokens, targets))
         start = time.perf_counter()
         runtime.step(tokens.to(device), targets.to(device))
         norm = runtime.clip_grad_norm_(args.clip)

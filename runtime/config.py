@@ -42,6 +42,9 @@ class RuntimeConfig:
     `fp32_grads`: accumulate the gradients of low-precision parameters in fp32.
     `static_shapes`: the inputs' shapes never change after the first step, so a rank may
     be given no inputs (it keeps the first step's signature); a change is an error.
+    `mesh`: a `DeviceMesh` the runtime lives on; the pipeline's group and rank map then come
+    from its `pp_dim` dimension (`group` and `rank_map` are not given), and the program's
+    collectives over mesh dimensions run over its groups (runtime/comm/mesh.py).
     """
 
     group: dist.ProcessGroup | None = None
@@ -56,3 +59,5 @@ class RuntimeConfig:
     autocast: torch.dtype | None = None
     fp32_grads: bool = False
     static_shapes: bool = False
+    mesh: Any = None  # a torch DeviceMesh (docs/parallelism.md)
+    pp_dim: str = "pp"

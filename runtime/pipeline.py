@@ -32,10 +32,10 @@ from .boundaries.context import sample_context, split_context
 from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
 from .boundaries.signatures import BoundaryFn, Signature, Signatures
 from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
-from .comm import agreement, shared, training
+from .comm import agreement, mesh, shared, training
 from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
-from .engine import aux_loss
+from .engine import aux_loss, stage_actions
 from .engine.aux_loss import LossBreakdown
 from .engine.bound import Binder, methods, unalias
 from .engine.bound import Signature as BoundPlans
@@ -78,10 +78,12 @@ class PipelineRuntime:
         self.config = config
         self.modules = dict(modules.items() if isinstance(modules, Mapping) else enumerate(modules))
         self.loss_fn = loss_fn
-        self.group = config.group
+        self.group, rank_map = config.group, config.rank_map
+        if config.mesh is not None:  # the pipeline is the mesh's pp dimension (comm/mesh.py)
+            self.group, rank_map = mesh.pipeline_of(config.mesh, config.pp_dim)
         world = dist.get_world_size(self.group)
         self.rank_map = tuple(
-            config.rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
         )
         self.device = config.device or _device_of(self.modules)
         nccl = uses_nccl(self.group, self.device)
@@ -127,6 +129,8 @@ class PipelineRuntime:
         self.interpreter = Interpreter(rank, stage, fused, transfers, self.sums)
         slots = mailbox(self.program.ranks[rank])
         self.binder = Binder(stage, fused, self.channel, slots, captures)
+        self.mesh = mesh.DataParallel(self.program, rank, self.modules, config.mesh)
+        self.interpreter.mesh = self.mesh
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -220,9 +224,22 @@ class PipelineRuntime:
             self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
             self.device,
         )  # fmt: skip
+        found = self._over_replicas(found)
         if breakdown:
             return found
         return torch.tensor(found.total, dtype=torch.float32, device=self.device)
+
+    def _over_replicas(self, found: LossBreakdown) -> LossBreakdown:
+        """A pipeline's breakdown averaged over every pipeline of the mesh (one all-reduce
+        over the other dimensions; as it is without a mesh). Every replica runs the same
+        stages, so each adds losses in the same stages."""
+        if self.config.mesh is None:
+            return found
+        stages = sorted(found.by_stage)
+        parts = [found.total, found.main, found.added, *(found.by_stage[s] for s in stages)]
+        values = torch.tensor(parts, dtype=torch.float64, device=self.device)
+        mean = mesh.replicas_mean(values, self.config.mesh, self.config.pp_dim).tolist()
+        return LossBreakdown(mean[0], mean[1], mean[2], dict(zip(stages, mean[3:], strict=True)))
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -318,9 +335,18 @@ class PipelineRuntime:
         """Modules and shared parameters (checked with every new signature)."""
         config = self.config
         found = binding.module_problems(self.program, self.rank, self.modules)
+        split = split_chunks(self.program.ranks[self.rank])
+        found += stage_actions.fsdp_problems(split, self.modules)
+        fsdp = any(stage_actions.is_fsdp(m) for m in self.modules.values())
+        if fsdp and self.to_sum:
+            found.append(
+                "a parameter is held on several ranks (a tied weight or a duplicated stage) "
+                "and the stages are FSDP2 modules: the runtime does not sum sharded "
+                "gradients across ranks yet (untie it, or use dp_replicate)"
+            )
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
-        return found + self.sums.problems()
+        return found + self.sums.problems() + self.mesh.problems()
 
     def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:
         """Where the boundaries the user declared differ from those found."""

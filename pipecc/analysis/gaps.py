@@ -22,7 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipecc.ir.keys import MessageKeys
-from pipecc.ir.ops import Compute, Fused, Instr, Send, Wait, computations, is_compute
+from pipecc.ir.ops import (
+    Collective,
+    Compute,
+    Fused,
+    Instr,
+    Send,
+    Wait,
+    computations,
+    is_compute,
+)
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.semantics import CauseKind, Replay
@@ -195,8 +204,10 @@ def _releasing_op(run: Replay, instrs: tuple[Instr, ...], rank: int, index: int)
 
 
 def _why_late(program: Program, run: Replay, rank: int, index: int) -> str:
-    completion = run.completion_cause(rank, index)
     op = program.ranks[rank][index]
+    if type(op) is Collective:
+        return _collective_late(run, rank, index)
+    completion = run.completion_cause(rank, index)
     if completion.kind is CauseKind.TRANSFER:
         peer, at = completion.rank, completion.index
         partner = program.ranks[peer][at]
@@ -223,3 +234,18 @@ def _why_late(program: Program, run: Replay, rank: int, index: int) -> str:
             f"{done:g}) before it needed to; completed later, it would not block"
         )
     return f"the receive was posted only at {posted:g}"
+
+
+def _collective_late(run: Replay, rank: int, index: int) -> str:
+    """Why a collective completed when it did: its last member to be ready, or its own
+    duration after that."""
+    w = run.wiring
+    members = w.members[w.offsets[rank] + index]
+    posts = [(run.posted(m) or 0.0, m) for m in members]
+    if not posts:
+        return "it met no other member"
+    at, last = max(posts)
+    peer, where = w.locate(last)
+    if peer == rank:
+        return f"every other member was ready before it was posted at {at:g}"
+    return f"its last member, rank {peer} ([{where}]), was ready at {at:g}"

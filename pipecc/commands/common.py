@@ -11,8 +11,11 @@ from pipecc.diagnostics import CostModelError, InputError
 from pipecc.driver.compile import Alignment, Lowering
 from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
 from pipecc.driver.lowering import requested_style
+from pipecc.driver.mesh import MeshOptions
+from pipecc.ir.mesh import parse_mesh
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
+from pipecc.passes.insert_fsdp_actions import DEFAULT_POLICY, FsdpPolicy
 from pipecc.passes.torch_program import LoweringStyle
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel, load_cost_file, parse_cost_flag
@@ -115,14 +118,77 @@ def lowering(args: argparse.Namespace, backend: RunBackend = DEFAULT_BACKEND) ->
     --comm, else the backend's comm model)."""
     policy = getattr(args, "comm_policy", None)
     shared = getattr(args, "shared", None) or ()
+    mesh = mesh_options(args)
     style = requested_style(args)  # --lowering torch|torch-defer (docs/interop.md)
     if style is not LoweringStyle.PIPECC:
-        return Lowering(style=style, shared=shared)
+        return Lowering(style=style, shared=shared, mesh=mesh)
     if not getattr(args, "align", False):
-        return Lowering(policy=policy, shared=shared)
+        return Lowering(policy=policy, shared=shared, mesh=mesh)
     if policy is not None:
         raise InputError("--align and --comm-policy both place the comm ops: give one of them")
-    return Lowering(align=Alignment(load_costs(args), comm_model(args, backend)), shared=shared)
+    align = Alignment(load_costs(args), comm_model(args, backend))
+    return Lowering(align=align, shared=shared, mesh=mesh)
+
+
+def mesh_options(args: argparse.Namespace) -> MeshOptions | None:
+    """The command's --mesh, --fsdp, --max-active-stages and --prefetch (None: none given)."""
+    text = getattr(args, "mesh", None) or ""
+    fsdp = bool(getattr(args, "fsdp", False))
+    active = getattr(args, "max_active_stages", None)
+    prefetch = getattr(args, "prefetch", None)
+    if not (text or fsdp or active is not None or prefetch is not None):
+        return None
+    policy = FsdpPolicy(active, DEFAULT_POLICY.prefetch if prefetch is None else prefetch)
+    return MeshOptions(text, fsdp, policy)
+
+
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    """--mesh, --fsdp, --max-active-stages, --prefetch (docs/parallelism.md)."""
+    parser.add_argument(
+        "--mesh",
+        metavar="DIM=N,...",
+        type=mesh_text,
+        help="the device mesh: dp_shard=2,dp_replicate=2,tp=2 (pp is -P; torchtitan's names "
+        "pp, dp_replicate, dp_shard, cp, tp): dp_shard > 1 adds FSDP's UNSHARD, RESHARD and "
+        "REDUCE_GRAD, dp_replicate > 1 each stage's data-parallel all_reduce; verify and "
+        "simulate replay the whole mesh (docs/parallelism.md)",
+    )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="add FSDP's stage actions (implied by a mesh with dp_shard > 1)",
+    )
+    parser.add_argument(
+        "--max-active-stages",
+        type=positive,
+        metavar="K",
+        help="FSDP residency: at most K stages of a rank unsharded at once (default: no bound)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        type=non_negative,
+        metavar="N",
+        help="FSDP lookahead: unshard the stages of the next N computations ahead (default 1)",
+    )
+
+
+def mesh_text(text: str) -> str:
+    """An argparse check of --mesh's sizes (its pp is checked against P later)."""
+    try:
+        parse_mesh(text)
+    except InputError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+    return text
+
+
+def non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
+    return value
 
 
 def add_backend_arg(parser: argparse.ArgumentParser) -> None:

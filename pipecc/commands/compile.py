@@ -9,6 +9,7 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_mesh_args,
     add_policy_arg,
     add_shared_arg,
     load_input,
@@ -81,6 +82,7 @@ def register(commands: SubParsers) -> None:
     )
     add_policy_arg(cmd)
     add_shared_arg(cmd)
+    add_mesh_args(cmd)
     add_cost_args(cmd, backend=True)
     cmd.set_defaults(run=run)
 

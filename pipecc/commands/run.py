@@ -17,6 +17,7 @@ from pipecc.commands.common import (
     add_input_args,
     add_policy_arg,
     lowering,
+    mesh_text,
     positive,
     print_notes,
     write_output,
@@ -25,6 +26,7 @@ from pipecc.diagnostics import InputError, ProgramError
 from pipecc.driver.check import Resolution, verify_source
 from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
 from pipecc.driver.lowering import add_lowering_arg
+from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
 from pipecc.verify import Options, report
 
@@ -81,7 +83,22 @@ def register(commands: SubParsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_input_args(cmd)
-    cmd.add_argument("--nproc", dest="ranks", type=positive, help="processes to start (= -P)")
+    cmd.add_argument(
+        "--nproc",
+        dest="ranks",
+        type=positive,
+        help="processes to start (= -P; with --mesh the world size, the mesh's product)",
+    )
+    cmd.add_argument(
+        "--mesh",
+        metavar="DIM=N,...",
+        type=mesh_text,
+        help="run on a device mesh, e.g. dp_replicate=2, dp_shard=2 or tp=2 (pp: --nproc "
+        "over the other sizes): each replica takes its contiguous share of --batch-size, the "
+        "program gets each stage's data-parallel all_reduce and FSDP's stage actions, the "
+        "stages FSDP2 (dp_shard) and the model file's parallelize (tp); --check compares "
+        "with the whole batch (docs/parallelism.md)",
+    )
     cmd.add_argument("--model", required=True, metavar="FILE.py", help="the model file")
     cmd.add_argument(
         "--batch-size",
@@ -224,7 +241,9 @@ class Verified(NamedTuple):
         return f"{self.backend.comm_model.value} ({self.backend.value})"
 
 
-def _program(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Verified:
+def _program(
+    args: argparse.Namespace, backend_for: Callable[[int], str], world: int | None = None
+) -> Verified:
     """The program to run on the backend `backend_for` picks for its ranks, resolved as
     `pipecc verify --backend` resolves it, verified once under that backend's comm model
     with verify's checks, and refused (exit 1, verify's report on stderr) when it fails,
@@ -233,7 +252,7 @@ def _program(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Ver
         args.file, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
     )
     _check_sizes(args, source.program)
-    backend = RunBackend(backend_for(source.program.num_ranks))
+    backend = RunBackend(backend_for(world or source.program.num_ranks))
     resolution = Resolution(backend, lowering(args, backend))
     outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
     ok = outcome.report.ok
@@ -253,7 +272,13 @@ def _program(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Ver
 
 
 def _check_sizes(args: argparse.Namespace, program: Program) -> None:
-    """--nproc and -M, where given, agree with a compiled program's sizes."""
+    """--nproc and -M, where given, agree with a compiled program's sizes; a program for a
+    mesh of several pipelines is not run on one pipeline (docs/parallelism.md)."""
+    if program.mesh is not None and program.mesh.pipelines > 1 and not args.mesh:
+        raise InputError(
+            f"{args.file}: the program is for the mesh {program.mesh.describe()}; "
+            "run it with --mesh (pipecc run --mesh: docs/parallelism.md)"
+        )
     if args.ranks is not None and program.num_ranks != args.ranks:
         raise InputError(
             f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"
@@ -284,7 +309,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise InputError(_import_failure(err)) from None
     steps, warmup = _timing(args)
-    verified = _program(args, backend_for)
+    mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
+    if mesh is not None:
+        args.ranks = mesh.pp  # the program is one pipeline's
+    verified = _program(args, backend_for, mesh.world if mesh is not None else None)
     program = verified.resolved.program
     if not args.json:
         print(verified.line(), flush=True)
@@ -302,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
         derive_rng=args.derive_rng,
         autocast=AUTOCAST.get(args.autocast),
         reference=args.reference,
+        mesh=mesh,
     )
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
@@ -312,6 +341,7 @@ def run(args: argparse.Namespace) -> int:
     fields["program"] = verified.resolved.description
     fields["verified"] = verified.backend.comm_model.value
     fields["verified_ok"] = verified.ok
+    fields["mesh"] = mesh.describe() if mesh is not None else None
     tolerance = args.tolerance if args.tolerance is not None else fields["tolerance"]
     fields["tolerance"] = tolerance
     failure = _failure(fields, tolerance) if args.check else None
@@ -364,8 +394,9 @@ def _reference_name(fields: dict[str, Any]) -> str:
 def _print_summary(
     fields: dict[str, Any], args: argparse.Namespace, failure: str | None, *, written: bool
 ) -> None:
+    mesh = f"  mesh {fields['mesh']}" if fields.get("mesh") else ""
     print(
-        f"{fields['schedule']}  P={fields['ranks']} M={fields['microbatches']}  "
+        f"{fields['schedule']}  P={fields['ranks']} M={fields['microbatches']}{mesh}  "
         f"batch {fields['batch_size']} rows  backend {fields['backend']}  comm {fields['comm']}"
     )
     line = f"loss {fields['loss']:.6g}"

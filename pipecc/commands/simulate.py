@@ -10,15 +10,18 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_mesh_args,
     comm_model,
     load_costs,
     load_input,
     positive,
+    print_notes,
     program_costs,
     write_output,
 )
 from pipecc.diagnostics import InputError
 from pipecc.driver.lowering import add_lowering_arg
+from pipecc.driver.mesh import whole_mesh
 from pipecc.interop.torch_csv import has_stage_ops
 from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
@@ -55,6 +58,7 @@ def register(commands: SubParsers) -> None:
     )
     add_input_args(cmd)
     add_lowering_arg(cmd)
+    add_mesh_args(cmd)
     add_cost_args(cmd, backend=True)
     cmd.add_argument(
         "--stall-threshold",
@@ -75,7 +79,8 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    program = load_input(args.file, args)
+    program, whole = whole_mesh(load_input(args.file, args))  # a mesh: every rank of it
+    print_notes(whole)
     costs = program_costs(load_costs(args), program)
     if costs.names_stage_ops() and not has_stage_ops(program):
         print(
@@ -108,9 +113,15 @@ def summary(timeline: Timeline) -> str:
     """The headline figures and the per-rank table."""
     program = timeline.program
     step = f"   step {timeline.step:g} (sync {timeline.sync:g})" if timeline.sync else ""
+    sizes = f"P={program.num_ranks} M={program.num_microbatches}"
+    if program.mesh is not None:  # the whole mesh: its sizes, and the pipeline's
+        m = program.num_microbatches // program.mesh.pipelines
+        sizes = (
+            f"mesh {program.mesh.describe()} ({program.num_ranks} ranks)  P={program.mesh.pp} M={m}"
+        )
     lines = [
-        f"# {program.schedule}  P={program.num_ranks} M={program.num_microbatches}  "
-        f"comm {timeline.model.value}  costs {timeline.costs.describe()}",
+        f"# {program.schedule}  {sizes}  comm {timeline.model.value}  "
+        f"costs {timeline.costs.describe()}",
         f"makespan {timeline.makespan:g}{step}   bubble ratio {timeline.bubble_ratio:.4f}",
         "rank   busy     idle  in-bubble  peak act  stalls (count, total)  "
         "dependency-bound  placement-bound",

@@ -11,6 +11,7 @@ import sys
 from pipecc.commands.common import (
     SubParsers,
     add_backend_arg,
+    add_mesh_args,
     add_policy_arg,
     add_size_args,
     backend_of,
@@ -131,6 +132,7 @@ def register(commands: SubParsers) -> None:
         "--format", choices=FORMATS, default="text", help="output format (default: text)"
     )
     add_lowering_arg(cmd)
+    add_mesh_args(cmd)
     cmd.add_argument(
         "--limit",
         type=positive,

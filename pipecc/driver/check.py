@@ -28,6 +28,7 @@ from pipecc.driver.load import (
     resolve_source,
 )
 from pipecc.driver.lowering import compute_order, lower_torch
+from pipecc.driver.mesh import whole_mesh
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.torch_lowering import MalformedSchedule
 from pipecc.passes.torch_program import LoweringStyle
@@ -85,6 +86,8 @@ def verify_program(
             "compute-only input: sends, receives and waits placed by the "
             "default comm policy (docs/compile.md), then verified",
         )
+    program, whole = whole_mesh(program)  # a pipeline's program on a mesh: every rank of it
+    notes = (*notes, *whole)
     if program.backend is Backend.INDEPENDENT_PROGRESS and any(
         m.has_streams for m in options.models
     ):

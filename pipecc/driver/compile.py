@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipecc.driver.files import read_text, resolve_schedule
+from pipecc.driver.mesh import MeshOptions
 from pipecc.frontend.ast import Param, ScheduleFile
 from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
@@ -50,6 +51,7 @@ class Lowering:
     style: LoweringStyle = LoweringStyle.PIPECC  # --lowering torch|torch-defer: torch's rules
     comms: bool = True
     shared: tuple[tuple[int, ...], ...] = ()
+    mesh: MeshOptions | None = None  # --mesh/--fsdp: placed after the comm ops (driver/mesh.py)
 
 
 DEFAULT_LOWERING = Lowering()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.diagnostics import InputError, SourceFile, Span
+from pipecc.ir.mesh import DIMS, Mesh
 from pipecc.ir.ops import (
     Collective,
     CollectiveKind,
@@ -43,7 +44,7 @@ FORMAT = "pipecc.program/1"
 
 def dumps(program: Program) -> str:
     """The program as JSON text (deterministic)."""
-    header = {
+    header: dict[str, Any] = {
         "format": FORMAT,
         "schedule": program.schedule,
         "source": program.source,
@@ -57,6 +58,8 @@ def dumps(program: Program) -> str:
             for s in program.placement.slots
         ],
     }
+    if program.mesh is not None:  # absent: a pipeline on its own
+        header["mesh"] = program.mesh.to_dict()
     lines = ["{"]
     for key, value in header.items():
         lines.append(f"  {json.dumps(key)}: {json.dumps(value)},")
@@ -87,6 +90,12 @@ def _collective_dict(op: Collective) -> dict[str, Any]:
     entry["what"] = op.what
     if op.asynchronous:  # absent: blocking (DESIGN §4)
         entry["async"] = True
+    if op.dims:  # absent: `ranks` are the members (docs/parallelism.md)
+        entry["dims"] = list(op.dims)
+    if op.stages:
+        entry["stages"] = list(op.stages)
+    if op.shards != 1:
+        entry["shards"] = op.shards
     return entry
 
 
@@ -133,7 +142,7 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
 SPAN = ("line", "col")
 HEADER_FIELDS = frozenset(
     ("format", "schedule", "source", "ranks", "microbatches", "params", "comm",
-     "placement_name", "placement", "programs")
+     "placement_name", "placement", "programs", "mesh")
 )  # fmt: skip
 PLACEMENT_FIELDS = frozenset(("rank", "chunk", "pipe", "stage"))
 COMPUTE_FIELDS = frozenset(("op", "chunk", "pipe", "stage", "mb", *SPAN))
@@ -142,7 +151,9 @@ SEQUENTIAL_FIELDS = frozenset(("op", "sequential", "ops", *SPAN))
 COMM_FIELDS = frozenset(("op", "what", "peer", "pipe", "stage", "mb", "group", *SPAN))
 WAIT_FIELDS = frozenset(("op", "ops", *SPAN))
 STAGE_OP_FIELDS = frozenset(("op", "chunk", "pipe", "stage", *SPAN))
-COLLECTIVE_FIELDS = frozenset(("op", "kind", "ranks", "what", "async", *SPAN))
+COLLECTIVE_FIELDS = frozenset(
+    ("op", "kind", "ranks", "what", "async", "dims", "stages", "shards", *SPAN)
+)
 SHOWN_UNKNOWN = 8  # unknown fields named in the note; the rest are counted
 
 
@@ -258,6 +269,7 @@ def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
         for rank in range(num_ranks)
     )
     comm = str(data.get("comm", "unknown"))
+    mesh = _read_mesh(data, num_ranks, reader)
     program = Program(
         schedule=str(data.get("schedule", Path(path).stem)),
         source=source,
@@ -268,8 +280,33 @@ def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
         placement=placement,
         ranks=ranks,
         backend=backend_of(comm),
+        mesh=mesh,
     )
     return program, reader.notes()
+
+
+def _read_mesh(data: dict[str, Any], num_ranks: int, reader: _Reader) -> Mesh | None:
+    """`"mesh": {"pp": 2, "dp_shard": 2}`: the mesh, with `ranks` either pp (a pipeline's
+    program) or the product of the sizes (the whole mesh)."""
+    if "mesh" not in data:
+        return None
+    sizes = data["mesh"]
+    names = ", ".join(DIMS)
+    if not isinstance(sizes, dict) or not all(
+        k in DIMS and _is_int(v) and v >= 1 for k, v in sizes.items()
+    ):
+        raise reader.fail(
+            "mesh", f"expected an object of sizes ≥ 1 named {names}, got {json.dumps(sizes)}"
+        )
+    mesh = Mesh(**{str(k): int(v) for k, v in sizes.items()})
+    if num_ranks not in (mesh.pp, mesh.world):
+        raise reader.fail(
+            "mesh",
+            f"{mesh.describe()} has pp={mesh.pp} and {mesh.world} ranks in all, but the "
+            f"program has {num_ranks} rank lists (a pipeline's program has pp, the whole "
+            "mesh's one per global rank)",
+        )
+    return mesh
 
 
 def _source_file(source: str, path: str) -> SourceFile | None:
@@ -382,8 +419,30 @@ def _read_collective(obj: dict[str, Any], where: str, reader: _Reader) -> Collec
         raise reader.fail(
             where, f"field 'async' must be true or false, got {json.dumps(asynchronous)}"
         )
+    dims = obj.get("dims", [])
+    if not isinstance(dims, list) or not all(isinstance(d, str) for d in dims):
+        raise reader.fail(
+            where, f"field 'dims' must be a list of mesh dimensions, got {json.dumps(dims)}"
+        )
+    stages = obj.get("stages", [])
+    if not isinstance(stages, list) or not all(_is_int(x) and x >= 0 for x in stages):
+        raise reader.fail(
+            where, f"field 'stages' must be a list of stages, got {json.dumps(stages)}"
+        )
+    shards = obj.get("shards", 1)
+    if not _is_int(shards) or shards < 1:
+        raise reader.fail(where, f"field 'shards' must be an integer ≥ 1, got {json.dumps(shards)}")
     reader.known(obj, where, COLLECTIVE_FIELDS)
-    return Collective(_COLLECTIVES[kind], tuple(ranks), what, asynchronous, reader.span(obj))
+    return Collective(
+        _COLLECTIVES[kind],
+        tuple(ranks),
+        what,
+        asynchronous,
+        tuple(dims),
+        tuple(stages),
+        shards,
+        reader.span(obj),
+    )
 
 
 def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:

@@ -232,22 +232,33 @@ class Collective(NamedTuple):
     rendezvous of all of them (DESIGN §5). `what` names what it carries ("grad-sum s0+s7":
     the summed gradients of stages 0 and 7); members issue their collectives over one set
     of ranks in the same order, kind and `what`. Blocking unless `asynchronous` (JSON
-    `"async": true`): then a later Wait lists it, as it lists a send or a receive."""
+    `"async": true`): then a later Wait lists it, as it lists a send or a receive.
+
+    In a pipeline's program on a mesh (`Program.mesh`, docs/parallelism.md), `dims` names
+    mesh dimensions (`("dp_replicate",)`): the collective then runs over the listed pipeline
+    ranks times every coordinate along those dimensions, the rank's own coordinates along
+    the others (`ir/mesh.py`); `ranks` are global ranks otherwise. `stages` are the stages
+    whose parameters or gradients it carries (what the runtime reduces, what the simulator
+    costs from their bytes); `shards`: those tensors are split over this many ranks (FSDP's
+    dp_shard), so it moves 1/shards of their bytes."""
 
     kind: CollectiveKind
     ranks: tuple[int, ...]
     what: str
     asynchronous: bool = False
+    dims: tuple[str, ...] = ()
+    stages: tuple[int, ...] = ()
+    shards: int = 1
     span: Span | None = None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Collective and self[:4] == other[:4]
+        return type(other) is Collective and self[:7] == other[:7]
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
 
     def __hash__(self) -> int:
-        return hash(("Collective", *self[:4]))
+        return hash(("Collective", *self[:7]))
 
     def label(self) -> str:
         """`all_reduce{0,7}`: the kind and the ranks."""

@@ -35,6 +35,11 @@ from pipecc.ir.program import Program
 def header(program: Program) -> str:
     params = " ".join(f"{k}={v}" for k, v in program.params)
     extra = f"  {params}" if params else ""
+    if program.is_whole_mesh:  # the whole mesh: one list per global rank
+        assert program.mesh is not None
+        extra += f"  mesh {program.mesh.describe()} ({program.num_ranks} ranks)"
+    elif program.mesh is not None:
+        extra += f"  mesh {program.mesh.describe()}"
     return (
         f"# {program.schedule}  P={program.num_ranks} M={program.num_microbatches}  "
         f"placement {program.placement.name}{extra}"
@@ -104,6 +109,9 @@ def collective(op: Collective) -> str:
     """`all_reduce grad-sum s0+s7 over ranks 0, 7` (`[async]` when a later wait completes it)."""
     ranks = ", ".join(str(r) for r in op.ranks)
     tail = " [async]" if op.asynchronous else ""
+    if op.dims:  # a pipeline's program on a mesh: its pipeline ranks times these dimensions
+        over = "pipeline rank" if len(op.ranks) == 1 else "pipeline ranks"
+        return f"{op.kind.value} {op.what} over {over} {ranks} × {' × '.join(op.dims)}{tail}"
     return f"{op.kind.value} {op.what} over ranks {ranks}{tail}"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pipecc.ir.mesh import Mesh
 from pipecc.ir.ops import Instr
 from pipecc.ir.placement import Placement
 
@@ -25,6 +26,9 @@ class Program:
     `ranks[r]` is rank r's instruction list in execution order. `comm` names the lowering
     policy that placed the communication ops ("none" for a compute-only program); `backend`
     is what that policy needs of the backend, which the verifier and the runtime read.
+    `mesh`: the device mesh it runs on (`ir/mesh.py`), None for a pipeline on its own; with
+    a mesh, `ranks` holds either the pipeline's `mesh.pp` lists (every pipeline runs them)
+    or one list per global rank (`is_whole_mesh`).
     """
 
     schedule: str
@@ -36,6 +40,18 @@ class Program:
     placement: Placement
     ranks: tuple[tuple[Instr, ...], ...]
     backend: Backend = Backend.ANY
+    mesh: Mesh | None = None
+
+    @property
+    def is_whole_mesh(self) -> bool:
+        """On a mesh of more than one pipeline, with one list per global rank."""
+        mesh = self.mesh
+        return mesh is not None and mesh.pipelines > 1 and self.num_ranks == mesh.world
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """P: the ranks of one pipeline (the mesh's pp, else every rank)."""
+        return self.mesh.pp if self.mesh is not None else self.num_ranks
 
     def num_instructions(self) -> int:
         return sum(len(instrs) for instrs in self.ranks)

@@ -11,6 +11,9 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
     bytes         size of one message (with `bandwidth`, adds bytes / bandwidth to `comm`)
     bandwidth     bytes per time unit (global only)
     act_bytes     bytes of one microbatch's activations of a stage (for peak memory in bytes)
+    param_bytes   bytes of a stage's parameters (its gradients are as large): what a
+                  collective carrying the stage moves (FSDP's all_gather and reduce_scatter,
+                  the data-parallel all_reduce, the shared-parameter sum), with `bandwidth`
     UNSHARD, RESHARD, REDUCE_GRAD
                   durations of torch's per-stage actions, where a program holds them (a torch
                   CSV's; docs/interop.md); 0 unless given
@@ -20,9 +23,13 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   a step: duplicated stages (DualPipe) and shared weights whose stages lie on
                   different ranks (`shared`); added to the step, not to the program's
                   makespan (global only; 0)
-    collective    duration of one collective instruction (a program's gradient sum): from the
-                  moment its last member is ready to its completion on every member (global
-                  only; 0). A program that holds its gradient sums pays this, not `sync`
+    collective    latency of one collective instruction: from the moment its last member is
+                  ready to its completion on every member (global only; 0). With
+                  `param_bytes` and `bandwidth`, a collective over n ranks carrying B bytes
+                  (the param_bytes of its stages, divided by its `shards`) adds the ring
+                  algorithm's traffic per rank over the bandwidth: all_reduce 2(n-1)/n·B,
+                  all_gather and reduce_scatter (n-1)/n·B, broadcast B. A program that holds
+                  its gradient sums pays this, not `sync`
     shared        groups of stages that hold one parameter (tied embeddings: the first and
                   the last stage), `shared = [[0, 7]]` in a file, `shared=0+7` on the
                   command line (groups separated by `/`); a program sums such a group's
@@ -57,18 +64,40 @@ from pathlib import Path
 from typing import Any, cast
 
 from pipecc.diagnostics import CostModelError
-from pipecc.ir.ops import Collective, Compute, Fused, Kind, Send, Sequential, StageOp
+from pipecc.ir.ops import (
+    Collective,
+    CollectiveKind,
+    Compute,
+    Fused,
+    Kind,
+    Send,
+    Sequential,
+    StageOp,
+)
 from pipecc.ir.program import Program
+
+
+# the bytes each rank sends per byte of the tensor, in the ring algorithm over n ranks
+def ring_traffic(kind: CollectiveKind, n: int) -> float:
+    """Bytes each of n ranks sends per byte of the tensor, in the ring algorithm."""
+    if kind is CollectiveKind.ALL_REDUCE:
+        return 2 * (n - 1) / n
+    if kind is CollectiveKind.BROADCAST:
+        return 1.0
+    return (n - 1) / n  # all_gather, reduce_scatter
+
 
 # torch's per-stage actions (docs/interop.md): 0 unless given
 STAGE_OP_KEYS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 
-DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes", *STAGE_OP_KEYS)
+DURATION_KEYS = (
+    "F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes", *STAGE_OP_KEYS, "param_bytes"
+)  # fmt: skip
 HOST_KEYS = ("post", "wait", "sync", "collective")  # global only: host time, sync, collectives
 CUT_KEYS = ("placement", "ranks", "stages")  # what a file was measured on (a file only)
 GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "shared", "unit", *CUT_KEYS)
 # the work of one stage: scaled to the stage's part of the model (module docstring)
-WORK_KEYS = ("F", "B", "I", "W", "FB", "FI", *STAGE_OP_KEYS, "act_bytes")
+WORK_KEYS = ("F", "B", "I", "W", "FB", "FI", *STAGE_OP_KEYS, "act_bytes", "param_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +113,7 @@ class Cut:
     def of(cls, program: Program) -> Cut:
         """The cut of `program` (pipe 0's stages: DualPipe's two pipes hold the same ones)."""
         placement = program.placement
-        return cls(program.num_ranks, placement.num_stages(0), placement.name)
+        return cls(program.pipeline_ranks, placement.num_stages(0), placement.name)
 
     @property
     def shares(self) -> float:
@@ -112,6 +141,7 @@ class StageCost:
     UNSHARD: float | None = None
     RESHARD: float | None = None
     REDUCE_GRAD: float | None = None
+    param_bytes: float | None = None
 
     def over(self, base: StageCost) -> StageCost:
         """This stage's values where given, `base`'s elsewhere."""
@@ -135,6 +165,7 @@ class ResolvedCost:
     UNSHARD: float = 0.0
     RESHARD: float = 0.0
     REDUCE_GRAD: float = 0.0
+    param_bytes: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +263,17 @@ class CostModel:
     def overhead(self) -> tuple[float, float]:
         """Host time per post and per Wait, (post, wait) (0 where not given)."""
         return (self.host.post or 0.0, self.host.wait or 0.0)
+
+    def collective(self, op: Collective) -> float:
+        """A collective's duration: `collective` (its latency), plus its traffic per rank over
+        `bandwidth` when its stages' `param_bytes` are known (the module docstring)."""
+        latency = self.host.collective or 0.0
+        sizes = [self.stage(s).param_bytes for s in op.stages]
+        n = len(op.ranks)
+        if not self.bandwidth or not sizes or None in sizes or n < 2:
+            return latency
+        size = sum(x for x in sizes if x is not None) / op.shards
+        return latency + ring_traffic(op.kind, n) * size / self.bandwidth
 
     @property
     def sync(self) -> float:
@@ -487,6 +529,7 @@ def _resolve(cost: StageCost, bandwidth: float | None, scale: float = 1.0) -> Re
         cost.UNSHARD or 0.0,
         cost.RESHARD or 0.0,
         cost.REDUCE_GRAD or 0.0,
+        cost.param_bytes,
     )
 
 
@@ -531,7 +574,7 @@ class CostTiming:
         return self.costs.latency(send.stage)
 
     def collective(self, rank: int, index: int, op: Collective) -> float:
-        return self.costs.host.collective or 0.0
+        return self.costs.collective(op)
 
     def overhead(self, rank: int) -> tuple[float, float]:
         return self.costs.overhead()

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple, TypeAlias, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -279,8 +279,8 @@ class GradientSums:
         device: torch.device,
     ) -> None:
         self.rank = rank
-        self.mine = [(i, op) for i, op in enumerate(program.ranks[rank]) if type(op) is Collective]
-        self.outside = not any(type(op) is Collective for ops in program.ranks for op in ops)
+        self.mine = [(i, op) for i, op in enumerate(program.ranks[rank]) if _is_sum(op)]
+        self.outside = not any(_is_sum(op) for ops in program.ranks for op in ops)
         self.buckets = buckets
         self.grads = grads
         self.device = device
@@ -296,7 +296,7 @@ class GradientSums:
     ) -> None:
         """The process group of each set of ranks of the program's collectives that holds
         this rank, created once, in one global order (sorted sets) on every member."""
-        sets = sorted({_set(op) for ops in program.ranks for op in ops if type(op) is Collective})
+        sets = sorted({_set(op) for ops in program.ranks for op in ops if _is_sum(op)})
         for ranks in sets:
             if self.rank not in ranks or any(r >= len(rank_map) for r in ranks):
                 continue
@@ -344,6 +344,12 @@ class GradientSums:
             total = _flat(groups, self.device, dtype, self.grads)
             dist.all_reduce(total, group=group)
             _scatter(total, groups, self.grads)
+
+
+def _is_sum(op: object) -> TypeGuard[Collective]:
+    """A collective over ranks of the pipeline (a gradient sum); those over mesh dimensions
+    are runtime/comm/mesh.py's."""
+    return isinstance(op, Collective) and not op.dims
 
 
 def _set(op: Collective) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .shared import ParamGrads
 
@@ -27,13 +28,19 @@ def global_norm(
         grad = grads.get(param)
         if grad is None:
             continue
-        value = grad.detach().double()
+        value = _full(grad).detach().double()
         if infinite:
             local = torch.maximum(local, value.abs().max())
         else:
             local = local + value.abs().pow(norm_type).sum()
     dist.all_reduce(local, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)
     return (local if infinite else local.pow(1.0 / norm_type)).float()
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as a whole tensor: a tensor-parallel parameter's (a DTensor) gathered, so
+    that every rank of its tp group adds the same full norm (docs/parallelism.md)."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def scale_grads(params: Sequence[torch.nn.Parameter], coefficient: float) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import SetupError
 from pipecc.ir.keys import Message, carried, consumed, produced
@@ -68,6 +69,7 @@ from .steps import (
     ComputeStep,
     FusedStep,
     PostStep,
+    ReduceStep,
     SequentialStep,
     StageStep,
     Step,
@@ -106,7 +108,10 @@ def unalias(params: Sequence[torch.Tensor], storages: frozenset[int]) -> None:
     is received into again at the next step)."""
     for param in params:
         grad = param.grad
-        if grad is not None and grad.untyped_storage().data_ptr() in storages:
+        if grad is None:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad  # a TP/FSDP shard
+        if local.untyped_storage().data_ptr() in storages:
             param.grad = grad.clone()
 
 
@@ -180,6 +185,8 @@ class Binder:
             chunk = self.stage.chunks.get(instr.chunk)
             return StageStep(index, instr, chunk.module if chunk is not None else None)
         if isinstance(instr, Collective):
+            if instr.dims:  # over mesh dimensions: runtime/comm/mesh.py
+                return ReduceStep(index, instr)
             return CollectiveStep(index, instr)
         raise AssertionError(f"unknown instruction {instr!r}")
 

@@ -10,7 +10,7 @@ receive buffers belong to the bound plan (runtime/engine/bound.py), not to the c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -62,6 +62,9 @@ class StepContext:
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)
     pending: dict[int, Pending] = field(default_factory=dict)
+    # async collectives over mesh dimensions, by instruction (runtime/comm/mesh.py): their
+    # works, completed by the `wait` that lists them
+    reductions: dict[int, list[Any]] = field(default_factory=dict)
     queue: list[tuple[PostStep, Tensors]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     # the losses added inside each stage's forward, by microbatch then stage (detached sums)
@@ -72,8 +75,9 @@ class StepContext:
     def leftovers(self) -> list[str]:
         """What a complete program would have consumed by the end of the step."""
         found = []
-        if self.pending:
-            found.append(f"posted ops never waited: instructions {sorted(self.pending)}")
+        if self.pending or self.reductions:
+            posted = sorted([*self.pending, *self.reductions])
+            found.append(f"posted ops never waited: instructions {posted}")
         if self.saved:
             found.append(f"forwards without a backward: (chunk, mb) {sorted(self.saved)}")
         if self.weights:

@@ -28,6 +28,7 @@ import traceback
 from pipecc.diagnostics import PipeccError, RankError
 from pipecc.ir.ops import Collective
 
+from ..comm.mesh import DataParallel
 from ..comm.shared import GradientSums
 from .compute import StageOps
 from .context import StepContext
@@ -38,6 +39,7 @@ from .steps import (
     Current,
     FusedStep,
     PostStep,
+    ReduceStep,
     SequentialStep,
     StageStep,
     Step,
@@ -75,6 +77,7 @@ class Interpreter:
         self.fused = fused
         self.transfers = transfers
         self.sums = sums
+        self.mesh: DataParallel | None = None  # the reductions over mesh dimensions
 
     def run(self, current: Current, ctx: StepContext) -> None:
         """One step: the bound plan in use, training or forward only as `ctx` says."""
@@ -125,6 +128,17 @@ class Interpreter:
         (runtime/comm/shared.py)."""
         assert self.sums is not None  # bound with the runtime's sums whenever a plan runs
         self.sums.run(instr)
+
+    def reduce(self, ctx: StepContext, step: ReduceStep) -> None:
+        """A data-parallel reduction over mesh dimensions (runtime/comm/mesh.py): posted,
+        and completed here when blocking, at the `wait` that lists it when async."""
+        assert self.mesh is not None and isinstance(step.instr, Collective)
+        works = self.mesh.post(step.index, step.instr)
+        if step.instr.asynchronous:
+            ctx.reductions[step.index] = works
+        else:
+            for work in works:
+                work.wait()
 
     def where(self, ctx: StepContext, step: Step) -> str:
         """The rank, the step and the instruction, for errors."""

@@ -15,6 +15,7 @@ module that is an FSDP module (`torch.distributed.fsdp.fully_shard`), as torch's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,3 +49,21 @@ def _post_backward(module: Any) -> None:
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
     fsdp_post_backward(module)
+
+
+def is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether `module` is (or holds) an FSDP2 module."""
+    return any(isinstance(sub, FSDPModule) for sub in module.modules())
+
+
+def fsdp_problems(split: frozenset[int], modules: Mapping[int, torch.nn.Module]) -> list[str]:
+    """FSDP2 stages whose backward the program splits into I and W: the weight gradients W
+    computes bypass FSDP's post-backward, so its reduction would miss them (measured: the
+    gradients come out wrong); such stages run B only (1F1B, GPipe, interleaved 1F1B)."""
+    return [
+        f"chunk {chunk}'s module is an FSDP2 module, and the program splits its backward "
+        "into I and W, which this runtime cannot run on FSDP stages yet: use a schedule "
+        "with full backwards (1F1B, GPipe, interleaved 1F1B) for FSDP stages"
+        for chunk in sorted(split)
+        if chunk in modules and is_fsdp(modules[chunk])
+    ]

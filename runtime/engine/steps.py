@@ -49,6 +49,9 @@ class Runner(Protocol):
     def stage_op(self, step: StageStep) -> None:
         """torch's UNSHARD, RESHARD, REDUCE_GRAD."""
 
+    def reduce(self, ctx: StepContext, step: ReduceStep) -> None:
+        """A collective over mesh dimensions (a data-parallel reduction)."""
+
     def collective(self, instr: Collective) -> None:
         """A collective (the shared-parameter gradient sum)."""
 
@@ -192,6 +195,16 @@ class CollectiveStep(Step):
     def go(self, runner: Runner, ctx: StepContext) -> None:
         assert isinstance(self.instr, Collective)
         runner.collective(self.instr)
+
+
+class ReduceStep(Step):
+    """A collective over mesh dimensions (a data-parallel reduction, runtime/comm/mesh.py):
+    posted here, completed here when blocking, at its `wait` when async."""
+
+    __slots__ = ()
+
+    def go(self, runner: Runner, ctx: StepContext) -> None:
+        runner.reduce(ctx, self)
 
 
 class Bound(NamedTuple):

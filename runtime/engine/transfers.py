@@ -79,6 +79,12 @@ class Transfers:
         deadline = time.monotonic() + self.timeout
         waited: list[Send | Recv] = []
         for op_index in step.ops:
+            works = ctx.reductions.pop(op_index, None)
+            if works is not None:  # a reduction over mesh dimensions: in place, no mail
+                for work in works:
+                    work.wait()
+                released = time.perf_counter()
+                continue
             pending = ctx.pending.pop(op_index, None)
             if pending is None:
                 raise ProgramError(f"instruction {op_index} is not a posted, unwaited op")

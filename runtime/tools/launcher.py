@@ -25,12 +25,14 @@ import torch
 import torch.distributed as dist
 
 from pipecc.diagnostics import InputError
+from pipecc.ir.mesh import Mesh
 from pipecc.ir.program import Program
 
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..pipeline import PipelineRuntime
 from ..profiling.recorder import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
+from . import mesh_job
 from .checking import check_run
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .reference import Options, ParamKey, default_tolerance
@@ -57,6 +59,7 @@ class RunJob:
     derive_rng: bool = True
     autocast: torch.dtype | None = None  # overrides the model file's
     reference: str = "stages"  # --check against: "stages" (one after another) or "whole"
+    mesh: Mesh | None = None  # --mesh: the world is the mesh, the program one pipeline's
 
 
 @dataclass(frozen=True)
@@ -100,19 +103,24 @@ def backend_for(ranks: int) -> str:
 
 def run_job(job: RunJob) -> RunReport:
     """Run the job on `program.num_ranks` local processes and report."""
-    if job.batch_size % job.program.num_microbatches:
+    replicas = _replicas(job)
+    if job.batch_size % (job.program.num_microbatches * replicas):
+        shares = f"{replicas} replicas' shares of " if replicas > 1 else ""
         raise InputError(
-            f"--batch-size {job.batch_size} cannot be split into "
+            f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
     model = load_model(job.model)
     check_targets(job.model, model, model.batch(job.batch_size, seed=0)[1])
-    backend = backend_for(job.program.num_ranks)
-    results = spawn(_worker, job.program.num_ranks, job, backend=backend, timeout=job.timeout)
+    world = job.mesh.world if job.mesh is not None else job.program.num_ranks
+    backend = backend_for(world)
+    results = spawn(_worker, world, job, backend=backend, timeout=job.timeout)
     last = job.warmup + job.steps - 1
     losses = [loss for r in results for mb, loss in r["losses"][last].items()]
+    pipelines = 1 if job.mesh is None else job.mesh.pipelines  # each reports its M losses
     checked = _check(job, model, results, backend) if job.check else None
-    aux = aux_by_stage([r["aux"][last] for r in results], job.program.num_microbatches)
+    microbatches = job.program.num_microbatches * pipelines  # every pipeline reports its own
+    aux = aux_by_stage([r["aux"][last] for r in results], microbatches)
     program = job.program
     worst = worst_spread(_records(results)) if job.profile else None
     return RunReport(
@@ -120,7 +128,7 @@ def run_job(job: RunJob) -> RunReport:
         ranks=program.num_ranks,
         microbatches=program.num_microbatches,
         batch_size=job.batch_size,
-        loss=sum(losses) / program.num_microbatches,
+        loss=sum(losses) / (program.num_microbatches * pipelines),
         max_abs_grad_diff=None if checked is None else checked.max_abs,
         max_rel_grad_diff=None if checked is None else checked.max_rel,
         reference_loss=None if checked is None else checked.reference_loss,
@@ -145,6 +153,11 @@ def run_job(job: RunJob) -> RunReport:
     )
 
 
+def _replicas(job: RunJob) -> int:
+    """How many pipelines see different data (1 without a mesh)."""
+    return 1 if job.mesh is None else job.mesh.dp_replicate * job.mesh.dp_shard
+
+
 def _autocast(job: RunJob, model: ModelFile) -> torch.dtype | None:
     """--autocast, else the model file's `autocast`."""
     return job.autocast or model.autocast
@@ -155,16 +168,20 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     program = job.program
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     num_stages = program.placement.num_stages(0)
-    slots = program.placement.chunks(rank)
+    where = mesh_job.place(job.mesh, rank, device)  # the pipeline rank, the batch share
+    slots = program.placement.chunks(where.pp_rank)
     whole = model.build_stage is None  # build_stages: every rank builds every stage
     built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
     built = {stage: module.to(device) for stage, module in built.items()}
+    mesh_job.parallelize(model, built, where)  # --mesh tp=N: the model file's parallelize
+    mesh_job.shard(built, {s.stage for s in slots}, where)  # --mesh dp_shard=N: FSDP2
     modules = {slot.chunk: built[slot.stage] for slot in slots}
     autocast = _autocast(job, model)
     shared = shared_parameters(list(built.values())) if whole else ()
     config = RuntimeConfig(
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
-        derive_rng=job.derive_rng, autocast=autocast,
+        derive_rng=job.derive_rng, autocast=autocast, group=where.group,
+        rank_map=where.rank_map, mesh=where.mesh,
     )  # fmt: skip
     # the boundaries of each new shape signature are found along the pipeline on the
     # step's real data (every rank is given the batch); a file's boundaries() is checked
@@ -176,15 +193,19 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup
         recorder = Recorder(step=step) if job.profile and timed else None
-        elapsed = _timed_step(runtime, modules, model.batch(job.batch_size, seed=step), recorder)
+        elapsed = _timed_step(
+            runtime, modules, where.share(model.batch(job.batch_size, seed=step)), recorder
+        )
         if timed:
             out["step_ms"].append(elapsed * 1e3)
         out["losses"].append({mb: float(v) for mb, v in runtime.losses.items()})
         out["aux"].append(reported_aux(runtime))
         if job.check and job.reference == "whole":
-            out["grads"].append(held_grads(stages_of(program, rank, modules), rank))
+            out["grads"].append(
+                held_grads(stages_of(program, where.pp_rank, modules), where.pp_rank)
+            )
         elif job.check:
-            out["grads"].append(_my_grads(program, rank, modules))
+            out["grads"].append(_my_grads(program, where.pp_rank, modules))
         if recorder is not None:
             out["records"].append(recorder)
     return out
@@ -214,7 +235,7 @@ def _my_grads(
     for slot in program.placement.chunks(rank):
         for name, p in modules[slot.chunk].named_parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads[(slot.stage, name)] = grad.detach().cpu().clone()
+            grads[(slot.stage, name)] = mesh_job.whole(grad).detach().cpu().clone()
     return grads
 
 
@@ -230,7 +251,8 @@ def _check(job: RunJob, model: ModelFile, results: list[dict[str, Any]], backend
     if job.reference == "whole":
         return check_whole_run(model, batches, job.program.num_microbatches, options, grads)
     num_stages = job.program.placement.num_stages(0)
-    return check_run(model, num_stages, batches, job.program.num_microbatches, options, grads)
+    microbatches = job.program.num_microbatches * _replicas(job)  # the whole batch
+    return check_run(model, num_stages, batches, microbatches, options, grads)
 
 
 def _records(results: list[dict[str, Any]]) -> list[Recorder]:

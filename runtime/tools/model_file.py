@@ -17,12 +17,14 @@ weights):
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
 `boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input,
 declared: checked against those the runtime finds by running the stages on real data),
-`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`) and `build_model() ->
+`autocast` (a dtype the forwards run under, e.g. `torch.bfloat16`), `build_model() ->
 nn.Module` (the whole, unsplit model: `model(inputs, **context)` returns what `loss_fn`
 takes; its parameter names are the stages', for `--check --reference whole`,
-runtime/tools/whole_reference.py). `--check` builds every stage in the launcher for its
-single-process reference (with `build_stage` when defined, so the reference has the ranks'
-weights).
+runtime/tools/whole_reference.py) and `parallelize(module, stage, tp_mesh)` (tensor
+parallelism of one stage module over the mesh's tp dimension, `parallelize_module` as
+torchtitan applies it; `pipecc run --mesh tp=N` calls it on every stage it builds).
+`--check` builds every stage in the launcher for its single-process reference (with
+`build_stage` when defined, so the reference has the ranks' weights).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class ModelFile:
     build_stage: Callable[[int, int], torch.nn.Module] | None = None
     path: str = "the model file"
     build_model: Callable[[], torch.nn.Module] | None = None
+    parallelize: Callable[[torch.nn.Module, int, Any], object] | None = None
 
     def batch(self, num_rows: int, seed: int) -> tuple[Any, ...]:
         """`make_batch(num_rows, seed)`: (inputs, targets) or (inputs, targets, context)."""
@@ -130,9 +133,10 @@ def load_model(path: str) -> ModelFile:
     autocast = names.get("autocast")
     if autocast is not None and not isinstance(autocast, torch.dtype):
         raise InputError(f"{path}: autocast must be a torch dtype, e.g. torch.bfloat16")
+    parallelize = _optional_function(names, "parallelize", path)
     return ModelFile(
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
-        autocast, builders["build_stage"], path, build_model,
+        autocast, builders["build_stage"], path, build_model, parallelize,
     )  # fmt: skip
 
 

@@ -1,0 +1,136 @@
+"""The device mesh in the runtime: the pipeline's group from the mesh, and the data-parallel
+reductions the program places.
+
+`RuntimeConfig(mesh=DeviceMesh, pp_dim="pp")` (docs/parallelism.md): the pipeline's process
+group is the mesh's group along `pp_dim` through this rank, and pipeline rank r is the global
+rank at coordinate r along it (`pipeline_of`). The other dimensions are the user's, named as
+torchtitan names them.
+
+A collective with `dims` (`all_reduce dp-grad s3 over pipeline rank r × dp_replicate`,
+passes/insert_dp_reduction.py) is run by `DataParallel`: over the mesh's group along those
+dimensions through this rank, each gradient of the stages it carries is divided by the
+group's size and all_reduced in place (SUM), so every replica ends with the mean over all
+replicas' microbatches, the gradient of the global batch. An async one is posted and completed
+by the program's `wait` that lists it, like a send. A parameter held by two stages of this rank
+(a tied embedding on a V shape's rank 0) is reduced once, by the last of their reductions in
+the program (an earlier one would miss the later backwards' gradients); a parameter without a
+gradient gets zeros first, so every replica reduces the same tensors in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Work
+from torch.distributed.tensor import DTensor
+
+from pipecc.ir.ops import Collective, CollectiveKind
+from pipecc.ir.program import Program
+
+
+def pipeline_of(mesh: Any, pp_dim: str) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+    """The pipeline's process group and rank map: the mesh's group along `pp_dim` through
+    this rank, and the global rank at each coordinate along it."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if pp_dim not in names:
+        raise ValueError(f"the mesh has no dimension {pp_dim!r} (its dimensions: {names})")
+    at = list(mesh.get_coordinate())
+    at[names.index(pp_dim)] = slice(None)
+    ranks = tuple(int(r) for r in mesh.mesh[tuple(at)].flatten().tolist())
+    return mesh.get_group(pp_dim), ranks
+
+
+class DataParallel:
+    """Runs this rank's collectives over mesh dimensions (module docstring)."""
+
+    def __init__(
+        self,
+        program: Program,
+        rank: int,
+        modules: Mapping[int, torch.nn.Module],
+        mesh: Any,
+    ) -> None:
+        self.mesh = mesh
+        self.mine = [
+            (i, op)
+            for i, op in enumerate(program.ranks[rank])
+            if type(op) is Collective and op.dims
+        ]
+        self.params = _reduced_params(program, rank, modules, self.mine)
+        self.groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, int]] = {}
+
+    def problems(self) -> list[str]:
+        """What this runtime cannot run: reductions without a mesh, over dimensions the mesh
+        lacks, of another kind than all_reduce."""
+        found = []
+        names = tuple(self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        for index, op in self.mine:
+            where = f"instruction {index} ({op.kind.value} {op.what} over {', '.join(op.dims)})"
+            if self.mesh is None:
+                found.append(f"{where}: the program is for a mesh, and no mesh was given "
+                             "(RuntimeConfig(mesh=...))")  # fmt: skip
+            elif any(d not in names for d in op.dims):
+                found.append(f"{where}: the mesh has dimensions {', '.join(names)}")
+            elif op.kind is not CollectiveKind.ALL_REDUCE:
+                found.append(f"{where}: this runtime reduces gradients with all_reduce only")
+        return found
+
+    def post(self, index: int, op: Collective) -> list[Work]:
+        """Post the reduction of instruction `index` (the interpreter completes the works:
+        at once for a blocking one, at its `wait` for an async one)."""
+        group, size = self._group(op.dims)
+        works = []
+        for param in self.params.get(index, ()):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            param.grad.div_(size)
+            grad = param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # a tp shard
+            works.append(dist.all_reduce(local, group=group, async_op=True))
+        return works
+
+    def _group(self, dims: tuple[str, ...]) -> tuple[dist.ProcessGroup, int]:
+        if dims not in self.groups:
+            sub = self.mesh[dims[0]] if len(dims) == 1 else self.mesh[dims]._flatten()
+            self.groups[dims] = (sub.get_group(), sub.size())
+        return self.groups[dims]
+
+
+def _reduced_params(
+    program: Program,
+    rank: int,
+    modules: Mapping[int, torch.nn.Module],
+    mine: Sequence[tuple[int, Collective]],
+) -> dict[int, list[torch.nn.Parameter]]:
+    """The parameters each reduction carries: those of its stages' modules on this rank, each
+    object with the last reduction that names a stage holding it."""
+    chunk_of = {slot.stage: slot.chunk for slot in program.placement.chunks(rank)}
+    last: dict[int, tuple[int, torch.nn.Parameter]] = {}
+    for index, op in mine:
+        for stage in op.stages:
+            module = modules.get(chunk_of.get(stage, -1))
+            for param in module.parameters() if module is not None else ():
+                last[id(param)] = (index, param)
+    found: dict[int, list[torch.nn.Parameter]] = {}
+    for index, param in last.values():
+        found.setdefault(index, []).append(param)
+    return found
+
+
+def replicas_mean(loss: torch.Tensor, mesh: Any, pp_dim: str) -> torch.Tensor:
+    """`loss` (a pipeline's mean) averaged over every pipeline of the mesh: the mean over the
+    global batch, each pipeline's microbatches being as many (a collective over the mesh's
+    dimensions other than `pp_dim`; the loss itself when there are none)."""
+    if mesh is None:
+        return loss
+    others = tuple(d for d in mesh.mesh_dim_names or () if d != pp_dim)
+    if not others or mesh.size() == mesh[pp_dim].size():
+        return loss
+    sub = mesh[others[0]] if len(others) == 1 else mesh[others]._flatten()
+    total = loss.detach().double().clone()
+    dist.all_reduce(total, group=sub.get_group())
+    mean: torch.Tensor = (total / sub.size()).float()
+    return mean

@@ -1,0 +1,157 @@
+"""Mesh cases run inside one spawned process group of 4 (gloo): a pipeline of 2 times 2
+data-parallel replicas, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp",
+"dp_replicate"))`, a pipeline of 2 times a tensor-parallel group of 2 (`("pp", "tp")`,
+examples/gpt.py's `parallelize`: every block's MLP split over tp), and a pipeline of 2 times
+2 FSDP2 shards (`("pp", "dp_shard")`, `fully_shard` on every held stage, gradient sync off but
+at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings (untied with
+FSDP, whose sharded copies of one parameter on two ranks the runtime does not sum).
+
+Each case compiles a schedule with the tie's sum (and, with replicas, their reductions:
+`--shared 0+S --mesh dp_replicate=2`), gives each replica its contiguous share of the global
+batch (the ranks of a tp group take the same rows), and compares every gradient of this
+rank's stages (a tensor-parallel one gathered whole) and the global loss with one process
+training the whole batch; training cases take 3 AdamW steps with clipping on both sides.
+Functions here run in the spawned processes: keep them importable and picklable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, cast
+
+import torch
+from gpt_cases import ROWS, _gpt, _worst, build, config, loss_fn
+from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
+from pipecc.runtime.tools.reference import Options, gradients, reference_step
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from pipecc.diagnostics import PipeccError
+from pipecc.ir.program import Program
+
+OPTIONS = Options(seed=3)
+# Adam divides by sqrt(v) + eps: a gradient that is zero but for rounding (1e-9 here) gets a
+# step of either sign; the replicas add their halves in another order than one process adds
+# the whole batch, so such noise differs, and an eps far above it (real gradients are
+# above 1e-3) keeps it from moving the weights (gpt_cases.py uses 1e-6 for one pipeline)
+EPS = 1e-4
+
+
+class MeshCase(NamedTuple):
+    """One case: its name, the pipeline's program, the mesh's second dimension, training."""
+
+    name: str
+    program: Program
+    dim: str  # "dp_replicate", "tp" or "dp_shard"
+    train: bool = False
+
+
+def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, Any]:
+    """Every case on this rank (global rank `rank` of 4); per case what the tests assert."""
+    meshes = {
+        dim: init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", dim))
+        for dim in ("dp_replicate", "tp", "dp_shard")
+    }
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            run = _train if case.train else _check
+            results[case.name] = run(meshes[case.dim], case)
+        except PipeccError as err:
+            results[case.name] = {"error": type(err).__name__, "message": str(err)}
+    return results
+
+
+def _replicas(case: MeshCase) -> int:
+    return 1 if case.dim == "tp" else 2
+
+
+def _variant(case: MeshCase) -> str:
+    return "plain" if case.dim == "dp_shard" else "tied"
+
+
+def _share(case: MeshCase, mesh: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
+    """This replica's contiguous share of the global batch (all of it in a tp group)."""
+    if case.dim == "tp":
+        return batch
+    rows, at = batch[0].shape[0] // 2, mesh.get_coordinate()[1]
+    return batch[0][at * rows : (at + 1) * rows], batch[1][at * rows : (at + 1) * rows]
+
+
+def _global_batch(case: MeshCase, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = ROWS * case.program.num_microbatches * _replicas(case)
+    batch: tuple[torch.Tensor, torch.Tensor] = _gpt().make_batch(
+        rows, seed=step, config=config(_variant(case))
+    )
+    return batch
+
+
+def _stages(case: MeshCase, mesh: Any) -> list[nn.Module]:
+    stages = build(_variant(case), case.program.placement.num_stages(0))
+    if case.dim == "tp":
+        for stage, module in enumerate(stages):
+            _gpt().parallelize(module, stage, mesh["tp"])
+    if case.dim == "dp_shard":
+        held = {s.stage for s in case.program.placement.chunks(mesh.get_coordinate()[0])}
+        for stage in sorted(held):
+            fully_shard(stages[stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
+            cast(Any, stages[stage]).set_requires_gradient_sync(False)
+    return stages
+
+
+def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module]) -> PipelineRuntime:
+    shared = shared_parameters(stages) if case.dim != "dp_shard" else ()
+    cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, mesh=mesh)
+    chunks = case.program.placement.chunks(mesh.get_coordinate()[0])
+    modules = {s.chunk: stages[s.stage] for s in chunks}
+    return PipelineRuntime(
+        case.program, modules, lambda sample: infer_boundaries(stages, sample),
+        loss_fn=loss_fn, config=cfg,
+    )  # fmt: skip
+
+
+def _whole(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()}
+
+
+def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
+    stages = _stages(case, mesh)
+    reference = build(_variant(case), case.program.placement.num_stages(0))
+    runtime = _runtime(mesh, case, stages)
+    held = {slot.stage for slot in case.program.placement.chunks(runtime.rank)}
+    data = _global_batch(case, 0)
+    runtime.step(*_share(case, mesh, data))
+    microbatches = case.program.num_microbatches * _replicas(case)
+    want_loss, want = reference_step(reference, data, microbatches, loss_fn, OPTIONS)
+    loss = float(runtime.global_loss())
+    return {"grad_rel": _worst(_whole(gradients(stages)), want, held), "loss": (loss, want_loss)}
+
+
+def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:
+    stages = _stages(case, mesh)
+    single = build(_variant(case), case.program.placement.num_stages(0))
+    runtime = _runtime(mesh, case, stages)
+    optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2, eps=EPS)
+    params = list({id(p): p for s in single for p in s.parameters()}.values())
+    reference_optimizer = torch.optim.AdamW(params, lr=1e-2, eps=EPS)
+    microbatches = case.program.num_microbatches * _replicas(case)
+    losses, norms = [], []
+    for step in range(3):
+        data = _global_batch(case, step)
+        optimizer.zero_grad(set_to_none=True)
+        runtime.step(*_share(case, mesh, data))
+        norm = runtime.clip_grad_norm_(0.5)
+        optimizer.step()
+        want_loss, _ = reference_step(single, data, microbatches, loss_fn,
+                                      OPTIONS._replace(step=step))  # fmt: skip
+        want_norm = nn.utils.clip_grad_norm_(params, 0.5)
+        reference_optimizer.step()
+        losses.append((float(runtime.global_loss()), want_loss))
+        norms.append((float(norm), float(want_norm)))
+    held = {slot.stage for slot in case.program.placement.chunks(runtime.rank)}
+    got = _whole(
+        {(i, n): p.detach() for i, s in enumerate(stages) for n, p in s.named_parameters()}
+    )
+    want = {(i, n): p.detach() for i, s in enumerate(single) for n, p in s.named_parameters()}
+    return {"weight_rel": _worst(got, want, held), "losses": losses, "norms": norms}

@@ -1,0 +1,132 @@
+"""The runtime on a device mesh (docs/parallelism.md): PP=2 × dp_replicate=2 and PP=2 × tp=2
+on 4 gloo processes, one process group for every case (mesh_cases.py). The GPT with tied
+embeddings on 1F1B, ZB-H1, ZBV and DualPipeV: loss and every gradient within 1e-5 of one
+process training the whole batch, and 3 AdamW steps with clipping matching; `pipecc run
+--mesh` with --check."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import run_cli
+from mesh_cases import MeshCase, run_mesh_cases
+from pipecc.runtime.tools.spawn import spawn
+from runtime_cases import compile_case
+
+from pipecc.driver.mesh import MeshOptions, place_mesh
+from pipecc.ir.program import Program
+from pipecc.passes.sum_shared import sum_shared
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULES = ("1f1b", "zb_h1", "zbv", "dualpipev")
+TRAINING = ("zb_h1", "dualpipev")
+
+
+DIMS = ("dp_replicate", "tp")
+# FSDP2 stages run full backwards only (runtime/engine/stage_actions.py): 1F1B and
+# interleaved 1F1B; a split backward (ZB-H1) is refused before the first step
+FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
+
+
+def _program(name: str, dim: str) -> Program:
+    program = compile_case(name, 2, 4)
+    if dim != "dp_shard":  # the tied GPT: its sum placed (untied with FSDP: mesh_cases.py)
+        last = program.placement.num_stages(0) - 1
+        program = sum_shared(program, shared=((0, last),))
+    return place_mesh(program, MeshOptions(f"{dim}=2"))
+
+
+@functools.cache
+def _cases() -> list[MeshCase]:
+    found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
+    found += [
+        MeshCase(f"dp_shard-{n}", _program(n, "dp_shard"), "dp_shard") for n in FSDP_SCHEDULES
+    ]
+    found.append(MeshCase("dp_shard-zb_h1", _program("zb_h1", "dp_shard"), "dp_shard"))
+    found.append(MeshCase("train-dp_shard-1f1b", _program("1f1b", "dp_shard"), "dp_shard", True))
+    return found + [
+        MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
+    ]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return spawn(run_mesh_cases, 4, _cases(), timeout=300.0)  # type: ignore[no-any-return]
+
+
+def _each(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    found = [r[name] for r in results]
+    for result in found:
+        assert "error" not in result, result
+    return found
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_mesh_matches_one_process_on_the_whole_batch(
+    results: list[dict[str, Any]], name: str, dim: str
+) -> None:
+    for result in _each(results, f"{dim}-{name}"):
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("name", TRAINING)
+def test_adamw_steps_match(results: list[dict[str, Any]], name: str, dim: str) -> None:
+    for result in _each(results, f"train-{dim}-{name}"):
+        assert result["weight_rel"] <= 1e-5, result["weight_rel"]
+        for got, want in (*result["losses"], *result["norms"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_pipecc_run_on_a_mesh_checks_against_the_whole_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`pipecc run --mesh dp_replicate=2 --nproc 4`: pp = 2, each replica its share of the
+    batch, every rank's gradients against one process on the whole batch."""
+    code, out, err = run_cli(
+        capsys, "run", "zb_h1", "-M", "2", "--nproc", "4", "--mesh", "dp_replicate=2",
+        "--model", str(ROOT / "examples" / "gpt.py"), "--check", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    fields = json.loads(out)
+    assert fields["mesh"] == "pp=2,dp_replicate=2" and fields["ranks"] == 2
+    assert fields["max_rel_grad_diff"] <= 1e-5
+    assert abs(fields["loss"] - fields["reference_loss"]) <= 1e-5 * fields["reference_loss"]
+
+
+def test_pipecc_run_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(ROOT / "examples" / "gpt.py")
+    for mesh, nproc, message in (
+        ("cp=2", "4", "cp (context parallel) is compiled, verified and simulated"),
+        ("pp=2,dp_replicate=2", "2", "the mesh has 4 processes, not --nproc 2"),
+        ("dp_replicate=3", "4", "--nproc 4 is not a multiple of 3"),
+    ):
+        code, _, err = run_cli(
+            capsys, "run", "1f1b", "-M", "2", "--nproc", nproc, "--mesh", mesh, "--model", model
+        )
+        assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("name", FSDP_SCHEDULES)
+def test_fsdp_stages_match_one_process_on_the_whole_batch(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    for result in _each(results, f"dp_shard-{name}"):
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    for result in _each(results, "train-dp_shard-1f1b"):
+        assert result["weight_rel"] <= 1e-5, result["weight_rel"]
+
+
+def test_fsdp_stages_with_a_split_backward_are_refused(results: list[dict[str, Any]]) -> None:
+    for result in (r["dp_shard-zb_h1"] for r in results):
+        assert result.get("error") == "SetupError", result
+        assert "splits its backward into I and W" in result["message"]
