@@ -16,6 +16,9 @@ private names: it imports them from here.
 - `coalesces`, `post_p2p`: whether a process group's backend coalesces a group of
   point-to-point ops (`ProcessGroup._get_backend`), and one op posted on its process group
   with the peer's rank in that group (`P2POp.group_peer`).
+- `storage_shared`: whether anything besides the tensor references its storage
+  (`torch._C._storage_Use_Count`: the storage's reference count, which counts every tensor
+  viewing it and the storage object asked for).
 - `fsdp_post_backward`: FSDP2's post-backward for every parameter group of a module (its
   state's `_state_ctx.all_states` and `_fsdp_param_groups`).
 """
@@ -38,6 +41,7 @@ __all__ = [
     "coalesces",
     "fsdp_post_backward",
     "grad_hooked",
+    "storage_shared",
     "leaf_of",
     "post_p2p",
     "pytree",
@@ -83,6 +87,15 @@ def grad_hooked(param: torch.Tensor) -> bool:
 def base_of(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor `tensor` is a view of (None: it is no view)."""
     return tensor._base
+
+
+def storage_shared(tensor: torch.Tensor) -> bool:
+    """Whether another tensor (a view, its base, a tensor autograd handed over) holds the
+    storage of `tensor`: more references than the tensor itself and the storage object
+    asked for here."""
+    storage = tensor.untyped_storage()
+    count: int = torch._C._storage_Use_Count(storage._cdata)
+    return count > 2
 
 
 def coalesces(op: dist.P2POp) -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import InputError, ProgramError, SetupError
 from pipecc.ir.ops import Compute
@@ -35,7 +36,7 @@ from pipecc.ir.printer import describe, message
 
 from ..boundaries.specs import autocast_context
 from ..boundaries.trees import Boundary, TensorSpec, call, flatten, unwrap
-from ..compat import pytree
+from ..compat import pytree, storage_shared
 from ..config import LossFn
 from ..plan.binding import Chunk
 from .aux_loss import collecting, scaled_roots, total
@@ -65,6 +66,7 @@ class StageOps:
         self.rng = rng
         self.autocast_device, self.autocast_dtype = autocast
         self.precision: Fp32Grads | None = None
+        self._params: dict[int, tuple[torch.nn.Parameter, ...]] = {}  # each chunk's, by id
 
     def run(self, ctx: StepContext, op: ComputeStep) -> None:
         """One compute step, by the method its kind was bound to."""
@@ -98,7 +100,7 @@ class StageOps:
         saved = ctx.saved.pop(op.key)
         outputs, grads = self.output_grads(ctx, op, saved)
         self.hand_back(ctx, op, saved.inputs, full_backward(outputs, grads, saved.inputs))
-        self.drain(op.unit)
+        self.drain(ctx, op.unit)
 
     def backward_input(self, ctx: StepContext, op: ComputeStep) -> None:
         saved = ctx.saved.pop(op.key)
@@ -107,16 +109,34 @@ class StageOps:
         input_grads, weight = input_backward(outputs, grads, saved.inputs, params, op.capture)
         ctx.weights[op.key] = weight
         self.hand_back(ctx, op, saved.inputs, input_grads)
-        self.drain(op.unit)  # by contract, I leaves the gradients of non-Linear parameters
+        self.drain(ctx, op.unit)  # by contract, I leaves the gradients of non-Linear parameters
 
     def weight(self, ctx: StepContext, op: ComputeStep) -> None:
         ctx.weights.pop(op.key).run()
-        self.drain(op.unit)
+        self.drain(ctx, op.unit)
 
-    def drain(self, chunk: Chunk) -> None:
-        """With fp32 accumulation: move the chunk's new weight gradients into it."""
+    def drain(self, ctx: StepContext, chunk: Chunk) -> None:
+        """After an op that adds weight gradients: with fp32 accumulation, move the chunk's
+        new weight gradients into it; else give each new gradient a storage of its own.
+
+        A parameter's first gradient of a step may be a tensor autograd handed over instead of
+        a copy: a view of the output gradient (`pos.unsqueeze(0)` in a stage, one row per
+        microbatch). Later microbatches add into `.grad` in place, so while anything else holds
+        that storage (W's deferred work or recorded gradients, a message in flight, a receive
+        buffer) it would change under it and a later W would compute from the sum. So each
+        parameter's first gradient of the step is copied when its storage is shared
+        (checked once per parameter and step: later ones are added in place)."""
         if self.precision is not None:
             self.precision.drain(chunk.module.parameters())
+            return
+        key = id(chunk)
+        waiting = ctx.unowned.get(key)
+        if waiting is None:
+            waiting = self._params.get(key)
+            if waiting is None:
+                waiting = self._params[key] = tuple(chunk.module.parameters())
+        if waiting:
+            ctx.unowned[key] = own_grads(waiting)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return autocast_context(self.autocast_device, self.autocast_dtype)
@@ -312,3 +332,18 @@ def take(ctx: StepContext, slot: int) -> Tensors:
         )
     ctx.mail[slot] = None
     return found
+
+
+def own_grads(params: Sequence[torch.nn.Parameter]) -> tuple[torch.nn.Parameter, ...]:
+    """Copy each gradient among `params` whose storage something else holds (`drain`);
+    returns the parameters that have no gradient yet."""
+    left = []
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            left.append(param)
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad  # a TP/FSDP shard
+        if storage_shared(local):
+            param.grad = grad.clone()
+    return tuple(left)

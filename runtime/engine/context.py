@@ -71,6 +71,9 @@ class StepContext:
     aux_losses: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     context: list[dict[str, object]] | None = None  # this rank's microbatches of the context
     outputs: dict[int, object] = field(default_factory=dict)
+    # per chunk (by id), its parameters whose first gradient of the step has not come yet
+    # (runtime/engine/compute.py `drain`)
+    unowned: dict[int, tuple[torch.nn.Parameter, ...]] = field(default_factory=dict)
 
     def leftovers(self) -> list[str]:
         """What a complete program would have consumed by the end of the step."""

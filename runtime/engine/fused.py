@@ -147,7 +147,7 @@ class FusedOps:
         )
         grads = tuple(x.grad if x.requires_grad else None for x in saved.inputs)
         ops.hand_back(ctx, backward, saved.inputs, grads)
-        ops.drain(bchunk)
+        ops.drain(ctx, bchunk)
 
     def _after(
         self,

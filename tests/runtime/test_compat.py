@@ -117,3 +117,22 @@ def test_fsdp_post_backward_reduces_the_unsynced_gradients() -> None:
     module.set_requires_gradient_sync(True)
     compat.fsdp_post_backward(module)
     assert {type(p.grad).__name__ for p in module.parameters()} == {"DTensor"}
+
+
+def test_storage_shared_counts_the_tensors_of_a_storage() -> None:
+    own = torch.randn(4, 3)
+    assert not compat.storage_shared(own)
+    view = own[0]
+    assert compat.storage_shared(own) and compat.storage_shared(view)
+    del view
+    assert not compat.storage_shared(own)
+    # what autograd hands a parameter: a view of the output gradient it was given
+    param = torch.nn.Parameter(torch.randn(3))
+    x = torch.randn(1, 3, requires_grad=True)
+    seed = torch.randn(1, 3)
+    torch.autograd.backward(x + param.unsqueeze(0), seed)
+    assert param.grad is not None and param.grad.data_ptr() == seed.data_ptr()
+    assert compat.storage_shared(param.grad)
+    del seed
+    x.grad = None
+    assert not compat.storage_shared(param.grad)
