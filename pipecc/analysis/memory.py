@@ -15,11 +15,12 @@ and `pipecc run --memory`'s prediction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, cast
 
 from pipecc.ir.keys import Message, carried, consumed, produced
 from pipecc.ir.ops import (
+    Collective,
     Compute,
     Fused,
     Instr,
@@ -33,7 +34,7 @@ from pipecc.ir.ops import (
     computations,
 )
 from pipecc.ir.program import Program
-from pipecc.semantics.costs import CostModel
+from pipecc.semantics.costs import CostModel, StageCost
 
 _F, _I = Kind.F, Kind.I
 
@@ -96,7 +97,11 @@ def peak_activations(instrs: Sequence[Instr]) -> RankPeak:
 #   the computation of this rank that takes it); a forward's output is part of its
 #   activations;
 # - UNSHARD allocates `unsharded_param_bytes`, RESHARD frees it;
-# - during a computation, `workspace_<kind>` more than the larger of before and after.
+# - during a computation, `workspace_<kind>` more than the larger of before and after;
+# - the gradient sum of parameters held by several ranks holds `workspace_sum` of each of the
+#   rank's stages above what was live before it: at its collective, or after the program
+#   for a program with two pipes (DualPipe's duplicated stages) that holds no collective
+#   (the runtime sums them after it).
 
 
 class Breakdown(NamedTuple):
@@ -108,6 +113,7 @@ class Breakdown(NamedTuple):
     activations: float = 0.0
     buffers: float = 0.0
     unsharded: float = 0.0
+    workspace: float = 0.0  # an op's own peak above the larger of before and after
 
     def total(self) -> float:
         return sum(self)
@@ -138,6 +144,7 @@ class StageBytes(NamedTuple):
     unsharded: float
     message: float  # one message named by this stage (`bytes`)
     workspace: tuple[float, float, float, float]  # F, B, I, W
+    summing: float = 0.0  # the gradient sum's workspace (`workspace_sum`)
 
 
 _PARAMS, _GRADS, _OPTIM, _ACTS, _BUFFERS, _UNSHARDED = range(6)
@@ -167,6 +174,7 @@ def stage_bytes(costs: CostModel, stage: int, *, optimizer: bool = True) -> Stag
             cost.workspace_I or 0.0,
             cost.workspace_W or 0.0,
         ),
+        summing=cost.workspace_sum or 0.0,
     )
 
 
@@ -190,6 +198,10 @@ class _ByteSweep:
         self.grads_seen: set[tuple[int, Kind]] = set()  # (stage, I or W/B) allocated
         self.best = BytePeak(0.0, -1, Breakdown())
         self._start(program)
+        self.summing = sum(self.size(slot.stage).summing for slot in program.placement.chunks(rank))
+        self.sums_after = program.placement.num_pipes > 1 and not any(
+            type(op) is Collective for op in self.instrs
+        )
 
     def _start(self, program: Program) -> None:
         unshards = {op.stage for op in self.instrs if type(op) is StageOp}
@@ -203,23 +215,31 @@ class _ByteSweep:
 
     def run(self) -> BytePeak:
         for index, instr in enumerate(self.instrs):
-            kind = type(instr)
-            if kind is Compute:
-                self._compute(index, cast(Compute, instr))
-            elif kind is Fused or kind is Sequential:
-                for op in computations(instr):
-                    self._compute(index, op)
-            elif kind is Recv:
-                self._recv(cast(Recv, instr))
-                self._mark(index)
-            elif kind is Send:
-                self._send(index, cast(Send, instr))
-            elif kind is Wait:
-                for listed in cast(Wait, instr).ops:
-                    self._free(self.sending.pop(listed, None))
-            elif kind is StageOp:
-                self._stage_op(index, cast(StageOp, instr))
+            self._step(index, instr)
+        if self.sums_after:
+            self._mark(len(self.instrs) - 1, self.summing)
         return self.best
+
+    def _step(self, index: int, instr: Instr) -> None:
+        """One instruction's effect on the live bytes."""
+        kind = type(instr)
+        if kind is Compute:
+            self._compute(index, cast(Compute, instr))
+        elif kind is Fused or kind is Sequential:
+            for op in computations(instr):
+                self._compute(index, op)
+        elif kind is Recv:
+            self._recv(cast(Recv, instr))
+            self._mark(index)
+        elif kind is Send:
+            self._send(index, cast(Send, instr))
+        elif kind is Wait:
+            for listed in cast(Wait, instr).ops:
+                self._free(self.sending.pop(listed, None))
+        elif kind is StageOp:
+            self._stage_op(index, cast(StageOp, instr))
+        elif kind is Collective:
+            self._mark(index, self.summing)
 
     def size(self, stage: int) -> StageBytes:
         found = self._sizes.get(stage)
@@ -227,10 +247,12 @@ class _ByteSweep:
             found = self._sizes[stage] = self._size(stage)
         return found
 
-    def _mark(self, index: int, extra: float = 0.0) -> None:
-        total = sum(self.live) + extra
+    def _mark(self, index: int, extra: float = 0.0, state: list[float] | None = None) -> None:
+        """A candidate peak: `state` (default: live now) plus `extra` workspace."""
+        held = self.live if state is None else state
+        total = sum(held) + extra
         if total > self.best.peak:
-            self.best = BytePeak(total, index, Breakdown(*self.live))
+            self.best = BytePeak(total, index, Breakdown._make([*held, extra]))
 
     def _recv(self, op: Recv) -> None:
         nbytes = self.size(op.stage).message
@@ -256,7 +278,7 @@ class _ByteSweep:
 
     def _compute(self, index: int, op: Compute) -> None:
         sizes = self.size(op.stage)
-        before = sum(self.live)
+        before = list(self.live)
         if op.kind is not Kind.W:
             self._free(consumed(op.kind, op.pipe, op.stage, op.mb))
         key = (op.pipe, op.stage, op.mb)
@@ -272,8 +294,8 @@ class _ByteSweep:
             self._grads(op, sizes)
             if op.kind is not Kind.W:
                 self._hand_back(op)
-        after = sum(self.live)
-        self._mark(index, max(before - after, 0.0) + sizes.workspace[_KIND_INDEX[op.kind]])
+        larger = before if sum(before) > sum(self.live) else None
+        self._mark(index, sizes.workspace[_KIND_INDEX[op.kind]], larger)
 
     def _grads(self, op: Compute, sizes: StageBytes) -> None:
         """The stage's gradients, allocated by its first backward (see the rule)."""
@@ -301,3 +323,24 @@ def format_bytes(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value:.0f} B"
+
+
+def measured_sizes(sizes: Mapping[int, Mapping[str, float]]) -> CostModel:
+    """A cost model of the byte keys a run measured per stage (`pipecc run --memory`): each
+    stage's table as measured, for the program it was measured on."""
+    tables = tuple(
+        (stage, StageCost(**{key: float(value) for key, value in table.items()}))
+        for stage, table in sorted(sizes.items())
+    )
+    return CostModel(stages=tables)
+
+
+def predict_run(program: Program, costs: CostModel) -> list[tuple[BytePeak, float]]:
+    """Each rank's predicted peak without the optimizer (`pipecc run` takes no optimizer
+    step), and the optimizer state it would hold beside it."""
+    found = []
+    for rank in range(program.num_ranks):
+        peak = peak_bytes(program, rank, lambda s: stage_bytes(costs, s, optimizer=False))
+        optim = sum(stage_bytes(costs, slot.stage).optim for slot in program.placement.chunks(rank))
+        found.append((peak, optim))
+    return found

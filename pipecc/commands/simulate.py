@@ -142,7 +142,7 @@ def _byte_lines(timeline: Timeline) -> list[str]:
         if not lines:
             lines.append(
                 "peak bytes per rank (at instruction: parameters, gradients, optimizer, "
-                "activations, buffers, unsharded):"
+                "activations, buffers, unsharded, workspace):"
             )
         instrs = timeline.program.ranks[stats.rank]
         where = f"@{found.at} {op_name(instrs[found.at])}" if found.at >= 0 else "start"

@@ -13,7 +13,7 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
     act_bytes     bytes of one microbatch's activations of a stage: what its F keeps for the
                   backward (for peak memory in bytes; docs/simulate.md "Memory in bytes")
     act_bytes_w, param_bytes, grad_bytes, grad_bytes_w, optim_bytes, sharded_param_bytes,
-    unsharded_param_bytes, workspace_F, workspace_B, workspace_I, workspace_W
+    unsharded_param_bytes, workspace_F, workspace_B, workspace_I, workspace_W, workspace_sum
                   the other sizes of a stage for peak memory in bytes
                   (`pipecc.analysis.memory` states the rule)
     UNSHARD, RESHARD, REDUCE_GRAD
@@ -82,6 +82,7 @@ BYTE_KEYS = (
     "workspace_B",
     "workspace_I",
     "workspace_W",
+    "workspace_sum",
 )
 DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", *BYTE_KEYS, *STAGE_OP_KEYS)
 HOST_KEYS = ("post", "wait", "sync", "collective")  # global only: host time, sync, collectives
@@ -143,6 +144,7 @@ class StageCost:
     workspace_B: float | None = None
     workspace_I: float | None = None
     workspace_W: float | None = None
+    workspace_sum: float | None = None
 
     def over(self, base: StageCost) -> StageCost:
         """This stage's values where given, `base`'s elsewhere."""
@@ -177,6 +179,7 @@ class ResolvedCost:
     workspace_B: float | None = None
     workspace_I: float | None = None
     workspace_W: float | None = None
+    workspace_sum: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

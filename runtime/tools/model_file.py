@@ -14,10 +14,12 @@ tensors, split along dim 0) and one of two ways to build the model, both determi
 
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
 `boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input, when
-they cannot be inferred by running the stages) and `autocast` (a dtype the forwards run
-under, e.g. `torch.bfloat16`). `--check` builds every stage in the launcher for its
-single-process reference (with `build_stage` when defined, so the reference has the ranks'
-weights).
+they cannot be inferred by running the stages), `autocast` (a dtype the forwards run
+under, e.g. `torch.bfloat16`) and `optimizer` (`"adamw"`, `"adam"`, `"sgd"`, `"none"` or a
+function of the parameters returning a torch optimizer: the optimizer whose state `pipecc run
+--memory` and `--profile` report in bytes; AdamW when not given). `--check` builds every
+stage in the launcher for its single-process reference (with `build_stage` when defined, so
+the reference has the ranks' weights).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ModelFile:
     autocast: torch.dtype | None = None
     build_stage: Callable[[int, int], torch.nn.Module] | None = None
     path: str = "the model file"
+    optimizer: str | Callable[..., Any] | None = None  # for its bytes (`pipecc run --memory`)
 
     def stages(self, wanted: Iterable[int], num_stages: int) -> dict[int, torch.nn.Module]:
         """The modules of the `wanted` stages, each built once: with `build_stage` only
@@ -111,8 +114,22 @@ def load_model(path: str) -> ModelFile:
         raise InputError(f"{path}: autocast must be a torch dtype, e.g. torch.bfloat16")
     return ModelFile(
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
-        autocast, builders["build_stage"], path,
+        autocast, builders["build_stage"], path, _optimizer(path, names.get("optimizer")),
     )  # fmt: skip
+
+
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "none")
+
+
+def _optimizer(path: str, value: object) -> str | Callable[..., Any] | None:
+    """`optimizer`: a name (adamw, adam: two fp32 states per parameter; sgd, none: no state)
+    or a callable `optimizer(params) -> torch.optim.Optimizer`."""
+    if value is None or callable(value) or value in OPTIMIZER_NAMES:
+        return value
+    raise InputError(
+        f"{path}: optimizer must be one of {', '.join(OPTIMIZER_NAMES)} or a function of the "
+        f"parameters returning a torch optimizer, got {value!r}"
+    )
 
 
 def _user_frames(err: BaseException, path: str) -> str:

@@ -42,8 +42,9 @@ def test_gradients_appear_at_the_first_backward_and_workspace_on_top() -> None:
     assert peak == 110.0
     assert program.ranks[0][at].label() == "B0.0"
     assert parts == Breakdown(gradients=100.0, activations=10.0)
-    (peak, _, _), _ = _peaks(program, "act_bytes=10,grad_bytes=100,workspace_B=7")
+    (peak, _, parts), _ = _peaks(program, "act_bytes=10,grad_bytes=100,workspace_B=7")
     assert peak == 117.0  # during B0: the larger of before and after, plus its workspace
+    assert parts == Breakdown(gradients=100.0, activations=10.0, workspace=7.0)
 
 
 def test_split_backward_keeps_act_bytes_w_from_i_to_w() -> None:
@@ -83,7 +84,7 @@ def test_receive_buffers_live_from_post_to_consumer() -> None:
     # B's hand-back lives until the wait of its send (after it, nothing)
     _, (peak1, at1, parts1) = _peaks(program, "act_bytes=0,bytes=5,workspace_B=1")
     assert (peak1, program.ranks[1][at1].label()) == (6.0, "B0.0")
-    assert parts1 == Breakdown(buffers=5.0)
+    assert parts1 == Breakdown(buffers=5.0, workspace=1.0)
 
 
 def test_unshard_to_reshard_holds_the_unsharded_copy() -> None:
@@ -129,6 +130,7 @@ def test_simulate_and_compare_json(capsys: pytest.CaptureFixture[str]) -> None:
         "activations": 40.0,
         "buffers": 5.0,
         "unsharded": 0.0,
+        "workspace": 0.0,
     }
     assert rank["peak_activations"] == 4
     code, out, _ = run_cli(
