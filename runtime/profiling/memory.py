@@ -22,7 +22,8 @@ Live bytes come from `LiveStorages`: every storage an aten op creates (an output
 none of its inputs), with a weak reference to it, checked after every op; the parameters and
 buffers are counted from the start. It sees ops, not a kernel's scratch space inside one.
 The largest sample of each figure over the step's microbatches is kept (a peak is what the
-rule needs).
+rule needs). A fused op's two parts run one after the other in this step (as on CPU), each
+measured as the op it is.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch.multiprocessing import reductions
 from torch.utils._pytree import tree_leaves
 
 from pipecc.ir.keys import consumed, produced
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Recv, Send, Sequential
+from pipecc.ir.ops import Collective, Compute, Fused, Instr, Kind, Recv, Send, Sequential
 
 from ..engine.context import StepContext
 from ..engine.interpreter import Interpreter
@@ -201,30 +202,44 @@ class ByteProfilingInterpreter(Interpreter):
         self.skip |= set(storages(t for t in batch if isinstance(t, torch.Tensor)))
 
     def compute(self, ctx: StepContext, instr: Compute | Fused | Sequential) -> None:
+        """A fused or sequential op's parts one after the other (its bytes are theirs: the
+        rule applies them in that order), each measured as the op it is."""
+        if isinstance(instr, Fused):
+            self.compute(ctx, instr.forward)
+            self.compute(ctx, instr.backward)
+            return
         if isinstance(instr, Sequential):
-            super().compute(ctx, instr)
+            for part in instr.parts:
+                self.compute(ctx, part)
             return
         if not self.skip:
             self.begin(ctx)
-        forward = instr if isinstance(instr, Compute) else instr.forward
-        if isinstance(instr, Compute) and instr.kind is Kind.I:
+        if instr.kind is Kind.I:
             self._input_backward(ctx, instr)
             return
         before = self.live.mark()
         saved: dict[int, tuple[int, StorageWeakRef]] = {}
         hooks = (
             torch.autograd.graph.saved_tensors_hooks(self._packer(saved), _unpack)
-            if forward.kind is Kind.F
+            if instr.kind is Kind.F
             else contextlib.nullcontext()
         )
         with hooks:
             super().compute(ctx, instr)
-        if forward.kind is Kind.F:
-            self._forward(ctx, forward, saved)
-        if isinstance(instr, Compute):
-            self._workspace(instr, before)
-            if instr.kind is Kind.W or instr.kind is Kind.B:
-                self.kept.pop((instr.chunk, instr.mb), None)
+        if instr.kind is Kind.F:
+            self._forward(ctx, instr, saved)
+        self._workspace(instr, before)
+        if instr.kind is not Kind.F:
+            self.kept.pop((instr.chunk, instr.mb), None)
+
+    def collective(self, instr: Collective) -> None:
+        """The gradient sum placed in the program: its workspace (`workspace_sum`)."""
+        before = self.live.mark()
+        super().collective(instr)
+        peak = self.live.peak
+        self.live.sweep()
+        used = max(peak - max(before, self.live.live), 0)
+        self.profile.sum_workspace = max(self.profile.sum_workspace, used)
 
     def _packer(self, saved: dict[int, tuple[int, StorageWeakRef]]) -> Any:
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -305,7 +320,8 @@ class ByteProfilingInterpreter(Interpreter):
         gradient sum's workspace (0 where none ran)."""
         peak = self.live.peak
         self.live.sweep()
-        self.profile.sum_workspace = max(peak - max(self.end, self.live.live), 0)
+        after = max(peak - max(self.end, self.live.live), 0)
+        self.profile.sum_workspace = max(self.profile.sum_workspace, after)
         for chunk, held in self.stage.chunks.items():
             stage = held.slot.stage
             self.profile.params[stage] = _nbytes(module_tensors(held.module))
