@@ -278,15 +278,10 @@ class ByteProfilingInterpreter(Interpreter):
         handed = set(storages(ctx.mail.get(produced(op.kind, op.pipe, op.stage, op.mb), ())))
         grads = set(storages(self._grads(op.chunk)))
         out = self.skip | handed | grads
-        stays = sum(
-            nbytes
-            for ptr, (nbytes, _) in candidates.items()
-            if ptr not in out and self.live.alive(ptr)
-        )
+        kept = {ptr: n for ptr, (n, ref) in candidates.items() if not ref.expired()}
+        stays = sum(n for ptr, n in kept.items() if ptr not in out)
         stays += sum(
-            self.live.refs[ptr][1]
-            for ptr in created - out - set(candidates)
-            if self.live.alive(ptr)
+            self.live.refs[ptr][1] for ptr in created - out - set(kept) if self.live.alive(ptr)
         )
         self.profile.add(self.profile.act_w, op.stage, stays)
         if op.stage not in self.profile.grads_at_i:
