@@ -323,6 +323,12 @@ class ActivationLimitError(Violation):
     code = "memory"
 
 
+class MemoryBudgetError(Violation):
+    """A rank whose predicted peak in bytes is above `--memory-budget`."""
+
+    code = "memory-budget"
+
+
 class StallError(Violation):
     """A wait longer than `--stall-budget` that better-placed comm ops would remove (a
     placement-bound wait, docs/align.md)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -56,6 +57,29 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+BYTE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_bytes(text: str, flag: str) -> float:
+    """`20GiB`, `1.5 MiB`, `4096` → bytes (binary units only); InputError otherwise."""
+    value = text.strip()
+    scale = 1
+    for unit, factor in BYTE_UNITS.items():
+        if value.endswith(unit):
+            value, scale = value[: -len(unit)].strip(), factor
+            break
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not math.isfinite(number) or number <= 0 or (scale == 1 and not value.isdigit()):
+        raise InputError(
+            f"{flag}: expected a size in bytes, a whole number or one with a binary unit "
+            f"({', '.join(BYTE_UNITS)}) such as 20GiB, got {text!r}"
+        )
+    return number * scale
 
 
 def add_size_args(parser: argparse.ArgumentParser) -> None:

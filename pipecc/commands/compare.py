@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import PurePath
 
+from pipecc.analysis.memory import format_bytes
 from pipecc.api import resolve_schedule, schedule_parameters
 from pipecc.commands.common import (
     SubParsers,
@@ -20,7 +21,7 @@ from pipecc.commands.common import (
 from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel, Cut
-from pipecc.simulate.timeline import Timeline, simulate
+from pipecc.simulate.timeline import RankStats, Timeline, simulate
 
 EPILOG = """\
 The costs are for one rank's share of the model (1/P of it), as in every command
@@ -174,7 +175,8 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
         f"{costs.describe()}",
         f"{'input':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
-        f"{'peak act':>9s} {'peak shares':>12s} {'stall total':>12s}",
+        f"{'peak act':>9s} {'peak shares':>12s} {'stall total':>12s}"
+        + (f" {'peak bytes':>11s}" if costs.has_bytes() else ""),
     ]
     for row in rows:
         if row.timeline is None:
@@ -186,7 +188,7 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         ratio = t.makespan / best if best else 1.0
         lines.append(
             f"{row.label:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
-            f"{peak:>9} {peak_shares(t):>12g} {stalls:>12g}"
+            f"{peak:>9} {peak_shares(t):>12g} {stalls:>12g}" + _byte_cell(t)
         )
     return "\n".join(lines) + "\n"
 
@@ -210,4 +212,37 @@ def _json(row: Row) -> dict[str, object]:
         "peak_activations": max(s.peak_activations for s in t.ranks),
         "peak_shares": peak_shares(t),
         "stall_total": sum(s.length for r in t.ranks for s in r.stalls),
+        **_byte_json(t),
     }
+
+
+def _largest(timeline: Timeline) -> RankStats | None:
+    """The rank with the largest predicted peak in bytes (None without sizes)."""
+    ranks = [stats for stats in timeline.ranks if stats.in_bytes is not None]
+    return max(ranks, key=lambda stats: stats.peak_bytes or 0.0) if ranks else None
+
+
+def _byte_json(timeline: Timeline) -> dict[str, object]:
+    """simulate's names for the largest rank's peak in bytes, and that rank."""
+    stats = _largest(timeline)
+    if stats is None or stats.in_bytes is None:
+        return {
+            "peak_bytes": None,
+            "peak_bytes_rank": None,
+            "peak_bytes_at": None,
+            "peak_breakdown": None,
+        }
+    return {
+        "peak_bytes": stats.in_bytes.peak,
+        "peak_bytes_rank": stats.rank,
+        "peak_bytes_at": stats.in_bytes.at,
+        "peak_breakdown": stats.in_bytes.breakdown.to_json(),
+    }
+
+
+def _byte_cell(timeline: Timeline) -> str:
+    """The largest rank's predicted peak in bytes, and that rank ('' without sizes)."""
+    stats = _largest(timeline)
+    if stats is None or stats.peak_bytes is None:
+        return ""
+    return f" {format_bytes(stats.peak_bytes):>11s} (rank {stats.rank})"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
+from pipecc.analysis.memory import format_bytes, measured_sizes, predict_run
 from pipecc.commands.common import (
     SubParsers,
     add_input_args,
@@ -63,6 +64,7 @@ examples:
   pipecc run schedules/zb_h1.sched --nproc 4 --microbatches 8 --model examples/mlp.py --check
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --steps 10 --warmup 2 --json
   pipecc run 1f1b --nproc 2 -M 16 --model examples/mlp.py --profile costs.toml
+  pipecc run zb_h1 --nproc 2 -M 8 --model examples/gpt.py --memory
   pipecc run zbv --nproc 2 -M 8 --model examples/mlp.py --comm-policy default --check
   pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
   pipecc run zb_h1 --nproc 2 -M 4 --model examples/moe.py --check --reference whole
@@ -169,6 +171,18 @@ def register(commands: SubParsers) -> None:
         action="store_true",
         help="write the --profile file even when its spread exceeds the bound, or with one "
         "timed step (no spread)",
+    )
+    cmd.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure each rank's peak bytes over one more step and print it beside the "
+        "predicted peak (docs/runtime.md, Memory)",
+    )
+    cmd.add_argument(
+        "--optimizer",
+        choices=("adamw", "adam", "sgd", "none"),
+        help="the optimizer whose state --memory and --profile report in bytes (default: the "
+        "model file's `optimizer`, else adamw: two fp32 states per parameter)",
     )
     add_policy_arg(cmd)
     cmd.add_argument(
@@ -331,9 +345,12 @@ def run(args: argparse.Namespace) -> int:
         autocast=AUTOCAST.get(args.autocast),
         reference=args.reference,
         mesh=mesh,
+        memory=args.memory,
+        optimizer=args.optimizer,
     )
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
+    _memory_fields(fields, program, memory=args.memory)
     noisy = _noisy(fields, args)
     if args.profile is not None and report.cost_file is not None and noisy is None:
         write_output(report.cost_file, args.profile)
@@ -354,6 +371,50 @@ def run(args: argparse.Namespace) -> int:
     if noisy is not None:
         raise ProgramError(noisy)
     return 0
+
+
+def _memory_fields(fields: dict[str, Any], program: Program, *, memory: bool) -> None:
+    """With --memory: `memory`, per rank the predicted and the measured peak (these names
+    are a contract) with the prediction's breakdown and the optimizer state left out of
+    both; `batch_bytes` stays apart. The byte keys measured per stage go in `memory_sizes`
+    (also with --profile alone); without --memory the measured fields are dropped."""
+    sizes = fields.get("memory_sizes")
+    measured = fields.pop("measured_bytes", None)
+    if not memory or sizes is None or measured is None:
+        fields.pop("batch_bytes", None)
+        return
+    predicted = predict_run(program, measured_sizes(sizes))
+    fields["memory"] = [
+        {
+            "rank": rank,
+            "predicted_bytes": peak.peak,
+            "measured_bytes": got,
+            "predicted_at": peak.at,
+            "predicted_breakdown": peak.breakdown.to_json(),
+            "optimizer_bytes": optim,
+        }
+        for rank, ((peak, optim), got) in enumerate(zip(predicted, measured, strict=True))
+    ]
+
+
+def _memory_lines(fields: dict[str, Any]) -> list[str]:
+    """Predicted beside measured, per rank (with --memory)."""
+    rows = fields.get("memory")
+    if not rows:
+        return []
+    lines = ["memory per rank: predicted  measured  (predicted - measured) / measured"]
+    for row in rows:
+        predicted, measured = row["predicted_bytes"], row["measured_bytes"]
+        error = (predicted - measured) / measured if measured else 0.0
+        optim = format_bytes(row["optimizer_bytes"])
+        lines.append(
+            f"  rank {row['rank']}: {format_bytes(predicted):>10} {format_bytes(measured):>10}"
+            f"  {error:+.2%}   (optimizer state, in neither: {optim})"
+        )
+    lines.append(
+        f"batch (inputs and targets of a step, in neither): {format_bytes(fields['batch_bytes'])}"
+    )
+    return lines
 
 
 def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
@@ -420,6 +481,8 @@ def _print_summary(
         f"step {fields['step_ms']:.3f} ms (median of {fields['steps']} step(s) after "
         f"{fields['warmup']} warm-up)"
     )
+    for line in _memory_lines(fields):
+        print(line)
     if args.profile is None:
         return
     spread = fields["profile_spread"]

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from pipecc.analysis.memory import format_bytes
 from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
@@ -27,7 +28,7 @@ from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
 from pipecc.render.svg import render_svg
 from pipecc.render.trace import render_trace
-from pipecc.simulate.timeline import Timeline, simulate
+from pipecc.simulate.timeline import Timeline, op_name, simulate
 
 DESCRIPTION = """\
 Replay a compiled schedule with durations (the same replay `pipecc verify` runs, DESIGN §5)
@@ -134,7 +135,28 @@ def summary(timeline: Timeline) -> str:
             f"{stats.peak_activations:>9}  {stalls:<20s} {stats.dependency_bound:>16g} "
             f"{stats.placement_bound:>16g}"
         )
+    lines += _byte_lines(timeline)
     if any(stats.host for stats in timeline.ranks):
         hosts = ", ".join(f"rank {stats.rank} {stats.host:g}" for stats in timeline.ranks)
         lines.append(f"host time in posts and waits (part of idle): {hosts}")
     return "\n".join(lines) + "\n"
+
+
+def _byte_lines(timeline: Timeline) -> list[str]:
+    """Each rank's predicted peak in bytes, where it is reached and what it is made of
+    (only where the costs give sizes)."""
+    lines: list[str] = []
+    for stats in timeline.ranks:
+        found = stats.in_bytes
+        if found is None:
+            continue
+        if not lines:
+            lines.append(
+                "peak bytes per rank (at instruction: parameters, gradients, optimizer, "
+                "activations, buffers, unsharded, workspace):"
+            )
+        instrs = timeline.program.ranks[stats.rank]
+        where = f"@{found.at} {op_name(instrs[found.at])}" if found.at >= 0 else "start"
+        parts = ", ".join(format_bytes(value) for value in found.breakdown)
+        lines.append(f"{stats.rank:>4} {format_bytes(found.peak):>10}  {where}: {parts}")
+    return lines

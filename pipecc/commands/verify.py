@@ -18,6 +18,7 @@ from pipecc.commands.common import (
     comm_model,
     load_costs,
     lowering,
+    parse_bytes,
     positive,
 )
 from pipecc.diagnostics import InputError
@@ -106,6 +107,12 @@ def register(commands: SubParsers) -> None:
         help="fail if a rank holds more than N activation units at once",
     )
     cmd.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="with --cost-file (or --cost) giving sizes in bytes: fail if a rank's predicted "
+        "peak exceeds SIZE (per rank; bytes, or with KiB, MiB, GiB, TiB: 20GiB)",
+    )
+    cmd.add_argument(
         "--stall-budget",
         metavar="T|P%",
         help="with --cost/--cost-file: fail if a rank waits longer than T time "
@@ -115,9 +122,12 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--cost",
         metavar="K=V,...",
-        help="durations (per share of the model) and latency for --stall-budget (docs/simulate.md)",
+        help="durations (per share of the model) and latency for --stall-budget, sizes for "
+        "--memory-budget (docs/simulate.md)",
     )
-    cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --stall-budget")
+    cmd.add_argument(
+        "--cost-file", metavar="TOML", help="a cost file for --stall-budget or --memory-budget"
+    )
     cmd.add_argument(
         "--sweep",
         nargs="+",
@@ -146,12 +156,14 @@ def register(commands: SubParsers) -> None:
 def run(args: argparse.Namespace) -> int:
     models = ALL_MODELS if args.comm == "all" else (comm_model(args),)
     costs, budget = _stall_options(args)
+    memory = _memory_budget(args)
     options = Options(
         models=models,
         max_activations=args.max_activations,
         limit=args.limit,
         costs=costs,
         stall_budget=budget,
+        memory_budget=memory,
     )
     defines = dict(args.defines)
     style = requested_style(args)
@@ -224,15 +236,34 @@ def _stall_options(args: argparse.Namespace) -> tuple[CostModel | None, StallBud
     """--stall-budget with its cost model; a cost model alone is an error (simulate shows the
     waits without a budget)."""
     if args.stall_budget is None:
-        if (args.cost or args.cost_file) and not args.align:
+        if (args.cost or args.cost_file) and not args.align and args.memory_budget is None:
             raise InputError(
-                "--cost/--cost-file are for --stall-budget (to see the waits "
-                "without a budget, use 'pipecc simulate')"
+                "--cost/--cost-file are for --stall-budget or --memory-budget (to see the "
+                "waits without a budget, use 'pipecc simulate')"
             )
-        return None, None
-    if not (args.cost or args.cost_file):
+        costs = load_costs(args) if args.memory_budget is not None and _has_costs(args) else None
+        return costs, None
+    if not _has_costs(args):
         raise InputError("--stall-budget needs a cost model: --cost K=V,... or --cost-file")
     return load_costs(args), StallBudget.parse(args.stall_budget)
+
+
+def _has_costs(args: argparse.Namespace) -> bool:
+    return bool(args.cost or args.cost_file)
+
+
+def _memory_budget(args: argparse.Namespace) -> float | None:
+    """--memory-budget in bytes; it needs a cost model that gives sizes."""
+    if args.memory_budget is None:
+        return None
+    budget = parse_bytes(args.memory_budget, "--memory-budget")
+    if not _has_costs(args) or not load_costs(args).has_bytes():
+        raise InputError(
+            "--memory-budget needs the sizes of the stages in bytes: a --cost-file from "
+            "'pipecc run --profile' (param_bytes, act_bytes, ...) or --cost act_bytes=...,"
+            "param_bytes=... (docs/simulate.md, Memory in bytes)"
+        )
+    return budget
 
 
 def _sched_files(files: list[str]) -> list[str]:

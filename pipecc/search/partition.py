@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipecc.analysis.memory import peak_bytes
+from pipecc.analysis.memory import activation_peak_bytes
 from pipecc.ir.ops import Compute, Instr, Kind, computations, is_compute
 from pipecc.ir.program import Program
 from pipecc.search.baseline import compiled_orders
@@ -152,8 +152,8 @@ def cut_problem(setting: Setting, cut: Cut) -> Problem | None:
 
 def memory_peaks(program: Program, profile: Profile, cut: Cut) -> tuple[float, ...]:
     """Each rank's predicted peak in bytes: its stages' static bytes plus the peak of its
-    activations by the one memory rule (`pipecc.analysis.memory.peak_bytes`). A recomputed
-    stage s keeps `kept_f` from its F; its I brings back the rest, counted as a second
+    activations by the one memory rule (`pipecc.analysis.memory.activation_peak_bytes`). A
+    recomputed stage s keeps `kept_f` from its F; its I brings back the rest, counted as a second
     stage (index S + s) that the I allocates and the W frees."""
     sizes = [stage_bytes(profile, cut, s) for s in range(cut.stages)]
     by_stage = {s: b.kept_f for s, b in enumerate(sizes)}
@@ -164,7 +164,7 @@ def memory_peaks(program: Program, profile: Profile, cut: Cut) -> tuple[float, .
     peaks = []
     for rank, instrs in enumerate(program.ranks):
         ops = list(_with_recomputation(instrs, cut))
-        peaks.append(static[rank] + peak_bytes(ops, by_stage.__getitem__))
+        peaks.append(static[rank] + activation_peak_bytes(ops, by_stage.__getitem__))
     return tuple(peaks)
 
 

@@ -10,10 +10,16 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   being at the receiver (not busy time on either rank)
     bytes         size of one message (with `bandwidth`, adds bytes / bandwidth to `comm`)
     bandwidth     bytes per time unit (global only)
-    act_bytes     bytes of one microbatch's activations of a stage (for peak memory in bytes)
+    act_bytes     bytes of one microbatch's activations of a stage: what its F keeps for the
+                  backward (for peak memory in bytes; docs/simulate.md "Memory in bytes")
     param_bytes   bytes of a stage's parameters (its gradients are as large): what a
                   collective carrying the stage moves (FSDP's all_gather and reduce_scatter,
-                  the data-parallel all_reduce, the shared-parameter sum), with `bandwidth`
+                  the data-parallel all_reduce, the shared-parameter sum), with `bandwidth`;
+                  and the parameters' part of peak memory in bytes
+    act_bytes_w, grad_bytes, grad_bytes_w, optim_bytes, sharded_param_bytes,
+    unsharded_param_bytes, workspace_F, workspace_B, workspace_I, workspace_W, workspace_sum
+                  the other sizes of a stage for peak memory in bytes
+                  (`pipecc.analysis.memory` states the rule)
     UNSHARD, RESHARD, REDUCE_GRAD
                   durations of torch's per-stage actions, where a program holds them (a torch
                   CSV's; docs/interop.md); 0 unless given
@@ -46,7 +52,7 @@ pipes of DualPipe hold the same layers at the same stage index).
 
 The convention (docs/simulate.md, DESIGN §6): global costs are per share of the model (1/P).
 `CostModel.for_program` turns a model as given into the one stage of a program runs: the
-work of a stage (F, B, I, W, FB, FI, UNSHARD, RESHARD, REDUCE_GRAD, act_bytes) is scaled to
+work of a stage (F, B, I, W, FB, FI, UNSHARD, RESHARD, REDUCE_GRAD, BYTE_KEYS) is scaled to
 the stage's part of the model (P/S shares); a message's latency and size (comm, bytes) and
 host time (post, wait, sync) are not. A `[cost.stage.N]` table is stage N of that program,
 used as given; a file that says what it was measured on (`ranks`, `stages`) is converted to
@@ -90,14 +96,28 @@ def ring_traffic(kind: CollectiveKind, n: int) -> float:
 # torch's per-stage actions (docs/interop.md): 0 unless given
 STAGE_OP_KEYS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 
-DURATION_KEYS = (
-    "F", "B", "I", "W", "FB", "FI", "comm", "bytes", "act_bytes", *STAGE_OP_KEYS, "param_bytes"
-)  # fmt: skip
+# the sizes of a stage for peak memory in bytes (pipecc.analysis.memory; `act_bytes` first)
+BYTE_KEYS = (
+    "act_bytes",
+    "act_bytes_w",
+    "param_bytes",
+    "grad_bytes",
+    "grad_bytes_w",
+    "optim_bytes",
+    "sharded_param_bytes",
+    "unsharded_param_bytes",
+    "workspace_F",
+    "workspace_B",
+    "workspace_I",
+    "workspace_W",
+    "workspace_sum",
+)
+DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", *BYTE_KEYS, *STAGE_OP_KEYS)
 HOST_KEYS = ("post", "wait", "sync", "collective")  # global only: host time, sync, collectives
 CUT_KEYS = ("placement", "ranks", "stages")  # what a file was measured on (a file only)
 GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "shared", "unit", *CUT_KEYS)
 # the work of one stage: scaled to the stage's part of the model (module docstring)
-WORK_KEYS = ("F", "B", "I", "W", "FB", "FI", *STAGE_OP_KEYS, "act_bytes", "param_bytes")
+WORK_KEYS = ("F", "B", "I", "W", "FB", "FI", *STAGE_OP_KEYS, *BYTE_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +161,18 @@ class StageCost:
     UNSHARD: float | None = None
     RESHARD: float | None = None
     REDUCE_GRAD: float | None = None
+    act_bytes_w: float | None = None
     param_bytes: float | None = None
+    grad_bytes: float | None = None
+    grad_bytes_w: float | None = None
+    optim_bytes: float | None = None
+    sharded_param_bytes: float | None = None
+    unsharded_param_bytes: float | None = None
+    workspace_F: float | None = None
+    workspace_B: float | None = None
+    workspace_I: float | None = None
+    workspace_W: float | None = None
+    workspace_sum: float | None = None
 
     def over(self, base: StageCost) -> StageCost:
         """This stage's values where given, `base`'s elsewhere."""
@@ -165,7 +196,18 @@ class ResolvedCost:
     UNSHARD: float = 0.0
     RESHARD: float = 0.0
     REDUCE_GRAD: float = 0.0
+    act_bytes_w: float | None = None
     param_bytes: float | None = None
+    grad_bytes: float | None = None
+    grad_bytes_w: float | None = None
+    optim_bytes: float | None = None
+    sharded_param_bytes: float | None = None
+    unsharded_param_bytes: float | None = None
+    workspace_F: float | None = None
+    workspace_B: float | None = None
+    workspace_I: float | None = None
+    workspace_W: float | None = None
+    workspace_sum: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,9 +284,11 @@ class CostModel:
         )
 
     def has_bytes(self) -> bool:
-        """Whether activation sizes are given (for peak memory in bytes)."""
-        return self.base.act_bytes is not None or any(
-            cost.act_bytes is not None for _, cost in self.stages
+        """Whether any size of a stage is given (for peak memory in bytes, BYTE_KEYS)."""
+        return any(
+            getattr(cost, key) is not None
+            for cost in (self.base, *(c for _, c in self.stages))
+            for key in BYTE_KEYS
         )
 
     def fused(self, op: Fused) -> float:
@@ -404,7 +448,7 @@ class CostModel:
         given = [
             f"{k}={_fmt(getattr(self.base, k))}"
             for k in DURATION_KEYS
-            if getattr(self.base, k) is not None
+            if getattr(self.base, k) is not None and (k not in BYTE_KEYS or k == "act_bytes")
         ]
         if self.bandwidth is not None:
             given.append(f"bandwidth={_fmt(self.bandwidth)}")
@@ -529,7 +573,7 @@ def _resolve(cost: StageCost, bandwidth: float | None, scale: float = 1.0) -> Re
         cost.UNSHARD or 0.0,
         cost.RESHARD or 0.0,
         cost.REDUCE_GRAD or 0.0,
-        cost.param_bytes,
+        **{key: getattr(cost, key) for key in BYTE_KEYS[1:]},
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from pipecc.analysis.gaps import Gap, classify, clean
-from pipecc.analysis.memory import peak_activations, peak_bytes
+from pipecc.analysis.memory import BytePeak, peak_activations, peak_bytes, stage_bytes
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import (
     Collective,
@@ -77,9 +77,15 @@ class RankStats:
     peak_activations: int
     peak_index: int
     peak_time: float
-    peak_bytes: float | None
+    in_bytes: BytePeak | None  # the whole predicted peak, where the costs give sizes
     stalls: tuple[Blocked, ...]
     gaps: tuple[Gap, ...] = ()
+
+    @property
+    def peak_bytes(self) -> float | None:
+        """The whole predicted peak in bytes (parameters, gradients, optimizer,
+        activations, buffers, unsharded), or None without sizes in the costs."""
+        return None if self.in_bytes is None else self.in_bytes.peak
 
     @property
     def dependency_bound(self) -> float:
@@ -103,6 +109,8 @@ class RankStats:
             "peak_activations": self.peak_activations,
             "peak_at": {"index": self.peak_index, "time": clean(self.peak_time)},
             "peak_bytes": self.peak_bytes,
+            "peak_bytes_at": None if self.in_bytes is None else self.in_bytes.at,
+            "peak_breakdown": None if self.in_bytes is None else self.in_bytes.breakdown.to_json(),
             "stalls": [s.to_json() for s in self.stalls],
             "dependency_bound": clean(self.dependency_bound),
             "placement_bound": clean(self.placement_bound),
@@ -284,7 +292,7 @@ def _rank_stats(
     peak, at = peak_activations(instrs)
     peak_index = max(at, 0)
     in_bytes = (
-        peak_bytes(instrs, lambda stage: costs.stage(stage).act_bytes or 0.0)
+        peak_bytes(program, rank, lambda stage: stage_bytes(costs, stage))
         if costs.has_bytes()
         else None
     )
@@ -300,7 +308,7 @@ def _rank_stats(
         peak_activations=peak,
         peak_index=peak_index,
         peak_time=peak_time,
-        peak_bytes=in_bytes,
+        in_bytes=in_bytes,
         stalls=tuple(_stalls(rank, run, threshold, post=post)),
     )
 

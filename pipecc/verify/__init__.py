@@ -11,7 +11,8 @@ and placement (route, placement), coverage, torch's stage actions (unshard-resha
 reduce-grad: pipecc.verify.stage_ops), data dependencies (forward-before-input,
 backward-before-gradient, backward-before-forward, weight-before-input-grad,
 send-before-compute, recv-after-use, missing-recv), deadlock and needs-buffering under each
-comm model (replayed by pipecc.semantics), memory (--max-activations), and stalls
+comm model (replayed by pipecc.semantics), memory (--max-activations, and in bytes
+--memory-budget), and stalls
 (--stall-budget: placement-bound wait under a cost model, classified by pipecc.analysis.gaps).
 
 The verifier depends on pipecc.ir, pipecc.semantics (the replay and the costs),
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipecc.analysis.memory import BytePeak
 from pipecc.diagnostics import Violation
 from pipecc.ir.program import Program
 from pipecc.perf import paused_gc
@@ -34,7 +36,7 @@ from pipecc.verify.coverage import check_coverage
 from pipecc.verify.deadlock import Status, Verdict, check_deadlock
 from pipecc.verify.dependencies import check_compute_order, check_dataflow
 from pipecc.verify.matching import check_matching
-from pipecc.verify.memory import Peak, check_memory, peaks
+from pipecc.verify.memory import Peak, byte_peaks, check_budget, check_memory, peaks
 from pipecc.verify.placement import check_placement, check_routes
 from pipecc.verify.stage_ops import check_stage_ops
 from pipecc.verify.stall_budget import StallBudget, WaitTotals, check_stalls
@@ -69,6 +71,7 @@ class Options:
     limit: int = DEFAULT_LIMIT
     costs: CostModel | None = None  # with stall_budget: the durations to replay with
     stall_budget: StallBudget | None = None
+    memory_budget: float | None = None  # bytes per rank; needs `costs` with sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,7 @@ class Report:
     dropped: tuple[tuple[str, int], ...]
     notes: tuple[str, ...] = ()
     waits: tuple[WaitTotals, ...] = ()  # with a stall budget: the wait totals per model
+    byte_peaks: tuple[BytePeak, ...] = ()  # with a memory budget: each rank's peak in bytes
 
     @property
     def ok(self) -> bool:
@@ -117,6 +121,10 @@ def _verify(program: Program, options: Options) -> Report:
     found = peaks(ctx)
     if options.max_activations is not None:
         check_memory(ctx, found, options.max_activations)
+    in_bytes: tuple[BytePeak, ...] = ()
+    if options.memory_budget is not None and options.costs is not None:
+        in_bytes = byte_peaks(ctx, options.costs)
+        check_budget(ctx, in_bytes, options.memory_budget)
     waits = _check_waits(ctx, options, verdicts)
     if waits and options.costs is not None and (converted := _conversion(options.costs, program)):
         notes = (*notes, converted)
@@ -129,6 +137,7 @@ def _verify(program: Program, options: Options) -> Report:
         dropped=tuple(sorted(ctx.dropped.items())),
         notes=notes,
         waits=waits,
+        byte_peaks=in_bytes,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipecc.analysis.memory import format_bytes
 from pipecc.diagnostics import ParseError, PipeccError, ScheduleError, Span, Violation
 from pipecc.verify import Report
 
@@ -25,6 +26,10 @@ def summary(report: Report, label: str) -> str:
             head += f"; {verdicts}"
     peaks = " ".join(str(p.peak) for p in report.peaks)
     lines = [head, f"peak activations per rank: {peaks}"]
+    if report.byte_peaks:
+        in_bytes = " ".join(format_bytes(p.peak) for p in report.byte_peaks)
+        budget = format_bytes(report.options.memory_budget or 0.0)
+        lines.append(f"predicted peak bytes per rank (budget {budget}): {in_bytes}")
     for totals in report.waits:
         pairs = " ".join(
             f"{d:g}/{p:g}" for d, p in zip(totals.dependency, totals.placement, strict=True)
@@ -81,6 +86,7 @@ def as_json(report: Report, label: str, notes: tuple[str, ...] = ()) -> dict[str
         "peak_activations": [
             {"rank": p.rank, "peak": p.peak, "index": p.index} for p in report.peaks
         ],
+        **_byte_peaks(report),
         "waits": [
             {
                 "model": t.model.value,
@@ -91,6 +97,23 @@ def as_json(report: Report, label: str, notes: tuple[str, ...] = ()) -> dict[str
             for t in report.waits
         ],
         "notes": [*report.notes, *notes],
+    }
+
+
+def _byte_peaks(report: Report) -> dict[str, Any]:
+    """With --memory-budget: each rank's predicted peak in bytes (simulate's names)."""
+    if not report.byte_peaks:
+        return {}
+    return {
+        "peak_bytes": [
+            {
+                "rank": rank,
+                "peak_bytes": p.peak,
+                "peak_bytes_at": p.at,
+                "peak_breakdown": p.breakdown.to_json(),
+            }
+            for rank, p in enumerate(report.byte_peaks)
+        ]
     }
 
 

@@ -67,9 +67,13 @@ class Posted:
         if self._works is None:
             assert self._future is not None
             try:
-                self._works = self._future.result(timeout)[self._index]
+                group = self._future.result(timeout)
             except FutureTimeout:
                 raise OpTimeout("the op was not posted before its deadline") from None
+            # taken out of the group's result: a received buffer is then held by this op
+            # alone, and freed once it is consumed, not when the group's last op is
+            self._works, group[self._index] = group[self._index], []
+            self._future = None
         return self._works
 
 

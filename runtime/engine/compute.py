@@ -181,7 +181,7 @@ class StageOps:
                 else f"{loss!r}"[:80]
             )
             raise InputError(f"the loss function must return a scalar tensor, got {got}")
-        ctx.losses[mb] = loss.detach()
+        ctx.losses[mb] = loss.detach().clone()  # a loss's storage may be a whole batch's
         return (loss * ctx.scale,)
 
     def hand_on(self, ctx: StepContext, op: ComputeStep, output: object) -> Tensors:

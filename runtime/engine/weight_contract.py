@@ -249,7 +249,8 @@ def accumulate(work: Deferred) -> None:
     if work.fn is linear_weight_grads and weight is not None and _fusable(weight, work.g):
         assert weight.grad is not None  # _fusable
         g2 = work.g.reshape(-1, work.g.shape[-1])
-        weight.grad.addmm_(g2.t(), work.x.reshape(-1, work.x.shape[-1]).to(g2.dtype))
+        with torch.no_grad():  # x needs a gradient: recorded, .grad would keep x and g alive
+            weight.grad.addmm_(g2.t(), work.x.reshape(-1, work.x.shape[-1]).to(g2.dtype))
         names.discard("weight")
     if names:
         _add(work, names)

@@ -271,6 +271,7 @@ def render_cost_file(
     *,
     measured_on: Program,
     shared: Sequence[Sequence[int]] = (),
+    sizes: Mapping[int, Mapping[str, int]] | None = None,
 ) -> str:
     """The TOML text: a comment header, `[cost]` (what it was measured on, the durations per
     share, with `shared`, the groups of stages that hold one parameter, where there are any),
@@ -284,8 +285,8 @@ def render_cost_file(
     lines += ["", "[cost]", 'unit = "ms"', *_measured_on(measured_on), *_table(top)]
     if shared:
         lines.append(f"shared = {[list(group) for group in shared]}")
-    for stage, costs in per_stage.items():
-        lines += ["", f"[cost.stage.{stage}]", *_table(costs)]
+    for stage, costs in per_stage.items():  # with `sizes`, its byte keys (profiling/memory.py)
+        lines += ["", f"[cost.stage.{stage}]", *_table({**costs, **(sizes or {}).get(stage, {})})]
     return "\n".join([*lines, *_profile_table(records)]) + "\n"
 
 

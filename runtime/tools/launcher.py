@@ -31,9 +31,11 @@ from pipecc.ir.program import Program
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..pipeline import PipelineRuntime
+from ..profiling.memory import byte_keys
 from ..profiling.recorder import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
 from . import mesh_job
 from .checking import check_run
+from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
@@ -60,6 +62,8 @@ class RunJob:
     autocast: torch.dtype | None = None  # overrides the model file's
     reference: str = "stages"  # --check against: "stages" (one after another) or "whole"
     mesh: Mesh | None = None  # --mesh: the world is the mesh, the program one pipeline's
+    memory: bool = False  # measure each rank's peak bytes over one step (tools/memory.py)
+    optimizer: str | None = None  # for the optimizer's bytes; overrides the model file's
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,11 @@ class RunReport:
     reference: str = "stages"  # what --check compared with
     reference_aux_loss: float | None = None  # with --check --reference whole
     check_failures: list[str] = field(default_factory=list)  # fail whatever the tolerance
+    # with --profile or --memory: each stage's byte keys (docs/simulate.md), measured on one
+    # byte-profiled step; with --memory each rank's measured peak; the batch's bytes
+    memory_sizes: dict[int, dict[str, int]] | None = None
+    measured_bytes: list[int] | None = None
+    batch_bytes: int | None = None
 
 
 def backend_for(ranks: int) -> str:
@@ -150,6 +159,7 @@ def run_job(job: RunJob) -> RunReport:
         reference=job.reference,
         reference_aux_loss=None if checked is None else checked.reference_added,
         check_failures=[] if checked is None else list(checked.failures),
+        **_memory_fields(results),
     )
 
 
@@ -208,7 +218,28 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
             out["grads"].append(_my_grads(program, where.pp_rank, modules))
         if recorder is not None:
             out["records"].append(recorder)
+    if job.profile or job.memory:  # two more steps, untimed and unchecked
+        after = job.warmup + job.steps
+        batches = (where.share(model.batch(job.batch_size, seed=after)),
+                   where.share(model.batch(job.batch_size, seed=after + 1)))  # fmt: skip
+        optimizer = job.optimizer or model.optimizer or "adamw"
+        out["memory"] = memory_steps(
+            runtime, modules, batches, optimizer=optimizer, measure=job.memory
+        )
     return out
+
+
+def _memory_fields(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report's byte fields from every rank's `memory_steps` (none without them)."""
+    if "memory" not in results[0]:
+        return {}
+    found = [result["memory"] for result in results]
+    measured = [m["measured"] for m in found]
+    return {
+        "memory_sizes": byte_keys([m["bytes"] for m in found]),
+        "measured_bytes": None if None in measured else measured,
+        "batch_bytes": found[0]["batch_bytes"],
+    }
 
 
 def _timed_step(
@@ -277,9 +308,14 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "comm = the latency under which the rendezvous rule reproduces the run's waits;",
             "sync = the gradient sum of parameters held by several ranks (duplicated stages,",
             "shared weights), per step; shared = the groups of stages that hold one parameter;",
-            "bytes = median message size; [profile]: the timed steps and the spread of the",
+            "bytes = median message size (per stage: its largest receive buffer); byte keys",
+            "(act_bytes, param_bytes, ...: docs/simulate.md) from one byte-profiled step;",
+            "[profile]: the timed steps and the spread of the",
             "per-step means, (Q3 - Q1) / median, worst over (stage, op) and per stage",
         )
     )
     shared = results[0]["shared_stages"]
-    return render_cost_file(_records(results), header, measured_on=program, shared=shared)
+    sizes = _memory_fields(results).get("memory_sizes")
+    return render_cost_file(
+        _records(results), header, measured_on=program, shared=shared, sizes=sizes
+    )

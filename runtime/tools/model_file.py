@@ -22,7 +22,10 @@ nn.Module` (the whole, unsplit model: `model(inputs, **context)` returns what `l
 takes; its parameter names are the stages', for `--check --reference whole`,
 runtime/tools/whole_reference.py) and `parallelize(module, stage, tp_mesh)` (tensor
 parallelism of one stage module over the mesh's tp dimension, `parallelize_module` as
-torchtitan applies it; `pipecc run --mesh tp=N` calls it on every stage it builds).
+torchtitan applies it; `pipecc run --mesh tp=N` calls it on every stage it builds) and
+`optimizer` (`"adamw"`, `"adam"`, `"sgd"`, `"none"` or a function of the parameters
+returning a torch optimizer: the optimizer whose state `pipecc run --memory` and
+`--profile` report in bytes; AdamW when not given).
 `--check` builds every stage in the launcher for its single-process reference (with
 `build_stage` when defined, so the reference has the ranks' weights).
 """
@@ -58,6 +61,7 @@ class ModelFile:
     path: str = "the model file"
     build_model: Callable[[], torch.nn.Module] | None = None
     parallelize: Callable[[torch.nn.Module, int, Any], object] | None = None
+    optimizer: str | Callable[..., Any] | None = None  # for its bytes (`pipecc run --memory`)
 
     def batch(self, num_rows: int, seed: int) -> tuple[Any, ...]:
         """`make_batch(num_rows, seed)`: (inputs, targets) or (inputs, targets, context)."""
@@ -137,6 +141,7 @@ def load_model(path: str) -> ModelFile:
     return ModelFile(
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
         autocast, builders["build_stage"], path, build_model, parallelize,
+        _optimizer(path, names.get("optimizer")),
     )  # fmt: skip
 
 
@@ -148,6 +153,20 @@ def _optional_function(
     if value is not None and not callable(value):
         raise InputError(f"{path}: {name} must be a function{what}")
     return value
+
+
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "none")
+
+
+def _optimizer(path: str, value: object) -> str | Callable[..., Any] | None:
+    """`optimizer`: a name (adamw, adam: two fp32 states per parameter; sgd, none: no state)
+    or a callable `optimizer(params) -> torch.optim.Optimizer`."""
+    if value is None or callable(value) or value in OPTIMIZER_NAMES:
+        return value
+    raise InputError(
+        f"{path}: optimizer must be one of {', '.join(OPTIMIZER_NAMES)} or a function of the "
+        f"parameters returning a torch optimizer, got {value!r}"
+    )
 
 
 def _user_frames(err: BaseException, path: str) -> str:
