@@ -45,6 +45,10 @@ class RuntimeConfig:
     `mesh`: a `DeviceMesh` the runtime lives on; the pipeline's group and rank map then come
     from its `pp_dim` dimension (`group` and `rank_map` are not given), and the program's
     collectives over mesh dimensions run over its groups (runtime/comm/mesh.py).
+    `plans_kept`: how many signatures keep their bound plans (and so their receive buffers)
+    at once; the least recently used beyond it is let go and bound again, locally, if its
+    shapes come back (variable-length batches would otherwise hold a set of buffers for
+    every length ever seen).
     """
 
     group: dist.ProcessGroup | None = None
@@ -61,3 +65,4 @@ class RuntimeConfig:
     static_shapes: bool = False
     mesh: Any = None  # a torch DeviceMesh (docs/parallelism.md)
     pp_dim: str = "pp"
+    plans_kept: int = 4

@@ -374,12 +374,15 @@ class PipelineRuntime:
         """Switch to a signature's plans: bound once, when it is first seen, to its
         boundaries (stage -> the input of one microbatch) and receive specs."""
         key = self.signatures.current
-        if key not in self._signatures:
+        bound = self._signatures.pop(key, None)  # re-inserted last: the most recently used
+        if bound is None:
             specs = binding.recv_specs(self.program, self.rank, boundaries)
             self._recv_specs[key] = specs
             plans = (self.plan, self.forward_plan)
-            self._signatures[key] = self.binder.bind(plans, boundaries, specs)
-        bound = self._signatures[key]
+            bound = self.binder.bind(plans, boundaries, specs)
+        self._signatures[key] = bound
+        while len(self._signatures) > max(self.config.plans_kept, 1):  # the oldest let go
+            del self._signatures[next(iter(self._signatures))]
         self.current.train, self.current.forward = bound.train, bound.forward
         self._storages = bound.storages
         self.interpreter.stage.boundaries = boundaries
