@@ -260,7 +260,8 @@ class PipelineRuntime:
         if holds_last:
             split_targets = self._split(targets, "targets", found, required=training)
         if signature is None or not self.signatures.known(signature):
-            with sample_context(contexts[0] if contexts else None):  # discovery runs on it
+            # discovery runs on the sample context; what its forwards add (add_loss) is dropped
+            with sample_context(contexts[0] if contexts else None), aux_loss.collecting([]):
                 self._settle(signature, found, split_inputs)
         elif found:  # a known signature: nothing is exchanged, this rank stops alone
             raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))

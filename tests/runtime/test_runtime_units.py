@@ -288,3 +288,40 @@ def test_an_op_not_posted_by_its_deadline_is_a_timeout() -> None:
     never: Future[list[list[Any]]] = Future()
     with pytest.raises(OpTimeout):
         Posted(future=never).works(0.01)
+
+
+class _AddsToATuple(nn.Module):
+    """Returns a tuple through `add_loss`, which discovery must accept as the step does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from pipecc.runtime import add_loss
+
+        h = self.linear(x)
+        return add_loss((h, h.detach() > 0), (h * h).mean())
+
+
+def test_discovery_runs_a_stage_that_adds_a_loss_to_a_tuple(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from pipecc.runtime import PipelineRuntime, RuntimeConfig
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        stage = _AddsToATuple()
+        program = compile_schedule("1f1b", ranks=1, microbatches=1)
+        loss_fn = lambda out, target: nn.functional.mse_loss(out[0], target)  # noqa: E731
+        runtime = PipelineRuntime(program, [stage], loss_fn=loss_fn, config=RuntimeConfig())
+        x, target = torch.randn(4, 3), torch.randn(4, 3)
+        runtime.step(x, target)
+        got = stage.linear.weight.grad.clone()
+        stage.zero_grad()
+        h = stage.linear(x)
+        (nn.functional.mse_loss(h, target) + (h * h).mean()).backward()
+        assert torch.allclose(got, stage.linear.weight.grad, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
