@@ -11,10 +11,12 @@ activations dominate. In this process: the spec's parsing and its refusals.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pipecc.runtime.engine.recompute import parse_spec, recomputed
+from pipecc.runtime.tools.model_file import load_model
 from pipecc.runtime.tools.spawn import spawn
 from recompute_cases import Case, run_cases
 
@@ -86,3 +88,23 @@ def test_spec() -> None:
         parse_spec("x:full")
     with pytest.raises(InputError, match="0..1"):
         recomputed({2: "full"}, 2)
+
+
+MODEL = """
+import torch
+from torch import nn
+def build_stage(stage, num_stages):
+    return nn.Linear(4, 4)
+def make_batch(rows, seed):
+    return torch.randn(rows, 4), torch.randn(rows, 4)
+recompute = {value}
+"""
+
+
+def test_model_file_recompute(tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.format(value='{0: "full"}'))
+    assert load_model(str(path)).recompute == {0: "full"}
+    path.write_text(MODEL.format(value='{"0": "full"}'))
+    with pytest.raises(InputError, match="recompute must map stage numbers to modes"):
+        load_model(str(path))

@@ -123,6 +123,15 @@ def run_inline(
     return code, out, err
 
 
+def test_recompute_checks_against_the_reference(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = ["run", "zb_h1", "--nproc", "2", "-M", "4", "--model", MLP, "--check"]
+    code, out, err = run_inline(capsys, monkeypatch, *args, "--recompute", "0:full", "--json")
+    assert code == 0, err
+    assert json.loads(out)["max_rel_grad_diff"] <= 1e-5
+
+
 def test_without_check_diffs_are_null(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,6 +153,9 @@ def test_without_check_diffs_are_null(
             "build_stages(num_stages) (all of them)",
         ),
         (["--timeout", "0"], "--timeout must be positive"),
+        (["--recompute", "attn"], "selective recomputation by module is not supported"),
+        (["--recompute", "0:full,2:none"], "recompute: stage 2 is not one of 0..1"),
+        (["--recompute", "first:full"], "'first:full' is not stage:mode"),
     ],
 )
 def test_unusable_input_exits_2(
