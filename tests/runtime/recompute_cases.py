@@ -60,6 +60,7 @@ class Case:
     recompute: Any = "full"
     aux: bool = False
     memory: bool = False
+    own_rng: bool = False  # derive_rng=False: compared with the same run without recompute
 
 
 def build(count: int, aux: bool, wide: bool = False) -> list[nn.Module]:
@@ -75,6 +76,8 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, A
         try:
             if case.memory:
                 results[case.name] = _memory_case(rank, case)
+            elif case.own_rng:
+                results[case.name] = _own_rng_case(rank, case)
             else:
                 results[case.name] = _run_case(rank, case)
         except PipeccError as err:
@@ -82,10 +85,12 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, A
     return results
 
 
-def _runtime(rank: int, case: Case, stages: list[nn.Module], recompute: Any) -> PipelineRuntime:
+def _runtime(
+    rank: int, case: Case, stages: list[nn.Module], recompute: Any, derive: bool = True
+) -> PipelineRuntime:
     program = case.program
     modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
-    config = RuntimeConfig(timeout=60.0, recompute=recompute)
+    config = RuntimeConfig(timeout=60.0, recompute=recompute, derive_rng=derive)
     return PipelineRuntime(program, modules, None, loss_fn=_mse, config=config)
 
 
@@ -109,6 +114,25 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
         "want_total": want["total"],
         "want_aux": want["aux"],
     }
+
+
+def _own_rng_case(rank: int, case: Case) -> dict[str, Any]:
+    """Without derived RNG states: the ranks' own streams, seeded alike before each run; the
+    replay restores the state F saved, so the gradients are those without recompute."""
+    grads = {}
+    for mode in ("none", case.recompute):
+        stages = build(case.program.placement.num_stages(0), case.aux)
+        runtime = _runtime(rank, case, stages, mode, derive=False)
+        x, y = _batch(case.program.num_microbatches)
+        torch.manual_seed(11 + rank)
+        runtime.step(x, y)
+        grads[str(mode)] = [
+            p.grad.clone() for s in stages for p in s.parameters() if p.grad is not None
+        ]
+    same = all(
+        torch.equal(a, b) for a, b in zip(grads["none"], grads[str(case.recompute)], strict=True)
+    )
+    return {"same": same, "count": len(grads["none"])}
 
 
 def _memory_case(rank: int, case: Case) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Linear weight contract), ZBV, DualPipeV and DualPipe with dropout on, with and w
 `add_loss`, and one stage only recomputed: every gradient within 1e-6 relative of the
 reference, the global loss (main plus added) and each reported added loss equal. The
 measured peak (the exact CPU count) is lower with recomputation on a model whose
-activations dominate. In this process: the spec's parsing and its refusals.
+activations dominate. Without derived RNG states (ZBV) the gradients equal those without
+recomputation, bit for bit. In this process: the spec's parsing and its refusals.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _cases() -> list[Case]:
         cases.append(Case(f"{schedule}-aux", program, aux=True))
     program = compile_schedule("zb_h1", ranks=2, microbatches=4)
     cases.append(Case("zb_h1-stage1", program, recompute={1: "full", 0: "none"}, aux=True))
+    program = compile_schedule("zbv", ranks=2, microbatches=4)
+    cases.append(Case("own-rng-zbv", program, aux=True, own_rng=True))
     cases.append(
         Case("memory-1f1b", compile_schedule("1f1b", ranks=2, microbatches=4), memory=True)
     )
@@ -74,6 +77,14 @@ def test_recompute_lowers_the_measured_peak() -> None:
     peaks = [r["memory-1f1b"]["peaks"] for r in _group()]
     assert peaks[0]["full"] < 0.8 * peaks[0]["none"], peaks
     assert peaks[1]["full"] <= peaks[1]["none"], peaks
+
+
+def test_saved_rng_states_without_derivation() -> None:
+    """derive_rng=False: dropout on the ranks' own streams; the replay restores F's state,
+    so every gradient equals the run without recompute's, bit for bit."""
+    for result in (r["own-rng-zbv"] for r in _group()):
+        assert "error" not in result, result
+        assert result["count"] > 0 and result["same"], result
 
 
 def test_spec() -> None:
