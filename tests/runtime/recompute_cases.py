@@ -50,6 +50,27 @@ class Block(nn.Module):
         return add_loss(out, extra)  # type: ignore[no-any-return]
 
 
+class Hooked(Block):
+    """A Block whose class defines DualPipe's overlap hook (forward, then backward), and
+    counts its calls."""
+
+    hook_calls = 0
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls, module0: Any, inputs0: Any, criterion0: Any, labels0: Any,
+        module1: Any, loss1: Any, outputs1: Any, output_grads1: Any,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        module0.hook_calls += 1
+        outputs0 = [module0(*inputs0)]
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        if loss1 is not None:
+            loss1.backward()
+        else:
+            torch.autograd.backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
 @dataclass(frozen=True)
 class Case:
     """`recompute`: the runtime's spec; `aux`: the stages add a loss; `memory`: measure
@@ -61,10 +82,13 @@ class Case:
     aux: bool = False
     memory: bool = False
     own_rng: bool = False  # derive_rng=False: compared with the same run without recompute
+    hooked: bool = False  # the stages' class defines overlapped_forward_backward
 
 
-def build(count: int, aux: bool, wide: bool = False) -> list[nn.Module]:
+def build(count: int, aux: bool, wide: bool = False, hooked: bool = False) -> list[nn.Module]:
     torch.manual_seed(0)
+    if hooked:
+        return [Hooked(aux) for _ in range(count)]
     if wide:
         return [Block(aux, WIDE, 4 * WIDE) for _ in range(count)]
     return [Block(aux) for _ in range(count)]
@@ -97,9 +121,7 @@ def _runtime(
 def _run_case(rank: int, case: Case) -> dict[str, Any]:
     program = case.program
     num_stages = program.placement.num_stages(0)
-    stages = build(num_stages, case.aux)
-    for stage in stages:
-        stage.train()
+    stages = build(num_stages, case.aux, hooked=case.hooked)
     runtime = _runtime(rank, case, stages, case.recompute)
     x, y = _batch(program.num_microbatches)
     runtime.step(x, y)
@@ -113,6 +135,7 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
         "aux": aux,
         "want_total": want["total"],
         "want_aux": want["aux"],
+        "hook_calls": sum(getattr(s, "hook_calls", 0) for s in stages),
     }
 
 

@@ -36,6 +36,9 @@ def _cases() -> list[Case]:
         cases.append(Case(f"{schedule}-aux", program, aux=True))
     program = compile_schedule("zb_h1", ranks=2, microbatches=4)
     cases.append(Case("zb_h1-stage1", program, recompute={1: "full", 0: "none"}, aux=True))
+    program = compile_schedule("dualpipe", ranks=2, microbatches=6)
+    cases.append(Case("dualpipe-hook", program, aux=True, hooked=True))
+    cases.append(Case("dualpipe-hook-none", program, recompute="none", aux=True, hooked=True))
     program = compile_schedule("zbv", ranks=2, microbatches=4)
     cases.append(Case("own-rng-zbv", program, aux=True, own_rng=True))
     cases.append(
@@ -49,7 +52,8 @@ def _group() -> list[dict[str, dict[str, Any]]]:
     return spawn(run_cases, 2, _cases(), timeout=120.0)  # type: ignore[no-any-return]
 
 
-NAMES = [c for s, _ in SCHEDULES for c in (s, f"{s}-aux")] + ["zb_h1-stage1"]
+NAMES = [c for s, _ in SCHEDULES for c in (s, f"{s}-aux")]
+NAMES += ["zb_h1-stage1", "dualpipe-hook", "dualpipe-hook-none"]
 
 
 def _close(a: float, b: float) -> bool:
@@ -69,6 +73,13 @@ def test_matches_the_reference(name: str) -> None:
         reported = {(mb, s) for r in _group() for mb, d in r[name]["aux"].items() for s in d}
         wanted = {(mb, s) for mb, d in _group()[0][name]["want_aux"].items() for s in d}
         assert reported == wanted
+
+
+def test_the_overlap_hook_is_left_for_recomputed_stages() -> None:
+    """The hook would build the forward's graph: a recomputed pair runs one after the other
+    (correct, above), and the hook runs as before without recomputation."""
+    assert sum(r["dualpipe-hook"]["hook_calls"] for r in _group()) == 0
+    assert sum(r["dualpipe-hook-none"]["hook_calls"] for r in _group()) > 0
 
 
 def test_recompute_lowers_the_measured_peak() -> None:
