@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -387,3 +388,23 @@ def test_a_model_file_that_fails_to_load_shows_its_own_frames(
     files = [line for line in lines if line.startswith("  File ")]
     assert files == [f'  File "{model}", line 5, in <module>',
                      f'  File "{model}", line 2, in helper'], err  # fmt: skip
+
+
+def test_profile_with_recompute_measures_what_f_keeps(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A recomputed stage's F keeps only its input: its act_bytes drop (examples/mlp.py at its
+    default width, 1F1B: 8192 -> 2048 on stage 0), and the recomputed activations of one
+    backward are its workspace_B."""
+    found = {}
+    for mode in ("none", "full"):
+        path = tmp_path / f"{mode}.toml"
+        args = ["run", "1f1b", "--nproc", "2", "-M", "4", "--model", MLP, "--recompute", mode]
+        code, _, err = run_inline(capsys, monkeypatch, *args, "--steps", "2",
+                                  "--allow-noisy-profile", "--profile", str(path))  # fmt: skip
+        assert code == 0, err
+        found[mode] = tomllib.loads(path.read_text())["cost"]["stage"]
+    for stage in ("0", "1"):
+        none, full = found["none"][stage], found["full"][stage]
+        assert full["act_bytes"] < none["act_bytes"], (stage, none, full)
+        assert full["workspace_B"] > none["workspace_B"], (stage, none, full)
