@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,9 @@ class RuntimeConfig:
     at once; the least recently used beyond it is let go and bound again, locally, if its
     shapes come back (variable-length batches would otherwise hold a set of buffers for
     every length ever seen).
+    `recompute`: "full" (every stage), "none", or {stage: "full" | "none"}: a recomputed
+    stage's forward keeps only its input and runs again, with its graph, before its
+    backward (runtime/engine/recompute.py).
     """
 
     group: dist.ProcessGroup | None = None
@@ -66,3 +69,4 @@ class RuntimeConfig:
     mesh: Any = None  # a torch DeviceMesh (docs/parallelism.md)
     pp_dim: str = "pp"
     plans_kept: int = 4
+    recompute: str | Mapping[int, str] | None = None

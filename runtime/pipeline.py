@@ -44,6 +44,7 @@ from .engine.context import StepContext
 from .engine.fused import FusedOps
 from .engine.interpreter import InstructionError, Interpreter
 from .engine.precision import Fp32Grads
+from .engine.recompute import recomputed
 from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
 from .engine.steps import Current
@@ -118,6 +119,9 @@ class PipelineRuntime:
         self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
         stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, (self.device, config.autocast))
         stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
+        placement = self.program.placement
+        stages = max(placement.num_stages(p) for p in range(placement.num_pipes))
+        stage.recompute = recomputed(config.recompute, stages)
         captures = methods(self.chunks, split_chunks(self.program.ranks[rank]))
         transfers = Transfers(self.channel, {}, self.device, config.timeout)
         self.sums = shared.GradientSums(

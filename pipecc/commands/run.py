@@ -152,6 +152,13 @@ def register(commands: SubParsers) -> None:
         choices=("bf16", "fp16"),
         help="run every forward under torch.autocast with this dtype (overrides the model file)",
     )
+    cmd.add_argument(
+        "--recompute",
+        metavar="SPEC",
+        help="recompute activations: 'full' or 'none' for every stage, or per stage as "
+        "'0:full,1:none' (stages left out: none); overrides the model file's `recompute` "
+        "(docs/runtime.md, Recomputation)",
+    )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.add_argument(
         "--timeout",
@@ -319,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.align and (args.cost or args.cost_file):
         raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     try:
-        from pipecc.runtime.tools.launcher import AUTOCAST, RunJob, backend_for, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
+        from pipecc.runtime.tools.launcher import AUTOCAST, RunJob, backend_for, parse_spec, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(_import_failure(err)) from None
     steps, warmup = _timing(args)
@@ -347,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
         mesh=mesh,
         memory=args.memory,
         optimizer=args.optimizer,
+        recompute=parse_spec(args.recompute) if args.recompute is not None else None,
     )
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}

@@ -40,7 +40,7 @@ from ..compat import pytree, storage_shared
 from ..config import LossFn
 from ..plan.binding import Chunk
 from .aux_loss import collecting, scaled_roots, total
-from .context import Saved, StepContext, Tensors
+from .context import Replay, Saved, StepContext, Tensors
 from .precision import Fp32Grads
 from .rng import ForwardRng
 from .split_backward import full_backward, input_backward
@@ -67,6 +67,7 @@ class StageOps:
         self.autocast_device, self.autocast_dtype = autocast
         self.precision: Fp32Grads | None = None
         self._params: dict[int, tuple[torch.nn.Parameter, ...]] = {}  # each chunk's, by id
+        self.recompute: frozenset[int] = frozenset()  # stages recomputed in full
 
     def run(self, ctx: StepContext, op: ComputeStep) -> None:
         """One compute step, by the method its kind was bound to."""
@@ -75,11 +76,14 @@ class StageOps:
     def forward(self, ctx: StepContext, op: ComputeStep) -> None:
         chunk = op.unit
         value, inputs = self.stage_inputs(ctx, op)
+        replay = ctx.training and op.stage in self.recompute
+        state = self.rng.snapshot() if replay else None
         self.rng.seed(ctx.step, op.stage, op.mb)
-        capture = op.capture if ctx.training else None
+        capture = op.capture if ctx.training and not replay else None
         added: list[torch.Tensor] = []
         context = context_of(ctx, op.mb)
-        with self.autocast():
+        graph = torch.no_grad() if replay else contextlib.nullcontext()
+        with graph, self.autocast():
             with collecting(added):
                 if capture is not None:  # the contract method (runtime/engine/bound.py)
                     with capturing(chunk.module, capture):
@@ -91,19 +95,55 @@ class StageOps:
             outputs = self.hand_on(ctx, op, output)
         elif not ctx.training and not chunk.first and op.mb in ctx.outputs:
             ctx.outputs[op.mb] = _own(ctx.outputs[op.mb], value)
-        if ctx.training:
+        if replay:  # only the input stays: the backward runs the forward again
+            record_added(ctx, op, added)
+            ctx.saved[op.key] = Saved(inputs, (), None, Replay(value, op, state))
+        elif ctx.training:
             ctx.saved[op.key] = Saved(inputs, outputs, record_added(ctx, op, added))
         else:
             record_added(ctx, op, added)
 
+    def replayed(self, ctx: StepContext, saved: Saved) -> Saved:
+        """A recomputed stage's forward run again, with its graph, before its B or I: under
+        the same RNG state (dropout draws the same masks), autocast and contract capture;
+        its added losses are the extra roots (they were reported by the first run)."""
+        replay = saved.replay
+        if replay is None:
+            return saved
+        fop: ComputeStep = replay.op
+        chunk = fop.unit
+        added: list[torch.Tensor] = []
+        with (
+            self.rng.replaying(ctx.step, fop.stage, fop.mb, replay.rng_state),
+            torch.enable_grad(),
+            self.autocast(),
+        ):
+            with collecting(added):
+                context = context_of(ctx, fop.mb)
+                if fop.capture is not None:
+                    with capturing(chunk.module, fop.capture):
+                        output = call(chunk.module, replay.value, context)
+                else:
+                    output = call(chunk.module, replay.value, context)
+            if chunk.last:
+                loss = self.loss_fn(unwrap(output), unwrap(self.target(ctx, fop.mb)))
+                outputs: Tensors = (loss * ctx.scale,)
+        if not chunk.last:
+            tensors, got = flatten(output, f"the output of {describe(fop.instr, places=True)}")
+            carries = fop.out_carries
+            if carries is None or len(carries) != len(tensors):
+                carries = _carries(fop.expected or got, tuple(tensors))
+            outputs = tuple(t for t, c in zip(tensors, carries, strict=True) if c)
+        return Saved(saved.inputs, outputs, total(added))
+
     def backward(self, ctx: StepContext, op: ComputeStep) -> None:
-        saved = ctx.saved.pop(op.key)
+        saved = self.replayed(ctx, ctx.saved.pop(op.key))
         outputs, grads = self.output_grads(ctx, op, saved)
         self.hand_back(ctx, op, saved.inputs, full_backward(outputs, grads, saved.inputs))
         self.drain(ctx, op.unit)
 
     def backward_input(self, ctx: StepContext, op: ComputeStep) -> None:
-        saved = ctx.saved.pop(op.key)
+        saved = self.replayed(ctx, ctx.saved.pop(op.key))
         outputs, grads = self.output_grads(ctx, op, saved)
         params = op.unit.params
         input_grads, weight = input_backward(outputs, grads, saved.inputs, params, op.capture)

@@ -32,12 +32,25 @@ class Saved(NamedTuple):
     `inputs` are the stage's input leaves; `outputs` the tensors a backward starts from (the
     stage outputs, or the loss already scaled by 1/M on a last stage); `added` the sum of
     the losses the forward added (`add_loss`, runtime/engine/aux_loss.py), unscaled: an
-    extra root of the backward, seeded with 1/M.
+    extra root of the backward, seeded with 1/M. `replay`: on a recomputed stage, the
+    forward ran without a graph and `outputs` is empty; its backward first runs the forward
+    again from this (runtime/engine/compute.py `replayed`).
     """
 
     inputs: Tensors
     outputs: Tensors
     added: torch.Tensor | None = None
+    replay: Replay | None = None
+
+
+class Replay(NamedTuple):
+    """What a recomputed stage's forward keeps: its input value (whose tensor leaves are
+    `Saved.inputs`), its bound step, and the RNG state it ran under when states are not
+    derived (None when they are: the derivation gives it again)."""
+
+    value: object
+    op: Any
+    rng_state: Any = None
 
 
 class Pending(NamedTuple):

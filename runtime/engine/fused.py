@@ -93,7 +93,8 @@ class FusedOps:
 
     def run(self, ctx: StepContext, step: FusedStep) -> None:
         forward, backward = step.forward, step.backward
-        if step.hook is not None:  # bound for an F&B only
+        recomputed = {forward.stage, backward.stage} & self.ops.recompute
+        if step.hook is not None and not recomputed:  # bound for an F&B only
             self._overlapped(ctx, step.hook, forward, backward)
         elif self.side is not None:
             self._on_two_streams(ctx, forward, backward)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -62,4 +63,26 @@ class ForwardRng:
             return
         devices = [self.index] if self.cuda else []
         with torch.random.fork_rng(devices=devices):
+            yield
+
+    def snapshot(self) -> Any:
+        """The generators' states a forward starts from, when they are not derived (a
+        recomputed forward runs again from it); None when derived."""
+        if self.enabled:
+            return None
+        cuda = torch.cuda.get_rng_state(self.index) if self.cuda else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def replaying(self, step: int, stage: int, mb: int, state: Any) -> Iterator[None]:
+        """The RNG state of the forward of (step, stage, mb) again, for a recomputation,
+        leaving the generators as they were after the block."""
+        devices = [self.index] if self.cuda else []
+        with torch.random.fork_rng(devices=devices):
+            if state is None:
+                self.seed(step, stage, mb)
+            else:
+                torch.set_rng_state(state[0])
+                if state[1] is not None:
+                    torch.cuda.set_rng_state(state[1], self.index)
             yield

@@ -30,6 +30,7 @@ from pipecc.ir.program import Program
 
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
+from ..engine.recompute import Spec, parse_spec, recomputed
 from ..pipeline import PipelineRuntime
 from ..profiling.memory import byte_keys
 from ..profiling.recorder import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
@@ -42,7 +43,7 @@ from .spawn import spawn
 from .training_run import aux_by_stage, reported_aux, stages_of
 from .whole_reference import check_whole_run, held_grads
 
-__all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "run_job"]
+__all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "parse_spec", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class RunJob:
     mesh: Mesh | None = None  # --mesh: the world is the mesh, the program one pipeline's
     memory: bool = False  # measure each rank's peak bytes over one step (tools/memory.py)
     optimizer: str | None = None  # for the optimizer's bytes; overrides the model file's
+    recompute: Spec = None  # --recompute (runtime/engine/recompute.py); overrides the model file's
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ def run_job(job: RunJob) -> RunReport:
             f"{job.program.num_microbatches} equal microbatches"
         )
     model = load_model(job.model)
+    recomputed(_recompute(job, model), job.program.placement.num_stages(0))  # a bad spec: here
     check_targets(job.model, model, model.batch(job.batch_size, seed=0)[1])
     world = job.mesh.world if job.mesh is not None else job.program.num_ranks
     backend = backend_for(world)
@@ -168,6 +171,11 @@ def _replicas(job: RunJob) -> int:
     return 1 if job.mesh is None else job.mesh.dp_replicate * job.mesh.dp_shard
 
 
+def _recompute(job: RunJob, model: ModelFile) -> Spec:
+    """--recompute, else the model file's `recompute`."""
+    return job.recompute if job.recompute is not None else model.recompute
+
+
 def _autocast(job: RunJob, model: ModelFile) -> torch.dtype | None:
     """--autocast, else the model file's `autocast`."""
     return job.autocast or model.autocast
@@ -191,7 +199,7 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     config = RuntimeConfig(
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
         derive_rng=job.derive_rng, autocast=autocast, group=where.group,
-        rank_map=where.rank_map, mesh=where.mesh,
+        rank_map=where.rank_map, mesh=where.mesh, recompute=_recompute(job, model),
     )  # fmt: skip
     # the boundaries of each new shape signature are found along the pipeline on the
     # step's real data (every rank is given the batch); a file's boundaries() is checked

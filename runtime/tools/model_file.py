@@ -25,7 +25,9 @@ parallelism of one stage module over the mesh's tp dimension, `parallelize_modul
 torchtitan applies it; `pipecc run --mesh tp=N` calls it on every stage it builds) and
 `optimizer` (`"adamw"`, `"adam"`, `"sgd"`, `"none"` or a function of the parameters
 returning a torch optimizer: the optimizer whose state `pipecc run --memory` and
-`--profile` report in bytes; AdamW when not given).
+`--profile` report in bytes; AdamW when not given) and `recompute` (`"full"`, `"none"` or
+{stage: "full" | "none"}: the stages whose forward runs again in their backward,
+runtime/engine/recompute.py; `pipecc run --recompute` overrides it).
 `--check` builds every stage in the launcher for its single-process reference (with
 `build_stage` when defined, so the reference has the ranks' weights).
 """
@@ -45,6 +47,7 @@ from pipecc.diagnostics import InputError
 
 from ..compat import pytree
 from ..config import mse_loss
+from ..engine.recompute import Spec
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,6 +65,7 @@ class ModelFile:
     build_model: Callable[[], torch.nn.Module] | None = None
     parallelize: Callable[[torch.nn.Module, int, Any], object] | None = None
     optimizer: str | Callable[..., Any] | None = None  # for its bytes (`pipecc run --memory`)
+    recompute: Spec = None
 
     def batch(self, num_rows: int, seed: int) -> tuple[Any, ...]:
         """`make_batch(num_rows, seed)`: (inputs, targets) or (inputs, targets, context)."""
@@ -141,7 +145,7 @@ def load_model(path: str) -> ModelFile:
     return ModelFile(
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
         autocast, builders["build_stage"], path, build_model, parallelize,
-        _optimizer(path, names.get("optimizer")),
+        _optimizer(path, names.get("optimizer")), _recompute(path, names.get("recompute")),
     )  # fmt: skip
 
 
@@ -167,6 +171,20 @@ def _optimizer(path: str, value: object) -> str | Callable[..., Any] | None:
         f"{path}: optimizer must be one of {', '.join(OPTIMIZER_NAMES)} or a function of the "
         f"parameters returning a torch optimizer, got {value!r}"
     )
+
+
+def _recompute(path: str, value: object) -> Spec:
+    """`recompute`: a mode for every stage, or a dict of stage to mode (its stages are
+    checked against the program's when the job starts)."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, int) and isinstance(v, str) for k, v in value.items()):
+            raise InputError(f"{path}: recompute must map stage numbers to modes, got {value!r}")
+        return dict(value)
+    if isinstance(value, str):
+        return value
+    raise InputError(f"{path}: recompute must be 'full', 'none' or {{stage: mode}}, got {value!r}")
 
 
 def _user_frames(err: BaseException, path: str) -> str:

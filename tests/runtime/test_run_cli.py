@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,15 @@ def run_inline(
     return code, out, err
 
 
+def test_recompute_checks_against_the_reference(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = ["run", "zb_h1", "--nproc", "2", "-M", "4", "--model", MLP, "--check"]
+    code, out, err = run_inline(capsys, monkeypatch, *args, "--recompute", "0:full", "--json")
+    assert code == 0, err
+    assert json.loads(out)["max_rel_grad_diff"] <= 1e-5
+
+
 def test_without_check_diffs_are_null(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,6 +154,9 @@ def test_without_check_diffs_are_null(
             "build_stages(num_stages) (all of them)",
         ),
         (["--timeout", "0"], "--timeout must be positive"),
+        (["--recompute", "attn"], "selective recomputation by module is not supported"),
+        (["--recompute", "0:full,2:none"], "recompute: stage 2 is not one of 0..1"),
+        (["--recompute", "first:full"], "'first:full' is not stage:mode"),
     ],
 )
 def test_unusable_input_exits_2(
@@ -375,3 +388,23 @@ def test_a_model_file_that_fails_to_load_shows_its_own_frames(
     files = [line for line in lines if line.startswith("  File ")]
     assert files == [f'  File "{model}", line 5, in <module>',
                      f'  File "{model}", line 2, in helper'], err  # fmt: skip
+
+
+def test_profile_with_recompute_measures_what_f_keeps(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A recomputed stage's F keeps only its input: its act_bytes drop (examples/mlp.py at its
+    default width, 1F1B: 8192 -> 2048 on stage 0), and the recomputed activations of one
+    backward are its workspace_B."""
+    found = {}
+    for mode in ("none", "full"):
+        path = tmp_path / f"{mode}.toml"
+        args = ["run", "1f1b", "--nproc", "2", "-M", "4", "--model", MLP, "--recompute", mode]
+        code, _, err = run_inline(capsys, monkeypatch, *args, "--steps", "2",
+                                  "--allow-noisy-profile", "--profile", str(path))  # fmt: skip
+        assert code == 0, err
+        found[mode] = tomllib.loads(path.read_text())["cost"]["stage"]
+    for stage in ("0", "1"):
+        none, full = found["none"][stage], found["full"][stage]
+        assert full["act_bytes"] < none["act_bytes"], (stage, none, full)
+        assert full["workspace_B"] > none["workspace_B"], (stage, none, full)
