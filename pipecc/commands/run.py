@@ -29,6 +29,7 @@ from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
 from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
+from pipecc.search.layers import load_cut
 from pipecc.verify import Options, report
 
 # the timed and warm-up steps of `pipecc run --profile` unless --steps and --warmup say
@@ -184,6 +185,13 @@ def register(commands: SubParsers) -> None:
         help="the optimizer whose state --memory and --profile report in bytes (default: the "
         "model file's `optimizer`, else adamw: two fp32 states per parameter)",
     )
+    cmd.add_argument(
+        "--partition",
+        metavar="CUT.toml",
+        help="build the stages from this cut (the file `pipecc search --layers --partition` "
+        "writes: each stage's layer names) with the model file's build_layers_model and "
+        "init_stage (docs/runtime.md, Running a searched cut)",
+    )
     add_policy_arg(cmd)
     cmd.add_argument(
         "--align",
@@ -331,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(verified.line(), flush=True)
     batch = args.batch_size or 8 * program.num_microbatches
+    layers = _partition(args.partition, program)
     job = RunJob(
         program=program,
         model=args.model,
@@ -347,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
         mesh=mesh,
         memory=args.memory,
         optimizer=args.optimizer,
+        layers=layers,
     )
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
@@ -371,6 +381,28 @@ def run(args: argparse.Namespace) -> int:
     if noisy is not None:
         raise ProgramError(noisy)
     return 0
+
+
+def _partition(path: str | None, program: Program) -> tuple[tuple[str, ...], ...] | None:
+    """--partition: each stage's layer names, one stage of the cut per program stage; a
+    recomputed stage is refused (the runtime does not recompute yet)."""
+    if path is None:
+        return None
+    cut, names = load_cut(path)
+    stages = program.placement.num_stages(0)
+    if cut.stages != stages:
+        raise InputError(
+            f"{path}: the cut has {cut.stages} stages, but the program "
+            f"({program.schedule}) has {stages}: search the cut for this program's placement"
+        )
+    recomputed = [stage for stage in range(cut.stages) if cut.recompute[stage]]
+    if recomputed:
+        raise InputError(
+            f'{path}: stage {recomputed[0]} says recompute = "full", but the runtime does '
+            "not recompute activations yet; search with a --memory cap that needs no "
+            "recomputation, or remove the line to run the cut without it"
+        )
+    return tuple(tuple(names[n] for n in cut.span(stage)) for stage in range(cut.stages))
 
 
 def _memory_fields(fields: dict[str, Any], program: Program, *, memory: bool) -> None:

@@ -64,6 +64,7 @@ class RunJob:
     mesh: Mesh | None = None  # --mesh: the world is the mesh, the program one pipeline's
     memory: bool = False  # measure each rank's peak bytes over one step (tools/memory.py)
     optimizer: str | None = None  # for the optimizer's bytes; overrides the model file's
+    layers: tuple[tuple[str, ...], ...] | None = None  # --partition: each stage's layer names
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def run_job(job: RunJob) -> RunReport:
             f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
-    model = load_model(job.model)
+    model = load_model(job.model).with_cut(job.layers)
+    model.check_cut(job.program.placement.num_stages(0))
     check_targets(job.model, model, model.batch(job.batch_size, seed=0)[1])
     world = job.mesh.world if job.mesh is not None else job.program.num_ranks
     backend = backend_for(world)
@@ -174,13 +176,13 @@ def _autocast(job: RunJob, model: ModelFile) -> torch.dtype | None:
 
 
 def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
-    model = load_model(job.model)
+    model = load_model(job.model).with_cut(job.layers)
     program = job.program
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     num_stages = program.placement.num_stages(0)
     where = mesh_job.place(job.mesh, rank, device)  # the pipeline rank, the batch share
     slots = program.placement.chunks(where.pp_rank)
-    whole = model.build_stage is None  # build_stages: every rank builds every stage
+    whole = not model.own_stages  # build_stages: every rank builds every stage
     built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
     built = {stage: module.to(device) for stage, module in built.items()}
     mesh_job.parallelize(model, built, where)  # --mesh tp=N: the model file's parallelize
