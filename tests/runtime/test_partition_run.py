@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from pipecc.runtime.tools.model_file import load_model
 
+from pipecc.cli import main
+
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")
 MODEL = str(ROOT / "examples" / "gpt_stages.py")
@@ -93,23 +95,30 @@ def test_a_searched_cut_runs_and_checks(tmp_path: Path, placement: str, schedule
     ],
 )
 def test_a_bad_cut_is_refused(
-    tmp_path: Path, stages: list[list[str]], recompute: int | None, said: str
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    stages: list[list[str]],
+    recompute: int | None,
+    said: str,
 ) -> None:
+    """Refused before any process starts (in process here: the same `main`)."""
     _cut(tmp_path / "cut.toml", stages, recompute)
-    ran = _pipecc(
-        "run", "1f1b", "--nproc", "2", "-M", "4", "--model", MODEL,
-        "--partition", str(tmp_path / "cut.toml"),
+    code = main(
+        ["run", "1f1b", "--nproc", "2", "-M", "4", "--model", MODEL,
+         "--partition", str(tmp_path / "cut.toml")]
     )  # fmt: skip
-    assert ran.returncode == 2, ran.stderr
-    assert said in ran.stderr
-    assert "Traceback" not in ran.stderr
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert said in err
 
 
-def test_a_model_file_without_the_layers_model_is_refused(tmp_path: Path) -> None:
+def test_a_model_file_without_the_layers_model_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _cut(tmp_path / "cut.toml", [NAMES[:3], NAMES[3:]])
-    ran = _pipecc(
-        "run", "1f1b", "--nproc", "2", "-M", "4", "--model", str(ROOT / "examples" / "gpt.py"),
-        "--partition", str(tmp_path / "cut.toml"),
+    code = main(
+        ["run", "1f1b", "--nproc", "2", "-M", "4", "--model", str(ROOT / "examples" / "gpt.py"),
+         "--partition", str(tmp_path / "cut.toml")]
     )  # fmt: skip
-    assert ran.returncode == 2
-    assert "needs build_layers_model and init_stage" in ran.stderr
+    assert code == 2
+    assert "needs build_layers_model and init_stage" in capsys.readouterr().err
