@@ -192,6 +192,12 @@ def register(commands: SubParsers) -> None:
         "writes: each stage's layer names) with the model file's build_layers_model and "
         "init_stage (docs/runtime.md, Running a searched cut)",
     )
+    cmd.add_argument(
+        "--profile-layers",
+        metavar="LAYERS.toml",
+        help="write the per-layer profile `pipecc search --layers` reads: each layer of the "
+        "model file's build_layers_model timed alone on one microbatch (docs/runtime.md)",
+    )
     add_policy_arg(cmd)
     cmd.add_argument(
         "--align",
@@ -348,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=warmup,
         check=args.check,
         timeout=args.timeout,
-        profile=args.profile is not None,
+        profile=args.profile is not None or args.profile_layers is not None,
         seed=args.seed,
         derive_rng=args.derive_rng,
         autocast=AUTOCAST.get(args.autocast),
@@ -357,9 +363,11 @@ def run(args: argparse.Namespace) -> int:
         memory=args.memory,
         optimizer=args.optimizer,
         layers=layers,
+        profile_layers=args.profile_layers is not None,
     )
     report = run_job(job)
-    fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
+    fields = {k: v for k, v in asdict(report).items() if k not in ("cost_file", "layer_profile")}
+    _write_layers(report.layer_profile, args.profile_layers)
     _memory_fields(fields, program, memory=args.memory)
     noisy = _noisy(fields, args)
     if args.profile is not None and report.cost_file is not None and noisy is None:
@@ -381,6 +389,12 @@ def run(args: argparse.Namespace) -> int:
     if noisy is not None:
         raise ProgramError(noisy)
     return 0
+
+
+def _write_layers(text: str | None, path: str | None) -> None:
+    """--profile-layers: the per-layer profile, written."""
+    if path is not None and text is not None:
+        write_output(text, path)
 
 
 def _partition(path: str | None, program: Program) -> tuple[tuple[str, ...], ...] | None:

@@ -31,8 +31,15 @@ from pipecc.ir.program import Program
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..pipeline import PipelineRuntime
+from ..profiling.layers import layer_names, profile_layers, render_layers
 from ..profiling.memory import byte_keys
-from ..profiling.recorder import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
+from ..profiling.recorder import (
+    SPREAD_BOUND,
+    Recorder,
+    comm_costs,
+    render_cost_file,
+    worst_spread,
+)
 from . import mesh_job
 from .checking import check_run
 from .memory import memory_steps
@@ -65,6 +72,7 @@ class RunJob:
     memory: bool = False  # measure each rank's peak bytes over one step (tools/memory.py)
     optimizer: str | None = None  # for the optimizer's bytes; overrides the model file's
     layers: tuple[tuple[str, ...], ...] | None = None  # --partition: each stage's layer names
+    profile_layers: bool = False  # --profile-layers: time each layer (profiling/layers.py)
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ class RunReport:
     memory_sizes: dict[int, dict[str, int]] | None = None
     measured_bytes: list[int] | None = None
     batch_bytes: int | None = None
+    layer_profile: str | None = None  # --profile-layers: the TOML text
 
 
 def backend_for(ranks: int) -> str:
@@ -162,7 +171,23 @@ def run_job(job: RunJob) -> RunReport:
         reference_aux_loss=None if checked is None else checked.reference_added,
         check_failures=[] if checked is None else list(checked.failures),
         **_memory_fields(results),
+        layer_profile=_layer_profile(job, model, results) if job.profile_layers else None,
     )
+
+
+def _layer_profile(job: RunJob, model: ModelFile, results: list[dict[str, Any]]) -> str:
+    """--profile-layers: each layer timed alone on one microbatch (profiling/layers.py),
+    with the message latency fitted on this run's steps."""
+    whole = model.layers_model()
+    names = [n for stage in job.layers for n in stage] if job.layers else layer_names(whole)
+    rows = job.batch_size // job.program.num_microbatches
+    entries = profile_layers(whole, names, model.batch(rows, seed=0), model.loss_fn)
+    comm = comm_costs(_records(results)).get("comm", 0.0) if job.profile else 0.0
+    header = (
+        f"pipecc run --profile-layers: {job.model}, {len(names)} layers, one microbatch of "
+        f"{rows} rows, each layer timed alone ({job.program.schedule} run for comm)"
+    )
+    return render_layers(entries, comm, header)
 
 
 def _replicas(job: RunJob) -> int:

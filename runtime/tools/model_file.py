@@ -111,6 +111,18 @@ class ModelFile:
         except InputError as err:
             raise InputError(f"--partition: the cut does not fit {self.path}: {err}") from None
 
+    def layers_model(self) -> torch.nn.Module:
+        """The whole model of `build_layers_model`, materialized on the CPU and initialised
+        by `init_stage` (`--profile-layers`)."""
+        if self.build_layers_model is None or self.init_stage is None:
+            raise InputError(
+                f"{self.path}: --profile-layers times the layers of build_layers_model() (the "
+                "whole model on the meta device), initialised by init_stage(module): define both"
+            )
+        whole = self._meta_model().to_empty(device="cpu")
+        self.init_stage(whole)
+        return whole
+
     def _meta_model(self) -> torch.nn.Module:
         assert self.build_layers_model is not None
         found = self.build_layers_model()

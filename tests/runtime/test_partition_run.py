@@ -14,6 +14,7 @@ import pytest
 from pipecc.runtime.tools.model_file import load_model
 
 from pipecc.cli import main
+from pipecc.search.layers import cut_layers, load_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPECC = str(Path(sys.executable).parent / "pipecc")
@@ -122,3 +123,31 @@ def test_a_model_file_without_the_layers_model_is_refused(
     )  # fmt: skip
     assert code == 2
     assert "needs build_layers_model and init_stage" in capsys.readouterr().err
+
+
+def test_the_layer_profile_round_trips_into_search(tmp_path: Path) -> None:
+    """`pipecc run --profile-layers` writes every layer of the model file, in order, with
+    measured durations and bytes; `pipecc search --layers` reads it and writes a cut of those
+    layers, which `pipecc run --partition` runs (the whole loop)."""
+    profile = tmp_path / "layers.toml"
+    ran = _pipecc(
+        "run", "1f1b", "--nproc", "2", "-M", "4", "--model", MODEL,
+        "--profile-layers", str(profile),
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    layers = load_layers(profile)
+    assert list(layers.names) == NAMES
+    blocks = [layer for layer in layers.layers if layer.name.startswith("blocks.")]
+    assert all(layer.F > 0 and layer.I > 0 and layer.W > 0 for layer in layers.layers)
+    assert all(layer.act_bytes > 0 and layer.param_bytes > 0 for layer in blocks)
+    assert blocks[0].param_bytes == sum(
+        p.numel() * 4
+        for p in load_model(MODEL).layers_model().get_submodule("blocks.0").parameters()
+    )
+    cut = tmp_path / "cut.toml"
+    searched = _pipecc(
+        "search", "-P", "2", "-M", "4", "--layers", str(profile), "--placement", "loop",
+        "--partition", str(cut),
+    )  # fmt: skip
+    assert searched.returncode == 0, searched.stderr
+    assert [n for stage in cut_layers(cut) for n in stage] == NAMES
