@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from ..compat import pytree
-
 __all__ = ["layer_names", "profile_layers", "render_layers"]
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
@@ -43,7 +41,25 @@ def layer_names(model: torch.nn.Module) -> list[str]:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    """The tensors in a tensor, tuple, list or dict (nested)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _map(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """`value` with `fn` applied to each of its tensors (in tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map(fn, item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_map(fn, item) for item in value)
+    return value
 
 
 def _inputs(
@@ -56,9 +72,7 @@ def _inputs(
     for name in names:
 
         def keep(_: torch.nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-            found[name] = pytree.tree_map(
-                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args
-            )
+            found[name] = _map(lambda t: t.detach().clone(), args)
 
         handles.append(modules[name].register_forward_pre_hook(keep))
     context = batch[2] if len(batch) == 3 else {}
@@ -72,12 +86,7 @@ def _inputs(
 def _run(
     module: torch.nn.Module, args: tuple[Any, ...], finish: Callable[[Any], Any]
 ) -> tuple[Any, tuple[Any, ...]]:
-    args = pytree.tree_map(
-        lambda t: (
-            t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
-        ),
-        args,
-    )
+    args = _map(lambda t: t.detach().requires_grad_(t.is_floating_point()), args)
     return finish(module(*args)), args
 
 
