@@ -70,6 +70,8 @@ examples:
   pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
   pipecc run zb_h1 --nproc 2 -M 4 --model examples/moe.py --check --reference whole
   pipecc run dl.sched --nproc 2 -M 2 --model examples/mlp.py --unverified --timeout 5
+  pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt_stages.py --profile-layers layers.toml
+  pipecc run best.sched --nproc 2 -M 4 --model examples/gpt_stages.py --partition cut.toml --check
 
 exit codes: 0 ok; 1 the program fails verification (refused, with verify's report), the
 check failed or a rank failed (the message names the rank and instruction); 2 input pipecc

@@ -21,7 +21,8 @@ layer names (`embed`, `blocks.0`, ..., `head`), and `init_stage(module)`, which 
 materialized stage deterministically (e.g. each weight from a generator seeded by its name,
 so every cut has the same weights). Each rank then builds its own stages as
 `split_model(build_layers_model(), stage, num_stages, layers=<the cut>, init=init_stage)`,
-and so does `--check`'s reference; `build_stage`/`build_stages` are not called.
+and so does `--check`'s reference; `build_stage`/`build_stages` are not called. The same two
+let `pipecc run --profile-layers` time each layer (runtime/profiling/layers.py).
 
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
 `boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input,
