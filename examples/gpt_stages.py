@@ -14,6 +14,11 @@ reference; they are not those of examples/gpt.py's `build_stages`, which draws t
 construction order. The sizes are examples/gpt.py's PIPECC_GPT_* variables; a tied head
 (PIPECC_GPT_TIED=1) needs `build_stages` there, since two ranks' separately built stages
 cannot share one Parameter object.
+
+`build_layers_model()` and `init_stage` let `pipecc run --partition cut.toml` build the
+stages from a cut `pipecc search --layers` chose (layer names `embed`, `blocks.K`, `head`):
+
+    pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt_stages.py --partition cut.toml --check
 """
 
 from __future__ import annotations
@@ -56,3 +61,12 @@ def init(stage: nn.Module) -> None:
 def build_stage(stage: int, num_stages: int) -> nn.Module:
     """Stage `stage` of `num_stages`: only its layers are ever materialized."""
     return split_model(whole_model(num_stages), stage, num_stages, layers="blocks", init=init)
+
+
+def build_layers_model() -> nn.Module:
+    """The whole GPT on the meta device, for `pipecc run --partition cut.toml`: its layers
+    are `embed`, `blocks.0` ... `blocks.N-1` (PIPECC_GPT_LAYERS, default 4) and `head`."""
+    return whole_model(gpt["GPTConfig"]().layers or 4)
+
+
+init_stage = init  # initialises a stage of any cut (`--partition`) as build_stage's

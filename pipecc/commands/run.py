@@ -29,6 +29,7 @@ from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
 from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
+from pipecc.search.layers import load_cut
 from pipecc.verify import Options, report
 
 # the timed and warm-up steps of `pipecc run --profile` unless --steps and --warmup say
@@ -69,6 +70,8 @@ examples:
   pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt.py --check --autocast bf16
   pipecc run zb_h1 --nproc 2 -M 4 --model examples/moe.py --check --reference whole
   pipecc run dl.sched --nproc 2 -M 2 --model examples/mlp.py --unverified --timeout 5
+  pipecc run 1f1b --nproc 2 -M 4 --model examples/gpt_stages.py --profile-layers layers.toml
+  pipecc run best.sched --nproc 2 -M 4 --model examples/gpt_stages.py --partition cut.toml --check
 
 exit codes: 0 ok; 1 the program fails verification (refused, with verify's report), the
 check failed or a rank failed (the message names the rank and instruction); 2 input pipecc
@@ -190,6 +193,19 @@ def register(commands: SubParsers) -> None:
         choices=("adamw", "adam", "sgd", "none"),
         help="the optimizer whose state --memory and --profile report in bytes (default: the "
         "model file's `optimizer`, else adamw: two fp32 states per parameter)",
+    )
+    cmd.add_argument(
+        "--partition",
+        metavar="CUT.toml",
+        help="build the stages from this cut (the file `pipecc search --layers --partition` "
+        "writes: each stage's layer names) with the model file's build_layers_model and "
+        "init_stage (docs/runtime.md, Running a searched cut)",
+    )
+    cmd.add_argument(
+        "--profile-layers",
+        metavar="LAYERS.toml",
+        help="write the per-layer profile `pipecc search --layers` reads: each layer of the "
+        "model file's build_layers_model timed alone on one microbatch (docs/runtime.md)",
     )
     add_policy_arg(cmd)
     cmd.add_argument(
@@ -338,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(verified.line(), flush=True)
     batch = args.batch_size or 8 * program.num_microbatches
+    layers, cut_recompute = _partition(args.partition, program)
     job = RunJob(
         program=program,
         model=args.model,
@@ -346,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=warmup,
         check=args.check,
         timeout=args.timeout,
-        profile=args.profile is not None,
+        profile=args.profile is not None or args.profile_layers is not None,
         seed=args.seed,
         derive_rng=args.derive_rng,
         autocast=AUTOCAST.get(args.autocast),
@@ -354,10 +371,16 @@ def run(args: argparse.Namespace) -> int:
         mesh=mesh,
         memory=args.memory,
         optimizer=args.optimizer,
-        recompute=parse_spec(args.recompute) if args.recompute is not None else None,
+        # --recompute wins over a cut's recompute lines, which win over the model file's
+        recompute=parse_spec(args.recompute)
+        if args.recompute is not None
+        else (cut_recompute or None),
+        layers=layers,
+        profile_layers=args.profile_layers is not None,
     )
     report = run_job(job)
-    fields = {k: v for k, v in asdict(report).items() if k != "cost_file"}
+    fields = {k: v for k, v in asdict(report).items() if k not in ("cost_file", "layer_profile")}
+    _write_layers(report.layer_profile, args.profile_layers)
     _memory_fields(fields, program, memory=args.memory)
     noisy = _noisy(fields, args)
     if args.profile is not None and report.cost_file is not None and noisy is None:
@@ -379,6 +402,31 @@ def run(args: argparse.Namespace) -> int:
     if noisy is not None:
         raise ProgramError(noisy)
     return 0
+
+
+def _write_layers(text: str | None, path: str | None) -> None:
+    """--profile-layers: the per-layer profile, written."""
+    if path is not None and text is not None:
+        write_output(text, path)
+
+
+def _partition(
+    path: str | None, program: Program
+) -> tuple[tuple[tuple[str, ...], ...] | None, dict[int, str]]:
+    """--partition: each stage's layer names, one stage of the cut per program stage, and
+    the stages the cut recomputes (`recompute = "full"`, as `--recompute s:full`)."""
+    if path is None:
+        return None, {}
+    cut, names = load_cut(path)
+    stages = program.placement.num_stages(0)
+    if cut.stages != stages:
+        raise InputError(
+            f"{path}: the cut has {cut.stages} stages, but the program "
+            f"({program.schedule}) has {stages}: search the cut for this program's placement"
+        )
+    recompute = {stage: "full" for stage in range(cut.stages) if cut.recompute[stage]}
+    layers = tuple(tuple(names[n] for n in cut.span(stage)) for stage in range(cut.stages))
+    return layers, recompute
 
 
 def _memory_fields(fields: dict[str, Any], program: Program, *, memory: bool) -> None:

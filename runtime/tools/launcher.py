@@ -32,8 +32,15 @@ from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..engine.recompute import Spec, parse_spec, recomputed
 from ..pipeline import PipelineRuntime
+from ..profiling.layers import layer_names, profile_layers, render_layers
 from ..profiling.memory import byte_keys
-from ..profiling.recorder import SPREAD_BOUND, Recorder, render_cost_file, worst_spread
+from ..profiling.recorder import (
+    SPREAD_BOUND,
+    Recorder,
+    comm_costs,
+    render_cost_file,
+    worst_spread,
+)
 from . import mesh_job
 from .checking import check_run
 from .memory import memory_steps
@@ -66,6 +73,8 @@ class RunJob:
     memory: bool = False  # measure each rank's peak bytes over one step (tools/memory.py)
     optimizer: str | None = None  # for the optimizer's bytes; overrides the model file's
     recompute: Spec = None  # --recompute (runtime/engine/recompute.py); overrides the model file's
+    layers: tuple[tuple[str, ...], ...] | None = None  # --partition: each stage's layer names
+    profile_layers: bool = False  # --profile-layers: time each layer (profiling/layers.py)
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,7 @@ class RunReport:
     memory_sizes: dict[int, dict[str, int]] | None = None
     measured_bytes: list[int] | None = None
     batch_bytes: int | None = None
+    layer_profile: str | None = None  # --profile-layers: the TOML text
 
 
 def backend_for(ranks: int) -> str:
@@ -121,7 +131,8 @@ def run_job(job: RunJob) -> RunReport:
             f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
-    model = load_model(job.model)
+    model = load_model(job.model).with_cut(job.layers)
+    model.check_cut(job.program.placement.num_stages(0))
     recomputed(_recompute(job, model), job.program.placement.num_stages(0))  # a bad spec: here
     check_targets(job.model, model, model.batch(job.batch_size, seed=0)[1])
     world = job.mesh.world if job.mesh is not None else job.program.num_ranks
@@ -163,7 +174,23 @@ def run_job(job: RunJob) -> RunReport:
         reference_aux_loss=None if checked is None else checked.reference_added,
         check_failures=[] if checked is None else list(checked.failures),
         **_memory_fields(results),
+        layer_profile=_layer_profile(job, model, results) if job.profile_layers else None,
     )
+
+
+def _layer_profile(job: RunJob, model: ModelFile, results: list[dict[str, Any]]) -> str:
+    """--profile-layers: each layer timed alone on one microbatch (profiling/layers.py),
+    with the message latency fitted on this run's steps."""
+    whole = model.layers_model()
+    names = [n for stage in job.layers for n in stage] if job.layers else layer_names(whole)
+    rows = job.batch_size // job.program.num_microbatches
+    entries = profile_layers(whole, names, model.batch(rows, seed=0), model.loss_fn)
+    comm = comm_costs(_records(results)).get("comm", 0.0) if job.profile else 0.0
+    header = (
+        f"pipecc run --profile-layers: {job.model}, {len(names)} layers, one microbatch of "
+        f"{rows} rows, each layer timed alone ({job.program.schedule} run for comm)"
+    )
+    return render_layers(entries, comm, header)
 
 
 def _replicas(job: RunJob) -> int:
@@ -182,13 +209,13 @@ def _autocast(job: RunJob, model: ModelFile) -> torch.dtype | None:
 
 
 def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
-    model = load_model(job.model)
+    model = load_model(job.model).with_cut(job.layers)
     program = job.program
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     num_stages = program.placement.num_stages(0)
     where = mesh_job.place(job.mesh, rank, device)  # the pipeline rank, the batch share
     slots = program.placement.chunks(where.pp_rank)
-    whole = model.build_stage is None  # build_stages: every rank builds every stage
+    whole = not model.own_stages  # build_stages: every rank builds every stage
     built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
     built = {stage: module.to(device) for stage, module in built.items()}
     mesh_job.parallelize(model, built, where)  # --mesh tp=N: the model file's parallelize

@@ -14,6 +14,16 @@ weights):
   models; every rank builds all and keeps its own, and a Parameter object in two stages is a
   tied weight).
 
+For a cut chosen elsewhere (`pipecc run --partition cut.toml`, the cut `pipecc search
+--layers` writes), the file also defines `build_layers_model() -> nn.Module`: the whole model
+on the meta device (`with torch.device("meta"): ...`), whose module names are the cut's
+layer names (`embed`, `blocks.0`, ..., `head`), and `init_stage(module)`, which initialises a
+materialized stage deterministically (e.g. each weight from a generator seeded by its name,
+so every cut has the same weights). Each rank then builds its own stages as
+`split_model(build_layers_model(), stage, num_stages, layers=<the cut>, init=init_stage)`,
+and so does `--check`'s reference; `build_stage`/`build_stages` are not called. The same two
+let `pipecc run --profile-layers` time each layer (runtime/profiling/layers.py).
+
 Optional: `loss_fn(output, target)` (default: mean squared error, for floating targets),
 `boundaries(example_inputs)` (the boundary specs for one microbatch of stage 0's input,
 declared: checked against those the runtime finds by running the stages on real data),
@@ -37,7 +47,7 @@ from __future__ import annotations
 import runpy
 import traceback
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +58,7 @@ from pipecc.diagnostics import InputError
 from ..compat import pytree
 from ..config import mse_loss
 from ..engine.recompute import Spec
+from .split_model import split_model, stage_layers
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,6 +77,66 @@ class ModelFile:
     parallelize: Callable[[torch.nn.Module, int, Any], object] | None = None
     optimizer: str | Callable[..., Any] | None = None  # for its bytes (`pipecc run --memory`)
     recompute: Spec = None
+    build_layers_model: Callable[[], torch.nn.Module] | None = None  # on meta, for a cut
+    init_stage: Callable[[torch.nn.Module], object] | None = None
+    layers: tuple[tuple[str, ...], ...] | None = None  # `--partition`: each stage's layers
+
+    @property
+    def own_stages(self) -> bool:
+        """Each rank builds only its own stages (`build_stage`, or a cut)."""
+        return self.build_stage is not None or self.layers is not None
+
+    def with_cut(self, layers: tuple[tuple[str, ...], ...] | None) -> ModelFile:
+        """This model file with its stages cut as `layers` (`--partition`): needs
+        `build_layers_model` and `init_stage`."""
+        if layers is None:
+            return self
+        missing = [
+            name
+            for name, value in (
+                ("build_layers_model", self.build_layers_model),
+                ("init_stage", self.init_stage),
+            )
+            if value is None
+        ]
+        if missing:
+            raise InputError(
+                f"{self.path}: --partition builds the stages from a cut, which needs "
+                f"{' and '.join(missing)} in the model file (build_layers_model(): the whole "
+                "model on the meta device; init_stage(module): its initialisation)"
+            )
+        return replace(self, layers=layers)
+
+    def check_cut(self, num_stages: int) -> None:
+        """The cut's layers are the model's and hold every parameter (InputError else)."""
+        if self.layers is None:
+            return
+        try:
+            stage_layers(self._meta_model(), num_stages, self.layers)
+        except InputError as err:
+            raise InputError(f"--partition: the cut does not fit {self.path}: {err}") from None
+
+    def layers_model(self) -> torch.nn.Module:
+        """The whole model of `build_layers_model`, materialized on the CPU and initialised
+        by `init_stage` (`--profile-layers`)."""
+        if self.build_layers_model is None or self.init_stage is None:
+            raise InputError(
+                f"{self.path}: --profile-layers times the layers of build_layers_model() (the "
+                "whole model on the meta device), initialised by init_stage(module): define both"
+            )
+        whole = self._meta_model().to_empty(device="cpu")
+        self.init_stage(whole)
+        return whole
+
+    def _meta_model(self) -> torch.nn.Module:
+        assert self.build_layers_model is not None
+        found = self.build_layers_model()
+        if not isinstance(found, torch.nn.Module):
+            raise InputError(
+                f"{self.path}: build_layers_model() returned {type(found).__name__}, not a "
+                "torch.nn.Module"
+            )
+        return found
 
     def batch(self, num_rows: int, seed: int) -> tuple[Any, ...]:
         """`make_batch(num_rows, seed)`: (inputs, targets) or (inputs, targets, context)."""
@@ -87,6 +158,13 @@ class ModelFile:
         """The modules of the `wanted` stages, each built once: with `build_stage` only
         those; with `build_stages` the whole model, of which the others are dropped."""
         wanted = sorted(set(wanted))
+        if self.layers is not None:
+            return {
+                stage: split_model(
+                    self._meta_model(), stage, num_stages, layers=self.layers, init=self.init_stage
+                )
+                for stage in wanted
+            }
         if self.build_stage is None:
             assert self.build_stages is not None
             whole = self.build_stages(num_stages)
@@ -146,6 +224,8 @@ def load_model(path: str) -> ModelFile:
         builders["build_stages"], names["make_batch"], loss_fn, "loss_fn" in names, boundaries,
         autocast, builders["build_stage"], path, build_model, parallelize,
         _optimizer(path, names.get("optimizer")), _recompute(path, names.get("recompute")),
+        _optional_function(names, "build_layers_model", path),
+        _optional_function(names, "init_stage", path, " of a stage module"),
     )  # fmt: skip
 
 

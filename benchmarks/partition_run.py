@@ -1,0 +1,121 @@
+"""The searched cut in a real run: measured layer profile -> `pipecc search --layers` ->
+`pipecc run --partition`, on CPU (P=2, gloo), for a GPT whose LM head is heavy (a large
+vocabulary): examples/gpt_stages.py with PIPECC_GPT_* sizes set below.
+
+    .venv/bin/python benchmarks/partition_run.py [--rounds 3] [--steps 5]
+
+1. `pipecc run 1f1b --profile-layers` measures every layer (embed, blocks, head + loss);
+2. `pipecc search --layers` (loop placement, gloo) chooses the cut and the order, and says
+   which bundled schedule is best on the uniform cut (equal layer counts) and its step;
+3. the searched program on the searched cut and that best bundled schedule on the uniform
+   cut run in alternating rounds (`pipecc run --partition`, the median step of each round),
+   and the script prints the medians over rounds, their ratio, and the measured step against
+   the search's prediction. Issue 21's targets: the searched cut at least 10% faster than
+   the uniform one, and within 10% of its prediction. The machine is shared: the figures
+   are medians, and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pipecc.search.layers import cut_toml, load_layers, uniform_cut
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPECC = str(Path(sys.executable).parent / "pipecc")
+MODEL = str(ROOT / "examples" / "gpt_stages.py")
+SIZES = {
+    "PIPECC_GPT_VOCAB": "4096",
+    "PIPECC_GPT_DIM": "64",
+    "PIPECC_GPT_HEADS": "4",
+    "PIPECC_GPT_SEQ": "32",
+    "PIPECC_GPT_LAYERS": "6",
+}
+ENV = dict(os.environ, **SIZES)
+
+
+def pipecc(*args: str) -> str:
+    done = subprocess.run(
+        [PIPECC, *args], capture_output=True, text=True, cwd=ROOT, env=ENV, check=False
+    )
+    if done.returncode != 0:
+        sys.exit(f"pipecc {' '.join(args)} failed:\n{done.stderr}")
+    return done.stdout
+
+
+def step(program: str, cut: Path, args: argparse.Namespace) -> float:
+    found = pipecc(
+        "run", program, "--nproc", "2", "-M", str(args.microbatches), "--model", MODEL,
+        "--partition", str(cut), "--steps", str(args.steps), "--warmup", "2", "--json",
+    )  # fmt: skip
+    return float(json.loads(found)["step_ms"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("-M", "--microbatches", type=int, default=8)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="partition_run."))
+    profile, cut, uniform, sched = (
+        work / n for n in ("layers.toml", "cut.toml", "u.toml", "s.sched")
+    )
+    M = str(args.microbatches)
+    pipecc(
+        "run", "1f1b", "--nproc", "2", "-M", M, "--model", MODEL, "--profile-layers", str(profile)
+    )  # fmt: skip
+    layers = load_layers(profile)
+    found = json.loads(
+        pipecc(
+            "search",
+            "-P",
+            "2",
+            "-M",
+            M,
+            "--layers",
+            str(profile),
+            "--placement",
+            "loop",
+            "--backend",
+            "gloo",
+            "--partition",
+            str(cut),
+            "--sched",
+            str(sched),
+            "--json",
+        )  # fmt: skip
+    )
+    best = found["uniform_best"]
+    uniform.write_text(cut_toml(uniform_cut(len(layers.layers), 2), layers))
+    print(f"model: examples/gpt_stages.py {' '.join(f'{k}={v}' for k, v in SIZES.items())}")
+    print(
+        "profile (ms, F / B):",
+        ", ".join(f"{x.name} {x.F:.3g}/{x.I + x.W:.3g}" for x in layers.layers),
+    )
+    print("searched cut:", " | ".join(" ".join(s["layers"]) for s in found["cut"]))
+    predicted = found["makespan"]
+    print(
+        f"predicted: searched {predicted:.3f} ms, uniform {best['name']} {best['makespan']:.3f} ms"
+    )
+    searched, flat = [], []
+    for _ in range(args.rounds):
+        searched.append(step(str(sched), cut, args))
+        flat.append(step(best["name"], uniform, args))
+    s, u = statistics.median(searched), statistics.median(flat)
+    print(f"measured step (median of {args.rounds} rounds, each the median of {args.steps} steps):")
+    print(f"  searched cut, searched order  {s:.2f} ms   rounds {[round(x, 2) for x in searched]}")
+    print(f"  uniform cut, {best['name']:<16} {u:.2f} ms   rounds {[round(x, 2) for x in flat]}")
+    print(f"searched vs uniform: {100 * (1 - s / u):.1f}% faster (target >= 10%)")
+    print(f"searched measured vs predicted: {s / found['makespan']:.3f}x (target within 10%)")
+
+
+if __name__ == "__main__":
+    main()
