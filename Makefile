@@ -1,6 +1,8 @@
 # Everything a fresh machine needs: `make demo` runs the main job, `make test` the tests.
 # Both create the virtual environment on first use. torch 2.13.0 (CPU build) is installed
-# first, so the `[runtime]` range is already satisfied and no CUDA build is pulled.
+# first, so the `[runtime]` range is already satisfied and no CUDA build is pulled; the
+# `exact` extra (OR-Tools) runs the exact-solver tests. A change to pyproject.toml or to this
+# file installs again.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +12,7 @@ OUT ?= out
 
 .PHONY: demo test lint typecheck bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[runtime,dev,exact]"
