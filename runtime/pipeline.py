@@ -37,7 +37,7 @@ from .comm.channel import Channel, uses_nccl
 from .config import LossFn, RuntimeConfig, mse_loss
 from .engine import aux_loss, stage_actions
 from .engine.aux_loss import LossBreakdown
-from .engine.bound import Binder, methods, unalias
+from .engine.bound import Binder, methods
 from .engine.bound import Signature as BoundPlans
 from .engine.compute import StageOps
 from .engine.context import StepContext
@@ -103,7 +103,6 @@ class PipelineRuntime:
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
         self._signatures: dict[int, BoundPlans] = {}  # the bound plans of each signature seen
         self.current = Current()  # the bound plans in use
-        self._storages: frozenset[int] = frozenset()  # where their receive buffers are
         if self._problem is None:
             self._bind()
 
@@ -113,7 +112,7 @@ class PipelineRuntime:
         self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
         self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
         self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
-        params = self._params = shared.distinct(self.groups)
+        params = shared.distinct(self.groups)
         self.grads = Fp32Grads(params) if config.fp32_grads else shared.ParamGrads()
         self.to_sum = shared.to_sum(self.groups, self.grads)
         self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
@@ -168,7 +167,6 @@ class PipelineRuntime:
             precision.begin()
         with self.rng.step_scope():
             interpreter.run(self.current, ctx)
-        unalias(self._params, self._storages)
         self._finish(ctx)
         if self.config.sync_duplicated and self.to_sum and self.sums.outside:
             start = time.perf_counter()  # a program without its sums: after it (shared.py)
@@ -389,7 +387,6 @@ class PipelineRuntime:
         while len(self._signatures) > max(self.config.plans_kept, 1):  # the oldest let go
             del self._signatures[next(iter(self._signatures))]
         self.current.train, self.current.forward = bound.train, bound.forward
-        self._storages = bound.storages
         self.interpreter.stage.boundaries = boundaries
         self.interpreter.transfers.specs = self._recv_specs[key]
 

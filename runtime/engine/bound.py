@@ -27,16 +27,16 @@ decide at each step is resolved there, once:
   on which (or after whose side stream) the consumers ran; on gloo the wait completes the
   copy on the host. One reader can outlive the step: a parameter whose gradient autograd
   took as it came (a view of a received output gradient, when the stage adds a reshaped
-  parameter to its output) would hold a receive buffer as its `.grad`; `unalias` gives such
-  a gradient storage of its own at the end of every step.
+  parameter to its output) would hold a receive buffer as its `.grad`; the first gradient of
+  a step whose storage something else holds gets one of its own (`StageOps.drain`,
+  runtime/engine/compute.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import SetupError
 from pipecc.ir.keys import Message, carried, consumed, produced
@@ -92,27 +92,13 @@ def methods(chunks: Mapping[int, Chunk], split: frozenset[int]) -> dict[int, Cap
 
 
 class Signature:
-    """The bound plans of one signature: training, and forward only (evaluation), and
-    where their receive buffers are (the `data_ptr` of each one's storage)."""
+    """The bound plans of one signature: training, and forward only (evaluation)."""
 
-    __slots__ = ("forward", "storages", "train")
+    __slots__ = ("forward", "train")
 
-    def __init__(self, train: Bound, forward: Bound, storages: frozenset[int]) -> None:
+    def __init__(self, train: Bound, forward: Bound) -> None:
         self.train = train
         self.forward = forward
-        self.storages = storages
-
-
-def unalias(params: Sequence[torch.Tensor], storages: frozenset[int]) -> None:
-    """Give each gradient that lives in a receive buffer a storage of its own (the buffer
-    is received into again at the next step)."""
-    for param in params:
-        grad = param.grad
-        if grad is None:
-            continue
-        local = grad.to_local() if isinstance(grad, DTensor) else grad  # a TP/FSDP shard
-        if local.untyped_storage().data_ptr() in storages:
-            param.grad = grad.clone()
 
 
 class Binder:
@@ -142,10 +128,7 @@ class Binder:
         self.count += 1
         buffers: dict[int, Tensors] = {}
         train, forward = (self._bind(plan, boundaries, specs, buffers) for plan in plans)
-        storages = frozenset(
-            t.untyped_storage().data_ptr() for tensors in buffers.values() for t in tensors
-        )
-        return Signature(train, forward, storages)
+        return Signature(train, forward)
 
     def _bind(
         self,
