@@ -5,8 +5,12 @@
     .venv/bin/python benchmarks/search_loop.py --rounds 2 --only zb_h1 zbv   # a smoke run
 
 1. Profile: `pipecc run PROFILED --nproc P -M M --model examples/mlp.py --profile prof.toml`
-   (its default 10 timed steps after 2 warm-up; --allow-noisy-profile, so that a busy
+   (its default 20 timed steps after 2 warm-up; --allow-noisy-profile, so that a busy
    machine still gives a figure: the spread is printed beside the result).
+   Every program trains the same model: PIPECC_MLP_BLOCKS = 2P blocks (--blocks), cut into
+   P stages of two blocks by a loop and 2P stages of one by a V shape or interleaved 1F1B
+   (examples/mlp.py's own default, two blocks per stage, would give a V shape a model twice
+   as deep as a loop's).
 2. Search: `pipecc search -P P -M M --cost-file prof.toml --memory CAP --backend gloo
    --placement auto -o searched.json`: the order placed as `pipecc run` places a
    compute-only program on gloo (early-recv). The same order aligned for the rendezvous
@@ -168,6 +172,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="P (default 2)")
     parser.add_argument("--mbs", "-M", type=int, default=8, help="M (default 8)")
     parser.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        help="Linear+GELU blocks of the whole model, the same in every program (default 2P: "
+        "two per stage of a loop, one per stage of a V shape)",
+    )
     parser.add_argument("--profiled", default="zb_h1", help="the schedule profiled (zb_h1)")
     parser.add_argument("--memory", type=float, help="the search's cap (default P shares)")
     parser.add_argument("--placement", default="auto", choices=("loop", "vshape", "auto"))
@@ -176,7 +186,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per run (2)")
     parser.add_argument("--only", nargs="+", default=list(BUNDLED), choices=BUNDLED)
     args = parser.parse_args()
-    env = {**os.environ, "PIPECC_MLP_HIDDEN": str(args.hidden)}
+    blocks = args.blocks or 2 * args.ranks
+    env = {**os.environ, "PIPECC_MLP_HIDDEN": str(args.hidden), "PIPECC_MLP_BLOCKS": str(blocks)}
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
@@ -188,7 +199,7 @@ def main() -> None:
         steps = measure(names, args, folder, env)
     measured = {name: statistics.median(values) for name, values in steps.items()}
     print(
-        f"\nMLP H={args.hidden}, P={args.ranks}, M={args.mbs}, gloo; profile of "
+        f"\nMLP H={args.hidden}, {blocks} blocks, P={args.ranks}, M={args.mbs}, gloo; profile of "
         f"{args.profiled} ({report['steps']} steps after {report['warmup']} warm-up): spread "
         f"{spread:.3f} at {report['profile_spread_at']} (bound {report['profile_spread_bound']})"
     )

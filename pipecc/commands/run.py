@@ -33,7 +33,7 @@ from pipecc.search.layers import load_cut
 from pipecc.verify import Options, report
 
 # the timed and warm-up steps of `pipecc run --profile` unless --steps and --warmup say
-PROFILE_STEPS = 10
+PROFILE_STEPS = 20
 PROFILE_WARMUP = 2
 
 DESCRIPTION = """\
@@ -173,8 +173,8 @@ def register(commands: SubParsers) -> None:
         "--profile",
         metavar="FILE",
         help="write measured per-(stage, op) costs as a TOML cost file: the median over the "
-        "timed steps of each step's mean, and their spread; refused (exit 1) when a spread "
-        "exceeds the bound (docs/runtime.md)",
+        "timed steps of each step's mean; refused (exit 1) when a stage's compute time per "
+        "step spreads beyond the bound (docs/runtime.md)",
     )
     cmd.add_argument(
         "--allow-noisy-profile",
@@ -248,8 +248,8 @@ def _noisy(fields: dict[str, Any], args: argparse.Namespace) -> str | None:
         return None
     return (
         f"{args.profile}: not written: the profile is noisy: {fields['profile_spread_at']} "
-        f"has a spread of {spread:.3g} (the interquartile range of its per-step means over "
-        f"their median), over the bound {bound:g}; measure on a quieter machine or over more "
+        f"has a spread of {spread:.3g} (the interquartile range of its compute time per step "
+        f"over its median), over the bound {bound:g}; measure on a quieter machine or over more "
         "--steps, or give --allow-noisy-profile"
     )
 
@@ -547,7 +547,7 @@ def _print_summary(
     else:
         print(
             f"profile spread {spread:.3g} at {fields['profile_spread_at']} (interquartile range "
-            f"of the per-step means / median; bound {fields['profile_spread_bound']:g})"
+            f"of its compute time per step / median; bound {fields['profile_spread_bound']:g})"
         )
     if written:
         print(f"wrote {args.profile}")

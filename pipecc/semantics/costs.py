@@ -25,6 +25,10 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   CSV's; docs/interop.md); 0 unless given
     post          host time a rank spends posting one send or receive (global only; 0)
     wait          host time a rank spends in a wait after it is released (global only; 0)
+    dispatch      host time of every compute instruction that does not grow with the layers
+                  of its stage (the runtime's bookkeeping around the user's module, autograd's
+                  start): the part of a given F, B, I, W, FB or FI up to `dispatch` is not
+                  scaled by the conversion below, the rest is (global only; 0: all scales)
     sync          time of the gradient sum of parameters held by several ranks at the end of
                   a step: duplicated stages (DualPipe) and shared weights whose stages lie on
                   different ranks (`shared`); added to the step, not to the program's
@@ -53,11 +57,12 @@ pipes of DualPipe hold the same layers at the same stage index).
 The convention (docs/simulate.md, DESIGN §6): global costs are per share of the model (1/P).
 `CostModel.for_program` turns a model as given into the one stage of a program runs: the
 work of a stage (F, B, I, W, FB, FI, UNSHARD, RESHARD, REDUCE_GRAD, BYTE_KEYS) is scaled to
-the stage's part of the model (P/S shares); a message's latency and size (comm, bytes) and
-host time (post, wait, sync) are not. A `[cost.stage.N]` table is stage N of that program,
-used as given; a file that says what it was measured on (`ranks`, `stages`) is converted to
-the program's cut where the two differ. Every command calls it; the simulator and the replay
-engine take the converted model (per stage).
+the stage's part of the model (P/S shares), each duration's first `dispatch` excepted; a
+message's latency and size (comm, bytes) and host time (post, wait, sync, dispatch) are not.
+A `[cost.stage.N]` table is stage N of that program, used as given; a file that says what
+it was measured on (`ranks`, `stages`) is converted to the program's cut where the two
+differ. Every command calls it; the simulator and the replay engine take the converted model
+(per stage).
 """
 
 from __future__ import annotations
@@ -113,11 +118,14 @@ BYTE_KEYS = (
     "workspace_sum",
 )
 DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", *BYTE_KEYS, *STAGE_OP_KEYS)
-HOST_KEYS = ("post", "wait", "sync", "collective")  # global only: host time, sync, collectives
+# global only: host time, sync, collectives
+HOST_KEYS = ("post", "wait", "sync", "collective", "dispatch")
 CUT_KEYS = ("placement", "ranks", "stages")  # what a file was measured on (a file only)
 GLOBAL_KEYS = (*DURATION_KEYS, "bandwidth", *HOST_KEYS, "shared", "unit", *CUT_KEYS)
 # the work of one stage: scaled to the stage's part of the model (module docstring)
 WORK_KEYS = ("F", "B", "I", "W", "FB", "FI", *STAGE_OP_KEYS, *BYTE_KEYS)
+# the durations of compute instructions: of these, the part up to `dispatch` is not scaled
+OP_KEYS = ("F", "B", "I", "W", "FB", "FI")
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,13 +224,15 @@ class HostCost:
 
     `post`: host time a rank spends posting each Send/Recv (the op, or its group, is posted
     at the end of it); `wait`: host time after each Wait's release; `sync`: the
-    duplicated-stage gradient sum after the program, once per step.
+    duplicated-stage gradient sum after the program, once per step; `dispatch`: the part of
+    each compute instruction's duration that does not scale with its stage's share.
     """
 
     post: float | None = None
     wait: float | None = None
     sync: float | None = None
     collective: float | None = None  # one collective instruction's duration
+    dispatch: float | None = None  # the fixed part of every compute instruction
 
     def over(self, base: HostCost) -> HostCost:
         """This one's values where given, `base`'s elsewhere."""
@@ -231,6 +241,7 @@ class HostCost:
             self.wait if self.wait is not None else base.wait,
             self.sync if self.sync is not None else base.sync,
             self.collective if self.collective is not None else base.collective,
+            self.dispatch if self.dispatch is not None else base.dispatch,
         )
 
 
@@ -344,7 +355,7 @@ class CostModel:
         measured = self.measured
         ranks = measured.ranks if measured is not None else cut.ranks
         factor = ranks / cut.stages
-        base = _scaled(self.base, factor)
+        base = _scaled(self.base, factor, self.host.dispatch or 0.0)
         if measured is None or measured.stages == cut.stages:
             self._check_stages(cut)
             stages, shared = self.stages, self.shared
@@ -386,10 +397,12 @@ class CostModel:
         how = f"; {_recut_rule(measured.stages, cut.stages)}" if tables else ""
         if tables and measured.stages == cut.stages:
             how = "; its stage tables name the same stages"
+        fixed = self.host.dispatch
+        kept = f" (each op's first dispatch={_fmt(fixed)} not scaled)" if fixed else ""
         return (
             f"{self.origin or 'the costs'}: measured on {measured.describe()}, converted for "
             f"{cut.describe()}: [cost] per share of P={measured.ranks}, "
-            f"×{ratio(measured.ranks, cut.stages)} per stage{how}"
+            f"×{ratio(measured.ranks, cut.stages)} per stage{kept}{how}"
         )
 
     def _check_stages(self, cut: Cut) -> None:
@@ -407,12 +420,14 @@ class CostModel:
         if not self.stages:
             return ()
         factor = measured.ranks / measured.stages
-        base = _scaled(self.base, factor)
+        fixed = self.host.dispatch or 0.0
+        base = _scaled(self.base, factor, fixed)
         tables = dict(self.stages)
         raw = [tables.get(j, StageCost()).over(base) for j in range(measured.stages)]
         done = [_resolve(cost, self.bandwidth, factor) for cost in raw]
         return tuple(
-            (s, _recut_stage(raw, done, s, measured.stages, cut.stages)) for s in range(cut.stages)
+            (s, _recut_stage(raw, done, s, (measured.stages, cut.stages), fixed))
+            for s in range(cut.stages)
         )
 
     def overridden_by(self, other: CostModel) -> CostModel:
@@ -473,20 +488,43 @@ def ratio(numerator: int, denominator: int) -> str:
     return str(top) if bottom == 1 else f"{top}/{bottom}"
 
 
-def _scaled(cost: StageCost, factor: float) -> StageCost:
-    """The work of one stage multiplied by `factor` (latency and sizes of messages stay)."""
+def scale_duration(value: float, factor: float, fixed: float) -> float:
+    """A compute instruction's `value` on a stage `factor` times as large: its first `fixed`
+    (`dispatch`, host time per instruction) stays, the rest scales. With `fixed` 0, exactly
+    `value * factor`."""
+    kept = min(value, fixed)
+    return kept + (value - kept) * factor
+
+
+def _scaled(cost: StageCost, factor: float, fixed: float = 0.0) -> StageCost:
+    """The work of one stage multiplied by `factor` (latency and sizes of messages stay; of a
+    compute duration, its first `fixed` stays too)."""
     if factor == 1:
         return cost
     values = {key: getattr(cost, key) for key in WORK_KEYS}
-    return replace(cost, **{k: v * factor for k, v in values.items() if v is not None})
+    return replace(
+        cost,
+        **{
+            k: scale_duration(v, factor, fixed) if k in OP_KEYS else v * factor
+            for k, v in values.items()
+            if v is not None
+        },
+    )
 
 
 def _recut_stage(
-    raw: list[StageCost], done: list[ResolvedCost], stage: int, measured: int, stages: int
+    raw: list[StageCost],
+    done: list[ResolvedCost],
+    stage: int,
+    cuts: tuple[int, int],
+    fixed: float,
 ) -> StageCost:
-    """Stage `stage` of `stages` from the `measured` stages: each measured stage's work
-    weighted by the part of it that lies in this stage; the latency and message size of the
-    measured stage where this one begins (its messages cross that boundary)."""
+    """Stage `stage` of `cuts` = (measured, stages) from the measured stages: each measured
+    stage's work weighted by the part of it that lies in this stage (of a compute duration,
+    the part above `fixed`: the instruction pays its fixed host time once); the latency and
+    message size of the measured stage where this one begins (its messages cross that
+    boundary)."""
+    measured, stages = cuts
     # in units of 1/(measured·stages) of the model: this stage is [stage·measured, +measured),
     # measured stage j is [j·stages, +stages)
     low, high = stage * measured, (stage + 1) * measured
@@ -496,7 +534,9 @@ def _recut_stage(
         if overlap > 0:
             weights.append((j, overlap / stages))
     first = raw[weights[0][0]]
-    work = {key: _weighted(done, weights, key) for key in WORK_KEYS}
+    work = {
+        key: _weighted(done, weights, key, fixed if key in OP_KEYS else 0.0) for key in WORK_KEYS
+    }
     for key in STAGE_OP_KEYS:  # 0 unless given: given where any measured stage gives it
         if all(getattr(raw[j], key) is None for j, _ in weights):
             work[key] = None
@@ -514,15 +554,20 @@ def _recut_rule(measured: int, stages: int) -> str:
     return "each stage = the measured stages' work over the same part of the model"
 
 
-def _weighted(done: list[ResolvedCost], weights: list[tuple[int, float]], key: str) -> float | None:
-    """Σ weight · `key` of the weighted stages; None where one of them has no value."""
-    total = 0.0
+def _weighted(
+    done: list[ResolvedCost], weights: list[tuple[int, float]], key: str, fixed: float
+) -> float | None:
+    """Σ weight · `key` of the weighted stages, each value's first `fixed` counted once (the
+    largest of them) instead; None where one of them has no value."""
+    total, kept = 0.0, 0.0
     for j, weight in weights:
         value: float | None = getattr(done[j], key)
         if value is None:
             return None
-        total += value * weight
-    return total
+        part = min(value, fixed)
+        kept = max(kept, part)
+        total += (value - part) * weight
+    return kept + total
 
 
 def _recut_shared(

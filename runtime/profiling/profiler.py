@@ -3,7 +3,9 @@
 `ProfilingInterpreter` wraps the parts of a plain `Interpreter` and records into a `Recorder`
 (runtime/profiling/recorder.py) the wall time of each compute op (on CUDA between two device
 synchronisations), the host time of each send or receive, when each group of posts went out and
-what it carried, and when each wait started, was released and ended.
+what it carried, and when each wait started, was released and ended; of each forward, the
+part of its time outside the stage's module (the profile's `dispatch`: the host time of an
+instruction that does not grow with the stage's layers), from hooks on the stage modules.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from pipecc.ir.ops import Collective, Fused, Kind, Send
 
 from ..engine.context import StepContext
 from ..engine.interpreter import Interpreter
-from ..engine.steps import ComputeStep, FusedStep, PostStep, SequentialStep, WaitStep
+from ..engine.steps import (
+    ComputeStep,
+    Current,
+    FusedStep,
+    PostStep,
+    SequentialStep,
+    WaitStep,
+)
 from .recorder import Recorder
 
 
@@ -28,12 +37,36 @@ class ProfilingInterpreter(Interpreter):
         super().__init__(base.rank, base.stage, base.fused, base.transfers, base.sums)
         self.recorder = recorder
         self.cuda = base.transfers.device if base.transfers.device.type == "cuda" else None
+        # (start, end) of the last call of a stage's module: a forward's time inside it
+        self.inside: list[float] = []
+
+    def run(self, current: Current, ctx: StepContext) -> None:
+        """The step, with hooks on the stage modules that time a forward's module call."""
+        handles = []
+        for chunk in self.stage.chunks.values():
+            handles.append(chunk.module.register_forward_pre_hook(self._entered))
+            handles.append(chunk.module.register_forward_hook(self._left))
+        try:
+            super().run(current, ctx)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _entered(self, *_: object) -> None:
+        self._synchronize()
+        self.inside[:] = [time.perf_counter()]
+
+    def _left(self, *_: object) -> None:
+        self._synchronize()
+        if len(self.inside) == 1:
+            self.inside.append(time.perf_counter())
 
     def compute(self, ctx: StepContext, step: ComputeStep | FusedStep | SequentialStep) -> None:
         if isinstance(step, SequentialStep):  # each part timed as the op it is
             super().compute(ctx, step)
             return
         self._synchronize()
+        self.inside.clear()
         start = time.perf_counter()
         super().compute(ctx, step)
         self._synchronize()
@@ -45,6 +78,8 @@ class ProfilingInterpreter(Interpreter):
         else:
             assert isinstance(step, ComputeStep)
             self.recorder.compute(step.kind.value, step.stage, seconds)
+            if step.kind is Kind.F and len(self.inside) == 2:  # the module ran once, in it
+                self.recorder.outside(seconds - (self.inside[1] - self.inside[0]))
 
     def post(self, ctx: StepContext, step: PostStep) -> None:
         start = time.perf_counter()

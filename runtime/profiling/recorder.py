@@ -8,7 +8,8 @@ the records of all ranks into the simulator's TOML cost format (DESIGN §6):
     [cost]            unit = "ms"; placement, ranks, stages: the program's placement, its P
                       and its stages per pipe S (what the profile was measured on);
                       F, B, I, W, FB, FI (ms per share of the model, 1/P of it: the mean
-                      over every stage times S/P); post, wait (ms per op);
+                      over every stage, its part above `dispatch` times S/P); post, wait,
+                      dispatch (ms per op);
                       comm (ms per message); bytes (per message); sync (ms per step)
     [cost.stage.N]    the durations measured on stage N alone (ms, as measured)
 
@@ -25,12 +26,24 @@ the median: one step disturbed as a whole (another process taking the cores for 
 moves a mean over all samples, not the median of ten steps. The global `[cost]` durations
 are the same over all stages of an op kind.
 
-The **spread** of a (stage, op) is the relative interquartile range of its per-step means:
+The **spread** of a stage is the relative interquartile range over the timed steps of the
+stage's compute time in each step (every op of the stage added: what the prediction adds up):
 (Q3 − Q1) / median, with the quartiles of `statistics.quantiles(method="inclusive")`; it
-needs two timed steps. The `[profile]` table records the number of timed steps, the worst
-spread and where it is, and the bound `pipecc run` refuses a profile above
-(`SPREAD_BOUND`); `[profile.stage.N]` holds every (stage, op)'s spread (`F_spread`, ...). `post`,
-`wait`, `sync` and `comm` are the means (the fit) over all timed steps, as below.
+needs two timed steps. An op that is a small part of its stage moves it little however much
+it varies itself. The profile's spread is its worst stage's. The `[profile]` table records the
+number of timed steps, that spread and its stage (`spread_at`), and the bound `pipecc run`
+refuses a profile above (`SPREAD_BOUND`); `[profile.stage.N]` holds the stage's `spread` and,
+for information, the relative interquartile range of each of its ops' per-step means
+(`F_spread`, ...). `post`, `wait`, `sync` and `comm` are the means (the fit) over all timed
+steps, as below.
+
+- `dispatch`: the median over every timed forward of its time outside the stage module's
+  call (hooks on the module: the inputs taken from the mailbox, the RNG state, the output
+  checked and handed on, the loss on a last stage): the host time of a compute instruction
+  that does not grow with its stage's layers. The readers scale only the part of a duration
+  above it to another cut (docs/simulate.md); `[cost]` F, B, ... per share are written with
+  the same rule (the part above `dispatch` times S/P). Measured on forwards and used for
+  every kind (a backward's fixed part, autograd's start, is not separable from its layers).
 
 - `post`: host time of one send or receive instruction on the compute thread: preparing its
   buffer and, at the last op of a group, handing the group to the poster thread (gloo) or
@@ -88,9 +101,14 @@ class Recorder:
         default_factory=list
     )
     syncs: list[tuple[int, float, float]] = field(default_factory=list)  # (step, start, end)
+    # of each forward, the seconds outside its stage's module call (the fixed part)
+    outsides: list[float] = field(default_factory=list)
 
     def compute(self, kind: str, stage: int, seconds: float) -> None:
         self.computes.append((kind, stage, seconds))
+
+    def outside(self, seconds: float) -> None:
+        self.outsides.append(seconds)
 
     def post(self, seconds: float) -> None:
         self.posts.append(seconds)
@@ -118,14 +136,19 @@ class Figure(NamedTuple):
 
 
 class Spread(NamedTuple):
-    """The worst (stage, op) of a profile: where, and its spread."""
+    """The worst stage of a profile: which, its spread, and the (stage, op) of it whose own
+    spread is largest (for the message)."""
 
     stage: int
     kind: str
     spread: float
 
+    def where(self) -> str:
+        """`stage 1`: what `spread_at` and the refusal name."""
+        return f"stage {self.stage}"
+
     def describe(self) -> str:
-        return f"stage {self.stage} {self.kind}: spread {self.spread:.3f}"
+        return f"{self.where()}: spread {self.spread:.3f}"
 
 
 def relative_iqr(values: Sequence[float]) -> float | None:
@@ -182,16 +205,51 @@ def compute_costs(records: list[Recorder]) -> tuple[dict[str, float], dict[int, 
     )
 
 
+def stage_totals(records: list[Recorder]) -> dict[int, list[float]]:
+    """Per stage, its compute seconds in each timed step (every op of it added), by step."""
+    totals: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for record in records:
+        for _, stage, seconds in record.computes:
+            totals[stage][record.step] += seconds
+    return {stage: [t for _, t in sorted(steps.items())] for stage, steps in totals.items()}
+
+
+def stage_spreads(records: list[Recorder]) -> dict[int, float]:
+    """Each stage's spread: the relative interquartile range over the timed steps of the
+    stage's compute time in the step (module docstring); none with fewer than two steps."""
+    found = {}
+    for stage, totals in sorted(stage_totals(records).items()):
+        spread = relative_iqr(totals)
+        if spread is not None:
+            found[stage] = round(spread, 4)
+    return found
+
+
 def worst_spread(records: list[Recorder]) -> Spread | None:
-    """The (stage, op) whose per-step means spread most; None with fewer than two steps."""
-    _, per_stage = compute_figures(records)
-    found = [
-        Spread(stage, kind, f.spread)
-        for stage, kinds in per_stage.items()
-        for kind, f in kinds.items()
-        if f.spread is not None
-    ]
-    return max(found, key=lambda s: (s.spread, -s.stage), default=None)
+    """The stage whose per-step compute time spreads most, with its noisiest op; None with
+    fewer than two steps."""
+    spreads = stage_spreads(records)
+    if not spreads:
+        return None
+    stage = max(spreads, key=lambda s: (spreads[s], -s))
+    figures = compute_figures(records)[1][stage]
+    kind = max(figures, key=lambda k: figures[k].spread or 0.0)
+    return Spread(stage, kind, spreads[stage])
+
+
+def dispatch_ms(records: list[Recorder]) -> float | None:
+    """The profile's `dispatch`: the median over all forwards of their time outside the
+    stage's module (ms); None where none was measured."""
+    outsides = [seconds for record in records for seconds in record.outsides]
+    return round(statistics.median(outsides) * 1e3, 4) if outsides else None
+
+
+def per_share(value: float, factor: float, fixed: float) -> float:
+    """A duration measured on a stage of 1/`factor` shares, per share: its first `fixed`
+    as it is, the rest times `factor` (the inverse of the readers' conversion,
+    pipecc.semantics.costs.scale_duration)."""
+    kept = min(value, fixed)
+    return kept + (value - kept) * factor
 
 
 def host_costs(records: list[Recorder]) -> dict[str, float]:
@@ -278,9 +336,13 @@ def render_cost_file(
     the `[cost.stage.N]` tables, then `[profile]` (what the figures are over, their spread)."""
     top, per_stage = compute_costs(records)
     ranks, stages = measured_on.num_ranks, measured_on.placement.num_stages(0)
-    top = {key: round(value * stages / ranks, 4) for key, value in top.items()}  # per share
+    fixed = dispatch_ms(records)
+    factor = stages / ranks  # per share: the part above `dispatch` times S/P
+    top = {key: round(per_share(value, factor, fixed or 0.0), 4) for key, value in top.items()}
     top.update(comm_costs(records))
     top.update(host_costs(records))
+    if fixed is not None:
+        top["dispatch"] = fixed
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += ["", "[cost]", 'unit = "ms"', *_measured_on(measured_on), *_table(top)]
     if shared:
@@ -309,11 +371,14 @@ def _profile_table(records: list[Recorder]) -> list[str]:
         return lines
     lines += [
         f"spread = {worst.spread}",
-        f'spread_at = "stage {worst.stage} {worst.kind}"',
+        f'spread_at = "{worst.where()}"',
         f"spread_bound = {SPREAD_BOUND}",
     ]
+    totals = stage_spreads(records)
     for stage, figures in compute_figures(records)[1].items():
         spreads = {f"{k}_spread": f.spread for k, f in figures.items() if f.spread is not None}
+        if stage in totals:
+            spreads["spread"] = totals[stage]
         lines += ["", f"[profile.stage.{stage}]", *_table(spreads)]
     return lines
 

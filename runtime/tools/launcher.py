@@ -97,8 +97,8 @@ class RunReport:
     tolerance: float = 1e-5  # the default --check tolerance for the run's dtypes
     worst_params: list[dict[str, Any]] = field(default_factory=list)  # with --check
     cost_file: str | None = None
-    # with --profile, two or more timed steps: the largest spread of a (stage, op)
-    # (runtime/profiling/recorder.py), where it is ("stage 1 W"), and the bound it is held to
+    # with --profile, two or more timed steps: the largest spread of a stage's compute time
+    # per step (runtime/profiling/recorder.py), which stage ("stage 1"), the bound it is held to
     profile_spread: float | None = None
     profile_spread_at: str | None = None
     profile_spread_bound: float | None = None
@@ -166,7 +166,7 @@ def run_job(job: RunJob) -> RunReport:
         worst_params=[] if checked is None else [d._asdict() for d in checked.worst],
         cost_file=_cost_text(job, results) if job.profile else None,
         profile_spread=None if worst is None else worst.spread,
-        profile_spread_at=None if worst is None else f"stage {worst.stage} {worst.kind}",
+        profile_spread_at=None if worst is None else worst.where(),
         profile_spread_bound=SPREAD_BOUND if job.profile else None,
         aux_loss=sum(aux.values()),
         aux_loss_by_stage=aux,

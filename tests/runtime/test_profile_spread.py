@@ -1,7 +1,7 @@
 """`pipecc run --profile` over several steps: each (stage, op) is the median over the timed steps
-of each step's mean, its spread is the relative interquartile range of those means
-(runtime/profiling/recorder.py), the cost file records both in `[profile]`, and every command
-that reads a cost file accepts it."""
+of each step's mean, a stage's spread is the relative interquartile range of its compute time
+per step (runtime/profiling/recorder.py), the cost file records both in `[profile]`, and every
+command that reads a cost file accepts it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from pipecc.runtime.profiling.recorder import (
     SPREAD_BOUND,
     Recorder,
     compute_costs,
+    compute_figures,
     relative_iqr,
     render_cost_file,
+    stage_spreads,
     worst_spread,
 )
 
@@ -73,14 +75,15 @@ def test_the_cost_file_records_the_steps_and_every_spread(tmp_path: Path) -> Non
     assert {k: v for k, v in profile.items() if k != "stage"} == {
         "steps": 4,
         "spread": pytest.approx(1.2),
-        "spread_at": "stage 0 F",
+        "spread_at": "stage 0",
         "spread_bound": SPREAD_BOUND,
     }
-    assert profile["stage"]["0"] == {"F_spread": pytest.approx(1.2)}
+    assert profile["stage"]["0"] == {"F_spread": pytest.approx(1.2), "spread": pytest.approx(1.2)}
     b_means = [ms + 1 for (ms,) in STAGE1]
     assert profile["stage"]["1"] == {
         "F_spread": pytest.approx(relative_iqr([4.0, 4.0, 4.2, 3.8]), abs=1e-4),
         "B_spread": pytest.approx(relative_iqr(b_means), abs=1e-4),
+        "spread": pytest.approx(relative_iqr([9.0, 9.0, 9.4, 8.6]), abs=1e-4),
     }
     model = load_cost_file(path)  # the simulator's reader takes it
     assert model.stage(0).F == pytest.approx(2.5)
@@ -112,3 +115,25 @@ def test_every_command_that_reads_costs_accepts_a_profile_with_its_spread(
     path = tmp_path / "costs.toml"
     path.write_text(render_cost_file(_records(STAGE0, STAGE1), "four steps", measured_on=LOOP))
     assert main([*command, "--cost-file", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_an_op_that_is_a_small_part_of_its_stage_does_not_make_the_profile_noisy() -> None:
+    """A stage's spread is that of its compute time per step: a W of 0.01 ms that doubles
+    every other step spreads by far more than the bound alone, and moves its stage by 0.1%."""
+    records = []
+    for step in range(6):
+        record = Recorder(step=step)
+        record.compute("F", 0, 5e-3)
+        record.compute("I", 0, 5e-3)
+        record.compute("W", 0, (1e-5 if step % 2 else 2e-5))
+        records.append(record)
+    _, per_stage = compute_figures(records)
+    assert per_stage[0]["W"].spread is not None and per_stage[0]["W"].spread > SPREAD_BOUND
+    worst = worst_spread(records)
+    assert worst is not None and worst.stage == 0 and worst.kind == "W"
+    assert worst.spread < 0.002, "the stage's time per step barely moves"
+    assert stage_spreads(records) == {0: worst.spread}
+    # the same W taking most of the stage's time: now the stage spreads as much as it does
+    for record in records:
+        record.computes[2] = ("W", 0, 0.5 if record.step % 2 else 1.0)
+    assert stage_spreads(records)[0] > SPREAD_BOUND
