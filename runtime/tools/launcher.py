@@ -336,7 +336,9 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "in ms: F, B, I, W, FB, FI = the",
             "wall time of each compute op (FB/FI: a fused F&B/F&I, under its forward's stage),",
             "the median over the timed steps of each step's mean;",
-            "[cost] holds them per share of the model (1/P: the mean over the stages x S/P);",
+            "[cost] holds them per share of the model (1/P: the mean over the stages, its",
+            "part above dispatch x S/P); dispatch = the median time of a forward outside its",
+            "stage's module: host time per op that does not scale with a stage's share;",
             "placement, ranks, stages = the program measured on (P, S stages per pipe);",
             "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
             "post = host time of a send or recv; wait = host time of a wait after its release;",
@@ -345,8 +347,9 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "shared weights), per step; shared = the groups of stages that hold one parameter;",
             "bytes = median message size (per stage: its largest receive buffer); byte keys",
             "(act_bytes, param_bytes, ...: docs/simulate.md) from one byte-profiled step;",
-            "[profile]: the timed steps and the spread of the",
-            "per-step means, (Q3 - Q1) / median, worst over (stage, op) and per stage",
+            "[profile]: the timed steps; spread = of each stage's compute time per step,",
+            "(Q3 - Q1) / median, the worst stage's (per stage: spread, and X_spread of each",
+            "op's per-step means)",
         )
     )
     shared = results[0]["shared_stages"]
