@@ -15,6 +15,7 @@ from pipecc.runtime.profiling.recorder import Recorder, dispatch_ms, render_cost
 
 from pipecc.api import compile_schedule
 from pipecc.cli import main
+from pipecc.diagnostics import CostModelError
 from pipecc.search.problem import stage_costs
 from pipecc.semantics.costs import Cut, load_cost_file, parse_cost_flag, scale_duration
 
@@ -111,3 +112,12 @@ def test_search_simulate_and_compare_see_the_same_durations(
     assert main(["compare", *sizes, "--json"]) == 0
     compared = capsys.readouterr().out
     assert json.loads(simulated)["makespan"] == pytest.approx(json.loads(compared)[0]["makespan"])
+
+
+def test_dispatch_is_global_and_not_negative(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[cost]\nF = 1\n[cost.stage.0]\ndispatch = 0.1\n")
+    with pytest.raises(CostModelError, match=r"'dispatch' is global only: give it under \[cost\]"):
+        load_cost_file(path)
+    with pytest.raises(CostModelError, match="dispatch must be a finite number ≥ 0"):
+        parse_cost_flag("dispatch=-1")
