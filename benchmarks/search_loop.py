@@ -25,7 +25,8 @@
    program alike); a program's figure is the median over rounds of each run's `step_ms`
    (itself the median of its timed steps).
 
-It prints, per program, compare's predicted makespan (ms) and the measured median step, then
+It prints the profile's `[cost]` figures (with `dispatch`, the fixed part of every op), per
+program compare's predicted makespan (ms), the measured median step and their ratio, then
 the verdict the loop promises: wherever compare predicts the searched program faster than
 the best bundled schedule by more than the profile's spread, it is at least as fast in the
 measured medians. Run it on a quiet machine: on a loaded one the spread is large, and the
@@ -41,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +195,7 @@ def main() -> None:
         folder = Path(name)
         report = profile(args, folder, env)
         spread = float(report["profile_spread"] or 0.0)
+        measured_costs = tomllib.loads((folder / "prof.toml").read_text())["cost"]
         found = search(args, folder, env)
         names = [SEARCHED, ALIGNED, *bundled(args, folder, env)]
         predicted = predict(names, folder, env)
@@ -203,14 +206,19 @@ def main() -> None:
         f"{args.profiled} ({report['steps']} steps after {report['warmup']} warm-up): spread "
         f"{spread:.3f} at {report['profile_spread_at']} (bound {report['profile_spread_bound']})"
     )
+    keys = ("F", "I", "W", "comm", "post", "wait", "dispatch")
+    print("profile [cost] (ms): " + ", ".join(
+        f"{key}={measured_costs[key]}" for key in keys if key in measured_costs
+    ))  # fmt: skip
     print(
         f"search: {found['placement']} placement, comm {found['comm']}, predicted "
         f"{found['makespan']:.2f} ms (rendezvous), baseline {found['baseline']}"
     )
-    print(f"{'program':18s} {'predicted ms':>12s} {'measured ms':>11s}  rounds")
+    print(f"{'program':18s} {'predicted ms':>12s} {'measured ms':>11s} {'pred/meas':>9s}  rounds")
     for name in sorted(names, key=lambda n: predicted[n]):
         rounds = " ".join(f"{value:.2f}" for value in steps[name])
-        print(f"{name:18s} {predicted[name]:12.2f} {measured[name]:11.2f}  {rounds}")
+        ratio = predicted[name] / measured[name]
+        print(f"{name:18s} {predicted[name]:12.2f} {measured[name]:11.2f} {ratio:9.3f}  {rounds}")
     print(verdict(predicted, measured, spread))
     print(
         f"{args.rounds} alternating rounds of {args.steps} steps after {args.warmup} warm-up; "
