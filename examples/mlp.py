@@ -5,7 +5,9 @@
 `pipecc run` calls `build_stages(num_stages)` on every rank (same seed, same weights),
 `make_batch(num_rows, seed)` for each step, and `loss_fn(output, target)`. The sizes can be
 changed with environment variables: PIPECC_MLP_HIDDEN (default 64) and PIPECC_MLP_BLOCKS
-(default: 2 per stage).
+(default: 2 per stage). The default makes the model as deep as the cut: a V shape's 2P stages
+are then twice a loop's P; to compare schedules on one model, give PIPECC_MLP_BLOCKS
+(benchmarks/search_loop.py gives 2P).
 """
 
 from __future__ import annotations
