@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Msg, Recv
@@ -34,6 +35,16 @@ class Chunk:
     params: frozenset[int]  # id() of each parameter, for split backward
     first: bool  # stage 0 of its pipe: takes the step's inputs
     last: bool  # last stage of its pipe: computes the loss
+    # an FSDP2 module: while gathered, its parameters are FSDP's unsharded ones, not those
+    # `params` holds, so a split backward takes the ids of those it computes with
+    sharded: bool = False
+
+    def weights(self) -> frozenset[int]:
+        """The ids of the parameters the chunk computes with now (the unsharded ones of an
+        FSDP2 module, which its graph's leaves are; `params` otherwise)."""
+        if not self.sharded:
+            return self.params
+        return frozenset(id(p) for p in self.module.parameters())
 
 
 def bind_chunks(
@@ -52,6 +63,7 @@ def bind_chunks(
             params=frozenset(id(p) for p in module.parameters()),
             first=slot.stage == 0,
             last=placement.is_last_stage(slot.pipe, slot.stage),
+            sharded=isinstance(module, FSDPModule),
         )
     return chunks
 
