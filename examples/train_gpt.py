@@ -21,8 +21,8 @@ builds `init_device_mesh(device, (P, D), mesh_dim_names=("pp", "dp_replicate"))`
 schedule for P ranks with each stage's data-parallel all_reduce (`--mesh dp_replicate=D`),
 and gives each replica its contiguous share of the global batch. `--tp T` adds a tp
 dimension (innermost) and splits every block's MLP over it (`parallelize` of
-examples/gpt.py); `--dp-shard S` wraps the stages each process holds with FSDP2 (schedules
-with full backwards only, untied: docs/parallelism.md).
+examples/gpt.py); `--dp-shard S` wraps the stages each process holds with FSDP2, on any
+schedule (split backwards too) and with `--tied` (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--pp", type=int, help="pipeline ranks (default: the world size)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas")
-    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards (full backwards)")
+    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel (each block's MLP)")
     return parser.parse_args()
 
@@ -106,16 +106,16 @@ def main() -> None:
     if args.tp > 1:  # every block's MLP split over the tp group (examples/gpt.py)
         for stage, module in enumerate(stages):
             parallelize(module, stage, mesh["tp"])
-    if args.dp_shard > 1:  # FSDP2 on the stages held here, gradient sync at REDUCE_GRAD only
+    shared = shared_parameters(stages)  # by identity: before FSDP2 copies the held stages'
+    if args.dp_shard > 1:  # FSDP2 on the stages held here (the runtime reduces at REDUCE_GRAD)
         for slot in program.placement.chunks(pp_rank):
             fully_shard(stages[slot.stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
-            stages[slot.stage].set_requires_gradient_sync(False)
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(pp_rank)}
     runtime = PipelineRuntime(
         program,
         modules,  # the boundaries: found along the pipeline for each new shape signature
         loss_fn=loss_fn,
-        config=RuntimeConfig(device=device, shared=shared_parameters(stages), seed=0, mesh=mesh),
+        config=RuntimeConfig(device=device, shared=shared, seed=0, mesh=mesh),
     )
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=args.lr)
     replicas = args.dp_replicate * args.dp_shard

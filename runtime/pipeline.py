@@ -341,13 +341,6 @@ class PipelineRuntime:
         found = binding.module_problems(self.program, self.rank, self.modules)
         held = {chunk: held.module for chunk, held in self.chunks.items()}
         found += stage_actions.fsdp_problems(self.program.ranks[self.rank], held)
-        fsdp = any(stage_actions.is_fsdp(m) for m in held.values())
-        if fsdp and self.to_sum:
-            found.append(
-                "a parameter is held on several ranks (a tied weight or a duplicated stage) "
-                "and the stages are FSDP2 modules: the runtime does not sum sharded "
-                "gradients across ranks yet (untie it, or use dp_replicate)"
-            )
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
         return found + self.sums.problems() + self.mesh.problems()

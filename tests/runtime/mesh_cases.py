@@ -3,8 +3,7 @@ data-parallel replicas, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp",
 "dp_replicate"))`, a pipeline of 2 times a tensor-parallel group of 2 (`("pp", "tp")`,
 examples/gpt.py's `parallelize`: every block's MLP split over tp), and a pipeline of 2 times
 2 FSDP2 shards (`("pp", "dp_shard")`, `fully_shard` on every held stage, gradient sync off but
-at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings (untied with
-FSDP, whose sharded copies of one parameter on two ranks the runtime does not sum). FSDP
+at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings. FSDP
 cases also count FSDP's all-gathers and reduce-scatters of every step (the step's only ones
 must be the program's UNSHARDs and REDUCE_GRADs), and `walk` cases split the backward by the
 graph walk instead of the weight-gradient contract (runtime/engine/split_backward.py).
@@ -54,6 +53,7 @@ class MeshCase(NamedTuple):
     dim: str  # "dp_replicate", "tp" or "dp_shard"
     train: bool = False
     walk: bool = False  # split backward by the graph walk, no weight-gradient contract
+    tied: bool = False  # FSDP stages with the tied embedding (tied on every other mesh)
 
 
 def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def _replicas(case: MeshCase) -> int:
 
 
 def _variant(case: MeshCase) -> str:
-    return "plain" if case.dim == "dp_shard" else "tied"
+    return "plain" if case.dim == "dp_shard" and not case.tied else "tied"
 
 
 def _share(case: MeshCase, mesh: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -96,21 +96,23 @@ def _global_batch(case: MeshCase, step: int) -> tuple[torch.Tensor, torch.Tensor
     return batch
 
 
-def _stages(case: MeshCase, mesh: Any) -> list[nn.Module]:
+def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
+    """The stages, parallelized or sharded as the case says, and the shared parameters
+    (found by identity before FSDP replaces the held stages' parameters)."""
     stages = build(_variant(case), case.program.placement.num_stages(0))
     if case.dim == "tp":
         for stage, module in enumerate(stages):
             _gpt().parallelize(module, stage, mesh["tp"])
+    shared = shared_parameters(stages)
     if case.dim == "dp_shard":
         held = {s.stage for s in case.program.placement.chunks(mesh.get_coordinate()[0])}
         for stage in sorted(held):
             fully_shard(stages[stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
             cast(Any, stages[stage]).set_requires_gradient_sync(False)
-    return stages
+    return stages, shared
 
 
-def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module]) -> PipelineRuntime:
-    shared = shared_parameters(stages) if case.dim != "dp_shard" else ()
+def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module], shared: Any) -> PipelineRuntime:
     cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, mesh=mesh)
     chunks = case.program.placement.chunks(mesh.get_coordinate()[0])
     modules = {s.chunk: stages[s.stage] for s in chunks}
@@ -167,9 +169,9 @@ def _whole(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
 
 
 def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
-    stages = _stages(case, mesh)
+    stages, shared = _stages(case, mesh)
     reference = build(_variant(case), case.program.placement.num_stages(0))
-    runtime = _runtime(mesh, case, stages)
+    runtime = _runtime(mesh, case, stages, shared)
     held = {slot.stage for slot in case.program.placement.chunks(runtime.rank)}
     data = _global_batch(case, 0)
     collectives: list[list[int]] = []
@@ -184,9 +186,9 @@ def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
 
 
 def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:
-    stages = _stages(case, mesh)
+    stages, shared = _stages(case, mesh)
     single = build(_variant(case), case.program.placement.num_stages(0))
-    runtime = _runtime(mesh, case, stages)
+    runtime = _runtime(mesh, case, stages, shared)
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2, eps=EPS)
     params = list({id(p): p for s in single for p in s.parameters()}.values())
     reference_optimizer = torch.optim.AdamW(params, lr=1e-2, eps=EPS)

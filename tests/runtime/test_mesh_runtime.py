@@ -37,11 +37,14 @@ DIMS = ("dp_replicate", "tp")
 FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 FSDP_WALK = ("zb_h1", "dualpipev")
 FSDP_TRAINING = ("1f1b", "zb_h1", "dualpipev")
+# the tied embedding on FSDP stages: summed across ranks (1F1B, ZB-H1: stages 0 and 1 on two
+# ranks) and on one rank (ZBV: stages 0 and 3 on rank 0, two sharded copies)
+FSDP_TIED = ("1f1b", "zb_h1", "zbv")
 
 
-def _program(name: str, dim: str) -> Program:
+def _program(name: str, dim: str, tied: bool = True) -> Program:
     program = compile_case(name, 2, 4)
-    if dim != "dp_shard":  # the tied GPT: its sum placed (untied with FSDP: mesh_cases.py)
+    if dim != "dp_shard" or tied:  # the tied GPT: its sum placed (FSDP untied but for some)
         last = program.placement.num_stages(0) - 1
         program = sum_shared(program, shared=((0, last),))
     return place_mesh(program, MeshOptions(f"{dim}=2"))
@@ -49,7 +52,7 @@ def _program(name: str, dim: str) -> Program:
 
 def _unreduced() -> Program:
     """1F1B on FSDP stages without its REDUCE_GRADs: the gradients would stay unreduced."""
-    program = _program("1f1b", "dp_shard")
+    program = _program("1f1b", "dp_shard", False)
     ranks = tuple(
         tuple(op for op in ops
               if not (isinstance(op, StageOp) and op.kind is StageAction.REDUCE_GRAD))
@@ -62,19 +65,33 @@ def _unreduced() -> Program:
 def _cases() -> list[MeshCase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
     found += [
-        MeshCase(f"dp_shard-{n}", _program(n, "dp_shard"), "dp_shard") for n in FSDP_SCHEDULES
+        MeshCase(f"dp_shard-{n}", _program(n, "dp_shard", False), "dp_shard")
+        for n in FSDP_SCHEDULES
     ]
     found += [
-        MeshCase(f"dp_shard-walk-{n}", _program(n, "dp_shard"), "dp_shard", walk=True)
+        MeshCase(f"dp_shard-walk-{n}", _program(n, "dp_shard", False), "dp_shard", walk=True)
         for n in FSDP_WALK
     ]
     found += [
         MeshCase(
-            f"train-dp_shard-{n}", _program(n, "dp_shard"), "dp_shard", True, walk=n == "zb_h1"
+            f"train-dp_shard-{n}",
+            _program(n, "dp_shard", False),
+            "dp_shard",
+            True,
+            walk=n == "zb_h1",
         )
         for n in FSDP_TRAINING
     ]
     found.append(MeshCase("dp_shard-unreduced", _unreduced(), "dp_shard"))
+    found += [
+        MeshCase(f"dp_shard-tied-{n}", _program(n, "dp_shard"), "dp_shard", tied=True)
+        for n in FSDP_TIED
+    ]
+    found.append(
+        MeshCase(
+            "train-dp_shard-tied-zbv", _program("zbv", "dp_shard"), "dp_shard", True, tied=True
+        )
+    )
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -186,3 +203,18 @@ def test_fsdp_stages_without_their_reduction_are_refused(results: list[dict[str,
     for result in (r["dp_shard-unreduced"] for r in results):
         assert result.get("error") == "SetupError", result
         assert "the program has no REDUCE_GRAD for it" in result["message"], result
+
+
+@pytest.mark.parametrize("name", FSDP_TIED)
+def test_tied_weights_on_fsdp_stages_match(results: list[dict[str, Any]], name: str) -> None:
+    """The tied embedding's sharded copies summed shard by shard after their reduce-scatters
+    (before: refused, the sum flattened whole DTensors)."""
+    for result in _each(results, f"dp_shard-tied-{name}"):
+        assert result["grad_rel"] <= 1e-6, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+        _fsdp_collectives_are_the_programs(result)
+    for result in _each(results, "train-dp_shard-tied-zbv"):
+        assert result["weight_rel"] <= 1e-5, result["weight_rel"]
+        for got, want in (*result["losses"], *result["norms"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
