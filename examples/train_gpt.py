@@ -41,6 +41,7 @@ from gpt import (  # examples/gpt.py, beside this
     parallelize,
 )
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, shared_parameters
+from pipecc.runtime.tools.reference import Options, reference_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from train_mlp import setup  # examples/train_mlp.py, beside this
@@ -66,6 +67,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel (each block's MLP)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare the first step's loss with one process on the whole batch",
+    )
     return parser.parse_args()
 
 
@@ -95,6 +101,17 @@ def on_mesh(args: argparse.Namespace, device: torch.device) -> tuple[Program, An
     return program, mesh, replica
 
 
+def whole_batch_loss(
+    config: GPTConfig, num_stages: int, batch: tuple[torch.Tensor, ...], microbatches: int,
+    device: torch.device,
+) -> float:  # fmt: skip
+    """--check: the loss of one process on the whole global batch, microbatch by microbatch,
+    with a fresh copy of the model (the same deterministic weights the step started from)."""
+    reference = [s.to(device) for s in build_stages(num_stages, config)]
+    loss, _ = reference_step(reference, batch, microbatches, loss_fn, Options(device=device))
+    return loss
+
+
 def main() -> None:
     args = parse_args()
     device = setup()
@@ -121,6 +138,10 @@ def main() -> None:
     replicas = args.dp_replicate * args.dp_shard
     rows = args.batch_size or 8 * args.microbatches * replicas  # the global batch
     share = rows // replicas
+    want = None
+    if args.check:  # before any step changes the weights
+        batch = make_batch(rows, seed=0, config=config)
+        want = whole_batch_loss(config, len(stages), batch, args.microbatches * replicas, device)
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         tokens, targets = make_batch(rows, seed=step, config=config)
@@ -137,7 +158,22 @@ def main() -> None:
                 f"{elapsed * 1e3:7.1f} ms",
                 flush=True,
             )
+        if step == 0 and want is not None:
+            check(float(loss), want, rank)
     dist.destroy_process_group()
+
+
+def check(loss: float, want: float, rank: int) -> None:
+    """--check: the first step's loss against one process on the whole batch (within 1e-5,
+    relative); every rank stops with exit code 1 when they differ."""
+    same = abs(loss - want) <= 1e-5 * abs(want)
+    if rank == 0:
+        verdict = "ok" if same else "DIFFERENT"
+        print(f"check: step 0 loss {loss:.6f}, one process on the whole batch {want:.6f}: "
+              f"{verdict}", flush=True)  # fmt: skip
+    if not same:
+        dist.destroy_process_group()
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
