@@ -21,8 +21,9 @@ backward. So a B, I or W never reduce-scatters nor frees the gathered parameters
 and the next forward needs no gather the program does not hold: the step's only all-gathers
 and reduce-scatters are its UNSHARDs and REDUCE_GRADs. A split backward's W adds into the
 unsharded parameters' `.grad` that FSDP's post-backward reads (the contract method's deferred
-work holds the parameter objects the forward computed with; the graph walk takes the ids of
-the chunk's parameters when `I` runs, the unsharded ones: runtime/plan/binding.py `weights`).
+work holds the parameter objects the forward computed with; the graph walk takes every leaf
+of the graph that is no stage input as a weight, as B accumulates into every leaf: those are
+the unsharded parameters, runtime/plan/binding.py `weights`).
 """
 
 from __future__ import annotations

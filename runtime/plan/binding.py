@@ -35,16 +35,16 @@ class Chunk:
     params: frozenset[int]  # id() of each parameter, for split backward
     first: bool  # stage 0 of its pipe: takes the step's inputs
     last: bool  # last stage of its pipe: computes the loss
-    # an FSDP2 module: while gathered, its parameters are FSDP's unsharded ones, not those
-    # `params` holds, so a split backward takes the ids of those it computes with
+    # an FSDP2 module: its graphs' leaves are the unsharded parameters FSDP swaps in while
+    # gathered, not those `params` holds (`weights`)
     sharded: bool = False
 
-    def weights(self) -> frozenset[int]:
-        """The ids of the parameters the chunk computes with now (the unsharded ones of an
-        FSDP2 module, which its graph's leaves are; `params` otherwise)."""
-        if not self.sharded:
-            return self.params
-        return frozenset(id(p) for p in self.module.parameters())
+    def weights(self) -> frozenset[int] | None:
+        """What a split backward of the chunk takes as its weights: `params`, or None for an
+        FSDP2 module (every leaf of the graph that is no stage input: the unsharded
+        parameters its forward computed with, whether the stage is gathered when I runs or
+        not; runtime/engine/split_backward.py)."""
+        return None if self.sharded else self.params
 
 
 def bind_chunks(

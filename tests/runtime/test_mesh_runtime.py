@@ -23,6 +23,7 @@ from runtime_cases import compile_case
 from pipecc.driver.mesh import MeshOptions, place_mesh
 from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
+from pipecc.passes.insert_fsdp_actions import FsdpPolicy
 from pipecc.passes.sum_shared import sum_shared
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,15 @@ def _unreduced() -> Program:
     return dataclasses.replace(program, ranks=ranks)
 
 
+def _resident() -> Program:
+    """ZBV with one stage unsharded at a time (--max-active-stages 1): each rank's two
+    stages are gathered and freed again between their uses, RESHARDs between an F and its I
+    or W (7 and 13 UNSHARDs per rank and step, not 2)."""
+    program = compile_case("zbv", 2, 4)
+    policy = FsdpPolicy(max_active_stages=1)
+    return place_mesh(program, MeshOptions("dp_shard=2", policy=policy))
+
+
 @functools.cache
 def _cases() -> list[MeshCase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
@@ -83,6 +93,7 @@ def _cases() -> list[MeshCase]:
         for n in FSDP_TRAINING
     ]
     found.append(MeshCase("dp_shard-unreduced", _unreduced(), "dp_shard"))
+    found.append(MeshCase("dp_shard-resident-zbv", _resident(), "dp_shard", walk=True))
     found += [
         MeshCase(f"dp_shard-tied-{n}", _program(n, "dp_shard"), "dp_shard", tied=True)
         for n in FSDP_TIED
@@ -218,3 +229,13 @@ def test_tied_weights_on_fsdp_stages_match(results: list[dict[str, Any]], name: 
         assert result["weight_rel"] <= 1e-5, result["weight_rel"]
         for got, want in (*result["losses"], *result["norms"]):
             assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_fsdp_stages_freed_between_uses_match(results: list[dict[str, Any]]) -> None:
+    """The residency policy at work (K=1) under the graph walk's split backward: the
+    gradients W adds while its stage is resharded reach the reduction."""
+    for result in _each(results, "dp_shard-resident-zbv"):
+        unshards, reductions = result["actions"]
+        assert unshards > 2 and reductions == 2, result["actions"]  # gathered again
+        assert result["grad_rel"] <= 1e-6, result["grad_rel"]
+        _fsdp_collectives_are_the_programs(result)
