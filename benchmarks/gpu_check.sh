@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The runtime's GPU checks, for one GPU host (about 7 minutes; every step has a time limit,
-# 14 minutes in all at most). Not run by `make test`: CI and this repository's machines have
-# no GPU. Run from anywhere:  bash benchmarks/gpu_check.sh
+# The runtime's GPU checks, for one GPU host (about 8 minutes; every step has a time limit,
+# 14 minutes in all at most for 1-5, 2 more on one GPU for 6, 6 more with several GPUs). Not
+# run by `make test`: CI and this repository's machines have no GPU. Run from anywhere:
+#     bash benchmarks/gpu_check.sh            # every step
+#     MESH_ONLY=1 bash benchmarks/gpu_check.sh   # step 6 only (about 1 minute on one GPU)
 #
 #   1. the CUDA tests (pytest -m gpu): one rank on the GPU over NCCL, V-shape hand-offs and
 #      fused F&B on two CUDA streams, the overlap hook, tuple boundaries, split backward on
@@ -20,7 +22,14 @@
 #      once, the same receive buffers on CUDA at every step: runtime/engine/bound.py), on P=1
 #      programs with fused F&B on two CUDA streams and,
 #      with two GPUs, P=2 over NCCL whose groups must go through batch_isend_irecv's
-#      coalescing branch (on CPU, tests/runtime/test_posting.py emulates that branch on gloo).
+#      coalescing branch (on CPU, tests/runtime/test_posting.py emulates that branch on gloo);
+#   6. the mesh (docs/parallelism.md): on any GPU, FSDP2 stages under split backward (ZB-H1,
+#      DualPipeV) with the tied embedding's sharded copies summed, on a mesh of one shard
+#      (benchmarks/gpu_mesh_check.py: gradients against one process, no FSDP collective
+#      beyond the program's); with 2 or more GPUs, `pipecc run --mesh` over NCCL with
+#      --check for dp_shard=2 (FSDP2), dp_replicate=2 and tp=2, the tied GPT (ZBV on pp=2
+#      with 4 GPUs, DualPipeV on pp=1 with 2 or 3); with one GPU that part is skipped and
+#      says so (NCCL puts each rank on a GPU of its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -35,6 +44,7 @@ if [ "$GPUS" -lt 1 ]; then
     exit 1
 fi
 
+if [ -z "${MESH_ONLY:-}" ]; then
 echo "== 1. CUDA tests"
 timeout 240 "$PY" -m pytest -q -m gpu tests/runtime -p no:cacheprovider
 
@@ -57,4 +67,18 @@ PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
     --check --steps 3 --warmup 1 --autocast bf16 --json | tee "$OUT/gpt_bf16.json"
 echo "== 5. no host sync in a warm step; NCCL's coalesced posting"
 timeout 180 "$PY" benchmarks/gpu_sync_check.py | tee "$OUT/sync.txt"
+fi
+
+echo "== 6. the mesh: FSDP2 stages under split backward, tied; NCCL between GPUs"
+timeout 120 "$PY" benchmarks/gpu_mesh_check.py | tee "$OUT/mesh_one_gpu.txt"
+if [ "$GPUS" -ge 4 ]; then MESH_SCHEDULE=zbv; MESH_NPROC=4; else MESH_SCHEDULE=dualpipev; MESH_NPROC=2; fi
+if [ "$GPUS" -ge 2 ]; then
+    for MESH in dp_shard=2 dp_replicate=2 tp=2; do
+        PIPECC_GPT_TIED=1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 timeout 120 "$PIPECC" run \
+            "$MESH_SCHEDULE" --nproc "$MESH_NPROC" -M 8 --mesh "$MESH" --model examples/gpt.py \
+            --check --steps 3 --warmup 1 --json | tee "$OUT/mesh_${MESH%%=*}.json"
+    done
+else
+    echo "skipped: pipecc run --mesh over NCCL needs 2 GPUs or more (one rank per GPU); this host has $GPUS"
+fi
 echo "gpu check: ok"

@@ -21,8 +21,8 @@ builds `init_device_mesh(device, (P, D), mesh_dim_names=("pp", "dp_replicate"))`
 schedule for P ranks with each stage's data-parallel all_reduce (`--mesh dp_replicate=D`),
 and gives each replica its contiguous share of the global batch. `--tp T` adds a tp
 dimension (innermost) and splits every block's MLP over it (`parallelize` of
-examples/gpt.py); `--dp-shard S` wraps the stages each process holds with FSDP2 (schedules
-with full backwards only, untied: docs/parallelism.md).
+examples/gpt.py); `--dp-shard S` wraps the stages each process holds with FSDP2, on any
+schedule (split backwards too) and with `--tied` (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from gpt import (  # examples/gpt.py, beside this
     parallelize,
 )
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, shared_parameters
+from pipecc.runtime.tools.reference import Options, reference_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from train_mlp import setup  # examples/train_mlp.py, beside this
@@ -64,8 +65,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--pp", type=int, help="pipeline ranks (default: the world size)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas")
-    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards (full backwards)")
+    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel (each block's MLP)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare the first step's loss with one process on the whole batch",
+    )
     return parser.parse_args()
 
 
@@ -95,6 +101,17 @@ def on_mesh(args: argparse.Namespace, device: torch.device) -> tuple[Program, An
     return program, mesh, replica
 
 
+def whole_batch_loss(
+    config: GPTConfig, num_stages: int, batch: tuple[torch.Tensor, ...], microbatches: int,
+    device: torch.device,
+) -> float:  # fmt: skip
+    """--check: the loss of one process on the whole global batch, microbatch by microbatch,
+    with a fresh copy of the model (the same deterministic weights the step started from)."""
+    reference = [s.to(device) for s in build_stages(num_stages, config)]
+    loss, _ = reference_step(reference, batch, microbatches, loss_fn, Options(device=device))
+    return loss
+
+
 def main() -> None:
     args = parse_args()
     device = setup()
@@ -106,21 +123,25 @@ def main() -> None:
     if args.tp > 1:  # every block's MLP split over the tp group (examples/gpt.py)
         for stage, module in enumerate(stages):
             parallelize(module, stage, mesh["tp"])
-    if args.dp_shard > 1:  # FSDP2 on the stages held here, gradient sync at REDUCE_GRAD only
+    shared = shared_parameters(stages)  # by identity: before FSDP2 copies the held stages'
+    if args.dp_shard > 1:  # FSDP2 on the stages held here (the runtime reduces at REDUCE_GRAD)
         for slot in program.placement.chunks(pp_rank):
             fully_shard(stages[slot.stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
-            stages[slot.stage].set_requires_gradient_sync(False)
     modules = {slot.chunk: stages[slot.stage] for slot in program.placement.chunks(pp_rank)}
     runtime = PipelineRuntime(
         program,
         modules,  # the boundaries: found along the pipeline for each new shape signature
         loss_fn=loss_fn,
-        config=RuntimeConfig(device=device, shared=shared_parameters(stages), seed=0, mesh=mesh),
+        config=RuntimeConfig(device=device, shared=shared, seed=0, mesh=mesh),
     )
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=args.lr)
     replicas = args.dp_replicate * args.dp_shard
     rows = args.batch_size or 8 * args.microbatches * replicas  # the global batch
     share = rows // replicas
+    want = None
+    if args.check:  # before any step changes the weights
+        batch = make_batch(rows, seed=0, config=config)
+        want = whole_batch_loss(config, len(stages), batch, args.microbatches * replicas, device)
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         tokens, targets = make_batch(rows, seed=step, config=config)
@@ -137,7 +158,22 @@ def main() -> None:
                 f"{elapsed * 1e3:7.1f} ms",
                 flush=True,
             )
+        if step == 0 and want is not None:
+            check(float(loss), want, rank)
     dist.destroy_process_group()
+
+
+def check(loss: float, want: float, rank: int) -> None:
+    """--check: the first step's loss against one process on the whole batch (within 1e-5,
+    relative); every rank stops with exit code 1 when they differ."""
+    same = abs(loss - want) <= 1e-5 * abs(want)
+    if rank == 0:
+        verdict = "ok" if same else "DIFFERENT"
+        print(f"check: step 0 loss {loss:.6f}, one process on the whole batch {want:.6f}: "
+              f"{verdict}", flush=True)  # fmt: skip
+    if not same:
+        dist.destroy_process_group()
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ private names: it imports them from here.
   (`torch._C._storage_Use_Count`: the storage's reference count, which counts every tensor
   viewing it and the storage object asked for).
 - `fsdp_post_backward`: FSDP2's post-backward for every parameter group of a module (its
-  state's `_state_ctx.all_states` and `_fsdp_param_groups`).
+  state's `_state_ctx.all_states` and `_fsdp_param_groups`), then its root's end-of-backward
+  callback (`_root_post_backward_final_callback`: the compute stream waits for the
+  reduce-scatters, the groups' state is reset).
 """
 
 from __future__ import annotations
@@ -113,8 +115,12 @@ def post_p2p(op: dist.P2POp, tensor: torch.Tensor) -> dist.Work | None:
 
 def fsdp_post_backward(module: torch.nn.Module) -> None:
     """FSDP2's post-backward (the gradients' reduce-scatter) for every parameter group of
-    `module`, as torch's `PipelineStage` runs it for an FSDP stage."""
+    `module`, then the callback FSDP queues at the end of a backward, as torch's
+    `PipelineStage` runs them for an FSDP stage: on a GPU the reduce-scatters run on FSDP's
+    own stream, and the callback (with `set_is_last_backward(True)`) makes the compute
+    stream wait for them before anything reads the reduced gradients."""
     state = cast(Any, fully_shard).state(module)  # `state` is added by torch's decorator
     for each in state._state_ctx.all_states:
         for group in each._fsdp_param_groups:
             group.post_backward()
+    state._root_post_backward_final_callback()

@@ -109,6 +109,7 @@ class PipelineRuntime:
     def _bind(self) -> None:
         rank, config = self.rank, self.config
         self.chunks = binding.bind_chunks(self.program, rank, self.modules)
+        stage_actions.accumulate_only(c.module for c in self.chunks.values())  # FSDP2 stages
         self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
         self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
         self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
@@ -338,15 +339,8 @@ class PipelineRuntime:
         """Modules and shared parameters (checked with every new signature)."""
         config = self.config
         found = binding.module_problems(self.program, self.rank, self.modules)
-        split = split_chunks(self.program.ranks[self.rank])
-        found += stage_actions.fsdp_problems(split, self.modules)
-        fsdp = any(stage_actions.is_fsdp(m) for m in self.modules.values())
-        if fsdp and self.to_sum:
-            found.append(
-                "a parameter is held on several ranks (a tied weight or a duplicated stage) "
-                "and the stages are FSDP2 modules: the runtime does not sum sharded "
-                "gradients across ranks yet (untie it, or use dp_replicate)"
-            )
+        held = {chunk: held.module for chunk, held in self.chunks.items()}
+        found += stage_actions.fsdp_problems(self.program.ranks[self.rank], held)
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
         return found + self.sums.problems() + self.mesh.problems()

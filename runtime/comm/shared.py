@@ -39,6 +39,7 @@ from typing import NamedTuple, TypeAlias, TypeGuard
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipecc.ir.ops import Collective, CollectiveKind
 from pipecc.ir.placement import Placement
@@ -202,10 +203,11 @@ def _scatter(total: torch.Tensor, groups: Sequence[Group], grads: ParamGrads) ->
     """Every copy's gradient of each group from the flat sum of the groups."""
     offset = 0
     for group in groups:
-        size = group.local[0].numel()
-        value = total[offset : offset + size].view_as(group.local[0])
+        shape = _local(group.local[0]).shape
+        size = shape.numel()
+        value = total[offset : offset + size].view(shape)
         for param in group.local:
-            grads.set(param, value.clone())
+            grads.set(param, _like(param, value.clone()))
         offset += size
 
 
@@ -216,11 +218,29 @@ def _flat(
     parts = []
     for group in groups:
         found = [g for g in (grads.get(p) for p in group.local) if g is not None]
-        total = torch.zeros(group.local[0].numel(), dtype=dtype, device=device)
+        total = torch.zeros(_local(group.local[0]).numel(), dtype=dtype, device=device)
         for grad in found:
-            total += grad.reshape(-1)
+            total += _local(grad).reshape(-1)
         parts.append(total)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter's (an FSDP2 or tensor-parallel DTensor's) or its gradient's shard
+    on this rank; any other tensor as it is. Every holder of a parameter shards it alike (one
+    shape, one placement over a mesh dimension of its own size, the same coordinate on each
+    rank of one pipeline), so the holders' sum of their shards is the sum's shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (this rank's shard of a gradient) as a gradient of `param`: a DTensor placed
+    as `param` is, for a sharded one."""
+    if not isinstance(param, DTensor):
+        return value
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
 
 
 def sharing_problems(

@@ -145,7 +145,7 @@ class StageOps:
     def backward_input(self, ctx: StepContext, op: ComputeStep) -> None:
         saved = self.replayed(ctx, ctx.saved.pop(op.key))
         outputs, grads = self.output_grads(ctx, op, saved)
-        params = op.unit.params
+        params = op.unit.weights()  # None on an FSDP2 stage: every leaf (plan/binding.py)
         input_grads, weight = input_backward(outputs, grads, saved.inputs, params, op.capture)
         ctx.weights[op.key] = weight
         self.hand_back(ctx, op, saved.inputs, input_grads)

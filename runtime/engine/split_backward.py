@@ -164,12 +164,15 @@ def input_backward(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
-    params: AbstractSet[int],
+    params: AbstractSet[int] | None,
     capture: Capture | None = None,
 ) -> tuple[Grads, WeightGrad]:
     """`I`: the inputs' gradients now, and what `W` needs to finish the weights later.
 
-    `params` holds the `id` of every parameter of the chunk. With `capture` (the one its
+    `params` holds the `id` of every parameter of the chunk; None takes every leaf of the
+    graph that is no input as a weight, as B accumulates into every leaf (an FSDP2 stage,
+    whose leaves are the unsharded parameters FSDP swapped in, not those it holds when
+    resharded: runtime/plan/binding.py `weights`). With `capture` (the one its
     forward ran under) the chunk uses the contract method, else the graph walk (module
     docstring). Both methods, as `full_backward`, take `inputs` that are leaves (the
     runtime's are).
@@ -225,7 +228,7 @@ def _reaches_input(tensor: torch.Tensor, graph: _Graph) -> bool:
 
 
 def _walk(
-    outputs: Sequence[torch.Tensor], inputs: list[torch.Tensor], params: AbstractSet[int]
+    outputs: Sequence[torch.Tensor], inputs: list[torch.Tensor], params: AbstractSet[int] | None
 ) -> _Graph:
     """Post-order walk from the outputs: what each node reaches (an input, a parameter)."""
     graph = _Graph()
@@ -249,12 +252,16 @@ def _walk(
     return graph
 
 
-def _leaf_bits(node: Node, graph: _Graph, input_ids: set[int], params: AbstractSet[int]) -> int:
+def _leaf_bits(
+    node: Node, graph: _Graph, input_ids: set[int], params: AbstractSet[int] | None
+) -> int:
     variable = leaf_of(node)
-    if id(variable) in params:
+    if id(variable) in input_ids:
+        return TO_INPUT
+    if params is None or id(variable) in params:
         graph.params[node] = variable
         return TO_PARAM
-    return TO_INPUT if id(variable) in input_ids else 0
+    return 0
 
 
 def _group(

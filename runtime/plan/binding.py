@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Msg, Recv
@@ -34,6 +35,16 @@ class Chunk:
     params: frozenset[int]  # id() of each parameter, for split backward
     first: bool  # stage 0 of its pipe: takes the step's inputs
     last: bool  # last stage of its pipe: computes the loss
+    # an FSDP2 module: its graphs' leaves are the unsharded parameters FSDP swaps in while
+    # gathered, not those `params` holds (`weights`)
+    sharded: bool = False
+
+    def weights(self) -> frozenset[int] | None:
+        """What a split backward of the chunk takes as its weights: `params`, or None for an
+        FSDP2 module (every leaf of the graph that is no stage input: the unsharded
+        parameters its forward computed with, whether the stage is gathered when I runs or
+        not; runtime/engine/split_backward.py)."""
+        return None if self.sharded else self.params
 
 
 def bind_chunks(
@@ -52,6 +63,7 @@ def bind_chunks(
             params=frozenset(id(p) for p in module.parameters()),
             first=slot.stage == 0,
             last=placement.is_last_stage(slot.pipe, slot.stage),
+            sharded=isinstance(module, FSDPModule),
         )
     return chunks
 

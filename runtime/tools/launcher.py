@@ -219,10 +219,11 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
     built = {stage: module.to(device) for stage, module in built.items()}
     mesh_job.parallelize(model, built, where)  # --mesh tp=N: the model file's parallelize
+    # tied weights are found by identity, before FSDP2 gives each held stage its own copy
+    shared = shared_parameters(list(built.values())) if whole else ()
     mesh_job.shard(built, {s.stage for s in slots}, where)  # --mesh dp_shard=N: FSDP2
     modules = {slot.chunk: built[slot.stage] for slot in slots}
     autocast = _autocast(job, model)
-    shared = shared_parameters(list(built.values())) if whole else ()
     config = RuntimeConfig(
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
         derive_rng=job.derive_rng, autocast=autocast, group=where.group,

@@ -3,8 +3,10 @@ data-parallel replicas, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp",
 "dp_replicate"))`, a pipeline of 2 times a tensor-parallel group of 2 (`("pp", "tp")`,
 examples/gpt.py's `parallelize`: every block's MLP split over tp), and a pipeline of 2 times
 2 FSDP2 shards (`("pp", "dp_shard")`, `fully_shard` on every held stage, gradient sync off but
-at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings (untied with
-FSDP, whose sharded copies of one parameter on two ranks the runtime does not sum).
+at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings. FSDP
+cases also count FSDP's all-gathers and reduce-scatters of every step (the step's only ones
+must be the program's UNSHARDs and REDUCE_GRADs), and `walk` cases split the backward by the
+graph walk instead of the weight-gradient contract (runtime/engine/split_backward.py).
 
 Each case compiles a schedule with the tie's sum (and, with replicas, their reductions:
 `--shared 0+S --mesh dp_replicate=2`), gives each replica its contiguous share of the global
@@ -16,9 +18,13 @@ Functions here run in the spawned processes: keep them importable and picklable.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple, cast
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 from gpt_cases import ROWS, _gpt, _worst, build, config, loss_fn
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
@@ -28,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import PipeccError
+from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
 
 OPTIONS = Options(seed=3)
@@ -45,6 +52,8 @@ class MeshCase(NamedTuple):
     program: Program
     dim: str  # "dp_replicate", "tp" or "dp_shard"
     train: bool = False
+    walk: bool = False  # split backward by the graph walk, no weight-gradient contract
+    tied: bool = False  # FSDP stages with the tied embedding (tied on every other mesh)
 
 
 def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, Any]:
@@ -68,7 +77,7 @@ def _replicas(case: MeshCase) -> int:
 
 
 def _variant(case: MeshCase) -> str:
-    return "plain" if case.dim == "dp_shard" else "tied"
+    return "plain" if case.dim == "dp_shard" and not case.tied else "tied"
 
 
 def _share(case: MeshCase, mesh: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -87,28 +96,72 @@ def _global_batch(case: MeshCase, step: int) -> tuple[torch.Tensor, torch.Tensor
     return batch
 
 
-def _stages(case: MeshCase, mesh: Any) -> list[nn.Module]:
+def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
+    """The stages, parallelized or sharded as the case says, and the shared parameters
+    (found by identity before FSDP replaces the held stages' parameters)."""
     stages = build(_variant(case), case.program.placement.num_stages(0))
     if case.dim == "tp":
         for stage, module in enumerate(stages):
             _gpt().parallelize(module, stage, mesh["tp"])
+    shared = shared_parameters(stages)
     if case.dim == "dp_shard":
         held = {s.stage for s in case.program.placement.chunks(mesh.get_coordinate()[0])}
         for stage in sorted(held):
             fully_shard(stages[stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
             cast(Any, stages[stage]).set_requires_gradient_sync(False)
-    return stages
+    return stages, shared
 
 
-def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module]) -> PipelineRuntime:
-    shared = shared_parameters(stages) if case.dim != "dp_shard" else ()
+def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module], shared: Any) -> PipelineRuntime:
     cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, mesh=mesh)
     chunks = case.program.placement.chunks(mesh.get_coordinate()[0])
     modules = {s.chunk: stages[s.stage] for s in chunks}
-    return PipelineRuntime(
-        case.program, modules, lambda sample: infer_boundaries(stages, sample),
-        loss_fn=loss_fn, config=cfg,
-    )  # fmt: skip
+    # the split-backward method is chosen when the runtime binds its chunks
+    walk = mock.patch("pipecc.runtime.engine.bound.contracted", return_value=False)
+    with walk if case.walk else nullcontext():
+        return PipelineRuntime(
+            case.program, modules, lambda sample: infer_boundaries(stages, sample),
+            loss_fn=loss_fn, config=cfg,
+        )  # fmt: skip
+
+
+FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")  # what FSDP2 calls
+
+
+@contextmanager
+def _counting(counts: list[int]) -> Iterator[None]:
+    """Count FSDP2's all-gathers (counts[0]) and reduce-scatters (counts[1]) inside."""
+    saved = {name: getattr(dist, name) for name in FSDP_COLLECTIVES}
+
+    def counted(at: int, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[at] += 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for at, name in enumerate(FSDP_COLLECTIVES):
+        setattr(dist, name, counted(at, name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _step(runtime: PipelineRuntime, batch: tuple[Any, Any], found: list[list[int]]) -> None:
+    """One step, its FSDP collectives appended to `found` (all-gathers, reduce-scatters)."""
+    counts = [0, 0]
+    with _counting(counts):
+        runtime.step(*batch)
+    found.append(counts)
+
+
+def _actions(case: MeshCase, rank: int) -> list[int]:
+    """The UNSHARDs and REDUCE_GRADs of the program on pipeline rank `rank`."""
+    ops = [op for op in case.program.ranks[rank] if isinstance(op, StageOp)]
+    return [sum(op.kind is kind for op in ops)
+            for kind in (StageAction.UNSHARD, StageAction.REDUCE_GRAD)]  # fmt: skip
 
 
 def _whole(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
@@ -116,31 +169,36 @@ def _whole(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
 
 
 def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
-    stages = _stages(case, mesh)
+    stages, shared = _stages(case, mesh)
     reference = build(_variant(case), case.program.placement.num_stages(0))
-    runtime = _runtime(mesh, case, stages)
+    runtime = _runtime(mesh, case, stages, shared)
     held = {slot.stage for slot in case.program.placement.chunks(runtime.rank)}
     data = _global_batch(case, 0)
-    runtime.step(*_share(case, mesh, data))
+    collectives: list[list[int]] = []
+    _step(runtime, _share(case, mesh, data), collectives)
     microbatches = case.program.num_microbatches * _replicas(case)
     want_loss, want = reference_step(reference, data, microbatches, loss_fn, OPTIONS)
     loss = float(runtime.global_loss())
-    return {"grad_rel": _worst(_whole(gradients(stages)), want, held), "loss": (loss, want_loss)}
+    return {
+        "grad_rel": _worst(_whole(gradients(stages)), want, held), "loss": (loss, want_loss),
+        "collectives": collectives, "actions": _actions(case, runtime.rank),
+    }  # fmt: skip
 
 
 def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:
-    stages = _stages(case, mesh)
+    stages, shared = _stages(case, mesh)
     single = build(_variant(case), case.program.placement.num_stages(0))
-    runtime = _runtime(mesh, case, stages)
+    runtime = _runtime(mesh, case, stages, shared)
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2, eps=EPS)
     params = list({id(p): p for s in single for p in s.parameters()}.values())
     reference_optimizer = torch.optim.AdamW(params, lr=1e-2, eps=EPS)
     microbatches = case.program.num_microbatches * _replicas(case)
     losses, norms = [], []
+    collectives: list[list[int]] = []
     for step in range(3):
         data = _global_batch(case, step)
         optimizer.zero_grad(set_to_none=True)
-        runtime.step(*_share(case, mesh, data))
+        _step(runtime, _share(case, mesh, data), collectives)
         norm = runtime.clip_grad_norm_(0.5)
         optimizer.step()
         want_loss, _ = reference_step(single, data, microbatches, loss_fn,
@@ -154,4 +212,7 @@ def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:
         {(i, n): p.detach() for i, s in enumerate(stages) for n, p in s.named_parameters()}
     )
     want = {(i, n): p.detach() for i, s in enumerate(single) for n, p in s.named_parameters()}
-    return {"weight_rel": _worst(got, want, held), "losses": losses, "norms": norms}
+    return {
+        "weight_rel": _worst(got, want, held), "losses": losses, "norms": norms,
+        "collectives": collectives, "actions": _actions(case, runtime.rank),
+    }  # fmt: skip

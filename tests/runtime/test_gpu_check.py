@@ -24,15 +24,17 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 
 @functools.cache
-def _sync_check() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gpu_sync_check", ROOT / "benchmarks" / "gpu_sync_check.py"
-    )
+def _benchmark(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _sync_check() -> ModuleType:
+    return _benchmark("gpu_sync_check")
 
 
 @pytest.fixture
@@ -96,3 +98,29 @@ def test_the_sync_check_reports_a_sync_and_a_missing_coalesced_group(one_rank: N
         False, "zbv P=2 M=4: FAILED: the plan was bound 3 times, receive buffers kept (0 fused "
         "F&B, 1 coalesced groups)",
     )  # fmt: skip
+
+
+def test_the_gpu_check_runs_the_mesh_and_skips_what_one_gpu_cannot() -> None:
+    text = SCRIPT.read_text()
+    lines = text.splitlines()
+    assert any(x.startswith("timeout ") and "benchmarks/gpu_mesh_check.py" in x for x in lines)
+    for mesh in ("dp_shard=2", "dp_replicate=2", "tp=2"):
+        assert mesh in text
+    assert 'echo "skipped: pipecc run --mesh over NCCL needs 2 GPUs or more' in text
+
+
+def test_the_mesh_checks_case_runs_fsdp_under_split_backward_on_the_cpu(one_rank: None) -> None:
+    """benchmarks/gpu_mesh_check.py's case on gloo: DualPipeV (two FSDP2 stages on the rank,
+    the tied embedding's two sharded copies, fused F&B) against one process without FSDP."""
+    check = _benchmark("gpu_mesh_check")
+    result = check.run_case("dualpipev", 4, torch.device("cpu"))
+    assert result["actions"] == [2, 2], "an UNSHARD and a REDUCE_GRAD per stage"
+    ok, line = check.verdict(result)
+    assert ok, line
+    assert line.startswith("dualpipev P=1 M=4 FSDP2 (dp_shard=1, tied) on cpu: loss ")
+    assert line.endswith(": ok")
+    bad = {**result, "grad_rel": 0.5}
+    assert check.verdict(bad)[1].endswith(
+        "max rel grad diff 5.00e-01, all-gathers 0 (UNSHARDs 2), reduce-scatters 0 "
+        "(REDUCE_GRADs 2): FAILED"
+    )

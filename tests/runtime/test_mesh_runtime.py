@@ -1,11 +1,14 @@
-"""The runtime on a device mesh (docs/parallelism.md): PP=2 × dp_replicate=2 and PP=2 × tp=2
-on 4 gloo processes, one process group for every case (mesh_cases.py). The GPT with tied
-embeddings on 1F1B, ZB-H1, ZBV and DualPipeV: loss and every gradient within 1e-5 of one
-process training the whole batch, and 3 AdamW steps with clipping matching; `pipecc run
---mesh` with --check."""
+"""The runtime on a device mesh (docs/parallelism.md): PP=2 × dp_replicate=2, PP=2 × tp=2 and
+PP=2 × dp_shard=2 (FSDP2) on 4 gloo processes, one process group for every case
+(mesh_cases.py). The GPT with tied embeddings on 1F1B, ZB-H1, ZBV and DualPipeV: loss and
+every gradient within 1e-5 of one process training the whole batch, and 3 AdamW steps with
+clipping matching; untied on FSDP stages, also on interleaved 1F1B, within 1e-6, with the
+split backward both by contract and by the graph walk, and no all-gather or reduce-scatter
+but the program's; `pipecc run --mesh` with --check."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -18,7 +21,9 @@ from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
 from pipecc.driver.mesh import MeshOptions, place_mesh
+from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
+from pipecc.passes.insert_fsdp_actions import FsdpPolicy
 from pipecc.passes.sum_shared import sum_shared
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,27 +32,77 @@ TRAINING = ("zb_h1", "dualpipev")
 
 
 DIMS = ("dp_replicate", "tp")
-# FSDP2 stages run full backwards only (runtime/engine/stage_actions.py): 1F1B and
-# interleaved 1F1B; a split backward (ZB-H1) is refused before the first step
-FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
+# FSDP2 stages (runtime/engine/stage_actions.py), full and split backwards; the split ones
+# also by the graph walk (its weights are FSDP's unsharded parameters, not the module's
+# sharded ones the runtime was given)
+FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+FSDP_WALK = ("zb_h1", "dualpipev")
+FSDP_TRAINING = ("1f1b", "zb_h1", "dualpipev")
+# the tied embedding on FSDP stages: summed across ranks (1F1B, ZB-H1: stages 0 and 1 on two
+# ranks) and on one rank (ZBV: stages 0 and 3 on rank 0, two sharded copies)
+FSDP_TIED = ("1f1b", "zb_h1", "zbv")
 
 
-def _program(name: str, dim: str) -> Program:
+def _program(name: str, dim: str, tied: bool = True) -> Program:
     program = compile_case(name, 2, 4)
-    if dim != "dp_shard":  # the tied GPT: its sum placed (untied with FSDP: mesh_cases.py)
+    if dim != "dp_shard" or tied:  # the tied GPT: its sum placed (FSDP untied but for some)
         last = program.placement.num_stages(0) - 1
         program = sum_shared(program, shared=((0, last),))
     return place_mesh(program, MeshOptions(f"{dim}=2"))
+
+
+def _unreduced() -> Program:
+    """1F1B on FSDP stages without its REDUCE_GRADs: the gradients would stay unreduced."""
+    program = _program("1f1b", "dp_shard", False)
+    ranks = tuple(
+        tuple(op for op in ops
+              if not (isinstance(op, StageOp) and op.kind is StageAction.REDUCE_GRAD))
+        for ops in program.ranks
+    )  # fmt: skip
+    return dataclasses.replace(program, ranks=ranks)
+
+
+def _resident() -> Program:
+    """ZBV with one stage unsharded at a time (--max-active-stages 1): each rank's two
+    stages are gathered and freed again between their uses, RESHARDs between an F and its I
+    or W (7 and 13 UNSHARDs per rank and step, not 2)."""
+    program = compile_case("zbv", 2, 4)
+    policy = FsdpPolicy(max_active_stages=1)
+    return place_mesh(program, MeshOptions("dp_shard=2", policy=policy))
 
 
 @functools.cache
 def _cases() -> list[MeshCase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
     found += [
-        MeshCase(f"dp_shard-{n}", _program(n, "dp_shard"), "dp_shard") for n in FSDP_SCHEDULES
+        MeshCase(f"dp_shard-{n}", _program(n, "dp_shard", False), "dp_shard")
+        for n in FSDP_SCHEDULES
     ]
-    found.append(MeshCase("dp_shard-zb_h1", _program("zb_h1", "dp_shard"), "dp_shard"))
-    found.append(MeshCase("train-dp_shard-1f1b", _program("1f1b", "dp_shard"), "dp_shard", True))
+    found += [
+        MeshCase(f"dp_shard-walk-{n}", _program(n, "dp_shard", False), "dp_shard", walk=True)
+        for n in FSDP_WALK
+    ]
+    found += [
+        MeshCase(
+            f"train-dp_shard-{n}",
+            _program(n, "dp_shard", False),
+            "dp_shard",
+            True,
+            walk=n == "zb_h1",
+        )
+        for n in FSDP_TRAINING
+    ]
+    found.append(MeshCase("dp_shard-unreduced", _unreduced(), "dp_shard"))
+    found.append(MeshCase("dp_shard-resident-zbv", _resident(), "dp_shard", walk=True))
+    found += [
+        MeshCase(f"dp_shard-tied-{n}", _program(n, "dp_shard"), "dp_shard", tied=True)
+        for n in FSDP_TIED
+    ]
+    found.append(
+        MeshCase(
+            "train-dp_shard-tied-zbv", _program("zbv", "dp_shard"), "dp_shard", True, tied=True
+        )
+    )
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -114,19 +169,73 @@ def test_pipecc_run_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str
         assert code == 2 and message in err, err
 
 
+def _fsdp_collectives_are_the_programs(result: dict[str, Any]) -> None:
+    """Every step's all-gathers and reduce-scatters are the program's UNSHARDs and
+    REDUCE_GRADs on this rank (one parameter group per stage): a backward neither
+    reduce-scatters nor frees the gathered parameters by itself (before the runtime set
+    FSDP's flags: 4 of each per step on 1F1B at M=4, not 1)."""
+    for counts in result["collectives"]:
+        assert counts == result["actions"], (counts, result["actions"])
+
+
 @pytest.mark.parametrize("name", FSDP_SCHEDULES)
 def test_fsdp_stages_match_one_process_on_the_whole_batch(
     results: list[dict[str, Any]], name: str
 ) -> None:
+    """PP=2 × dp_shard=2, untied GPT: loss and every (gathered) gradient within 1e-6."""
     for result in _each(results, f"dp_shard-{name}"):
-        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        assert result["grad_rel"] <= 1e-6, result["grad_rel"]
         got, want = result["loss"]
-        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
-    for result in _each(results, "train-dp_shard-1f1b"):
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+        _fsdp_collectives_are_the_programs(result)
+
+
+@pytest.mark.parametrize("name", FSDP_WALK)
+def test_fsdp_stages_split_by_the_graph_walk_match(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """The graph walk's W on FSDP stages: its weights are the unsharded parameters FSDP
+    computes with (taking the module's sharded ones gave no weight gradient: rel 1.0)."""
+    for result in _each(results, f"dp_shard-walk-{name}"):
+        assert result["grad_rel"] <= 1e-6, result["grad_rel"]
+        _fsdp_collectives_are_the_programs(result)
+
+
+@pytest.mark.parametrize("name", FSDP_TRAINING)
+def test_fsdp_adamw_steps_match(results: list[dict[str, Any]], name: str) -> None:
+    for result in _each(results, f"train-dp_shard-{name}"):
         assert result["weight_rel"] <= 1e-5, result["weight_rel"]
+        for got, want in (*result["losses"], *result["norms"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+        _fsdp_collectives_are_the_programs(result)
 
 
-def test_fsdp_stages_with_a_split_backward_are_refused(results: list[dict[str, Any]]) -> None:
-    for result in (r["dp_shard-zb_h1"] for r in results):
+def test_fsdp_stages_without_their_reduction_are_refused(results: list[dict[str, Any]]) -> None:
+    for result in (r["dp_shard-unreduced"] for r in results):
         assert result.get("error") == "SetupError", result
-        assert "splits its backward into I and W" in result["message"]
+        assert "the program has no REDUCE_GRAD for it" in result["message"], result
+
+
+@pytest.mark.parametrize("name", FSDP_TIED)
+def test_tied_weights_on_fsdp_stages_match(results: list[dict[str, Any]], name: str) -> None:
+    """The tied embedding's sharded copies summed shard by shard after their reduce-scatters
+    (before: refused, the sum flattened whole DTensors)."""
+    for result in _each(results, f"dp_shard-tied-{name}"):
+        assert result["grad_rel"] <= 1e-6, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+        _fsdp_collectives_are_the_programs(result)
+    for result in _each(results, "train-dp_shard-tied-zbv"):
+        assert result["weight_rel"] <= 1e-5, result["weight_rel"]
+        for got, want in (*result["losses"], *result["norms"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_fsdp_stages_freed_between_uses_match(results: list[dict[str, Any]]) -> None:
+    """The residency policy at work (K=1) under the graph walk's split backward: the
+    gradients W adds while its stage is resharded reach the reduction."""
+    for result in _each(results, "dp_shard-resident-zbv"):
+        unshards, reductions = result["actions"]
+        assert unshards > 2 and reductions == 2, result["actions"]  # gathered again
+        assert result["grad_rel"] <= 1e-6, result["grad_rel"]
+        _fsdp_collectives_are_the_programs(result)
