@@ -16,9 +16,10 @@ reference (runtime/tools/checking.py).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,12 +33,20 @@ from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..engine.recompute import Spec, parse_spec, recomputed
 from ..pipeline import PipelineRuntime
-from ..profiling.layers import layer_names, profile_layers, render_layers
+from ..profiling.layers import (
+    calibrate,
+    layer_names,
+    profile_layers,
+    render_layers,
+    stage_of_layers,
+)
 from ..profiling.memory import byte_keys
 from ..profiling.recorder import (
     SPREAD_BOUND,
     Recorder,
     comm_costs,
+    compute_costs,
+    host_costs,
     render_cost_file,
     worst_spread,
 )
@@ -131,6 +140,7 @@ def run_job(job: RunJob) -> RunReport:
             f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
+    job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     model.check_cut(job.program.placement.num_stages(0))
     recomputed(_recompute(job, model), job.program.placement.num_stages(0))  # a bad spec: here
@@ -179,18 +189,45 @@ def run_job(job: RunJob) -> RunReport:
 
 
 def _layer_profile(job: RunJob, model: ModelFile, results: list[dict[str, Any]]) -> str:
-    """--profile-layers: each layer timed alone on one microbatch (profiling/layers.py),
-    with the message latency fitted on this run's steps."""
+    """--profile-layers: each layer timed alone on one microbatch, then calibrated against
+    the stages this run measured (profiling/layers.py), with the run's host times and fitted
+    message latency."""
     whole = model.layers_model()
     names = [n for stage in job.layers for n in stage] if job.layers else layer_names(whole)
     rows = job.batch_size // job.program.num_microbatches
     entries = profile_layers(whole, names, model.batch(rows, seed=0), model.loss_fn)
-    comm = comm_costs(_records(results)).get("comm", 0.0) if job.profile else 0.0
+    records = _records(results)
+    held = {stage: params for r in results for stage, params in r["held"].items()}
+    measured = compute_costs(records)[1]
+    entries = calibrate(entries, stage_of_layers(names, held), measured)
+    host = {**comm_costs(records), **host_costs(records)}
+    host.setdefault("comm", 0.0)
     header = (
         f"pipecc run --profile-layers: {job.model}, {len(names)} layers, one microbatch of "
-        f"{rows} rows, each layer timed alone ({job.program.schedule} run for comm)"
+        f"{rows} rows; each layer timed alone, then scaled to the stages of this "
+        f"{job.program.schedule} run (P={job.program.num_ranks}, M="
+        f"{job.program.num_microbatches}, {job.steps} timed steps); comm, post, wait: the run's"
     )
-    return render_layers(entries, comm, header)
+    return render_layers(entries, host, header)
+
+
+def _profiled_cut(job: RunJob, model: ModelFile) -> RunJob:
+    """--profile-layers without --partition runs the layers' uniform cut (equal counts, the
+    earlier stages taking one more), so that each stage the run measures is made of the
+    profiled layers (their times are scaled to it)."""
+    if not job.profile_layers or job.layers is not None:
+        return job
+    names = layer_names(model.meta_layers_model())
+    stages = job.program.placement.num_stages(0)
+    if len(names) < stages:
+        raise InputError(
+            f"{job.model}: --profile-layers: build_layers_model() has {len(names)} layers, "
+            f"fewer than the program's {stages} stages"
+        )
+    base, extra = divmod(len(names), stages)
+    ends = list(itertools.accumulate(base + (s < extra) for s in range(stages)))
+    cut = tuple(tuple(names[end - base - (s < extra) : end]) for s, end in enumerate(ends))
+    return replace(job, layers=cut)
 
 
 def _replicas(job: RunJob) -> int:
@@ -235,6 +272,9 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": [], "aux": []}
     out["dtypes"] = param_dtypes(modules.values())
     out["shared_stages"] = shared_stages(shared)
+    out["held"] = {  # --profile-layers: which stage held which parameter names
+        slot.stage: [name for name, _ in modules[slot.chunk].named_parameters()] for slot in slots
+    }
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup
         recorder = Recorder(step=step) if job.profile and timed else None

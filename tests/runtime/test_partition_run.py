@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -140,14 +141,22 @@ def test_the_layer_profile_round_trips_into_search(tmp_path: Path) -> None:
     """`pipecc run --profile-layers` writes every layer of the model file, in order, with
     measured durations and bytes; `pipecc search --layers` reads it and writes a cut of those
     layers, which `pipecc run --partition` runs (the whole loop)."""
-    profile = tmp_path / "layers.toml"
+    profile, costs = tmp_path / "layers.toml", tmp_path / "costs.toml"
     ran = _pipecc(
         "run", "1f1b", "--nproc", "2", "-M", "4", "--model", MODEL,
-        "--profile-layers", str(profile),
+        "--profile-layers", str(profile), "--profile", str(costs), "--allow-noisy-profile",
+        "--steps", "3", "--warmup", "1",
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     layers = load_layers(profile)
     assert list(layers.names) == NAMES
+    assert layers.post > 0 and layers.wait > 0  # the run's host time, as its cost file's
+    # each stage of the run (build_stage: embed and 2 blocks | 2 blocks and the head) sums
+    # to what the same run measured for it: F, and I + W to its B (1f1b does not split)
+    measured = tomllib.loads(costs.read_text())["cost"]["stage"]
+    for stage, span in (("0", layers.layers[:3]), ("1", layers.layers[3:])):
+        assert sum(x.F for x in span) == pytest.approx(measured[stage]["F"], rel=1e-3)
+        assert sum(x.I + x.W for x in span) == pytest.approx(measured[stage]["B"], rel=1e-3)
     blocks = [layer for layer in layers.layers if layer.name.startswith("blocks.")]
     assert all(layer.F > 0 and layer.I > 0 and layer.W > 0 for layer in layers.layers)
     assert all(layer.act_bytes > 0 and layer.param_bytes > 0 for layer in blocks)
