@@ -4,7 +4,10 @@ vocabulary): examples/gpt_stages.py with PIPECC_GPT_* sizes set below.
 
     .venv/bin/python benchmarks/partition_run.py [--rounds 3] [--steps 5]
 
-1. `pipecc run 1f1b --profile-layers` measures every layer (embed, blocks, head + loss);
+1. `pipecc run zb_h1 --profile-layers` measures every layer (embed, blocks, head + loss):
+   each timed alone with its backward split into I and W as the runtime splits it, then
+   scaled to the stage F, I and W that run measured on the uniform cut (with its post and
+   wait host times);
 2. `pipecc search --layers` (loop placement, gloo) chooses the cut and the order, and says
    which bundled schedule is best on the uniform cut (equal layer counts) and its step;
 3. the searched program on the searched cut and that best bundled schedule on the uniform
@@ -70,7 +73,7 @@ def main() -> None:
     )
     M = str(args.microbatches)
     pipecc(
-        "run", "1f1b", "--nproc", "2", "-M", M, "--model", MODEL, "--profile-layers", str(profile)
+        "run", "zb_h1", "--nproc", "2", "-M", M, "--model", MODEL, "--profile-layers", str(profile)
     )  # fmt: skip
     layers = load_layers(profile)
     found = json.loads(
@@ -97,8 +100,11 @@ def main() -> None:
     uniform.write_text(cut_toml(uniform_cut(len(layers.layers), 2), layers))
     print(f"model: examples/gpt_stages.py {' '.join(f'{k}={v}' for k, v in SIZES.items())}")
     print(
-        "profile (ms, F / B):",
-        ", ".join(f"{x.name} {x.F:.3g}/{x.I + x.W:.3g}" for x in layers.layers),
+        "profile (ms, F / I / W):",
+        ", ".join(f"{x.name} {x.F:.3g}/{x.I:.3g}/{x.W:.3g}" for x in layers.layers),
+    )
+    print(
+        f"  host: comm {layers.comm:.3g} ms, post {layers.post:.3g} ms, wait {layers.wait:.3g} ms"
     )
     print("searched cut:", " | ".join(" ".join(s["layers"]) for s in found["cut"]))
     predicted = found["makespan"]

@@ -374,10 +374,7 @@ def run(args: argparse.Namespace) -> int:
         mesh=mesh,
         memory=args.memory,
         optimizer=args.optimizer,
-        # --recompute wins over a cut's recompute lines, which win over the model file's
-        recompute=parse_spec(args.recompute)
-        if args.recompute is not None
-        else (cut_recompute or None),
+        recompute=_recompute(args, program, cut_recompute, parse_spec),
         layers=layers,
         profile_layers=args.profile_layers is not None,
     )
@@ -405,6 +402,38 @@ def run(args: argparse.Namespace) -> int:
     if noisy is not None:
         raise ProgramError(noisy)
     return 0
+
+
+def _recompute(
+    args: argparse.Namespace,
+    program: Program,
+    cut: dict[int, str],
+    parse: Callable[[str], object],
+) -> object:
+    """The stages to recompute: a program that names some (its `recompute` field) runs
+    them, and --recompute or the cut's lines must then say the same (exit 2 otherwise);
+    without, --recompute wins over the cut's lines, which win over the model file's."""
+    given = parse(args.recompute) if args.recompute is not None else None
+    if not program.recompute:
+        return given if given is not None else (cut or None)
+    named = set(program.recompute)
+    stages = program.placement.num_stages(0)
+    for what, spec in ((f"--recompute {args.recompute}", given), ("the cut's recompute", cut)):
+        if spec and _full_stages(spec, stages) != named:
+            raise InputError(
+                f"{what} conflicts with the program, which recomputes stage(s) "
+                f"{', '.join(map(str, sorted(named)))} (its recompute field): give the same "
+                "stages or leave it out"
+            )
+    return {stage: "full" for stage in sorted(named)}
+
+
+def _full_stages(spec: object, stages: int) -> set[int]:
+    """The stages a recompute spec ("full", "none" or {stage: mode}) recomputes in full."""
+    if isinstance(spec, str):
+        return set(range(stages)) if spec == "full" else set()
+    assert isinstance(spec, dict)
+    return {int(stage) for stage, mode in spec.items() if mode == "full"}
 
 
 def _write_layers(text: str | None, path: str | None) -> None:

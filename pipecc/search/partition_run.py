@@ -121,6 +121,7 @@ def run_layer_search(req: LayerRequest) -> LayerOutcome:
         raise NoScheduleError(_nothing_fits(req))
     finished = [(_finish(req, setting, best, seconds), setting, best) for setting, best in found]
     outcome, setting, best = min(finished, key=lambda item: item[0].makespan)
+    outcome = _recomputing(outcome, best.cut)
     program = outcome.lowered.program
     return LayerOutcome(
         best.cut,
@@ -130,6 +131,14 @@ def run_layer_search(req: LayerRequest) -> LayerOutcome:
         any_cut_bound(setting),
         seconds,
     )
+
+
+def _recomputing(outcome: Outcome, cut: Cut) -> Outcome:
+    """The outcome whose program names the stages the cut recomputes (its `recompute`
+    field: the written JSON says so, and `pipecc run` runs them recomputed)."""
+    stages = tuple(s for s in range(cut.stages) if cut.recompute[s])
+    program = replace(outcome.lowered.program, recompute=stages)
+    return outcome._replace(lowered=outcome.lowered._replace(program=program))
 
 
 def _nothing_fits(req: LayerRequest) -> str:

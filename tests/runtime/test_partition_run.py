@@ -171,3 +171,57 @@ def test_the_layer_profile_round_trips_into_search(tmp_path: Path) -> None:
     )  # fmt: skip
     assert searched.returncode == 0, searched.stderr
     assert [n for stage in cut_layers(cut) for n in stage] == NAMES
+
+
+def _recomputing_program(path: Path, stages: list[int]) -> None:
+    """zb_h1 P=2 M=4 as a JSON program whose recompute field names `stages`."""
+    assert main(["compile", "zb_h1", "-P", "2", "-M", "4", "-o", str(path)]) == 0
+    data = json.loads(path.read_text())
+    data["recompute"] = [{"stage": s, "mode": "full"} for s in stages]
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("flag", "cut_stage", "said"),
+    [
+        (["--recompute", "none"], None, "--recompute none conflicts with the program"),
+        (["--recompute", "0:full"], None, "--recompute 0:full conflicts with the program"),
+        ([], 0, "the cut's recompute conflicts with the program"),
+    ],
+)
+def test_a_recompute_that_contradicts_the_program_is_refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flag: list[str],
+    cut_stage: int | None,
+    said: str,
+) -> None:
+    """The program recomputes stage 1: --recompute or a cut saying otherwise is exit 2,
+    before any process starts."""
+    program = tmp_path / "p.json"
+    _recomputing_program(program, [1])
+    _cut(tmp_path / "cut.toml", [NAMES[:3], NAMES[3:]], recompute=cut_stage)
+    capsys.readouterr()
+    code = main(
+        ["run", str(program), "--model", MODEL, "--partition", str(tmp_path / "cut.toml"),
+         *flag]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert said in err and "recomputes stage(s) 1" in err
+
+
+def test_a_program_that_recomputes_a_stage_runs_it_recomputed(tmp_path: Path) -> None:
+    """The program's recompute field alone (no flag, no cut line) recomputes stage 0: the
+    gradients match the reference, and rank 0, which holds two microbatches' activations
+    at once on zb_h1, keeps only their inputs (its measured peak is lower)."""
+    peaks = []
+    for stages in ([0], []):
+        program = tmp_path / f"p{len(stages)}.json"
+        _recomputing_program(program, stages)
+        ran = _pipecc("run", str(program), "--model", MODEL, "--check", "--memory", "--json")
+        assert ran.returncode == 0, ran.stderr
+        fields = json.loads(ran.stdout)
+        assert fields["max_rel_grad_diff"] <= 1e-5
+        peaks.append(fields["memory"][0]["measured_bytes"])
+    assert peaks[0] < peaks[1]

@@ -129,3 +129,20 @@ def test_the_profiles_host_time_is_in_the_step_and_the_costs_file(
     assert charged["makespan"] > plain["makespan"] + 1.0  # several posts on the critical path
     assert charged["uniform_best"]["makespan"] > plain["uniform_best"]["makespan"] + 1.0
     assert "post = 0.5" in (tmp_path / "host.costs.toml").read_text()
+
+
+def test_the_written_program_names_the_stages_it_recomputes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Under a cap the plain cuts cannot use well the search recomputes; the program's JSON
+    says which stages (its `recompute` field), as the cut file does."""
+    out, cut_file = tmp_path / "best.json", tmp_path / "cut.toml"
+    code, _, _ = _run(capsys, "search", "-P", "4", "-M", "8", "--layers", EXAMPLE, "--memory",
+                      "400MiB", "--placement", "loop", "-o", str(out), "--partition",
+                      str(cut_file))  # fmt: skip
+    assert code == 0
+    cut, _ = load_cut(cut_file)
+    chosen = [s for s in range(cut.stages) if cut.recompute[s]]
+    assert chosen, "the cap makes the search recompute"
+    data = json.loads(out.read_text())
+    assert data["recompute"] == [{"stage": s, "mode": "full"} for s in chosen]
