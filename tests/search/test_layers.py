@@ -165,17 +165,18 @@ def _all_cuts(layers: int, stages: int) -> list[Cut]:
 
 @pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
 @pytest.mark.parametrize(
-    ("placement", "head", "cap"),
-    [("loop", 4.0, None), ("loop", 2.0, 120 * MiB), ("vshape", 6.0, None)],
-)
+    ("placement", "head", "cap", "microbatches"),
+    [("loop", 4.0, None, 4), ("loop", 2.0, 120 * MiB, 4), ("vshape", 6.0, None, 4),
+     ("loop", 4.0, None, 6)],
+)  # fmt: skip
 def test_the_layer_search_reaches_the_optimum_over_every_cut(
-    placement: str, head: float, cap: float | None
+    placement: str, head: float, cap: float | None, microbatches: int
 ) -> None:
-    """P=2, M=4, 6 layers: CP-SAT's optimum on every cut (without recomputation; proven
-    without a cap, where the problem's numbers are whole); the layer search's step is the
-    least of them (or less, recomputing)."""
+    """P=2, M=4 (and M=6 on the loop), 6 layers: CP-SAT's optimum on every cut (without
+    recomputation; proven without a cap, where the problem's numbers are whole); the layer
+    search's step is the least of them (or less, recomputing)."""
     profile = _profile(head=head)
-    setting = Setting(profile, 2, 4, placement, cap)
+    setting = Setting(profile, 2, microbatches, placement, cap)
     optima = []
     for cut in _all_cuts(len(profile.layers), setting.stages):
         problem = cut_problem(setting, cut)
