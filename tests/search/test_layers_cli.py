@@ -146,3 +146,11 @@ def test_the_written_program_names_the_stages_it_recomputes(
     assert chosen, "the cap makes the search recompute"
     data = json.loads(out.read_text())
     assert data["recompute"] == [{"stage": s, "mode": "full"} for s in chosen]
+    # the .sched says so too, and compile carries it into the program
+    sched, compiled = tmp_path / "best.sched", tmp_path / "compiled.json"
+    code, _, _ = _run(capsys, "search", "-P", "4", "-M", "8", "--layers", EXAMPLE, "--memory",
+                      "400MiB", "--placement", "loop", "--sched", str(sched))  # fmt: skip
+    assert code == 0
+    assert f"recompute stage {', '.join(map(str, chosen))}" in sched.read_text()
+    assert main(["compile", str(sched), "-P", "4", "-M", "8", "-o", str(compiled)]) == 0
+    assert json.loads(compiled.read_text())["recompute"] == data["recompute"]
