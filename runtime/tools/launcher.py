@@ -143,7 +143,13 @@ def run_job(job: RunJob) -> RunReport:
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     model.check_cut(job.program.placement.num_stages(0))
-    recomputed(_recompute(job, model), job.program.placement.num_stages(0))  # a bad spec: here
+    replayed = recomputed(_recompute(job, model), job.program.placement.num_stages(0))
+    if job.profile_layers and replayed:  # its I would hold a replayed F: not the layers' I
+        raise InputError(
+            f"--profile-layers scales the layers to the stage times of the run, which "
+            f"recomputes stage(s) {', '.join(map(str, sorted(replayed)))}: profile without "
+            "recomputation (the search adds its cost per stage)"
+        )
     check_targets(job.model, model, model.batch(job.batch_size, seed=0)[1])
     world = job.mesh.world if job.mesh is not None else job.program.num_ranks
     backend = backend_for(world)

@@ -225,3 +225,18 @@ def test_a_program_that_recomputes_a_stage_runs_it_recomputed(tmp_path: Path) ->
         assert fields["max_rel_grad_diff"] <= 1e-5
         peaks.append(fields["memory"][0]["measured_bytes"])
     assert peaks[0] < peaks[1]
+
+
+def test_profiling_the_layers_of_a_recomputed_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A recomputed stage's I holds its F again: scaling the layers to it would count F
+    twice once the search adds recomputation itself; refused before any process starts."""
+    code = main(
+        ["run", "zb_h1", "--nproc", "2", "-M", "4", "--model", MODEL, "--recompute", "1:full",
+         "--profile-layers", str(tmp_path / "layers.toml")]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "recomputes stage(s) 1: profile without recomputation" in err
+    assert not (tmp_path / "layers.toml").exists()
