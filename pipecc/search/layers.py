@@ -7,6 +7,7 @@ The profile lists the model's layers in model order, one `[[layer]]` table each
     comm = 0.05            # message latency between ranks, as in cost files
     post = 0.02            # optional: host time of each send or receive, as in cost files
     wait = 0.01            # optional: host time of each wait after its release
+    F_fixed = 0.1          # optional: a stage's own work per F beyond its layers' F
     [[layer]]
     name = "embed"
     F = 0.3
@@ -47,7 +48,7 @@ LAYER_KEYS = (
     "optim_bytes",
     "input_bytes",
 )
-TOP_KEYS = ("unit", "comm", "post", "wait", "layer")
+TOP_KEYS = ("unit", "comm", "post", "wait", "F_fixed", "layer")
 RECOMPUTE = "full"  # the one recomputation a stage can choose: its whole forward again
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
@@ -82,6 +83,7 @@ class Profile:
     origin: str = ""
     post: float = 0.0  # host time of each send or receive (a run's, as in cost files)
     wait: float = 0.0  # host time of each wait after its release
+    F_fixed: float = 0.0  # a stage's own work per F beyond its layers' (a run's)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -168,8 +170,10 @@ def load_layers(path: str | Path) -> Profile:
             raise InputError(
                 f"{where}: layer {n}: name '{name}' is already layer {names.index(name)}"
             )
-    comm, post, wait = (_number(key, data.get(key, 0.0), where) for key in ("comm", "post", "wait"))
-    return Profile(layers, comm, str(data.get("unit", "")), where, post, wait)
+    comm, post, wait, fixed = (
+        _number(key, data.get(key, 0.0), where) for key in ("comm", "post", "wait", "F_fixed")
+    )
+    return Profile(layers, comm, str(data.get("unit", "")), where, post, wait, fixed)
 
 
 def _read_toml(where: str) -> dict[str, Any]:

@@ -35,7 +35,14 @@ import torch
 from ..engine.split_backward import input_backward
 from ..engine.weight_contract import Capture, capturing, contracted
 
-__all__ = ["calibrate", "layer_names", "profile_layers", "render_layers", "stage_of_layers"]
+__all__ = [
+    "LayerClock",
+    "calibrate",
+    "layer_names",
+    "profile_layers",
+    "render_layers",
+    "stage_of_layers",
+]
 
 Finish = Callable[[Any], Any]  # a layer's output -> what its backward starts from
 
@@ -49,6 +56,43 @@ class Times(NamedTuple):
 
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+class LayerClock:
+    """Each layer's forward time inside the run's own steps: a forward pre-hook and a
+    forward hook on every layer module of a rank's stages, counting forwards that build a
+    graph (a training F) while `step` is set (a timed step's index)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.total: dict[tuple[str, int], float] = {}
+        self.calls: dict[tuple[str, int], int] = {}
+        self._start: dict[str, float] = {}
+
+    def attach(self, module: torch.nn.Module, name: str) -> None:
+        """Time `module`'s forwards as layer `name`."""
+
+        def pre(_: torch.nn.Module, args: Any) -> None:
+            if self.step is not None and torch.is_grad_enabled():
+                self._start[name] = time.perf_counter()
+
+        def post(_: torch.nn.Module, args: Any, out: Any) -> None:
+            start = self._start.pop(name, None)
+            if start is not None and self.step is not None:
+                key = (name, self.step)
+                self.total[key] = self.total.get(key, 0.0) + time.perf_counter() - start
+                self.calls[key] = self.calls.get(key, 0) + 1
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+    def means(self) -> dict[str, float]:
+        """Milliseconds per forward, per layer timed: the median over the timed steps of
+        each step's mean, as the recorder takes a stage's (runtime/profiling/recorder.py)."""
+        steps: dict[str, list[float]] = {}
+        for key, calls in sorted(self.calls.items()):
+            steps.setdefault(key[0], []).append(self.total[key] / calls)
+        return {name: statistics.median(means) * 1e3 for name, means in steps.items()}
 
 
 def layer_names(model: torch.nn.Module) -> list[str]:
@@ -162,6 +206,19 @@ def _time_layer(
     }
 
 
+def _time_loss(
+    module: torch.nn.Module, args: tuple[Any, ...], finish: Finish, repeats: int
+) -> float:
+    """The loss on the last layer's output (ms, the median of `repeats`)."""
+    out = module(*_leaves(args))
+    found = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        finish(out)
+        found.append(time.perf_counter() - start)
+    return statistics.median(found) * 1e3
+
+
 def profile_layers(
     model: torch.nn.Module,
     names: Sequence[str],
@@ -185,6 +242,8 @@ def profile_layers(
                 return loss_fn(out, batch[1]) if last else out
 
             timed = _time_layer(modules[name], inputs[name], finish, repeats)
+            if last:  # the loss alone too: a run's layer hooks time the module without it
+                timed["loss"] = _time_loss(modules[name], inputs[name], finish, repeats)
             entries.append({"name": name, **timed})
     finally:
         torch.set_num_threads(before)
@@ -208,25 +267,41 @@ def calibrate(
     entries: Sequence[dict[str, Any]],
     stages: Sequence[int],
     measured: Mapping[int, Mapping[str, float]],
-) -> list[dict[str, Any]]:
+    in_run: Mapping[str, float] | None = None,
+) -> tuple[list[dict[str, Any]], float]:
     """The layers' F, I and W scaled so that each stage of the run sums to what the run
     measured for it (`measured`: per stage, the recorder's F, I, W or B in ms): F by the
     stage's F over its layers' F alone; I and W by its I and W, or both by its B over their
     I + W where the run did not split. A stage or op the run did not measure keeps the
-    alone times. Each entry keeps the alone times as `alone` and the factors as `scale`."""
+    alone times. Each entry keeps the alone times as `alone` and the factors as `scale`.
+
+    With `in_run` (each layer's F timed inside the run's steps, `LayerClock`) a stage whose
+    layers all have one takes those as its layers' F (the last layer's with its `loss`
+    timed alone, which the hooks do not see), and what its measured F has beyond their sum
+    is the stage's own work per F (its inputs, RNG state, output checks): the second value
+    returned is the mean of that over those stages (0 without), `F_fixed`."""
     scales: dict[int, dict[str, float]] = {}
+    fixed: list[float] = []
+    timed: set[int] = set()  # the stages whose layers' F come from the run
     for stage in set(stages):
         layers = [e for e, s in zip(entries, stages, strict=True) if s == stage]
-        scales[stage] = _scales(
-            {k: sum(e[k] for e in layers) for k in "FIW"}, measured.get(stage, {})
-        )
+        sums = {k: sum(e[k] for e in layers) for k in "FIW"}
+        scales[stage] = _scales(sums, measured.get(stage, {}))
+        run_f = measured.get(stage, {}).get("F")
+        if in_run and run_f is not None and all(e["name"] in in_run for e in layers):
+            inside = sum(in_run[e["name"]] + e.get("loss", 0.0) for e in layers)
+            fixed.append(max(0.0, run_f - inside))
+            timed.add(stage)
     found = []
     for entry, stage in zip(entries, stages, strict=True):
         scale = scales[stage]
         alone = {k: entry[k] for k in "FIW"}
-        found.append({**entry, **{k: alone[k] * scale[k] for k in "FIW"}, "alone": alone,
-                      "scale": scale})  # fmt: skip
-    return found
+        times = {k: alone[k] * scale[k] for k in "FIW"}
+        if stage in timed and in_run:
+            times["F"] = in_run[entry["name"]] + entry.get("loss", 0.0)
+            scale = {**scale, "F": times["F"] / alone["F"] if alone["F"] else 1.0}
+        found.append({**entry, **times, "alone": alone, "scale": scale})
+    return found, (sum(fixed) / len(fixed) if fixed else 0.0)
 
 
 def _scales(alone: Mapping[str, float], run: Mapping[str, float]) -> dict[str, float]:
@@ -245,10 +320,12 @@ def _scales(alone: Mapping[str, float], run: Mapping[str, float]) -> dict[str, f
 
 def render_layers(entries: Sequence[dict[str, Any]], host: Mapping[str, float], header: str) -> str:
     """The layer profile as TOML (docs/search.md section 12's format); `host` holds the
-    run's `comm`, `post` and `wait` (ms; those it has)."""
+    run's `comm`, `post`, `wait` and `F_fixed` (ms; those it has)."""
     lines = [f"# {line}" for line in header.splitlines()]
     lines += ['unit = "ms"']
-    lines += [f"{key} = {host[key]:.4g}" for key in ("comm", "post", "wait") if key in host]
+    lines += [
+        f"{key} = {host[key]:.4g}" for key in ("comm", "post", "wait", "F_fixed") if key in host
+    ]
     for entry in entries:
         lines += ["", "[[layer]]", f'name = "{entry["name"]}"']
         if "alone" in entry:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from pipecc.diagnostics import InputError
 from pipecc.ir.mesh import Mesh
+from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Program
 
 from ..comm.shared import shared_parameters, shared_stages
@@ -34,6 +35,7 @@ from ..config import RuntimeConfig
 from ..engine.recompute import Spec, parse_spec, recomputed
 from ..pipeline import PipelineRuntime
 from ..profiling.layers import (
+    LayerClock,
     calibrate,
     layer_names,
     profile_layers,
@@ -205,14 +207,15 @@ def _layer_profile(job: RunJob, model: ModelFile, results: list[dict[str, Any]])
     records = _records(results)
     held = {stage: params for r in results for stage, params in r["held"].items()}
     measured = compute_costs(records)[1]
-    entries = calibrate(entries, stage_of_layers(names, held), measured)
-    host = {**comm_costs(records), **host_costs(records)}
+    in_run = {name: ms for r in results for name, ms in r["layer_f"].items()}
+    entries, fixed = calibrate(entries, stage_of_layers(names, held), measured, in_run)
+    host = {**comm_costs(records), **host_costs(records), "F_fixed": fixed}
     host.setdefault("comm", 0.0)
     header = (
         f"pipecc run --profile-layers: {job.model}, {len(names)} layers, one microbatch of "
-        f"{rows} rows; each layer timed alone, then scaled to the stages of this "
-        f"{job.program.schedule} run (P={job.program.num_ranks}, M="
-        f"{job.program.num_microbatches}, {job.steps} timed steps); comm, post, wait: the run's"
+        f"{rows} rows; F timed inside this {job.program.schedule} run (P="
+        f"{job.program.num_ranks}, M={job.program.num_microbatches}, {job.steps} timed steps), "
+        "I and W timed alone and scaled to its stages; comm, post, wait, F_fixed: the run's"
     )
     return render_layers(entries, host, header)
 
@@ -281,8 +284,10 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     out["held"] = {  # --profile-layers: which stage held which parameter names
         slot.stage: [name for name, _ in modules[slot.chunk].named_parameters()] for slot in slots
     }
+    clock = _layer_clock(job, modules, slots)
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup
+        clock.step = step if timed and job.profile_layers else None
         recorder = Recorder(step=step) if job.profile and timed else None
         elapsed = _timed_step(
             runtime, modules, where.share(model.batch(job.batch_size, seed=step)), recorder
@@ -299,6 +304,8 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
             out["grads"].append(_my_grads(program, where.pp_rank, modules))
         if recorder is not None:
             out["records"].append(recorder)
+    clock.step = None
+    out["layer_f"] = clock.means()
     if job.profile or job.memory:  # two more steps, untimed and unchecked
         after = job.warmup + job.steps
         batches = (where.share(model.batch(job.batch_size, seed=after)),
@@ -308,6 +315,19 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
             runtime, modules, batches, optimizer=optimizer, measure=job.memory
         )
     return out
+
+
+def _layer_clock(
+    job: RunJob, modules: dict[int, torch.nn.Module], slots: tuple[StageSlot, ...]
+) -> LayerClock:
+    """--profile-layers: a clock on every layer of this rank's stages (their names in the
+    cut; `split_model` keeps the whole model's module names)."""
+    clock = LayerClock()
+    if job.profile_layers and job.layers is not None:
+        for slot in slots:
+            for name in job.layers[slot.stage]:
+                clock.attach(modules[slot.chunk].get_submodule(name), name)
+    return clock
 
 
 def _memory_fields(results: list[dict[str, Any]]) -> dict[str, Any]:

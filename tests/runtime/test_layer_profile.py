@@ -30,7 +30,8 @@ ENTRIES = [_entry("embed", 1, 0.5, 1), _entry("b0", 2, 2, 1), _entry("b1", 2, 2,
 
 def test_each_stage_of_the_run_sums_to_what_the_run_measured() -> None:
     measured = {0: {"F": 10.0, "I": 9.0, "W": 6.0}, 1: {"F": 6.0, "I": 4.0, "W": 5.0}}
-    found = calibrate(ENTRIES, [0, 0, 1, 1], measured)
+    found, fixed = calibrate(ENTRIES, [0, 0, 1, 1], measured)
+    assert fixed == 0.0  # nothing timed in the run
     for stage, layers in ((0, found[:2]), (1, found[2:])):
         for kind in "FIW":
             assert sum(e[kind] for e in layers) == pytest.approx(measured[stage][kind])
@@ -40,10 +41,25 @@ def test_each_stage_of_the_run_sums_to_what_the_run_measured() -> None:
 
 
 def test_a_run_that_did_not_split_scales_I_and_W_by_its_B() -> None:
-    found = calibrate(ENTRIES, [0, 0, 1, 1], {0: {"F": 3.0, "B": 9.0}})
+    found, _ = calibrate(ENTRIES, [0, 0, 1, 1], {0: {"F": 3.0, "B": 9.0}})
     assert found[0]["I"] + found[0]["W"] + found[1]["I"] + found[1]["W"] == pytest.approx(9.0)
     assert found[1]["I"] / found[1]["W"] == pytest.approx(2.0)
     assert [found[n][k] for n in (2, 3) for k in "FIW"] == [2, 2, 1, 4, 3, 3]  # not measured
+
+
+def test_layers_timed_in_the_run_keep_their_f_and_the_rest_is_the_stages_own() -> None:
+    """With each layer's F timed inside the run, a stage's layers take those, and what the
+    stage's measured F has beyond their sum is F_fixed (the mean over the stages timed);
+    I and W are scaled as before."""
+    measured = {0: {"F": 10.0, "I": 9.0, "W": 6.0}, 1: {"F": 9.0, "I": 4.0, "W": 5.0}}
+    in_run = {"embed": 1.5, "b0": 6.5, "b1": 3.0, "head": 5.0}
+    entries = [*ENTRIES[:3], {**ENTRIES[3], "loss": 0.5}]  # the hooks do not see the loss
+    found, fixed = calibrate(entries, [0, 0, 1, 1], measured, in_run)
+    assert [e["F"] for e in found] == [1.5, 6.5, 3.0, 5.5]
+    assert fixed == pytest.approx(((10 - 8) + (9 - 8.5)) / 2)
+    assert sum(e["I"] for e in found[:2]) == pytest.approx(9.0)
+    partial, fixed = calibrate(ENTRIES, [0, 0, 1, 1], measured, {"embed": 1.5})
+    assert fixed == 0.0 and partial[0]["F"] == pytest.approx(10 / 3)  # b0 untimed: scaled
 
 
 def test_the_stage_of_each_layer_comes_from_the_parameters_it_held() -> None:
@@ -83,9 +99,10 @@ def test_each_layer_is_timed_with_its_backward_split(tmp_path: Any) -> None:
     assert [e["name"] for e in entries] == names
     assert all(e["F"] > 0 and e["I"] > 0 and e["W"] > 0 for e in entries)
     assert entries[1]["I"] != entries[1]["W"]
+    assert entries[-1]["loss"] > 0 and "loss" not in entries[0]
     assert all(p.grad is None for p in model.parameters())  # nothing left behind
     assert entries[1]["param_bytes"] == (32 * 64 + 64 + 64 * 32 + 32) * 4
-    found = calibrate(entries, [0, 0, 1, 1], {0: {"F": 5.0, "I": 4.0, "W": 3.0}})
+    found, _ = calibrate(entries, [0, 0, 1, 1], {0: {"F": 5.0, "I": 4.0, "W": 3.0}})
     path = tmp_path / "layers.toml"
     path.write_text(render_layers(found, {"comm": 0.5, "post": 0.25, "wait": 0.125}, "test"))
     profile = load_layers(path)
