@@ -114,12 +114,13 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--steps",
         type=positive,
-        help=f"timed steps (default: 1; with --profile {PROFILE_STEPS})",
+        help=f"timed steps (default: 1; with --profile or --profile-layers {PROFILE_STEPS})",
     )
     cmd.add_argument(
         "--warmup",
         type=_count,
-        help=f"untimed steps first (default: 0; with --profile {PROFILE_WARMUP})",
+        help="untimed steps first (default: 0; with --profile or --profile-layers "
+        f"{PROFILE_WARMUP})",
     )
     cmd.add_argument(
         "--check",
@@ -205,7 +206,8 @@ def register(commands: SubParsers) -> None:
         "--profile-layers",
         metavar="LAYERS.toml",
         help="write the per-layer profile `pipecc search --layers` reads: each layer of the "
-        "model file's build_layers_model timed alone on one microbatch (docs/runtime.md)",
+        "model file's build_layers_model timed alone on one microbatch, then scaled to the "
+        "stage times this run measured (timed steps as with --profile; docs/runtime.md)",
     )
     add_policy_arg(cmd)
     cmd.add_argument(
@@ -226,12 +228,13 @@ def register(commands: SubParsers) -> None:
 
 
 def _timing(args: argparse.Namespace) -> tuple[int, int]:
-    """(timed steps, warm-up steps): the flags, else 1 and 0, or with --profile enough
-    steps for a median and a spread. A profile of one step has no spread: refused unless
-    --allow-noisy-profile."""
+    """(timed steps, warm-up steps): the flags, else 1 and 0, or with --profile or
+    --profile-layers enough steps for a median and a spread. A profile of one step has no
+    spread: refused unless --allow-noisy-profile."""
     profile = args.profile is not None
-    steps = args.steps or (PROFILE_STEPS if profile else 1)
-    warmup = args.warmup if args.warmup is not None else (PROFILE_WARMUP if profile else 0)
+    timed = profile or args.profile_layers is not None  # the layers are scaled to the steps
+    steps = args.steps or (PROFILE_STEPS if timed else 1)
+    warmup = args.warmup if args.warmup is not None else (PROFILE_WARMUP if timed else 0)
     if profile and steps < 2 and not args.allow_noisy_profile:
         raise InputError(
             f"--profile with --steps {steps}: the spread of a profile needs 2 or more timed "
@@ -371,10 +374,7 @@ def run(args: argparse.Namespace) -> int:
         mesh=mesh,
         memory=args.memory,
         optimizer=args.optimizer,
-        # --recompute wins over a cut's recompute lines, which win over the model file's
-        recompute=parse_spec(args.recompute)
-        if args.recompute is not None
-        else (cut_recompute or None),
+        recompute=_recompute(args, program, cut_recompute, parse_spec),
         layers=layers,
         profile_layers=args.profile_layers is not None,
     )
@@ -402,6 +402,38 @@ def run(args: argparse.Namespace) -> int:
     if noisy is not None:
         raise ProgramError(noisy)
     return 0
+
+
+def _recompute(
+    args: argparse.Namespace,
+    program: Program,
+    cut: dict[int, str],
+    parse: Callable[[str], object],
+) -> object:
+    """The stages to recompute: a program that names some (its `recompute` field) runs
+    them, and --recompute or the cut's lines must then say the same (exit 2 otherwise);
+    without, --recompute wins over the cut's lines, which win over the model file's."""
+    given = parse(args.recompute) if args.recompute is not None else None
+    if not program.recompute:
+        return given if given is not None else (cut or None)
+    named = set(program.recompute)
+    stages = program.placement.num_stages(0)
+    for what, spec in ((f"--recompute {args.recompute}", given), ("the cut's recompute", cut)):
+        if spec and _full_stages(spec, stages) != named:
+            raise InputError(
+                f"{what} conflicts with the program, which recomputes stage(s) "
+                f"{', '.join(map(str, sorted(named)))} (its recompute field): give the same "
+                "stages or leave it out"
+            )
+    return {stage: "full" for stage in sorted(named)}
+
+
+def _full_stages(spec: object, stages: int) -> set[int]:
+    """The stages a recompute spec ("full", "none" or {stage: mode}) recomputes in full."""
+    if isinstance(spec, str):
+        return set(range(stages)) if spec == "full" else set()
+    assert isinstance(spec, dict)
+    return {int(stage) for stage, mode in spec.items() if mode == "full"}
 
 
 def _write_layers(text: str | None, path: str | None) -> None:

@@ -14,7 +14,7 @@ from pipecc.commands.common import write_output
 from pipecc.diagnostics import InputError
 from pipecc.interop import json_program
 from pipecc.render.grid import format_timeline
-from pipecc.search.layers import Profile, cut_toml, format_size, load_layers, parse_size
+from pipecc.search.layers import Cut, Profile, cut_toml, format_size, load_layers, parse_size
 from pipecc.search.lower import Placing
 from pipecc.search.partition_run import LayerOutcome, LayerRequest, run_layer_search
 from pipecc.search.sched import write_sched
@@ -114,7 +114,7 @@ def _write(args: argparse.Namespace, found: LayerOutcome, profile: Profile) -> N
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(args.sched).stem) or "search"
         cut = f"cut (layers per stage, r: recomputed): {found.cut.describe()}"
         text = write_sched(outcome.problem, outcome.order, name, f"{header}\n{cut}")
-        write_output(text, args.sched)
+        write_output(_recompute_line(text, found.cut), args.sched)
     if args.partition:
         write_output(cut_toml(found.cut, profile, header), args.partition)
 
@@ -173,3 +173,15 @@ def _uniform_lines(found: LayerOutcome, unit: str) -> list[str]:
     else:
         lines.append("             no bundled schedule fits the cap on a uniform cut")
     return lines
+
+
+def _recompute_line(text: str, cut: Cut) -> str:
+    """The .sched with `recompute stage ...` after its placement line when the cut
+    recomputes stages, so `pipecc compile` carries them into the program."""
+    stages = [str(s) for s in range(cut.stages) if cut.recompute[s]]
+    if not stages:
+        return text
+    return re.sub(
+        r"^(placement .*)$", lambda m: f"{m[1]}\nrecompute stage {', '.join(stages)}", text,
+        count=1, flags=re.M,
+    )  # fmt: skip

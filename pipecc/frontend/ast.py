@@ -194,6 +194,15 @@ class Pad:
 
 
 @dataclass(frozen=True, slots=True)
+class Recompute:
+    """`recompute stage 0, P - 1`: these stages recompute their forward in full in their
+    backward (the program's `recompute`)."""
+
+    stages: tuple[Expr, ...]
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class NamedPlacement:
     name: str
     arg: Expr | None
@@ -223,7 +232,9 @@ class Phase:
     span: Span | None = field(default=None, compare=False, repr=False)
 
 
-Decl = ScheduleName | Param | Require | Pad | NamedPlacement | TablePlacement | Let | Phase
+Decl = (
+    ScheduleName | Param | Require | Pad | Recompute | NamedPlacement | TablePlacement | Let | Phase
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ class _RankState:
     generated: int | None = None
     table: list[StageSlot] = field(default_factory=list)
     placement_arg: int | None = None
+    recompute: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +86,7 @@ def expand(
     _check_pipes(file, placement, states[0], microbatches)
     generated = states[0].generated if states[0].generated is not None else microbatches
     params = tuple(sorted(states[0].params.items()))
+    recompute = _recompute_stages(file, states[0].recompute, placement)
     return Streams(
         schedule=decls.name,
         source=file.path,
@@ -94,7 +96,26 @@ def expand(
         params=params,
         placement=placement,
         ranks=tuple(tuple(state.stream) for state in states),
+        recompute=recompute,
     )
+
+
+def _recompute_stages(
+    file: ast.ScheduleFile, stages: list[int], placement: Placement
+) -> tuple[int, ...]:
+    """The stages of `recompute stage ...`: each a stage of the placement, named once."""
+    span = next((d.span for d in file.decls if isinstance(d, ast.Recompute)), None)
+    count = placement.num_stages(0)
+    for n, stage in enumerate(stages):
+        if not 0 <= stage < count:
+            raise ScheduleError(
+                f"recompute stage {stage}: the placement {placement.name} has stages "
+                f"0..{count - 1}",
+                span,
+            )
+        if stage in stages[:n]:
+            raise ScheduleError(f"recompute: stage {stage} is named twice", span)
+    return tuple(sorted(stages))
 
 
 def _check_rank_independent(file: ast.ScheduleFile, states: list[_RankState]) -> None:
@@ -108,6 +129,8 @@ def _check_rank_independent(file: ast.ScheduleFile, states: list[_RankState]) ->
                 what, values = f"placement {decl.name}(...)", [s.placement_arg for s in states]
             case ast.Pad():
                 what, values = "pad microbatches", [state.generated for state in states]
+            case ast.Recompute():
+                what, values = "recompute", [state.recompute for state in states]
         if any(value != values[0] for value in values):
             differs = next(r for r, value in enumerate(values) if value != values[0])
             raise ScheduleError(
@@ -174,6 +197,8 @@ def _steps_of(decl: ast.Decl, scope: Scope, defines: dict[str, int]) -> list[Ste
             return [_require_step(cond, decl, scope) for cond in decl.conditions]
         case ast.Pad():
             return [_pad_step(decl, scope)]
+        case ast.Recompute():
+            return [_recompute_step(decl, scope)]
         case ast.Phase():
             return [_phase_step(decl, scope)]
         case ast.TablePlacement():
@@ -197,7 +222,7 @@ def _check_phase_name(decl: ast.Phase, phases: dict[str, Span | None]) -> None:
 
 
 def _check_single(decl: ast.Decl, seen: dict[type, ast.Decl]) -> None:
-    """`schedule`, `placement` and `pad` may appear once each."""
+    """`schedule`, `placement`, `pad` and `recompute` may appear once each."""
     key: type | None = None
     if isinstance(decl, ast.NamedPlacement | ast.TablePlacement):
         key = ast.NamedPlacement if isinstance(decl, ast.NamedPlacement) else ast.TablePlacement
@@ -206,10 +231,10 @@ def _check_single(decl: ast.Decl, seen: dict[type, ast.Decl]) -> None:
             raise ScheduleError(
                 "a schedule has one placement", decl.span, notes=((other.span, "first one here"),)
             )
-    elif isinstance(decl, ast.ScheduleName | ast.Pad):
+    elif isinstance(decl, ast.ScheduleName | ast.Pad | ast.Recompute):
         key = type(decl)
         if key in seen:
-            word = "schedule" if key is ast.ScheduleName else "pad"
+            word = {ast.ScheduleName: "schedule", ast.Pad: "pad"}.get(key, "recompute")
             raise ScheduleError(
                 f"'{word}' may appear once", decl.span, notes=((seen[key].span, "first one here"),)
             )
@@ -300,6 +325,15 @@ def _pad_step(decl: ast.Pad, scope: Scope) -> Step:
         state.generated = value
 
     return pad
+
+
+def _recompute_step(decl: ast.Recompute, scope: Scope) -> Step:
+    stages = [expect(stage, scope, Type.INT).fn for stage in decl.stages]
+
+    def recompute(env: Env, state: _RankState) -> None:
+        state.recompute = [stage(env) for stage in stages]
+
+    return recompute
 
 
 def _phase_step(decl: ast.Phase, scope: Scope) -> Step:

@@ -282,6 +282,9 @@ class _Builder(Transformer[Token, list[ast.Decl]]):
     def pad_decl(self, meta: Meta, count: ast.Expr) -> ast.Pad:
         return ast.Pad(count, self._span(meta))
 
+    def recompute_decl(self, meta: Meta, *stages: ast.Expr) -> ast.Recompute:
+        return ast.Recompute(tuple(stages), self._span(meta))
+
     def phase_decl(self, meta: Meta, name: Token, body: tuple[ast.Stmt, ...]) -> ast.Phase:
         return ast.Phase(str(name), body, self._span(meta))
 

@@ -60,6 +60,8 @@ def dumps(program: Program) -> str:
     }
     if program.mesh is not None:  # absent: a pipeline on its own
         header["mesh"] = program.mesh.to_dict()
+    if program.recompute:  # absent: no stage recomputed
+        header["recompute"] = [{"stage": s, "mode": RECOMPUTE} for s in program.recompute]
     lines = ["{"]
     for key, value in header.items():
         lines.append(f"  {json.dumps(key)}: {json.dumps(value)},")
@@ -142,8 +144,10 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
 SPAN = ("line", "col")
 HEADER_FIELDS = frozenset(
     ("format", "schedule", "source", "ranks", "microbatches", "params", "comm",
-     "placement_name", "placement", "programs", "mesh")
+     "placement_name", "placement", "programs", "mesh", "recompute")
 )  # fmt: skip
+RECOMPUTE_FIELDS = frozenset(("stage", "mode"))
+RECOMPUTE = "full"  # the one mode a program names: the stage's whole forward again
 PLACEMENT_FIELDS = frozenset(("rank", "chunk", "pipe", "stage"))
 COMPUTE_FIELDS = frozenset(("op", "chunk", "pipe", "stage", "mb", *SPAN))
 FUSED_FIELDS = frozenset(("op", "f", "b", *SPAN))
@@ -270,6 +274,7 @@ def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
     )
     comm = str(data.get("comm", "unknown"))
     mesh = _read_mesh(data, num_ranks, reader)
+    recompute = _read_recompute(data, placement.num_stages(0), reader)
     program = Program(
         schedule=str(data.get("schedule", Path(path).stem)),
         source=source,
@@ -281,8 +286,30 @@ def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
         ranks=ranks,
         backend=backend_of(comm),
         mesh=mesh,
+        recompute=recompute,
     )
     return program, reader.notes()
+
+
+def _read_recompute(data: dict[str, Any], stages: int, reader: _Reader) -> tuple[int, ...]:
+    """`"recompute": [{"stage": 0, "mode": "full"}, ...]`: the stages recomputed, each once
+    and within the placement's stages (absent: none)."""
+    entries = data.get("recompute", [])
+    if not isinstance(entries, list):
+        raise reader.fail("recompute", f"expected a list of {{stage, mode}} objects, got "
+                          f"{json.dumps(entries)}")  # fmt: skip
+    found: list[int] = []
+    for n, entry in enumerate(entries):
+        where = f"recompute[{n}]"
+        stage = reader.integer(entry, "stage", where)
+        reader.known(entry, where, RECOMPUTE_FIELDS)
+        reader.field(entry, "mode", where, lambda v: v == RECOMPUTE, json.dumps(RECOMPUTE))
+        if stage >= stages:
+            raise reader.fail(where, f"stage {stage}: the placement has stages 0..{stages - 1}")
+        if stage in found:
+            raise reader.fail(where, f"stage {stage} is named twice")
+        found.append(stage)
+    return tuple(sorted(found))
 
 
 def _read_mesh(data: dict[str, Any], num_ranks: int, reader: _Reader) -> Mesh | None:

@@ -28,7 +28,9 @@ class Program:
     is what that policy needs of the backend, which the verifier and the runtime read.
     `mesh`: the device mesh it runs on (`ir/mesh.py`), None for a pipeline on its own; with
     a mesh, `ranks` holds either the pipeline's `mesh.pp` lists (every pipeline runs them)
-    or one list per global rank (`is_whole_mesh`).
+    or one list per global rank (`is_whole_mesh`). `recompute`: the stages (pipe 0's
+    numbering, ascending) that recompute their forward in full in their backward (the
+    runtime's recomputation; `pipecc search --layers` chooses them), none by default.
     """
 
     schedule: str
@@ -41,6 +43,7 @@ class Program:
     ranks: tuple[tuple[Instr, ...], ...]
     backend: Backend = Backend.ANY
     mesh: Mesh | None = None
+    recompute: tuple[int, ...] = ()  # the stages whose forward runs again in their backward
 
     @property
     def is_whole_mesh(self) -> bool:

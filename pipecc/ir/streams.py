@@ -72,3 +72,4 @@ class Streams:
     params: tuple[tuple[str, int], ...]
     placement: Placement
     ranks: tuple[tuple[StreamItem, ...], ...]
+    recompute: tuple[int, ...] = ()  # stages recomputed in full (`recompute stage ...`)

@@ -43,6 +43,7 @@ def assign_microbatches(streams: Streams) -> Program:
         comm="none",
         placement=placement,
         ranks=ranks,
+        recompute=streams.recompute,
     )
 
 

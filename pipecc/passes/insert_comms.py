@@ -167,6 +167,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
         placement=prog.placement,
         ranks=tuple(lowered),
         backend=placement.backend,
+        recompute=prog.recompute,
     )
 
 

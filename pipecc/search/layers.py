@@ -5,6 +5,9 @@ The profile lists the model's layers in model order, one `[[layer]]` table each
 
     unit = "ms"            # optional, as in cost files
     comm = 0.05            # message latency between ranks, as in cost files
+    post = 0.02            # optional: host time of each send or receive, as in cost files
+    wait = 0.01            # optional: host time of each wait after its release
+    F_fixed = 0.1          # optional: a stage's own work per F beyond its layers' F
     [[layer]]
     name = "embed"
     F = 0.3
@@ -45,7 +48,7 @@ LAYER_KEYS = (
     "optim_bytes",
     "input_bytes",
 )
-TOP_KEYS = ("unit", "comm", "layer")
+TOP_KEYS = ("unit", "comm", "post", "wait", "F_fixed", "layer")
 RECOMPUTE = "full"  # the one recomputation a stage can choose: its whole forward again
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
@@ -78,6 +81,9 @@ class Profile:
     comm: float = 0.0
     unit: str = ""
     origin: str = ""
+    post: float = 0.0  # host time of each send or receive (a run's, as in cost files)
+    wait: float = 0.0  # host time of each wait after its release
+    F_fixed: float = 0.0  # a stage's own work per F beyond its layers' (a run's)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -164,8 +170,10 @@ def load_layers(path: str | Path) -> Profile:
             raise InputError(
                 f"{where}: layer {n}: name '{name}' is already layer {names.index(name)}"
             )
-    comm = _number("comm", data.get("comm", 0.0), where)
-    return Profile(layers, comm, str(data.get("unit", "")), where)
+    comm, post, wait, fixed = (
+        _number(key, data.get(key, 0.0), where) for key in ("comm", "post", "wait", "F_fixed")
+    )
+    return Profile(layers, comm, str(data.get("unit", "")), where, post, wait, fixed)
 
 
 def _read_toml(where: str) -> dict[str, Any]:

@@ -113,11 +113,12 @@ class Setting:
 
 
 def stage_durations(profile: Profile, cut: Cut) -> tuple[tuple[float, float, float], ...]:
-    """Per stage (F, I, W): sums of its layers'; a recomputed stage's I runs its F first."""
+    """Per stage (F, I, W): sums of its layers' (F with the profile's `F_fixed`, the
+    stage's own work per F); a recomputed stage's I runs its F first."""
     out = []
     for stage in range(cut.stages):
         layers = [profile.layers[n] for n in cut.span(stage)]
-        f = sum(layer.F for layer in layers)
+        f = sum(layer.F for layer in layers) + profile.F_fixed
         i = sum(layer.I for layer in layers) + (f if cut.recompute[stage] else 0.0)
         out.append((f, i, sum(layer.W for layer in layers)))
     return tuple(out)

@@ -11,7 +11,9 @@ finished that way and the shorter step wins.
 
 from __future__ import annotations
 
+import re
 import time
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from pipecc.search.baseline import compiled_orders
@@ -26,9 +28,10 @@ from pipecc.search.partition import (
     memory_peaks,
     search_cuts,
 )
-from pipecc.search.problem import MemDeltas, evaluate, fits
+from pipecc.search.problem import MemDeltas, Problem, evaluate, fits
 from pipecc.search.run import NoScheduleError, Outcome, Request, finish
 from pipecc.semantics import CommModel
+from pipecc.semantics.costs import CostModel, HostCost
 
 
 class LayerRequest(NamedTuple):
@@ -118,6 +121,7 @@ def run_layer_search(req: LayerRequest) -> LayerOutcome:
         raise NoScheduleError(_nothing_fits(req))
     finished = [(_finish(req, setting, best, seconds), setting, best) for setting, best in found]
     outcome, setting, best = min(finished, key=lambda item: item[0].makespan)
+    outcome = _recomputing(outcome, best.cut)
     program = outcome.lowered.program
     return LayerOutcome(
         best.cut,
@@ -127,6 +131,14 @@ def run_layer_search(req: LayerRequest) -> LayerOutcome:
         any_cut_bound(setting),
         seconds,
     )
+
+
+def _recomputing(outcome: Outcome, cut: Cut) -> Outcome:
+    """The outcome whose program names the stages the cut recomputes (its `recompute`
+    field: the written JSON says so, and `pipecc run` runs them recomputed)."""
+    stages = tuple(s for s in range(cut.stages) if cut.recompute[s])
+    program = replace(outcome.lowered.program, recompute=stages)
+    return outcome._replace(lowered=outcome.lowered._replace(program=program))
 
 
 def _nothing_fits(req: LayerRequest) -> str:
@@ -149,7 +161,7 @@ def _finish(req: LayerRequest, setting: Setting, best: Found, seconds: float) ->
     request = Request(
         ranks=req.ranks,
         microbatches=req.microbatches,
-        costs=stage_costs(problem, req.profile.unit),
+        costs=_costs(problem, req.profile),
         cap=problem.cap,
         mem=MemDeltas(),
         placement=problem.placement,
@@ -160,7 +172,24 @@ def _finish(req: LayerRequest, setting: Setting, best: Found, seconds: float) ->
         policy=req.policy,
         backend=req.backend,
     )
-    return finish(request, [best.result], [problem], seconds)
+    outcome = finish(request, [best.result], [problem], seconds)
+    return outcome._replace(costs_text=_with_host(outcome.costs_text, req.profile))
+
+
+def _costs(problem: Problem, profile: Profile) -> CostModel:
+    """The cut's per-stage costs with the profile's host time per post and per wait (the
+    step the search reports and the uniform cuts' are simulated with them)."""
+    host = HostCost(post=profile.post or None, wait=profile.wait or None)
+    return replace(stage_costs(problem, profile.unit), host=host)
+
+
+def _with_host(text: str, profile: Profile) -> str:
+    """The written cost file with the profile's `post` and `wait` after its `comm`, so
+    `pipecc simulate --cost-file` reproduces the reported step."""
+    host = "".join(
+        f"\n{k} = {v!r}" for k, v in (("post", profile.post), ("wait", profile.wait)) if v
+    )
+    return re.sub(r"^(comm = .*)$", lambda m: m[1] + host, text, count=1, flags=re.M)
 
 
 def _uniform(req: LayerRequest, placement: str) -> list[Uniform]:
@@ -170,7 +199,7 @@ def _uniform(req: LayerRequest, placement: str) -> list[Uniform]:
         return []
     cut = uniform_cut(len(req.profile.layers), setting.stages)
     problem = cut_problem(setting, cut)
-    costs = None if problem is None else stage_costs(problem, req.profile.unit)
+    costs = None if problem is None else _costs(problem, req.profile)
     found = []
     for name, order, program in compiled_orders(req.ranks, req.microbatches, placement):
         evaluation = None if problem is None else evaluate(problem, order)

@@ -16,9 +16,10 @@ reference (runtime/tools/checking.py).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,18 +27,28 @@ import torch.distributed as dist
 
 from pipecc.diagnostics import InputError
 from pipecc.ir.mesh import Mesh
+from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Program
 
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
 from ..engine.recompute import Spec, parse_spec, recomputed
 from ..pipeline import PipelineRuntime
-from ..profiling.layers import layer_names, profile_layers, render_layers
+from ..profiling.layers import (
+    LayerClock,
+    calibrate,
+    layer_names,
+    profile_layers,
+    render_layers,
+    stage_of_layers,
+)
 from ..profiling.memory import byte_keys
 from ..profiling.recorder import (
     SPREAD_BOUND,
     Recorder,
     comm_costs,
+    compute_costs,
+    host_costs,
     render_cost_file,
     worst_spread,
 )
@@ -131,9 +142,16 @@ def run_job(job: RunJob) -> RunReport:
             f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
+    job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     model.check_cut(job.program.placement.num_stages(0))
-    recomputed(_recompute(job, model), job.program.placement.num_stages(0))  # a bad spec: here
+    replayed = recomputed(_recompute(job, model), job.program.placement.num_stages(0))
+    if job.profile_layers and replayed:  # its I would hold a replayed F: not the layers' I
+        raise InputError(
+            f"--profile-layers scales the layers to the stage times of the run, which "
+            f"recomputes stage(s) {', '.join(map(str, sorted(replayed)))}: profile without "
+            "recomputation (the search adds its cost per stage)"
+        )
     check_targets(job.model, model, model.batch(job.batch_size, seed=0)[1])
     world = job.mesh.world if job.mesh is not None else job.program.num_ranks
     backend = backend_for(world)
@@ -179,18 +197,46 @@ def run_job(job: RunJob) -> RunReport:
 
 
 def _layer_profile(job: RunJob, model: ModelFile, results: list[dict[str, Any]]) -> str:
-    """--profile-layers: each layer timed alone on one microbatch (profiling/layers.py),
-    with the message latency fitted on this run's steps."""
+    """--profile-layers: each layer timed alone on one microbatch, then calibrated against
+    the stages this run measured (profiling/layers.py), with the run's host times and fitted
+    message latency."""
     whole = model.layers_model()
     names = [n for stage in job.layers for n in stage] if job.layers else layer_names(whole)
     rows = job.batch_size // job.program.num_microbatches
     entries = profile_layers(whole, names, model.batch(rows, seed=0), model.loss_fn)
-    comm = comm_costs(_records(results)).get("comm", 0.0) if job.profile else 0.0
+    records = _records(results)
+    held = {stage: params for r in results for stage, params in r["held"].items()}
+    measured = compute_costs(records)[1]
+    in_run = {name: ms for r in results for name, ms in r["layer_f"].items()}
+    entries, fixed = calibrate(entries, stage_of_layers(names, held), measured, in_run)
+    host = {**comm_costs(records), **host_costs(records), "F_fixed": fixed}
+    host.setdefault("comm", 0.0)
     header = (
         f"pipecc run --profile-layers: {job.model}, {len(names)} layers, one microbatch of "
-        f"{rows} rows, each layer timed alone ({job.program.schedule} run for comm)"
+        f"{rows} rows; F timed inside this {job.program.schedule} run (P="
+        f"{job.program.num_ranks}, M={job.program.num_microbatches}, {job.steps} timed steps), "
+        "I and W timed alone and scaled to its stages; comm, post, wait, F_fixed: the run's"
     )
-    return render_layers(entries, comm, header)
+    return render_layers(entries, host, header)
+
+
+def _profiled_cut(job: RunJob, model: ModelFile) -> RunJob:
+    """--profile-layers without --partition runs the layers' uniform cut (equal counts, the
+    earlier stages taking one more), so that each stage the run measures is made of the
+    profiled layers (their times are scaled to it)."""
+    if not job.profile_layers or job.layers is not None:
+        return job
+    names = layer_names(model.meta_layers_model())
+    stages = job.program.placement.num_stages(0)
+    if len(names) < stages:
+        raise InputError(
+            f"{job.model}: --profile-layers: build_layers_model() has {len(names)} layers, "
+            f"fewer than the program's {stages} stages"
+        )
+    base, extra = divmod(len(names), stages)
+    ends = list(itertools.accumulate(base + (s < extra) for s in range(stages)))
+    cut = tuple(tuple(names[end - base - (s < extra) : end]) for s, end in enumerate(ends))
+    return replace(job, layers=cut)
 
 
 def _replicas(job: RunJob) -> int:
@@ -236,8 +282,13 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     out: dict[str, Any] = {"step_ms": [], "losses": [], "grads": [], "records": [], "aux": []}
     out["dtypes"] = param_dtypes(modules.values())
     out["shared_stages"] = shared_stages(shared)
+    out["held"] = {  # --profile-layers: which stage held which parameter names
+        slot.stage: [name for name, _ in modules[slot.chunk].named_parameters()] for slot in slots
+    }
+    clock = _layer_clock(job, modules, slots)
     for step in range(job.warmup + job.steps):
         timed = step >= job.warmup
+        clock.step = step if timed and job.profile_layers else None
         recorder = Recorder(step=step) if job.profile and timed else None
         elapsed = _timed_step(
             runtime, modules, where.share(model.batch(job.batch_size, seed=step)), recorder
@@ -254,6 +305,8 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
             out["grads"].append(_my_grads(program, where.pp_rank, modules))
         if recorder is not None:
             out["records"].append(recorder)
+    clock.step = None
+    out["layer_f"] = clock.means()
     if job.profile or job.memory:  # two more steps, untimed and unchecked
         after = job.warmup + job.steps
         batches = (where.share(model.batch(job.batch_size, seed=after)),
@@ -263,6 +316,19 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
             runtime, modules, batches, optimizer=optimizer, measure=job.memory
         )
     return out
+
+
+def _layer_clock(
+    job: RunJob, modules: dict[int, torch.nn.Module], slots: tuple[StageSlot, ...]
+) -> LayerClock:
+    """--profile-layers: a clock on every layer of this rank's stages (their names in the
+    cut; `split_model` keeps the whole model's module names)."""
+    clock = LayerClock()
+    if job.profile_layers and job.layers is not None:
+        for slot in slots:
+            for name in job.layers[slot.stage]:
+                clock.attach(modules[slot.chunk].get_submodule(name), name)
+    return clock
 
 
 def _memory_fields(results: list[dict[str, Any]]) -> dict[str, Any]:

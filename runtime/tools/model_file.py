@@ -119,14 +119,20 @@ class ModelFile:
     def layers_model(self) -> torch.nn.Module:
         """The whole model of `build_layers_model`, materialized on the CPU and initialised
         by `init_stage` (`--profile-layers`)."""
+        whole = self.meta_layers_model().to_empty(device="cpu")
+        assert self.init_stage is not None  # meta_layers_model checked it
+        self.init_stage(whole)
+        return whole
+
+    def meta_layers_model(self) -> torch.nn.Module:
+        """The whole model of `build_layers_model` on the meta device (`--profile-layers`:
+        InputError without it or `init_stage`)."""
         if self.build_layers_model is None or self.init_stage is None:
             raise InputError(
                 f"{self.path}: --profile-layers times the layers of build_layers_model() (the "
                 "whole model on the meta device), initialised by init_stage(module): define both"
             )
-        whole = self._meta_model().to_empty(device="cpu")
-        self.init_stage(whole)
-        return whole
+        return self._meta_model()
 
     def _meta_model(self) -> torch.nn.Module:
         assert self.build_layers_model is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -140,14 +141,27 @@ def test_the_layer_profile_round_trips_into_search(tmp_path: Path) -> None:
     """`pipecc run --profile-layers` writes every layer of the model file, in order, with
     measured durations and bytes; `pipecc search --layers` reads it and writes a cut of those
     layers, which `pipecc run --partition` runs (the whole loop)."""
-    profile = tmp_path / "layers.toml"
+    profile, costs = tmp_path / "layers.toml", tmp_path / "costs.toml"
     ran = _pipecc(
         "run", "1f1b", "--nproc", "2", "-M", "4", "--model", MODEL,
-        "--profile-layers", str(profile),
+        "--profile-layers", str(profile), "--profile", str(costs), "--allow-noisy-profile",
+        "--steps", "3", "--warmup", "1",
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     layers = load_layers(profile)
     assert list(layers.names) == NAMES
+    assert layers.post > 0 and layers.wait > 0  # the run's host time, as its cost file's
+    # each stage of the run (the layers' uniform cut: embed and 2 blocks | 2 blocks and the
+    # head) sums to what the same run measured for it: I + W to its B (1f1b does not split);
+    # F is each layer's timed inside the run, with the stages' own work per F as F_fixed
+    measured = tomllib.loads(costs.read_text())["cost"]["stage"]
+    spans = (("0", layers.layers[:3]), ("1", layers.layers[3:]))
+    for stage, span in spans:
+        assert sum(x.I + x.W for x in span) == pytest.approx(measured[stage]["B"], rel=1e-3)
+        assert sum(x.F for x in span) < measured[stage]["F"]  # the layers run inside F
+    assert layers.F_fixed > 0
+    whole = sum(sum(x.F for x in span) + layers.F_fixed for _, span in spans)
+    assert whole == pytest.approx(measured["0"]["F"] + measured["1"]["F"], rel=0.1)
     blocks = [layer for layer in layers.layers if layer.name.startswith("blocks.")]
     assert all(layer.F > 0 and layer.I > 0 and layer.W > 0 for layer in layers.layers)
     assert all(layer.act_bytes > 0 and layer.param_bytes > 0 for layer in blocks)
@@ -162,3 +176,72 @@ def test_the_layer_profile_round_trips_into_search(tmp_path: Path) -> None:
     )  # fmt: skip
     assert searched.returncode == 0, searched.stderr
     assert [n for stage in cut_layers(cut) for n in stage] == NAMES
+
+
+def _recomputing_program(path: Path, stages: list[int]) -> None:
+    """zb_h1 P=2 M=4 as a JSON program whose recompute field names `stages`."""
+    assert main(["compile", "zb_h1", "-P", "2", "-M", "4", "-o", str(path)]) == 0
+    data = json.loads(path.read_text())
+    data["recompute"] = [{"stage": s, "mode": "full"} for s in stages]
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("flag", "cut_stage", "said"),
+    [
+        (["--recompute", "none"], None, "--recompute none conflicts with the program"),
+        (["--recompute", "0:full"], None, "--recompute 0:full conflicts with the program"),
+        ([], 0, "the cut's recompute conflicts with the program"),
+    ],
+)
+def test_a_recompute_that_contradicts_the_program_is_refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flag: list[str],
+    cut_stage: int | None,
+    said: str,
+) -> None:
+    """The program recomputes stage 1: --recompute or a cut saying otherwise is exit 2,
+    before any process starts."""
+    program = tmp_path / "p.json"
+    _recomputing_program(program, [1])
+    _cut(tmp_path / "cut.toml", [NAMES[:3], NAMES[3:]], recompute=cut_stage)
+    capsys.readouterr()
+    code = main(
+        ["run", str(program), "--model", MODEL, "--partition", str(tmp_path / "cut.toml"),
+         *flag]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert said in err and "recomputes stage(s) 1" in err
+
+
+def test_a_program_that_recomputes_a_stage_runs_it_recomputed(tmp_path: Path) -> None:
+    """The program's recompute field alone (no flag, no cut line) recomputes stage 0: the
+    gradients match the reference, and rank 0, which holds two microbatches' activations
+    at once on zb_h1, keeps only their inputs (its measured peak is lower)."""
+    peaks = []
+    for stages in ([0], []):
+        program = tmp_path / f"p{len(stages)}.json"
+        _recomputing_program(program, stages)
+        ran = _pipecc("run", str(program), "--model", MODEL, "--check", "--memory", "--json")
+        assert ran.returncode == 0, ran.stderr
+        fields = json.loads(ran.stdout)
+        assert fields["max_rel_grad_diff"] <= 1e-5
+        peaks.append(fields["memory"][0]["measured_bytes"])
+    assert peaks[0] < peaks[1]
+
+
+def test_profiling_the_layers_of_a_recomputed_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A recomputed stage's I holds its F again: scaling the layers to it would count F
+    twice once the search adds recomputation itself; refused before any process starts."""
+    code = main(
+        ["run", "zb_h1", "--nproc", "2", "-M", "4", "--model", MODEL, "--recompute", "1:full",
+         "--profile-layers", str(tmp_path / "layers.toml")]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "recomputes stage(s) 1: profile without recomputation" in err
+    assert not (tmp_path / "layers.toml").exists()

@@ -165,17 +165,18 @@ def _all_cuts(layers: int, stages: int) -> list[Cut]:
 
 @pytest.mark.skipif(not exact.available(), reason="OR-Tools is not installed")
 @pytest.mark.parametrize(
-    ("placement", "head", "cap"),
-    [("loop", 4.0, None), ("loop", 2.0, 120 * MiB), ("vshape", 6.0, None)],
-)
+    ("placement", "head", "cap", "microbatches"),
+    [("loop", 4.0, None, 4), ("loop", 2.0, 120 * MiB, 4), ("vshape", 6.0, None, 4),
+     ("loop", 4.0, None, 6)],
+)  # fmt: skip
 def test_the_layer_search_reaches_the_optimum_over_every_cut(
-    placement: str, head: float, cap: float | None
+    placement: str, head: float, cap: float | None, microbatches: int
 ) -> None:
-    """P=2, M=4, 6 layers: CP-SAT's optimum on every cut (without recomputation; proven
-    without a cap, where the problem's numbers are whole); the layer search's step is the
-    least of them (or less, recomputing)."""
+    """P=2, M=4 (and M=6 on the loop), 6 layers: CP-SAT's optimum on every cut (without
+    recomputation; proven without a cap, where the problem's numbers are whole); the layer
+    search's step is the least of them (or less, recomputing)."""
     profile = _profile(head=head)
-    setting = Setting(profile, 2, 4, placement, cap)
+    setting = Setting(profile, 2, microbatches, placement, cap)
     optima = []
     for cut in _all_cuts(len(profile.layers), setting.stages):
         problem = cut_problem(setting, cut)
@@ -244,3 +245,20 @@ def test_a_cut_file_is_split_models_layers(tmp_path: Path) -> None:
         part = split_model(model, index, 3, layers=stages, init=None)
         held = {name.split(".")[0] for name, _ in part.named_parameters()}
         assert held == set(expected)
+
+
+def test_the_profiles_f_fixed_is_added_to_every_stages_f(tmp_path: Path) -> None:
+    """`F_fixed` (a stage's own work per F, as a run measured it) is in every stage's F and
+    so in a recomputed stage's I, which runs F again."""
+    text = EXAMPLE.read_text().replace("comm = 0.05", "comm = 0.05\nF_fixed = 0.25", 1)
+    (tmp_path / "fixed.toml").write_text(text)
+    plain, fixed = load_layers(EXAMPLE), load_layers(tmp_path / "fixed.toml")
+    assert fixed.F_fixed == 0.25
+    cut = uniform_cut(10, 4).with_recompute((True, False, False, False))
+    for (f0, _, w0), (f1, _, w1) in zip(
+        stage_durations(plain, cut), stage_durations(fixed, cut), strict=True
+    ):
+        assert f1 == pytest.approx(f0 + 0.25) and w1 == pytest.approx(w0)
+    assert stage_durations(fixed, cut)[0][1] == pytest.approx(
+        stage_durations(plain, cut)[0][1] + 0.25
+    )

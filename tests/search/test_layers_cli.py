@@ -102,3 +102,55 @@ def test_the_costs_file_names_the_cut_and_its_recomputation(
     text = out.with_suffix(".costs.toml").read_text()
     stages = ", ".join(str(s) for s, flag in enumerate(cut.recompute) if flag)
     assert f"# cut: {cut.describe()}" in text and f"# recomputed stages: {stages} " in text
+
+
+def test_the_profiles_host_time_is_in_the_step_and_the_costs_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`post` and `wait` (a run's host time per send or receive and per wait) add to the
+    reported step of the searched cut and of the uniform cuts, as `pipecc simulate` charges
+    them; the written costs file carries them, so it reproduces the step."""
+    text = Path(EXAMPLE).read_text()
+    host = tmp_path / "host.toml"
+    host.write_text(text.replace("comm = 0.05", "comm = 0.05\npost = 0.5\nwait = 0.25", 1))
+    steps = []
+    for layers in (EXAMPLE, str(host)):
+        out = tmp_path / f"{Path(layers).stem}.json"
+        code, found, _ = _run(capsys, "search", "-P", "2", "-M", "4", "--layers", layers,
+                              "--placement", "loop", "--json", "-o", str(out))  # fmt: skip
+        assert code == 0
+        steps.append(json.loads(found))
+        costs = str(out.with_suffix(".costs.toml"))
+        assert main(["simulate", str(out), "--cost-file", costs, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["makespan"] == pytest.approx(
+            steps[-1]["makespan"]
+        )
+    plain, charged = steps
+    assert charged["makespan"] > plain["makespan"] + 1.0  # several posts on the critical path
+    assert charged["uniform_best"]["makespan"] > plain["uniform_best"]["makespan"] + 1.0
+    assert "post = 0.5" in (tmp_path / "host.costs.toml").read_text()
+
+
+def test_the_written_program_names_the_stages_it_recomputes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Under a cap the plain cuts cannot use well the search recomputes; the program's JSON
+    says which stages (its `recompute` field), as the cut file does."""
+    out, cut_file = tmp_path / "best.json", tmp_path / "cut.toml"
+    code, _, _ = _run(capsys, "search", "-P", "4", "-M", "8", "--layers", EXAMPLE, "--memory",
+                      "400MiB", "--placement", "loop", "-o", str(out), "--partition",
+                      str(cut_file))  # fmt: skip
+    assert code == 0
+    cut, _ = load_cut(cut_file)
+    chosen = [s for s in range(cut.stages) if cut.recompute[s]]
+    assert chosen, "the cap makes the search recompute"
+    data = json.loads(out.read_text())
+    assert data["recompute"] == [{"stage": s, "mode": "full"} for s in chosen]
+    # the .sched says so too, and compile carries it into the program
+    sched, compiled = tmp_path / "best.sched", tmp_path / "compiled.json"
+    code, _, _ = _run(capsys, "search", "-P", "4", "-M", "8", "--layers", EXAMPLE, "--memory",
+                      "400MiB", "--placement", "loop", "--sched", str(sched))  # fmt: skip
+    assert code == 0
+    assert f"recompute stage {', '.join(map(str, chosen))}" in sched.read_text()
+    assert main(["compile", str(sched), "-P", "4", "-M", "8", "-o", str(compiled)]) == 0
+    assert json.loads(compiled.read_text())["recompute"] == data["recompute"]
