@@ -19,7 +19,7 @@ from pipecc.api import compile_schedule  # noqa: E402
 
 
 def _medians(ratios: dict[str, float]) -> dict[str, float]:
-    found = {"latency": 0.05}
+    found = {"latency": 0.05, "latency mean": 0.2}
     for name, ratio in ratios.items():
         found[f"{name} torch"], found[f"{name} pipecc"] = 100.0, 100.0 * ratio
         found[f"{name} floor"] = 25.0
@@ -41,7 +41,7 @@ def test_the_verdict_is_the_median_ratio_against_half(ratios: tuple[float, ...],
     assert lines[3].split() == ["interleaved_1f1b", "100.0", f"{100 * ratios[1]:.1f}",
                                 f"{ratios[1]:.2f}", "25.0", "0.25",
                                 f"{100 * ratios[1] / 25:.2f}"]  # fmt: skip
-    assert "one-way latency 50 µs" in lines[-2], "the floor's message latency"
+    assert "one-way latency 50 µs a message (ping-pong median; mean 200 µs)" in lines[-2]
 
 
 def test_plain_op_costs_of_a_rank_split_the_backward() -> None:
