@@ -331,11 +331,12 @@ def _plain_forward(
     return model.loss(out, target) if last else out
 
 
-def ideal_step(program: Program, samples: Samples, stages: int) -> float:
+def ideal_step(program: Program, samples: Samples, stages: int, comm: float = 0.0) -> float:
     """The simulated step for the op costs of every stage timed outside the runtimes (the
     median of each (stage, op kind): a lower bound should not carry the host's hiccups),
-    gathered from all ranks (each stage is timed by the rank that holds it), with zero
-    message latency and zero host time, under the rendezvous model (ms)."""
+    gathered from all ranks (each stage is timed by the rank that holds it), with every
+    message's latency `comm` (ms; 0 by default) and zero host time, under the rendezvous
+    model (ms)."""
     table = torch.full((stages, len(KEYS)), -1.0, dtype=torch.float64)
     for (stage, kind), values in samples.items():
         table[stage, KEYS.index(kind)] = statistics.median(values)
@@ -344,7 +345,7 @@ def ideal_step(program: Program, samples: Samples, stages: int) -> float:
         (stage, StageCost(**{k: v for k, v in zip(KEYS, row, strict=True) if v >= 0}))
         for stage, row in enumerate(table.tolist())
     )
-    costs = CostModel(StageCost(comm=0.0), staged, unit="ms", host=HostCost(0.0, 0.0, 0.0))
+    costs = CostModel(StageCost(comm=comm), staged, unit="ms", host=HostCost(0.0, 0.0, 0.0))
     return simulate(program, costs, model=CommModel.RENDEZVOUS).step
 
 

@@ -17,7 +17,11 @@ decide at each step is resolved there, once:
   shape, dtype and gradient flag (runtime/engine/compute.py `hand_on`);
 - the split-backward method of each chunk whose backward is split: the weight-gradient
   contract (its own `Capture`) for a module with contracted submodules, the graph walk
-  otherwise (`methods`), chosen when the runtime is built; per runtime, nothing global;
+  otherwise (`methods`), chosen when the runtime is built; per runtime, nothing global. A
+  forward captures only where its microbatch's backward is an I (`split_keys`): one whose
+  backward is a full B (most of DualPipeV's) runs plainly and leaves the weight gradients
+  to autograd, as an uncaptured chunk's do, without the contract's hooks (measured:
+  docs/performance.md, "Host overhead");
 - each send's and receive's group-commit flag and point-to-point ops; each receive's
   buffers, allocated once per signature and shared by the signature's two plans. A buffer
   is reused by the same receive at every step: what it received was consumed within the
@@ -119,6 +123,7 @@ class Binder:
         self.messages = tuple(slots)
         self.captures = dict(captures)
         self.count = 0  # signatures bound so far
+        self._split: frozenset[tuple[int, int]] = frozenset()  # the plan being bound's I
 
     def bind(
         self, plans: tuple[Plan, Plan], boundaries: Mapping[int, Boundary], specs: RecvSpecs
@@ -137,6 +142,7 @@ class Binder:
         specs: RecvSpecs,
         buffers: dict[int, Tensors],
     ) -> Bound:
+        self._split = split_keys(plan)
         steps = tuple(self._step(index, instr, commit, boundaries) for index, instr, commit in plan)
         for step in steps:
             if isinstance(step, PostStep) and not step.send:
@@ -182,7 +188,8 @@ class Binder:
         if op.kind is not Kind.W:
             step.src = self.slots[consumed(op.kind, op.pipe, op.stage, op.mb)]
             step.dst = self.slots[produced(op.kind, op.pipe, op.stage, op.mb)]
-        step.capture = self.captures.get(op.chunk) if op.kind in (Kind.F, Kind.I) else None
+        if op.kind is Kind.I or (op.kind is Kind.F and step.key in self._split):
+            step.capture = self.captures.get(op.chunk)  # only a forward whose backward is I
         if op.kind is Kind.F:
             _bind_forward(step, boundaries)
         return step
@@ -211,6 +218,20 @@ class Binder:
             )
         step.buffers = buffers[step.index]
         step.ops = [self.channel.p2p(False, tensor, instr.peer) for tensor in step.buffers]
+
+
+def split_keys(plan: Plan) -> frozenset[tuple[int, int]]:
+    """The (chunk, microbatch) of every I in `plan` (alone, or half of a fused or sequential
+    op): the forwards that capture for the contract method."""
+    found: set[tuple[int, int]] = set()
+    for _, instr, _ in plan:
+        ops: tuple[Compute, ...] = (instr,) if isinstance(instr, Compute) else ()
+        if isinstance(instr, Fused):
+            ops = (instr.forward, instr.backward)
+        elif isinstance(instr, Sequential):
+            ops = tuple(instr.parts)
+        found.update((op.chunk, op.mb) for op in ops if op.kind is Kind.I)
+    return frozenset(found)
 
 
 def _bind_forward(step: ComputeStep, boundaries: Mapping[int, Boundary]) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pipecc.runtime import PipelineRuntime, infer_boundaries
 from pipecc.runtime.engine import split_backward, weight_contract
 from pipecc.runtime.engine.split_backward import full_backward, input_backward
+from pipecc.runtime.engine.steps import ComputeStep, FusedStep, Step
 from pipecc.runtime.engine.weight_contract import capturing, register_weight_grad
 from pipecc.runtime.tools.reference import gradients, reference_step
 from test_split_backward import CountOps
@@ -319,8 +320,9 @@ def test_the_runtime_defers_linear_weights_to_w(
     schedule: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One rank holding both stages of a GPT (examples/gpt.py, untied): every W instruction
-    computes the weight gradients of the stage's Linears itself (deferred by its I), and the
-    step's gradients equal the single-process reference's."""
+    computes the weight gradients of the stage's Linears itself (deferred by its I), the
+    microbatches with a full B leave them to autograd (their forwards are not captured), and
+    the step's gradients equal the single-process reference's."""
     gpt_file = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "gpt.py"))
     config = gpt_file["GPTConfig"](vocab=32, dim=16, heads=2, seq=8, layers=2, dropout=0.0)
     stages = gpt_file["build_stages"](2, config)
@@ -348,17 +350,31 @@ def test_the_runtime_defers_linear_weights_to_w(
     got = gradients(stages)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7, msg=str(key))
-    split = {
-        s.chunk
-        for i in program.ranks[0]
-        if isinstance(i, Compute) and i.kind is Kind.I
-        for s in [i]
+    assert runtime.current.train is not None
+    captured = {
+        half.key: half.capture is not None
+        for step in runtime.current.train.steps
+        for half in _halves(step)
+        if half.kind is Kind.F
     }
-    linears = {c: sum(isinstance(m, nn.Linear) for m in stages[c].modules()) for c in split}
-    assert len(done) == 4 * sum(linears.values()), "every contracted call of every microbatch"
+    split = {
+        (i.chunk, i.mb) for i in program.ranks[0] if isinstance(i, Compute) and i.kind is Kind.I
+    }
+    assert captured == {key: key in split for key in captured}, "captured exactly before an I"
+    inputs = [i.chunk for i in program.ranks[0] if isinstance(i, Compute) and i.kind is Kind.I]
+    linears = {c: sum(isinstance(m, nn.Linear) for m in stages[c].modules()) for c in inputs}
+    # a microbatch whose backward is a full B runs uncaptured (autograd's own weight grads)
+    assert len(done) == sum(linears[c] for c in inputs), "every contracted call of every I"
 
 
 _accumulate = weight_contract.accumulate
+
+
+def _halves(step: Step) -> tuple[ComputeStep, ...]:
+    """A bound step's compute ops: itself, or a fused step's two halves."""
+    if isinstance(step, FusedStep):
+        return (step.forward, step.backward)
+    return (step,) if isinstance(step, ComputeStep) else ()
 
 
 def _key(work: Any) -> str:
