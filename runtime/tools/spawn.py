@@ -7,6 +7,12 @@ tensors without sharing memory with a process that is about to exit. A rank's er
 back as text: a pipecc error's message alone; an exception from the user's code (raised in a
 step's instruction, or anywhere else in the worker) as the line naming the rank, the step and
 the instruction, followed by the exception's full traceback.
+
+A run may also be given a wall-clock deadline (`deadline=`, or the environment's
+`PIPECC_SPAWN_DEADLINE` in seconds; none by default: a training run takes as long as it
+takes). A rank that spins without ever reaching a collective is not caught by the backend's
+timeout; past the deadline every rank still running is stopped and named. The test suite
+sets one, so a hang fails its test instead of holding CI until its own limit.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ GRACE = 1.0  # seconds the others get to report after the first failure
 # already in the environment win.
 RANK_ENV = (("MALLOC_MMAP_THRESHOLD_", str(1 << 28)), ("MALLOC_TRIM_THRESHOLD_", str(1 << 30)))
 STOPPED = "stopped after another rank failed"
+DEADLINE_ENV = "PIPECC_SPAWN_DEADLINE"
 
 
 def free_port() -> int:
@@ -83,11 +90,18 @@ def _report(results: Any, rank: int, message: str) -> None:
 
 
 def spawn(
-    worker: Worker, world: int, payload: Any, *, backend: str = "gloo", timeout: float = 300.0
+    worker: Worker,
+    world: int,
+    payload: Any,
+    *,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    deadline: float | None = None,
 ) -> list[Any]:
     """Run `worker(rank, world, payload)` in `world` new processes; their results by rank.
 
-    Raises `RankError` naming every rank that failed, once all have stopped.
+    Raises `RankError` naming every rank that failed, once all have stopped; `deadline`
+    (seconds, else `PIPECC_SPAWN_DEADLINE`, else none) bounds the whole run.
     """
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -98,7 +112,7 @@ def spawn(
     ]
     _start(processes)
     try:
-        values, failures = _collect(processes, results)
+        values, failures = _collect(processes, results, _end(deadline))
     finally:
         _stop(processes)
     if failures:
@@ -135,12 +149,24 @@ def _start(processes: list[Any]) -> None:
             del os.environ[key]
 
 
-def _collect(processes: list[Any], results: Any) -> tuple[dict[int, bytes], dict[int, str]]:
+def _end(deadline: float | None) -> tuple[float, float] | None:
+    """(the monotonic time the run must end by, the deadline in seconds), or None."""
+    if deadline is None and os.environ.get(DEADLINE_ENV):
+        deadline = float(os.environ[DEADLINE_ENV])
+    return None if deadline is None else (time.monotonic() + deadline, deadline)
+
+
+def _collect(
+    processes: list[Any], results: Any, end: tuple[float, float] | None
+) -> tuple[dict[int, bytes], dict[int, str]]:
     values: dict[int, bytes] = {}
     failures: dict[int, str] = {}
     failed_at: float | None = None
     while len(values) + len(failures) < len(processes):
         if failed_at is not None and time.monotonic() - failed_at > GRACE:
+            break
+        if end is not None and time.monotonic() > end[0]:
+            _past_deadline(processes, values, failures, end[1])
             break
         try:
             status, rank, data = results.get(timeout=0.1)
@@ -154,6 +180,17 @@ def _collect(processes: list[Any], results: Any) -> tuple[dict[int, bytes], dict
         if rank not in values and rank not in failures:
             failures[rank] = f"rank {rank}: {STOPPED}"
     return values, failures
+
+
+def _past_deadline(
+    processes: list[Any], values: dict[int, bytes], failures: dict[int, str], seconds: float
+) -> None:
+    for rank in range(len(processes)):
+        if rank not in values and rank not in failures:
+            failures[rank] = (
+                f"rank {rank}: still running after the run's deadline of {seconds:g} s "
+                f"({DEADLINE_ENV} or spawn's deadline): stopped (a hang?)"
+            )
 
 
 def _note_deaths(processes: list[Any], values: dict[int, bytes], failures: dict[int, str]) -> None:
