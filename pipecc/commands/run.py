@@ -158,9 +158,11 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--recompute",
         metavar="SPEC",
-        help="recompute activations: 'full' or 'none' for every stage, or per stage as "
-        "'0:full,1:none' (stages left out: none); overrides the model file's `recompute` "
-        "(docs/runtime.md, Recomputation)",
+        help="recompute activations: 'full', 'none' or a selection of submodules for every "
+        "stage, or per stage as '0:full,1:attn' (stages left out: none); a selection is "
+        "'type=CLASS', 'name=PATTERN' (a module name or its dotted tail, * allowed) or a "
+        "bare word (either), joined by '+', e.g. 'attn', 'type=Attention+name=mlp'; "
+        "overrides the model file's `recompute` (docs/runtime.md, Recomputation)",
     )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.add_argument(
