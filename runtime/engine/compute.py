@@ -290,12 +290,19 @@ class StageOps:
         inputs: Tensors,
         grads: Sequence[torch.Tensor | None],
     ) -> None:
-        """Leave a backward's input gradients for the previous stage."""
+        """Leave a backward's input gradients for the previous stage.
+
+        The input leaves let go of their `.grad`: a deferred W's work keeps a leaf alive
+        (autograd's node for a leaf holds it, reached from the Linear contract's saved
+        input, or the graph kept for W), and through `.grad` it kept the gradient handed on,
+        a boundary-sized tensor per deferred W, after its send had completed."""
         if op.stage == 0:
             return
         payload = tuple(
             g if g is not None else torch.zeros_like(x) for x, g in zip(inputs, grads, strict=True)
         )
+        for x in inputs:
+            x.grad = None
         ctx.mail[op.dst] = payload
 
 

@@ -169,3 +169,29 @@ def test_run_memory_json_profile_and_memory_budget(tmp_path: Path) -> None:
 
     assert verify(str(int(budget))) == 0
     assert verify(str(int(budget) - 1)) == 1
+
+
+def test_a_deferred_w_does_not_keep_the_gradient_handed_on() -> None:
+    """The Linear contract's saved input (here LayerNorm's output) reaches the stage's input
+    leaf through autograd's node for it, so a deferred W keeps the leaf alive; the gradient
+    handed on to the previous stage must not stay alive with it, on the leaf's `.grad`,
+    once the mailbox lets go of it (it did: one boundary-sized tensor per deferred W that
+    the memory rule, rightly, frees at the send's wait)."""
+    from types import SimpleNamespace
+
+    from pipecc.runtime.engine.compute import StageOps
+
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
+    params = frozenset(id(p) for p in stage.parameters())
+    x = torch.randn(4, 16).requires_grad_(True)
+    with capturing(stage) as capture:
+        y = stage(x)
+    (grad,), weight = input_backward((y,), (torch.ones_like(y),), (x,), params, capture)
+    ctx = SimpleNamespace(mail=[None])
+    StageOps.hand_back(None, ctx, SimpleNamespace(stage=1, dst=0), (x,), (grad,))  # type: ignore[arg-type]
+    (ref,) = storages((grad,)).values()
+    del grad, x, y
+    ctx.mail[0] = None  # the send completed
+    assert ref[1].expired(), "the gradient handed on outlived its send"
+    weight.run()
