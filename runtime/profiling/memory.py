@@ -269,19 +269,21 @@ class ByteProfilingInterpreter(Interpreter):
         for ptr in self.live.recent:
             if ptr not in saved and self.live.alive(ptr):
                 saved[ptr] = (self.live.refs[ptr][1], self.live.refs[ptr][0])
+        # an input handed on by a stage of this rank (a V shape's local hand-off) is that
+        # stage's output, counted in its activations (which outlive these): not again here
+        others = {ptr for kept_by in self.kept.values() for ptr in kept_by}
         mine = {
             ptr: found
             for ptr, found in saved.items()
-            if ptr not in self.skip and not found[1].expired()
+            if ptr not in self.skip and ptr not in others and not found[1].expired()
         }
-        self.kept[(op.chunk, op.mb)] = mine
         # of the output handed on, what nothing keeps for the backward (a recomputed
         # stage's): the outgoing message, until its send completes (`out_bytes`)
-        out = sum(
-            mine[ptr][0] for ptr in storages(_slot(ctx, op.dst)) if ptr in mine and ptr not in held
-        )
-        self.profile.add(self.profile.act, op.stage, sum(n for n, _ in mine.values()) - out)
-        self.profile.add(self.profile.out, op.stage, out)
+        out = {ptr for ptr in storages(_slot(ctx, op.dst)) if ptr in mine and ptr not in held}
+        self.kept[(op.chunk, op.mb)] = {p: f for p, f in mine.items() if p not in out}
+        unkept = sum(mine[ptr][0] for ptr in out)
+        self.profile.add(self.profile.act, op.stage, sum(n for n, _ in mine.values()) - unkept)
+        self.profile.add(self.profile.out, op.stage, unkept)
 
     def _input_backward(self, ctx: StepContext, op: ComputeStep) -> None:
         """I: what stays until W (module docstring); the gradients it allocates."""
