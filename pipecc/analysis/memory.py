@@ -93,7 +93,8 @@ def peak_activations(instrs: Sequence[Instr]) -> RankPeak:
 #   backward frees; a sequential op applies its parts in the order written;
 # - every receive buffer, `bytes` of the message's stage, the whole step (the runtime allocates
 #   one per receive when it binds a shape signature and reuses them every step of it; a
-#   forward's received input is that buffer, so `act_bytes` leaves it out); a gradient a B or
+#   forward's received input is that buffer, so `act_bytes` leaves it out, as it leaves out
+#   an input handed on by a stage of the same rank: that stage's output); a gradient a B or
 #   I hands on,
 #   `bytes` of the stage it goes to, from that op to the wait that completes its send (or to
 #   the computation of this rank that takes it); a forward's output is part of its

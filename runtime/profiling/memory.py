@@ -7,7 +7,8 @@
   tensor autograd saves (caught with `torch.autograd.graph.saved_tensors_hooks`), the inputs
   and outputs the runtime keeps for the backward, and any other storage the forward created
   that is still alive after it (a closure's tensors: the weight-gradient contract's); the
-  parameters, their buffers and the step's batch are left out;
+  parameters, their buffers, the step's batch, the receive buffers and an input a stage of
+  this rank handed on (a V shape's: counted in that stage's output) are left out;
 - `out_bytes`: of the output a forward hands on, the storages nothing keeps for the backward
   (a recomputed stage's output; left out of `act_bytes`): the outgoing message;
 - `act_bytes_w`: what stays from an `I` until its `W`, measured on the runtime's own split
