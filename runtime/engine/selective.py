@@ -39,6 +39,7 @@ from torch import nn
 from pipecc.diagnostics import ProgramError, SetupError
 
 from ..compat import pytree
+from .aux_loss import collecting
 from .weight_contract import Capture, capturing, keeping
 
 
@@ -212,6 +213,7 @@ class Selected:
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(record, _never),
                 keeping(keep),
+                collecting([]),  # as in the forward (which reported its added losses)
             ):
                 region.module(*region.args, **region.kwargs)
             region.fill(values)

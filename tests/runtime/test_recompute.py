@@ -261,3 +261,43 @@ def test_a_replay_that_saves_other_tensors_is_refused() -> None:
     with pytest.raises(SetupError, match="the replay of Moody saved 2 tensors, its forward 1"):
         holder.replay("cpu", None)
     del y
+
+
+def test_a_loss_added_inside_a_selected_module() -> None:
+    """`add_loss` inside a selected module: the forward's added loss is a root of the
+    backward on the graph the replay completes; the replay adds nothing of its own."""
+    from pipecc.runtime import add_loss
+    from pipecc.runtime.engine.aux_loss import collecting
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x).tanh()
+            return self.drop(add_loss(h, (h**2).mean()))  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    inner = Inner()
+    x0 = torch.randn(3, 4)
+    results = []
+    for selective in (False, True):
+        inner.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        added: list[torch.Tensor] = []
+        holder = Selected([], None, inner)
+        torch.manual_seed(7)
+        with collecting(added):
+            if selective:
+                with recording([inner], torch.device("cpu"), None, holder):
+                    y = inner(x)
+            else:
+                y = inner(x)
+        torch.manual_seed(99)  # the replay restores the state the call started from
+        holder.replay("cpu", None)
+        torch.autograd.backward([y.sum(), *added])
+        results.append([x.grad, *(p.grad for p in inner.parameters())])
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7)
