@@ -44,7 +44,7 @@ from .engine.context import StepContext
 from .engine.fused import FusedOps
 from .engine.interpreter import InstructionError, Interpreter
 from .engine.precision import Fp32Grads
-from .engine.recompute import recomputed
+from .engine.recompute import recomputed, selected_modules
 from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
 from .engine.steps import Current
@@ -122,6 +122,7 @@ class PipelineRuntime:
         placement = self.program.placement
         stages = max(placement.num_stages(p) for p in range(placement.num_pipes))
         stage.recompute = recomputed(config.recompute, stages)
+        stage.selected = selected_modules(config.recompute, stages, self.chunks)
         captures = methods(self.chunks, split_chunks(self.program.ranks[rank]))
         transfers = Transfers(self.channel, {}, self.device, config.timeout)
         self.sums = shared.GradientSums(

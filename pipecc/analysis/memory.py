@@ -93,11 +93,13 @@ def peak_activations(instrs: Sequence[Instr]) -> RankPeak:
 #   backward frees; a sequential op applies its parts in the order written;
 # - every receive buffer, `bytes` of the message's stage, the whole step (the runtime allocates
 #   one per receive when it binds a shape signature and reuses them every step of it; a
-#   forward's received input is that buffer, so `act_bytes` leaves it out); a gradient a B or
+#   forward's received input is that buffer, so `act_bytes` leaves it out, as it leaves out
+#   an input handed on by a stage of the same rank: that stage's output); a gradient a B or
 #   I hands on,
 #   `bytes` of the stage it goes to, from that op to the wait that completes its send (or to
 #   the computation of this rank that takes it); a forward's output is part of its
-#   activations;
+#   activations, but for `out_bytes` (what the stage does not keep: a recomputed stage's
+#   output), held as a gradient handed on is;
 # - UNSHARD allocates `unsharded_param_bytes`, RESHARD frees it;
 # - during a computation, `workspace_<kind>` more than the larger of before and after;
 # - the gradient sum of parameters held by several ranks holds `workspace_sum` of each of the
@@ -165,6 +167,7 @@ class StageBytes(NamedTuple):
     message: float  # one message named by this stage (`bytes`)
     workspace: tuple[float, float, float, float]  # F, B, I, W
     summing: float = 0.0  # the gradient sum's workspace (`workspace_sum`)
+    out: float = 0.0  # of a forward's output, what the stage does not keep (`out_bytes`)
 
 
 _PARAMS, _GRADS, _OPTIM, _ACTS, _BUFFERS, _UNSHARDED = range(6)
@@ -195,6 +198,7 @@ def stage_bytes(costs: CostModel, stage: int, *, optimizer: bool = True) -> Stag
             cost.workspace_W or 0.0,
         ),
         summing=cost.workspace_sum or 0.0,
+        out=cost.out_bytes or 0.0,
     )
 
 
@@ -208,11 +212,13 @@ class _ByteSweep:
 
     def __init__(self, program: Program, rank: int, size: Callable[[int], StageBytes]) -> None:
         self.instrs = program.ranks[rank]
+        self.placement = program.placement
         self.rank = rank
         self._sizes: dict[int, StageBytes] = {}
         self._size = size
         self.live = [0.0] * 6
-        self.buffers: dict[Message, float] = {}  # gradients handed on, until sent or used
+        # gradients handed on (and forward outputs not kept: `out_bytes`), until sent or used
+        self.buffers: dict[Message, float] = {}
         self.sending: dict[int, Message] = {}  # a Send's index -> the gradient it carries
         self.acts: dict[tuple[int, int, int], float] = {}  # (pipe, stage, mb) -> bytes
         self.grads_seen: set[tuple[int, Kind]] = set()  # (stage, I or W/B) allocated
@@ -301,6 +307,8 @@ class _ByteSweep:
         if op.kind is Kind.F:
             self.acts[key] = sizes.act
             self.live[_ACTS] += sizes.act
+            if sizes.out and not self.placement.is_last_stage(op.pipe, op.stage):
+                self._hold(produced(op.kind, op.pipe, op.stage, op.mb), sizes.out)
         else:
             held = self.acts.pop(key, 0.0)
             keep = sizes.act_w if op.kind is Kind.I else 0.0
@@ -328,7 +336,11 @@ class _ByteSweep:
         if op.stage == 0:
             return
         key = produced(op.kind, op.pipe, op.stage, op.mb)
-        nbytes = self.size(key.stage).message
+        self._hold(key, self.size(key.stage).message)
+
+    def _hold(self, key: Message, nbytes: float) -> None:
+        """A message this rank produced, held until its send completes or a computation of
+        this rank takes it."""
         self.buffers[key] = nbytes
         self.live[_BUFFERS] += nbytes
 

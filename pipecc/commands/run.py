@@ -159,9 +159,11 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--recompute",
         metavar="SPEC",
-        help="recompute activations: 'full' or 'none' for every stage, or per stage as "
-        "'0:full,1:none' (stages left out: none); overrides the model file's `recompute` "
-        "(docs/runtime.md, Recomputation)",
+        help="recompute activations: 'full', 'none' or a selection of submodules for every "
+        "stage, or per stage as '0:full,1:attn' (stages left out: none); a selection is "
+        "'type=CLASS', 'name=PATTERN' (a module name or its dotted tail, * allowed) or a "
+        "bare word (either), joined by '+', e.g. 'attn', 'type=Attention+name=mlp'; "
+        "overrides the model file's `recompute` (docs/runtime.md, Recomputation)",
     )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.add_argument(
@@ -425,6 +427,8 @@ def _recompute(
                 f"{', '.join(map(str, sorted(named)))} (its recompute field): give the same "
                 "stages or leave it out"
             )
+    if given is not None:  # the same full stages, and perhaps selections on others: kept
+        return given
     return {stage: "full" for stage in sorted(named)}
 
 

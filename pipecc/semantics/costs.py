@@ -20,6 +20,9 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
     unsharded_param_bytes, workspace_F, workspace_B, workspace_I, workspace_W, workspace_sum
                   the other sizes of a stage for peak memory in bytes
                   (`pipecc.analysis.memory` states the rule)
+    out_bytes     of a forward's output, the bytes its stage does not keep for the backward
+                  (a recomputed stage's): held as the outgoing message until its send
+                  completes (a message's size, as `bytes`: not scaled by share)
     UNSHARD, RESHARD, REDUCE_GRAD
                   durations of torch's per-stage actions, where a program holds them (a torch
                   CSV's; docs/interop.md); 0 unless given
@@ -117,7 +120,10 @@ BYTE_KEYS = (
     "workspace_W",
     "workspace_sum",
 )
-DURATION_KEYS = ("F", "B", "I", "W", "FB", "FI", "comm", "bytes", *BYTE_KEYS, *STAGE_OP_KEYS)
+# `out_bytes` is a message's size, as `bytes` (neither scales with a stage's part of the model)
+DURATION_KEYS = (
+    "F", "B", "I", "W", "FB", "FI", "comm", "bytes", "out_bytes", *BYTE_KEYS, *STAGE_OP_KEYS,
+)  # fmt: skip
 # global only: host time, sync, collectives
 HOST_KEYS = ("post", "wait", "sync", "collective", "dispatch")
 CUT_KEYS = ("placement", "ranks", "stages")  # what a file was measured on (a file only)
@@ -181,6 +187,7 @@ class StageCost:
     workspace_I: float | None = None
     workspace_W: float | None = None
     workspace_sum: float | None = None
+    out_bytes: float | None = None
 
     def over(self, base: StageCost) -> StageCost:
         """This stage's values where given, `base`'s elsewhere."""
@@ -216,6 +223,7 @@ class ResolvedCost:
     workspace_I: float | None = None
     workspace_W: float | None = None
     workspace_sum: float | None = None
+    out_bytes: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,6 +627,7 @@ def _resolve(cost: StageCost, bandwidth: float | None, scale: float = 1.0) -> Re
         cost.RESHARD or 0.0,
         cost.REDUCE_GRAD or 0.0,
         **{key: getattr(cost, key) for key in BYTE_KEYS[1:]},
+        out_bytes=cost.out_bytes,
     )
 
 

@@ -24,7 +24,7 @@ when an error is raised.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from .aux_loss import collecting, scaled_roots, total
 from .context import Replay, Saved, StepContext, Tensors
 from .precision import Fp32Grads
 from .rng import ForwardRng
+from .selective import Selected, recording
 from .split_backward import full_backward, input_backward
 from .steps import ComputeStep
 from .weight_contract import capturing
@@ -68,6 +69,8 @@ class StageOps:
         self.precision: Fp32Grads | None = None
         self._params: dict[int, tuple[torch.nn.Parameter, ...]] = {}  # each chunk's, by id
         self.recompute: frozenset[int] = frozenset()  # stages recomputed in full
+        # by chunk: the submodules recomputed selectively (runtime/engine/selective.py)
+        self.selected: dict[int, tuple[torch.nn.Module, ...]] = {}
 
     def run(self, ctx: StepContext, op: ComputeStep) -> None:
         """One compute step, by the method its kind was bound to."""
@@ -83,7 +86,7 @@ class StageOps:
         added: list[torch.Tensor] = []
         context = context_of(ctx, op.mb)
         graph = torch.no_grad() if replay else contextlib.nullcontext()
-        with graph, self.autocast():
+        with graph, self.autocast(), self.recording(ctx, op) as selected:
             with collecting(added):
                 if capture is not None:  # the contract method (runtime/engine/bound.py)
                     with capturing(chunk.module, capture):
@@ -99,14 +102,33 @@ class StageOps:
             record_added(ctx, op, added)
             ctx.saved[op.key] = Saved(inputs, (), None, Replay(value, op, state))
         elif ctx.training:
-            ctx.saved[op.key] = Saved(inputs, outputs, record_added(ctx, op, added))
+            added_sum = record_added(ctx, op, added)
+            ctx.saved[op.key] = Saved(inputs, outputs, added_sum, None, selected)
         else:
             record_added(ctx, op, added)
+
+    @contextlib.contextmanager
+    def recording(self, ctx: StepContext, op: ComputeStep) -> Iterator[Selected | None]:
+        """Around a forward of a stage that recomputes selected modules (training): their
+        calls keep only their inputs (runtime/engine/selective.py); the block gets what
+        their replay needs, None elsewhere."""
+        modules = self.selected.get(op.chunk) if ctx.training else None
+        if not modules or op.stage in self.recompute:
+            yield None
+            return
+        cuda = self.rng.index if self.rng.cuda else None
+        selected = Selected([], op.capture, op.unit.module)
+        with recording(modules, self.autocast_device, cuda, selected):
+            yield selected
 
     def replayed(self, ctx: StepContext, saved: Saved) -> Saved:
         """A recomputed stage's forward run again, with its graph, before its B or I: under
         the same RNG state (dropout draws the same masks), autocast and contract capture;
         its added losses are the extra roots (they were reported by the first run)."""
+        if saved.selected is not None:
+            cuda = self.rng.index if self.rng.cuda else None
+            saved.selected.replay(self.autocast_device.type, cuda)
+            return saved._replace(selected=None)
         replay = saved.replay
         if replay is None:
             return saved
@@ -268,12 +290,19 @@ class StageOps:
         inputs: Tensors,
         grads: Sequence[torch.Tensor | None],
     ) -> None:
-        """Leave a backward's input gradients for the previous stage."""
+        """Leave a backward's input gradients for the previous stage.
+
+        The input leaves let go of their `.grad`: a deferred W's work keeps a leaf alive
+        (autograd's node for a leaf holds it, reached from the Linear contract's saved
+        input, or the graph kept for W), and through `.grad` it kept the gradient handed on,
+        a boundary-sized tensor per deferred W, after its send had completed."""
         if op.stage == 0:
             return
         payload = tuple(
             g if g is not None else torch.zeros_like(x) for x, g in zip(inputs, grads, strict=True)
         )
+        for x in inputs:
+            x.grad = None
         ctx.mail[op.dst] = payload
 
 

@@ -18,6 +18,7 @@ from pipecc.ir.keys import Message
 from pipecc.ir.printer import message
 
 from ..comm.channel import Posted
+from .selective import Selected
 from .split_backward import WeightGrad
 
 if TYPE_CHECKING:
@@ -34,13 +35,15 @@ class Saved(NamedTuple):
     the losses the forward added (`add_loss`, runtime/engine/aux_loss.py), unscaled: an
     extra root of the backward, seeded with 1/M. `replay`: on a recomputed stage, the
     forward ran without a graph and `outputs` is empty; its backward first runs the forward
-    again from this (runtime/engine/compute.py `replayed`).
+    again from this (runtime/engine/compute.py `replayed`). `selected`: on a stage that
+    recomputes selected modules, what their replay needs (runtime/engine/selective.py).
     """
 
     inputs: Tensors
     outputs: Tensors
     added: torch.Tensor | None = None
     replay: Replay | None = None
+    selected: Selected | None = None
 
 
 class Replay(NamedTuple):

@@ -125,7 +125,7 @@ class FusedOps:
         if fchunk.last:
             labels = _as_list(ops.target(ctx, forward.mb))
             criterion = ScaledCriterion(ops.loss_fn, ctx.scale, len(labels))
-        saved = ctx.saved.pop(backward.key)
+        saved = ops.replayed(ctx, ctx.saved.pop(backward.key))  # selected modules: again
         loss1, outputs1, grads1 = None, [], []
         if bchunk.last:
             loss1 = _with_added(saved, ctx.scale)
@@ -137,6 +137,7 @@ class FusedOps:
             ops.autocast(),
             collecting(added),
             _keywords(fchunk.module, context_of(ctx, forward.mb)),
+            ops.recording(ctx, forward) as selected,
         ):
             outputs0, loss0 = hook(
                 fchunk.module, _as_list(value), criterion, labels,
@@ -144,7 +145,7 @@ class FusedOps:
             )  # fmt: skip
         self._after(ctx, forward, inputs, outputs0, loss0, criterion)
         ctx.saved[forward.key] = ctx.saved[forward.key]._replace(
-            added=record_added(ctx, forward, added)
+            added=record_added(ctx, forward, added), selected=selected
         )
         grads = tuple(x.grad if x.requires_grad else None for x in saved.inputs)
         ops.hand_back(ctx, backward, saved.inputs, grads)

@@ -177,10 +177,30 @@ def _captured_call(capture: Capture, module: nn.Module, *args: Any, **kwargs: An
         output = forward(module, x)
     finally:
         module._parameters.update(params)
-    return _keep(capture, (module, fn, params, x), output)
+    keep = _Keeper.keep
+    return _keep(capture, (module, fn, params, x if keep is None else keep(x)), output)
 
 
-Call = tuple[nn.Module, WeightFn, dict[str, nn.Parameter], torch.Tensor]  # module, fn, params, x
+# module, fn, params, x (or what gives x back: `keeping`)
+Call = tuple[nn.Module, WeightFn, dict[str, nn.Parameter], Any]
+
+
+class _Keeper:
+    """How a captured call keeps its input `x` until its output's gradient arrives: itself
+    (None), or through a function whose result is a tensor or has `get()` giving it back
+    (selective recomputation packs it like a saved tensor: runtime/engine/selective.py)."""
+
+    keep: Callable[[torch.Tensor], Any] | None = None
+
+
+@contextmanager
+def keeping(keep: Callable[[torch.Tensor], Any]) -> Iterator[None]:
+    """Captured calls inside keep their input `x` through `keep` (`_Keeper`)."""
+    previous, _Keeper.keep = _Keeper.keep, keep
+    try:
+        yield
+    finally:
+        _Keeper.keep = previous
 
 
 def _keep(capture: Capture, call: Call, output: Any) -> Any:
@@ -228,7 +248,10 @@ def _arrived(
     g = grads[slot]
     if g is None:
         return
-    work = Deferred(*call, g.reshape(shape))
+    module, fn, params, x = call
+    if not isinstance(x, torch.Tensor):
+        x = x.get()  # kept through `keeping`
+    work = Deferred(module, fn, params, x, g.reshape(shape))
     store = capture.store
     if store is not None:
         store.append(work)

@@ -7,7 +7,10 @@
   tensor autograd saves (caught with `torch.autograd.graph.saved_tensors_hooks`), the inputs
   and outputs the runtime keeps for the backward, and any other storage the forward created
   that is still alive after it (a closure's tensors: the weight-gradient contract's); the
-  parameters, their buffers and the step's batch are left out;
+  parameters, their buffers, the step's batch, the receive buffers and an input a stage of
+  this rank handed on (a V shape's: counted in that stage's output) are left out;
+- `out_bytes`: of the output a forward hands on, the storages nothing keeps for the backward
+  (a recomputed stage's output; left out of `act_bytes`): the outgoing message;
 - `act_bytes_w`: what stays from an `I` until its `W`, measured on the runtime's own split
   backward: the storages of that forward, of the gradient the `I` received and of everything
   the `I` created that are still alive after it, less the gradient it hands on and the
@@ -169,6 +172,7 @@ class ByteProfile:
 
     act: dict[int, list[int]] = field(default_factory=dict)
     act_w: dict[int, list[int]] = field(default_factory=dict)
+    out: dict[int, list[int]] = field(default_factory=dict)  # `out_bytes`
     workspace: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     messages: dict[int, list[int]] = field(default_factory=dict)
     params: dict[int, int] = field(default_factory=dict)
@@ -259,19 +263,28 @@ class ByteProfilingInterpreter(Interpreter):
         kept = ctx.saved.get((op.chunk, op.mb))
         if kept is not None:
             saved.update(storages((*kept.inputs, *kept.outputs)))
+        held = set(saved)  # saved by autograd, or kept by the runtime for the backward
         # what autograd does not save but the forward keeps (a closure's tensors): every
         # storage it created that is still alive
         self.live.sweep()
         for ptr in self.live.recent:
             if ptr not in saved and self.live.alive(ptr):
                 saved[ptr] = (self.live.refs[ptr][1], self.live.refs[ptr][0])
+        # an input handed on by a stage of this rank (a V shape's local hand-off) is that
+        # stage's output, counted in its activations (which outlive these): not again here
+        others = {ptr for kept_by in self.kept.values() for ptr in kept_by}
         mine = {
             ptr: found
             for ptr, found in saved.items()
-            if ptr not in self.skip and not found[1].expired()
+            if ptr not in self.skip and ptr not in others and not found[1].expired()
         }
-        self.kept[(op.chunk, op.mb)] = mine
-        self.profile.add(self.profile.act, op.stage, sum(n for n, _ in mine.values()))
+        # of the output handed on, what nothing keeps for the backward (a recomputed
+        # stage's): the outgoing message, until its send completes (`out_bytes`)
+        out = {ptr for ptr in storages(_slot(ctx, op.dst)) if ptr in mine and ptr not in held}
+        self.kept[(op.chunk, op.mb)] = {p: f for p, f in mine.items() if p not in out}
+        unkept = sum(mine[ptr][0] for ptr in out)
+        self.profile.add(self.profile.act, op.stage, sum(n for n, _ in mine.values()) - unkept)
+        self.profile.add(self.profile.out, op.stage, unkept)
 
     def _input_backward(self, ctx: StepContext, op: ComputeStep) -> None:
         """I: what stays until W (module docstring); the gradients it allocates."""
@@ -368,6 +381,9 @@ def _figures(profile: ByteProfile) -> Iterable[tuple[int, str, int]]:
         yield stage, "act_bytes", max(samples)
     for stage, samples in profile.act_w.items():
         yield stage, "act_bytes_w", max(samples)
+    for stage, samples in profile.out.items():
+        if max(samples):  # a stage that keeps its outputs: none (the key's default)
+            yield stage, "out_bytes", max(samples)
     for (kind, stage), samples in profile.workspace.items():
         yield stage, f"workspace_{kind}", max(samples)
     for stage, samples in profile.messages.items():

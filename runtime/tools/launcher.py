@@ -32,7 +32,7 @@ from pipecc.ir.program import Program
 
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
-from ..engine.recompute import Spec, parse_spec, recomputed
+from ..engine.recompute import Spec, check_selections, parse_spec, recomputed, selections
 from ..pipeline import PipelineRuntime
 from ..profiling.layers import (
     LayerClock,
@@ -145,7 +145,9 @@ def run_job(job: RunJob) -> RunReport:
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     model.check_cut(job.program.placement.num_stages(0))
-    replayed = recomputed(_recompute(job, model), job.program.placement.num_stages(0))
+    spec, stages = _recompute(job, model), job.program.placement.num_stages(0)
+    _check_recompute(spec, model, stages)
+    replayed = recomputed(spec, stages) | frozenset(selections(spec, stages))
     if job.profile_layers and replayed:  # its I would hold a replayed F: not the layers' I
         raise InputError(
             f"--profile-layers scales the layers to the stage times of the run, which "
@@ -247,6 +249,22 @@ def _replicas(job: RunJob) -> int:
 def _recompute(job: RunJob, model: ModelFile) -> Spec:
     """--recompute, else the model file's `recompute`."""
     return job.recompute if job.recompute is not None else model.recompute
+
+
+def _check_recompute(spec: Spec, model: ModelFile, stages: int) -> None:
+    """A bad recompute spec is an InputError before any process starts: a mode or stage
+    (`recomputed`), or a module selector that matches no submodule (of its stage, or of
+    any stage for a mode of every stage), found on the stages built on the meta device
+    (on the CPU where the model file cannot build there)."""
+    recomputed(spec, stages)
+    if not selections(spec, stages):
+        return
+    try:
+        with torch.device("meta"):
+            built = model.stages(range(stages), stages)
+    except Exception:  # noqa: BLE001 - a model that needs real tensors to build: build it
+        built = model.stages(range(stages), stages)
+    check_selections(spec, stages, built, whole=True)
 
 
 def _autocast(job: RunJob, model: ModelFile) -> torch.dtype | None:

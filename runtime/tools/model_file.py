@@ -35,8 +35,9 @@ parallelism of one stage module over the mesh's tp dimension, `parallelize_modul
 torchtitan applies it; `pipecc run --mesh tp=N` calls it on every stage it builds) and
 `optimizer` (`"adamw"`, `"adam"`, `"sgd"`, `"none"` or a function of the parameters
 returning a torch optimizer: the optimizer whose state `pipecc run --memory` and
-`--profile` report in bytes; AdamW when not given) and `recompute` (`"full"`, `"none"` or
-{stage: "full" | "none"}: the stages whose forward runs again in their backward,
+`--profile` report in bytes; AdamW when not given) and `recompute` (a mode for every stage,
+`"full"`, `"none"` or a selection of submodules such as `"attn"` or
+`"type=Attention+name=mlp"`, or {stage: mode}: what runs again in the backward,
 runtime/engine/recompute.py; `pipecc run --recompute` overrides it).
 `--check` builds every stage in the launcher for its single-process reference (with
 `build_stage` when defined, so the reference has the ranks' weights).
@@ -270,7 +271,10 @@ def _recompute(path: str, value: object) -> Spec:
         return dict(value)
     if isinstance(value, str):
         return value
-    raise InputError(f"{path}: recompute must be 'full', 'none' or {{stage: mode}}, got {value!r}")
+    raise InputError(
+        f"{path}: recompute must be a mode ('full', 'none', a module selection such as 'attn') "
+        f"or {{stage: mode}}, got {value!r}"
+    )
 
 
 def _user_frames(err: BaseException, path: str) -> str:

@@ -88,6 +88,24 @@ def test_receive_buffers_live_the_whole_step() -> None:
     assert parts1 == Breakdown(buffers=10.0, workspace=1.0)
 
 
+def test_an_output_the_stage_does_not_keep_lives_until_its_send_completes() -> None:
+    # out_bytes (a recomputed stage's output): held as the message from F to the wait of
+    # its send, not until B. 1F1B P=2 M=2, rank 0: F0.0 F0.1 hold 2 x (10 + 4) until
+    # "wait 1,3,4"; the last stage hands no output on
+    program = compile_bundled("1f1b", 2, 2)
+    (peak0, at0, parts0), (peak1, _, parts1) = _peaks(program, "act_bytes=10,out_bytes=4")
+    assert (peak0, program.ranks[0][at0].label()) == (28.0, "F0.1")
+    assert parts0 == Breakdown(activations=20.0, buffers=8.0)
+    assert (peak1, parts1) == (10.0, Breakdown(activations=10.0))
+    # ZB-V, rank 1: stage 1's output goes to stage 2 on the same rank, which takes it at its
+    # F (freed there); stage 2's goes to rank 0, held until "wait 5,6" after F1.1
+    program = compile_bundled("zbv", 2, 2)
+    (peak0, _, _), (peak1, at1, parts1) = _peaks(program, "act_bytes=10,out_bytes=4")
+    assert peak0 == 30.0  # F0.0 F0.1 sent and waited before F1.0: not at the peak
+    assert (peak1, program.ranks[1][at1].label()) == (48.0, "F1.1")
+    assert parts1 == Breakdown(activations=40.0, buffers=8.0)
+
+
 def test_unshard_to_reshard_holds_the_unsharded_copy() -> None:
     program = lower_as_torch(strip_comms(compile_bundled("1f1b", 2, 4)), defer=False)
     sharded = "param_bytes=100,sharded_param_bytes=50,unsharded_param_bytes=100"

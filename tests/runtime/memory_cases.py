@@ -21,12 +21,14 @@ MLP = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mlp.py")
 ROWS = 8  # per microbatch
 
 
-def run_memory_cases(rank: int, world: int, programs: list[Program]) -> list[dict[str, Any]]:
-    """For each program: this rank's byte profile and measured peak."""
+def run_memory_cases(
+    rank: int, world: int, programs: list[tuple[Program, Any]]
+) -> list[dict[str, Any]]:
+    """For each program and recompute spec: this rank's byte profile and measured peak."""
     os.environ["PIPECC_MLP_HIDDEN"] = "128"
     model = load_model(MLP)
     found = []
-    for program in programs:
+    for program, recompute in programs:
         stages = program.placement.num_stages(0)
         built = model.stages(range(stages), stages)
         modules = {s.chunk: built[s.stage] for s in program.placement.chunks(rank)}
@@ -36,7 +38,7 @@ def run_memory_cases(rank: int, world: int, programs: list[Program]) -> list[dic
             modules,
             lambda sample, whole=whole: infer_boundaries(whole, sample),
             loss_fn=model.loss_fn,
-            config=RuntimeConfig(device=torch.device("cpu")),
+            config=RuntimeConfig(device=torch.device("cpu"), recompute=recompute),
         )
         rows = ROWS * program.num_microbatches
         for module in modules.values():

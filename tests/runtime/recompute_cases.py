@@ -9,11 +9,14 @@ rank's peak over one step (tools/memory.py, the exact CPU count) with and withou
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, add_loss
+from pipecc.runtime.engine import selective
 from pipecc.runtime.engine.rng import derive_seed
 from pipecc.runtime.tools.memory import measuring
 from torch import nn
@@ -26,21 +29,32 @@ WIDE = 64  # the memory case: activations dominate
 ROWS = 3
 
 
-class Block(nn.Module):
-    """Linear, dropout, GELU, Linear; with `aux`, a loss on the output is added (or, with
-    `record`, kept in `self.added` for the reference)."""
+class Mixer(nn.Module):
+    """Linear, dropout, GELU: the submodule selective recomputation selects (`mix`)."""
 
-    def __init__(self, aux: bool, width: int = HIDDEN, inner: int = HIDDEN) -> None:
+    def __init__(self, width: int, inner: int) -> None:
         super().__init__()
         self.first = nn.Linear(width, inner)
         self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(self.drop(self.first(x)))
+
+
+class Block(nn.Module):
+    """x + Linear(Mixer(x)) (Mixer: Linear, dropout, GELU); with `aux`, a loss on the output
+    is added (or, with `record`, kept in `self.added` for the reference)."""
+
+    def __init__(self, aux: bool, width: int = HIDDEN, inner: int = HIDDEN) -> None:
+        super().__init__()
+        self.mix = Mixer(width, inner)
         self.second = nn.Linear(inner, width)
         self.aux = aux
         self.record = False
         self.added: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x + self.second(nn.functional.gelu(self.drop(self.first(x))))
+        out = x + self.second(self.mix(x))
         if not self.aux:
             return out
         extra = 0.3 * (out**2).mean()
@@ -83,6 +97,8 @@ class Case:
     memory: bool = False
     own_rng: bool = False  # derive_rng=False: compared with the same run without recompute
     hooked: bool = False  # the stages' class defines overlapped_forward_backward
+    wrong_rng: bool = False  # selective replays drawn from a state one draw off (must fail)
+    modes: tuple[Any, ...] = ("none", "full")  # the memory case: the modes measured
 
 
 def build(count: int, aux: bool, wide: bool = False, hooked: bool = False) -> list[nn.Module]:
@@ -98,7 +114,9 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, A
     results = {}
     for case in cases:
         try:
-            if case.memory:
+            if case.wrong_rng:
+                results[case.name] = _wrong_rng_case(rank, case)
+            elif case.memory:
                 results[case.name] = _memory_case(rank, case)
             elif case.own_rng:
                 results[case.name] = _own_rng_case(rank, case)
@@ -158,10 +176,28 @@ def _own_rng_case(rank: int, case: Case) -> dict[str, Any]:
     return {"same": same, "count": len(grads["none"])}
 
 
+def _wrong_rng_case(rank: int, case: Case) -> dict[str, Any]:
+    """A selective replay whose generators are one draw past the state its forward started
+    from: the dropout masks differ, and the gradients must show it."""
+    restored = selective.restored
+
+    @contextlib.contextmanager
+    def off_by_one(state: Any, cuda: int | None) -> Iterator[None]:
+        with restored(state, cuda):
+            torch.rand(1)
+            yield
+
+    selective.restored = off_by_one  # type: ignore[assignment]
+    try:
+        return _run_case(rank, case)
+    finally:
+        selective.restored = restored  # type: ignore[assignment]
+
+
 def _memory_case(rank: int, case: Case) -> dict[str, Any]:
-    """The peak over the second step (the first binds the plan), without and with."""
+    """The peak over the second step (the first binds the plan), for each mode."""
     peaks = {}
-    for mode in ("none", case.recompute):
+    for mode in case.modes:
         stages = build(case.program.placement.num_stages(0), False, wide=True)
         runtime = _runtime(rank, case, stages, mode)
         rows = 128 * case.program.num_microbatches

@@ -245,3 +245,20 @@ def test_profiling_the_layers_of_a_recomputed_run_is_refused(
     assert code == 2, err
     assert "recomputes stage(s) 1: profile without recomputation" in err
     assert not (tmp_path / "layers.toml").exists()
+
+
+def test_selections_beside_the_programs_full_stages_are_kept() -> None:
+    """A program recomputing stage 1 in full and `--recompute 1:full,0:attn`: the selection
+    on stage 0 runs too (it was dropped, silently, for the program's field alone)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from pipecc.runtime.engine.recompute import parse_spec
+
+    from pipecc.commands.run import _recompute
+
+    program = SimpleNamespace(recompute=(1,), placement=SimpleNamespace(num_stages=lambda p: 2))
+    args = argparse.Namespace(recompute="1:full,0:attn")
+    assert _recompute(args, program, {}, parse_spec) == {1: "full", 0: "attn"}  # type: ignore[arg-type]
+    args = argparse.Namespace(recompute=None)
+    assert _recompute(args, program, {}, parse_spec) == {1: "full"}  # type: ignore[arg-type]

@@ -154,7 +154,16 @@ def test_without_check_diffs_are_null(
             "build_stages(num_stages) (all of them)",
         ),
         (["--timeout", "0"], "--timeout must be positive"),
-        (["--recompute", "attn"], "selective recomputation by module is not supported"),
+        (
+            ["--recompute", "attn"],
+            "recompute: 'attn' matches no submodule of the stages "
+            "(module types there: GELU, Linear, Sequential)",
+        ),
+        (
+            ["--recompute", "1:type=Attention"],
+            "recompute of stage 1: 'type=Attention' matches no submodule of the stage",
+        ),
+        (["--recompute", "kind=Linear"], "'kind=Linear' is not a module selector"),
         (["--recompute", "0:full,2:none"], "recompute: stage 2 is not one of 0..1"),
         (["--recompute", "first:full"], "'first:full' is not stage:mode"),
     ],
@@ -395,9 +404,9 @@ def test_profile_with_recompute_measures_what_f_keeps(
 ) -> None:
     """A recomputed stage's F keeps only its input: its act_bytes drop (examples/mlp.py at its
     default width, 1F1B: 8192 -> 2048 on stage 0), and the recomputed activations of one
-    backward are its workspace_B."""
+    backward are its workspace_B; recomputing selected modules keeps an amount between."""
     found = {}
-    for mode in ("none", "full"):
+    for mode in ("none", "name=1", "full"):
         path = tmp_path / f"{mode}.toml"
         args = ["run", "1f1b", "--nproc", "2", "-M", "4", "--model", MLP, "--recompute", mode]
         code, _, err = run_inline(capsys, monkeypatch, *args, "--steps", "2",
@@ -408,3 +417,8 @@ def test_profile_with_recompute_measures_what_f_keeps(
         none, full = found["none"][stage], found["full"][stage]
         assert full["act_bytes"] < none["act_bytes"], (stage, none, full)
         assert full["workspace_B"] > none["workspace_B"], (stage, none, full)
+        # the second block of each stage (Linear, GELU) recomputed: its Linear's output
+        # (GELU's saved input) is dropped, the rest kept
+        some = found["name=1"][stage]
+        assert full["act_bytes"] < some["act_bytes"] < none["act_bytes"], (stage, some)
+        assert some["workspace_B"] > none["workspace_B"], (stage, none, some)
