@@ -116,7 +116,10 @@ class PipelineRuntime:
         params = shared.distinct(self.groups)
         self.grads = Fp32Grads(params) if config.fp32_grads else shared.ParamGrads()
         self.to_sum = shared.to_sum(self.groups, self.grads)
-        self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng)
+        first = mesh.replica_index(config.mesh, config.pp_dim) * (
+            self.program.num_microbatches
+        )  # microbatches numbered over the global batch (runtime/engine/rng.py)
+        self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng, first=first)
         stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, (self.device, config.autocast))
         stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
         placement = self.program.placement
@@ -326,10 +329,11 @@ class PipelineRuntime:
         self._use(boundaries)
 
     def _seed_of(self, stage: int) -> int | None:
-        """The RNG seed of (this step, `stage`, microbatch 0), as its forward derives it."""
+        """The RNG seed of (this step, `stage`, this process's microbatch 0), as its forward
+        derives it."""
         if not self.config.derive_rng:
             return None
-        return derive_seed(self.config.seed, self.steps, stage, 0)
+        return derive_seed(self.config.seed, self.steps, stage, self.rng.first)
 
     def _split(
         self, value: object, what: str, found: list[str], *, required: bool

@@ -120,6 +120,21 @@ def _reduced_params(
     return found
 
 
+DATA_DIMS = ("dp_replicate", "dp_shard")  # the dimensions whose ranks see different rows
+
+
+def replica_index(mesh: Any, pp_dim: str) -> int:
+    """This process's data-parallel index on the mesh: its coordinates along `DATA_DIMS`,
+    row-major (0 without a mesh or without those dimensions; tp and cp ranks share theirs)."""
+    if mesh is None:
+        return 0
+    index = 0
+    for dim in DATA_DIMS:
+        if dim in (mesh.mesh_dim_names or ()) and dim != pp_dim:
+            index = index * mesh[dim].size() + mesh.get_local_rank(dim)
+    return index
+
+
 def replicas_mean(loss: torch.Tensor, mesh: Any, pp_dim: str) -> torch.Tensor:
     """`loss` (a pipeline's mean) averaged over every pipeline of the mesh: the mean over the
     global batch, each pipeline's microbatches being as many (a collective over the mesh's

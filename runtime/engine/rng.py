@@ -8,6 +8,12 @@ matter: every schedule, and the single-process reference that seeds the same way
 draw from unrelated streams, so ranks seeded alike do not draw correlated masks. The
 generators' states before the step are restored after it, so the caller's random stream is
 not disturbed. Measured cost per forward: docs/runtime.md ("Reproducible dropout").
+
+On a mesh, microbatches are numbered over the global batch: the replica at data-parallel
+index d (dp_replicate, dp_shard, row-major) of a program of M microbatches runs global
+microbatches d·M .. d·M + M − 1 (`first`), as the contiguous share `pipecc run --mesh` gives
+it; so replicas draw unrelated masks, and each the masks of the same rows in a
+single-process run of the global batch cut into D·M microbatches.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ class ForwardRng:
     """Seeds the generators of `device` (and the CPU's) for each forward; off when not
     `enabled`."""
 
-    def __init__(self, device: torch.device, seed: int, *, enabled: bool) -> None:
+    def __init__(self, device: torch.device, seed: int, *, enabled: bool, first: int = 0) -> None:
         self.enabled = enabled
+        self.first = first  # the global index of this process's microbatch 0 (docstring)
         self.seed_value = seed
         self.cuda = device.type == "cuda"
         self.index = device.index if device.index is not None else 0
@@ -50,7 +57,7 @@ class ForwardRng:
     def seed(self, step: int, stage: int, mb: int) -> None:
         if not self.enabled:
             return
-        value = derive_seed(self.seed_value, step, stage, mb)
+        value = derive_seed(self.seed_value, step, stage, self.first + mb)
         torch.default_generator.manual_seed(value)
         if self.cuda:
             torch.cuda.default_generators[self.index].manual_seed(value)
