@@ -54,6 +54,8 @@ class MeshCase(NamedTuple):
     train: bool = False
     walk: bool = False  # split backward by the graph walk, no weight-gradient contract
     tied: bool = False  # FSDP stages with the tied embedding (tied on every other mesh)
+    sp: bool = False  # tp by examples/gpt.py's parallelize_sequence: DTensor boundaries
+    no_mesh: bool = False  # the pipeline's group and rank map given, not the mesh
 
 
 def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, Any]:
@@ -101,8 +103,9 @@ def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
     (found by identity before FSDP replaces the held stages' parameters)."""
     stages = build(_variant(case), case.program.placement.num_stages(0))
     if case.dim == "tp":
+        plan = _gpt().parallelize_sequence if case.sp else _gpt().parallelize
         for stage, module in enumerate(stages):
-            _gpt().parallelize(module, stage, mesh["tp"])
+            plan(module, stage, mesh["tp"])
     shared = shared_parameters(stages)
     if case.dim == "dp_shard":
         held = {s.stage for s in case.program.placement.chunks(mesh.get_coordinate()[0])}
@@ -114,6 +117,10 @@ def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
 
 def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module], shared: Any) -> PipelineRuntime:
     cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, mesh=mesh)
+    if case.no_mesh:  # the same pipeline, without the mesh DTensor boundaries need
+        group = mesh.get_group("pp")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, group=group, rank_map=ranks)
     chunks = case.program.placement.chunks(mesh.get_coordinate()[0])
     modules = {s.chunk: stages[s.stage] for s in chunks}
     # the split-backward method is chosen when the runtime binds its chunks
@@ -182,7 +189,14 @@ def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
     return {
         "grad_rel": _worst(_whole(gradients(stages)), want, held), "loss": (loss, want_loss),
         "collectives": collectives, "actions": _actions(case, runtime.rank),
+        "boundaries": _placed(runtime),
     }  # fmt: skip
+
+
+def _placed(runtime: PipelineRuntime) -> list[str]:
+    """The DTensor layouts of the boundaries this runtime's signature crosses."""
+    found = runtime.signatures.cache[runtime.signatures.current]
+    return [spec.describe() for b in found.values() for spec in b.tensors if spec.placed]
 
 
 def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:

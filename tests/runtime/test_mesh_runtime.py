@@ -2,7 +2,8 @@
 PP=2 × dp_shard=2 (FSDP2) on 4 gloo processes, one process group for every case
 (mesh_cases.py). The GPT with tied embeddings on 1F1B, ZB-H1, ZBV and DualPipeV: loss and
 every gradient within 1e-5 of one process training the whole batch, and 3 AdamW steps with
-clipping matching; untied on FSDP stages, also on interleaved 1F1B, within 1e-6, with the
+clipping matching; with a sequence-parallel tp plan (DTensor boundaries) within 1e-6;
+untied on FSDP stages, also on interleaved 1F1B, within 1e-6, with the
 split backward both by contract and by the graph walk, and no all-gather or reduce-scatter
 but the program's; `pipecc run --mesh` with --check."""
 
@@ -103,6 +104,9 @@ def _cases() -> list[MeshCase]:
             "train-dp_shard-tied-zbv", _program("zbv", "dp_shard"), "dp_shard", True, tied=True
         )
     )
+    found += [MeshCase(f"sp-{n}", _program(n, "tp"), "tp", sp=True) for n in SCHEDULES]
+    found.append(MeshCase("sp-walk-zb_h1", _program("zb_h1", "tp"), "tp", walk=True, sp=True))
+    found.append(MeshCase("sp-no-mesh", _program("1f1b", "tp"), "tp", sp=True, no_mesh=True))
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -239,3 +243,27 @@ def test_fsdp_stages_freed_between_uses_match(results: list[dict[str, Any]]) -> 
         assert unshards > 2 and reductions == 2, result["actions"]  # gathered again
         assert result["grad_rel"] <= 1e-6, result["grad_rel"]
         _fsdp_collectives_are_the_programs(result)
+
+
+@pytest.mark.parametrize("name", (*SCHEDULES, "walk-zb_h1"))
+def test_dtensor_boundaries_match_one_process(results: list[dict[str, Any]], name: str) -> None:
+    """PP=2 × tp=2 with examples/gpt.py's sequence-parallel plan: every stage boundary is a
+    DTensor sharded along the tokens, sent as its local shard and rebuilt on the next stage;
+    loss and every gathered gradient within 1e-6 (before: the receive buffers had the global
+    shape, and nothing rebuilt the DTensor the next stage's blocks need)."""
+    for result in _each(results, f"sp-{name}"):
+        assert result["boundaries"], result  # the case crosses DTensor boundaries
+        for text in result["boundaries"]:
+            assert text.startswith("float32[2, 4, 16] of a DTensor(tp: S(1); global [2, 8, 16]")
+        assert result["grad_rel"] <= 1e-6, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+
+
+def test_dtensor_boundaries_without_the_mesh_are_refused(results: list[dict[str, Any]]) -> None:
+    """A pipeline given by its group, not the mesh, cannot rebuild a DTensor boundary: every
+    rank stops before the first step, naming the stage and the leaf."""
+    for result in (r["sp-no-mesh"] for r in results):
+        assert result.get("error") == "SetupError", result
+        assert "tensor 0 of stage 0's output is a DTensor(tp: S(1)" in result["message"], result
+        assert "needs the device mesh, RuntimeConfig(mesh=...)" in result["message"], result
