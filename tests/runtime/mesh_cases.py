@@ -31,7 +31,7 @@ from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import StageAction, StageOp
@@ -56,6 +56,8 @@ class MeshCase(NamedTuple):
     tied: bool = False  # FSDP stages with the tied embedding (tied on every other mesh)
     sp: bool = False  # tp by examples/gpt.py's parallelize_sequence: DTensor boundaries
     no_mesh: bool = False  # the pipeline's group and rank map given, not the mesh
+    recompute: bool = False  # every stage recomputed in full before its backward
+    partial: bool = False  # stage 0 returns its output as a Partial DTensor (refused)
 
 
 def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, Any]:
@@ -106,6 +108,8 @@ def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
         plan = _gpt().parallelize_sequence if case.sp else _gpt().parallelize
         for stage, module in enumerate(stages):
             plan(module, stage, mesh["tp"])
+        if case.partial:
+            stages[0].register_forward_hook(_as_partial)
     shared = shared_parameters(stages)
     if case.dim == "dp_shard":
         held = {s.stage for s in case.program.placement.chunks(mesh.get_coordinate()[0])}
@@ -115,8 +119,17 @@ def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
     return stages, shared
 
 
+def _as_partial(module: nn.Module, args: Any, output: Any) -> Any:
+    """A stage output as an unreduced sum: each rank's half of the whole value."""
+    del module, args
+    whole = output.full_tensor() / 2
+    return DTensor.from_local(whole, output.device_mesh, [Partial()], run_check=False)
+
+
 def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module], shared: Any) -> PipelineRuntime:
-    cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, mesh=mesh)
+    cfg = RuntimeConfig(
+        shared=shared, seed=OPTIONS.seed, mesh=mesh, recompute="full" if case.recompute else None
+    )
     if case.no_mesh:  # the same pipeline, without the mesh DTensor boundaries need
         group = mesh.get_group("pp")
         ranks = tuple(dist.get_process_group_ranks(group))

@@ -107,6 +107,9 @@ def _cases() -> list[MeshCase]:
     found += [MeshCase(f"sp-{n}", _program(n, "tp"), "tp", sp=True) for n in SCHEDULES]
     found.append(MeshCase("sp-walk-zb_h1", _program("zb_h1", "tp"), "tp", walk=True, sp=True))
     found.append(MeshCase("sp-no-mesh", _program("1f1b", "tp"), "tp", sp=True, no_mesh=True))
+    found.append(MeshCase("sp-recompute-zb_h1", _program("zb_h1", "tp"), "tp", sp=True,
+                          recompute=True))  # fmt: skip
+    found.append(MeshCase("sp-partial", _program("1f1b", "tp"), "tp", sp=True, partial=True))
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -245,7 +248,7 @@ def test_fsdp_stages_freed_between_uses_match(results: list[dict[str, Any]]) -> 
         _fsdp_collectives_are_the_programs(result)
 
 
-@pytest.mark.parametrize("name", (*SCHEDULES, "walk-zb_h1"))
+@pytest.mark.parametrize("name", (*SCHEDULES, "walk-zb_h1", "recompute-zb_h1"))
 def test_dtensor_boundaries_match_one_process(results: list[dict[str, Any]], name: str) -> None:
     """PP=2 × tp=2 with examples/gpt.py's sequence-parallel plan: every stage boundary is a
     DTensor sharded along the tokens, sent as its local shard and rebuilt on the next stage;
@@ -267,3 +270,16 @@ def test_dtensor_boundaries_without_the_mesh_are_refused(results: list[dict[str,
         assert result.get("error") == "SetupError", result
         assert "tensor 0 of stage 0's output is a DTensor(tp: S(1)" in result["message"], result
         assert "needs the device mesh, RuntimeConfig(mesh=...)" in result["message"], result
+
+
+def test_partial_dtensor_boundaries_are_refused(results: list[dict[str, Any]]) -> None:
+    """A stage returning an unreduced sum (a Partial DTensor) stops every rank before the
+    first step, naming the stage and the leaf: one rank's addend would travel as the value."""
+    for result in (r["sp-partial"] for r in results):
+        assert result.get("error") in ("SetupError", "InstructionError"), result
+        message = result["message"]
+        assert "stage 0's forward on microbatch 0 failed" in message, result
+        assert (
+            "leaf 0: a DTensor with placement P(sum) at a stage boundary is not supported"
+            in message
+        ), result
