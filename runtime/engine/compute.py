@@ -320,15 +320,21 @@ def _carries(boundary: Boundary | None, tensors: Tensors) -> tuple[bool, ...]:
 
 def _own(output: object, given: object) -> object:
     """An evaluation output with every tensor that shares storage with the stage's input
-    (a receive buffer, received into again at the next step) copied."""
+    (a receive buffer, received into again at the next step; a DTensor's local shard may be
+    one) copied."""
     inputs = [t for t in pytree.tree_leaves(given) if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr() for t in inputs}
+    storages = {_storage(t) for t in inputs}
 
     def own(tensor: torch.Tensor) -> torch.Tensor:
-        shared = tensor.untyped_storage().data_ptr() in storages
+        shared = _storage(tensor) in storages
         return tensor.clone() if shared else tensor
 
     return pytree.tree_map_only(torch.Tensor, own, output)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's data lies (a DTensor's: its local shard's; the wrapper has none)."""
+    return int(local(tensor).untyped_storage().data_ptr())
 
 
 def pulled(

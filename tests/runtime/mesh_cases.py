@@ -199,11 +199,15 @@ def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
     microbatches = case.program.num_microbatches * _replicas(case)
     want_loss, want = reference_step(reference, data, microbatches, loss_fn, OPTIONS)
     loss = float(runtime.global_loss())
-    return {
+    found = {
         "grad_rel": _worst(_whole(gradients(stages)), want, held), "loss": (loss, want_loss),
         "collectives": collectives, "actions": _actions(case, runtime.rank),
         "boundaries": _placed(runtime),
     }  # fmt: skip
+    if case.sp:  # forward only (evaluation) over the same DTensor boundaries
+        runtime.forward(*_share(case, mesh, data))
+        found["eval_loss"] = (float(runtime.global_loss()), want_loss)
+    return found
 
 
 def _placed(runtime: PipelineRuntime) -> list[str]:
