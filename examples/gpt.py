@@ -17,6 +17,7 @@ variables:
 | PIPECC_GPT_LAYERS | blocks in all (0: one per stage) | 0 |
 | PIPECC_GPT_TIED | 1: the LM head is the token embedding (GPT-2 style, one Parameter) | 0 |
 | PIPECC_GPT_DROPOUT | dropout probability (attention and residual) | 0.0 |
+| PIPECC_GPT_SP | 1: `parallelize` is `parallelize_sequence` (stage boundaries are DTensors) | 0 |
 
 `parallelize(module, stage, tp_mesh)` shards each block's MLP over the mesh's tp dimension
 (`pipecc run --mesh tp=2`). `GPTConfig` and `build_stages(num_stages, config)` can also be
@@ -31,7 +32,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -204,8 +214,54 @@ def parallelize(module: nn.Module, stage: int, tp_mesh: Any) -> None:
     output features, the second by input features, so each rank computes half of the hidden
     layer and the block's output is whole again (replicated, a plain tensor) after the second
     Linear's all-reduce, which lies inside the module. The attention and the embeddings stay
-    whole."""
+    whole. With PIPECC_GPT_SP=1, `parallelize_sequence` instead."""
+    if os.environ.get("PIPECC_GPT_SP", "0") == "1":
+        parallelize_sequence(module, stage, tp_mesh)
+        return
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     for name, sub in module.named_modules():
         if name.endswith("mlp"):
             parallelize_module(sub, tp_mesh, plan)
+
+
+def parallelize_sequence(module: nn.Module, stage: int, tp_mesh: Any) -> None:
+    """Sequence parallelism of one stage over the tp mesh, as torchtitan's plan: between the
+    layers the hidden state is a DTensor sharded along the tokens (`Shard(1)`), and so is the
+    stage boundary. The embedding's output is cut into token shards; in every block the
+    LayerNorms run on their shard (`SequenceParallel`), the attention and the MLP gather the
+    tokens first (`Shard(1)` to `Replicate()`), the MLP's second Linear reduce-scatters its
+    sum back into token shards (`output_layouts=Shard(1)`, kept a DTensor), the attention's
+    whole output is cut again; the head gathers the tokens and computes whole logits."""
+    del stage
+    stage_module: Any = module
+    if stage_module.embed is not None:
+        to_shards = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        )
+        parallelize_module(stage_module.embed, tp_mesh, to_shards)
+    for block in stage_module.blocks:
+        parallelize_module(block, tp_mesh, _block_plan())
+    if stage_module.head is not None:
+        gather = PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        )
+        parallelize_module(stage_module.head, tp_mesh, gather)
+
+
+def _block_plan() -> dict[str, Any]:
+    attention = PrepareModuleInputOutput(
+        input_layouts=Shard(1),
+        desired_input_layouts=Replicate(),
+        use_local_input=True,
+        output_layouts=Replicate(),
+        desired_output_layouts=Shard(1),
+        use_local_output=False,
+    )
+    return {
+        "ln1": SequenceParallel(),
+        "ln2": SequenceParallel(),
+        "attn": attention,
+        "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }

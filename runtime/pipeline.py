@@ -137,6 +137,7 @@ class PipelineRuntime:
         self.interpreter = Interpreter(rank, stage, fused, transfers, self.sums)
         slots = mailbox(self.program.ranks[rank])
         self.binder = Binder(stage, fused, self.channel, slots, captures)
+        self.binder.mesh = config.mesh  # DTensor boundaries are rebuilt over it
         self.mesh = mesh.DataParallel(self.program, rank, self.modules, config.mesh)
         self.interpreter.mesh = self.mesh
 
@@ -315,7 +316,9 @@ class PipelineRuntime:
         it and switch to it."""
         config = self.config
         forward = Forward(config.autocast, self._seed_of, f"rank {self.rank}, step {self.steps}")
-        exchange = Exchange(self.group, self.rank_map, self.rank, self.device, self._limit)
+        exchange = Exchange(
+            self.group, self.rank_map, self.rank, self.device, self._limit, config.mesh
+        )
         agreed = discovery.agree_signature(exchange, signature, found + self._problems(), forward)
         stages = PipeStages.of(self.program, self.rank, self.modules)
         first = split_inputs[0] if split_inputs else None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from pipecc.ir.program import Program
 from ..comm.agreement import ExchangeTimeout, gather_texts
 from ..config import RuntimeConfig
 from .context import describe_signature
+from .placed import local, mesh_problem
 from .signatures import Signature, signature_from_text
 from .specs import OutputNotTree, StageRun, as_received, run_stage
 from .trees import Boundary
@@ -61,6 +63,7 @@ class Exchange:
     rank: int  # this rank, in the pipeline
     device: torch.device
     timeout: float | None  # seconds the agreement may wait for a rank (gloo); None: no limit
+    mesh: Any = None  # the runtime's device mesh, over which DTensor boundaries are rebuilt
 
     def texts(self, text: str, *, timeout: float | None = None) -> list[str]:
         """Every rank's `text`, by pipeline rank (the group orders them by its own ranks,
@@ -171,11 +174,24 @@ def along_pipeline(
         if "end" in reply:  # the model's output is no pytree: only loss_fn reads it
             break
         boundary = Boundary.from_text(str(reply["boundary"]))
+        _rebuildable(boundary, exchange.mesh, stage, forward)  # on every rank alike
         found[stage + 1] = boundary
         if stage + 1 < len(stages.holders):
             tensors = run.tensors if isinstance(run, StageRun) else ()
             value = _hand_on(exchange, (holder, stages.holders[stage + 1]), tensors, boundary)
     return found
+
+
+def _rebuildable(boundary: Boundary, mesh: Any, stage: int, forward: Forward) -> None:
+    """Every rank stops alike before the first step when a DTensor leaf of stage `stage`'s
+    output cannot be rebuilt over the runtime's mesh (runtime/boundaries/placed.py)."""
+    for at, spec in enumerate(boundary.tensors):
+        problem = None if spec.placed is None else mesh_problem(spec.placed, mesh)
+        if problem is not None:
+            raise SetupError(
+                f"the pipeline cannot start: {forward.where}: tensor {at} of stage "
+                f"{stage}'s output {problem}"
+            )
 
 
 def _run(
@@ -223,10 +239,10 @@ def _hand_on(
     source, target = ranks
     me = exchange.rank
     if me == source == target:
-        return as_received(boundary, tensors)
+        return as_received(boundary, tensors, exchange.mesh)
     if me == source:
-        for tensor in tensors:
-            dist.send(tensor.contiguous(), exchange.rank_map[target], group=exchange.group)
+        for tensor in tensors:  # a DTensor's local shard (runtime/boundaries/placed.py)
+            dist.send(local(tensor).contiguous(), exchange.rank_map[target], group=exchange.group)
     if me != target:
         return None
     received = tuple(
@@ -235,7 +251,7 @@ def _hand_on(
     )
     for tensor in received:
         dist.recv(tensor, exchange.rank_map[source], group=exchange.group)
-    return as_received(boundary, received)
+    return as_received(boundary, received, exchange.mesh)
 
 
 def pipeline_boundaries(

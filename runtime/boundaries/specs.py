@@ -25,12 +25,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from pipecc.diagnostics import InputError
 
 from ..compat import pytree
 from .context import current_sample, on_device, sample_context
+from .placed import rebuilt
 from .trees import Boundary, TensorSpec, flatten
 
 __all__ = ["Boundaries", "Boundary", "Specs", "StageRun", "TensorSpec", "infer_boundaries"]
@@ -108,14 +110,18 @@ def run_stage(
     return StageRun(tuple(t.detach() for t in tensors), boundary)
 
 
-def as_received(boundary: Boundary, tensors: tuple[torch.Tensor, ...]) -> object:
+def as_received(boundary: Boundary, tensors: tuple[torch.Tensor, ...], mesh: Any = None) -> object:
     """The value the next stage takes: `tensors` as detached leaves, those that carry a
-    gradient requiring one (as the runtime's forward rebuilds a received message)."""
-    leaves = tuple(
-        t.detach().requires_grad_(spec.carries_grad)
-        for t, spec in zip(tensors, boundary.tensors, strict=True)
-    )
-    return boundary.rebuild(leaves)
+    gradient requiring one (as the runtime's forward rebuilds a received message); a
+    received local shard of a DTensor leaf rebuilt over `mesh` (runtime/boundaries/placed.py;
+    a DTensor kept on the same process stays as it is)."""
+    leaves = []
+    for t, spec in zip(tensors, boundary.tensors, strict=True):
+        leaf = t.detach().requires_grad_(spec.carries_grad)
+        if spec.placed is not None and not isinstance(leaf, DTensor):
+            leaf = rebuilt(leaf, spec.placed, mesh)
+        leaves.append(leaf)
+    return boundary.rebuild(tuple(leaves))
 
 
 def infer_boundaries(

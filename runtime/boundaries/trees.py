@@ -23,17 +23,20 @@ import torch
 from pipecc.diagnostics import InputError
 
 from ..compat import pytree
+from .placed import Placed, local_shape, placed_of
 
 CONSTANTS = (type(None), bool, int, float, str)
 
 
 class TensorSpec(NamedTuple):
     """The shape and dtype of one tensor of one microbatch at a stage boundary, and whether
-    it carries a gradient back (None: floating tensors do)."""
+    it carries a gradient back (None: floating tensors do). For a DTensor leaf, `shape` is
+    its local shape (what travels) and `placed` its layout (runtime/boundaries/placed.py)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     grad: bool | None = None
+    placed: Placed | None = None
 
     @property
     def is_floating(self) -> bool:
@@ -53,12 +56,14 @@ class TensorSpec(NamedTuple):
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}[{', '.join(str(s) for s in self.shape)}]"
+        text = f"{dtype}[{', '.join(str(s) for s in self.shape)}]"
+        return text if self.placed is None else f"{text} of a {self.placed.describe()}"
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSpec:
         floating = tensor.dtype.is_floating_point or tensor.dtype.is_complex
-        return cls(tuple(tensor.shape), tensor.dtype, floating and tensor.requires_grad)
+        grad = floating and tensor.requires_grad
+        return cls(local_shape(tensor), tensor.dtype, grad, placed_of(tensor))
 
 
 class Boundary(NamedTuple):
@@ -100,12 +105,8 @@ class Boundary(NamedTuple):
 
     def text(self) -> str:
         """A canonical text of the boundary (for signatures): structure and leaves."""
-        leaves = [
-            ["t", list(leaf.shape), str(leaf.dtype), leaf.carries_grad]
-            if isinstance(leaf, TensorSpec)
-            else ["c", leaf]
-            for leaf in self.leaves
-        ]
+        leaves = [_leaf_text(leaf) if isinstance(leaf, TensorSpec) else ["c", leaf]
+                  for leaf in self.leaves]  # fmt: skip
         return json.dumps([pytree.treespec_dumps(self.tree), leaves])
 
     @classmethod
@@ -113,11 +114,19 @@ class Boundary(NamedTuple):
         tree, leaves = json.loads(text)
         return cls(
             pytree.treespec_loads(tree),
-            tuple(
-                TensorSpec(tuple(leaf[1]), _dtype(leaf[2]), leaf[3]) if leaf[0] == "t" else leaf[1]
-                for leaf in leaves
-            ),
+            tuple(_leaf_of_text(leaf) if leaf[0] == "t" else leaf[1] for leaf in leaves),
         )
+
+
+def _leaf_text(spec: TensorSpec) -> list[object]:
+    """A tensor leaf's text: ["t", shape, dtype, carries a gradient(, its DTensor layout)]."""
+    found: list[object] = ["t", list(spec.shape), str(spec.dtype), spec.carries_grad]
+    return found if spec.placed is None else [*found, spec.placed.text()]
+
+
+def _leaf_of_text(leaf: list[Any]) -> TensorSpec:
+    placed = Placed.from_text(leaf[4]) if len(leaf) > 4 else None
+    return TensorSpec(tuple(leaf[1]), _dtype(leaf[2]), leaf[3], placed)
 
 
 def flatten(value: object, what: str) -> tuple[list[torch.Tensor], Boundary]:
@@ -134,9 +143,17 @@ def flatten(value: object, what: str) -> tuple[list[torch.Tensor], Boundary]:
             )
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     specs = tuple(
-        TensorSpec.of(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+        _spec(leaf, what, at) if isinstance(leaf, torch.Tensor) else leaf
+        for at, leaf in enumerate(leaves)
     )
     return tensors, Boundary(tree, specs)
+
+
+def _spec(tensor: torch.Tensor, what: str, at: int) -> TensorSpec:
+    try:
+        return TensorSpec.of(tensor)
+    except InputError as err:  # a DTensor layout that cannot travel (placed.py)
+        raise InputError(f"{what}, leaf {at}: {err.message}") from err
 
 
 def boundary_of(value: object, what: str) -> Boundary:
@@ -179,7 +196,7 @@ def microbatch_boundary(value: object, microbatches: int, what: str) -> Boundary
     leaves, tree = pytree.tree_flatten(value)
     size = _rows(leaves, microbatches, what, value) // microbatches
     specs = tuple(
-        TensorSpec.of(leaf)._replace(shape=(size, *leaf.shape[1:]))
+        TensorSpec.of(leaf)._replace(shape=(size, *leaf.shape[1:]), placed=None)
         if isinstance(leaf, torch.Tensor)
         else leaf
         for leaf in leaves
@@ -216,7 +233,7 @@ def unwrap(value: object) -> object:
 
 def _same_leaf(a: object, b: object, grads: bool) -> bool:
     if isinstance(a, TensorSpec) and isinstance(b, TensorSpec):
-        same = a.shape == b.shape and a.dtype == b.dtype
+        same = a.shape == b.shape and a.dtype == b.dtype and a.placed == b.placed
         return same and (not grads or a.carries_grad == b.carries_grad)
     if isinstance(a, TensorSpec) or isinstance(b, TensorSpec):
         return False

@@ -39,6 +39,7 @@ decide at each step is resolved there, once:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -58,8 +59,9 @@ from pipecc.ir.ops import (
     Wait,
 )
 
+from ..boundaries.placed import Placed, rebuilt
 from ..boundaries.specs import Specs
-from ..boundaries.trees import Boundary
+from ..boundaries.trees import Boundary, TensorSpec
 from ..comm.channel import Channel
 from ..compat import pytree
 from ..plan.binding import Chunk
@@ -123,6 +125,7 @@ class Binder:
         self.messages = tuple(slots)
         self.captures = dict(captures)
         self.count = 0  # signatures bound so far
+        self.mesh: Any = None  # the runtime's device mesh (DTensor boundaries' rebuild)
         self._split: frozenset[tuple[int, int]] = frozenset()  # the plan being bound's I
 
     def bind(
@@ -191,7 +194,7 @@ class Binder:
         if op.kind is Kind.I or (op.kind is Kind.F and step.key in self._split):
             step.capture = self.captures.get(op.chunk)  # only a forward whose backward is I
         if op.kind is Kind.F:
-            _bind_forward(step, boundaries)
+            _bind_forward(step, boundaries, self.mesh)
         return step
 
     def _method(self, kind: Kind) -> Callable[[StepContext, ComputeStep], None]:
@@ -234,7 +237,7 @@ def split_keys(plan: Plan) -> frozenset[tuple[int, int]]:
     return frozenset(found)
 
 
-def _bind_forward(step: ComputeStep, boundaries: Mapping[int, Boundary]) -> None:
+def _bind_forward(step: ComputeStep, boundaries: Mapping[int, Boundary], mesh: Any) -> None:
     """A forward's boundaries: its input's (unless it takes the step's inputs) and, unless it
     computes the loss, the next stage's input, which its output must match."""
     if not step.unit.first:
@@ -242,7 +245,7 @@ def _bind_forward(step: ComputeStep, boundaries: Mapping[int, Boundary]) -> None
         step.given = given
         if given is not None:
             step.carries = tuple(spec.carries_grad for spec in given.tensors)
-            step.rebuild = rebuilder(given)
+            step.rebuild = rebuilder(given, mesh)
     if not step.unit.last:
         expected = boundaries.get(step.stage + 1)
         step.expected = expected
@@ -253,9 +256,18 @@ def _bind_forward(step: ComputeStep, boundaries: Mapping[int, Boundary]) -> None
 _ONE = pytree.tree_flatten(0)[1]
 
 
-def rebuilder(boundary: Boundary) -> Callable[[Tensors], object]:
+def rebuilder(boundary: Boundary, mesh: Any = None) -> Callable[[Tensors], object]:
     """How a stage's input value is rebuilt from its tensors: one tensor as itself, a tuple
-    of tensors as the tuple, anything else through the boundary's tree."""
+    of tensors as the tuple, anything else through the boundary's tree; the local shards of
+    DTensor leaves rebuilt over `mesh` first (runtime/boundaries/placed.py)."""
+    placed = tuple(spec.placed for spec in boundary.tensors)
+    if any(p is not None for p in placed):
+        plain = rebuilder(boundary._replace(leaves=_plain(boundary.leaves)))
+
+        def rebuild(tensors: Tensors) -> object:
+            return plain(tuple(_dtensor(t, p, mesh) for t, p in zip(tensors, placed, strict=True)))
+
+        return rebuild
     count = len(boundary.leaves)
     if len(boundary.tensors) == count:
         if boundary.tree == _ONE:
@@ -271,3 +283,13 @@ def _first(tensors: Tensors) -> object:
 
 def _same(tensors: Tensors) -> object:
     return tensors
+
+
+def _plain(leaves: tuple[object, ...]) -> tuple[object, ...]:
+    return tuple(
+        leaf._replace(placed=None) if isinstance(leaf, TensorSpec) else leaf for leaf in leaves
+    )
+
+
+def _dtensor(tensor: torch.Tensor, placed: Placed | None, mesh: Any) -> torch.Tensor:
+    return tensor if placed is None else rebuilt(tensor, placed, mesh)

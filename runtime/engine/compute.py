@@ -34,6 +34,7 @@ from pipecc.diagnostics import InputError, ProgramError, SetupError
 from pipecc.ir.ops import Compute
 from pipecc.ir.printer import describe, message
 
+from ..boundaries.placed import local, placed_of
 from ..boundaries.specs import autocast_context
 from ..boundaries.trees import Boundary, TensorSpec, call, flatten, unwrap
 from ..compat import pytree, storage_shared
@@ -155,7 +156,7 @@ class StageOps:
             carries = fop.out_carries
             if carries is None or len(carries) != len(tensors):
                 carries = _carries(fop.expected or got, tuple(tensors))
-            outputs = tuple(t for t, c in zip(tensors, carries, strict=True) if c)
+            outputs = tuple(local(t) for t, c in zip(tensors, carries, strict=True) if c)
         return Saved(saved.inputs, outputs, total(added))
 
     def backward(self, ctx: StepContext, op: ComputeStep) -> None:
@@ -255,6 +256,7 @@ class StageOps:
         if tensors is None:  # the first step of the signature, or a difference: in full
             tensors, got = self.checked_output(ctx, op, output)
             carries = _carries(op.expected or got, tuple(tensors))
+        tensors = [local(t) for t in tensors]  # a DTensor's local shard, in the graph
         ctx.mail[op.dst] = tuple(t.detach() for t in tensors)
         assert carries is not None  # bound from `expected`, which `pulled` needs
         return tuple(t for t, c in zip(tensors, carries, strict=True) if c)
@@ -347,15 +349,21 @@ def _carries(boundary: Boundary | None, tensors: Tensors) -> tuple[bool, ...]:
 
 def _own(output: object, given: object) -> object:
     """An evaluation output with every tensor that shares storage with the stage's input
-    (a receive buffer, received into again at the next step) copied."""
+    (a receive buffer, received into again at the next step; a DTensor's local shard may be
+    one) copied."""
     inputs = [t for t in pytree.tree_leaves(given) if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr() for t in inputs}
+    storages = {_storage(t) for t in inputs}
 
     def own(tensor: torch.Tensor) -> torch.Tensor:
-        shared = tensor.untyped_storage().data_ptr() in storages
+        shared = _storage(tensor) in storages
         return tensor.clone() if shared else tensor
 
     return pytree.tree_map_only(torch.Tensor, own, output)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's data lies (a DTensor's: its local shard's; the wrapper has none)."""
+    return int(local(tensor).untyped_storage().data_ptr())
 
 
 def pulled(
@@ -375,11 +383,7 @@ def pulled(
     tensors = []
     for leaf, spec in zip(leaves, specs, strict=True):
         if type(spec) is TensorSpec:
-            if (
-                not isinstance(leaf, torch.Tensor)
-                or leaf.shape != spec.shape
-                or leaf.dtype != spec.dtype
-            ):
+            if not _matches(leaf, spec):
                 return None
             tensors.append(leaf)
         elif isinstance(leaf, torch.Tensor) or leaf != spec:
@@ -389,6 +393,18 @@ def pulled(
             if tensor.requires_grad and not carried:
                 return None
     return tensors
+
+
+def _matches(leaf: object, spec: TensorSpec) -> bool:
+    """A tensor leaf as `spec` says: shape and dtype; a DTensor (its local shape) where and
+    only where the spec has its layout."""
+    if type(leaf) is torch.Tensor:  # the common case, first
+        return spec.placed is None and leaf.shape == spec.shape and leaf.dtype == spec.dtype
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype != spec.dtype:
+        return False
+    if spec.placed is None:
+        return not isinstance(leaf, DTensor) and leaf.shape == spec.shape
+    return isinstance(leaf, DTensor) and placed_of(leaf) == spec.placed
 
 
 def take(ctx: StepContext, slot: int) -> Tensors:

@@ -31,7 +31,7 @@ from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.ops import StageAction, StageOp
@@ -54,6 +54,10 @@ class MeshCase(NamedTuple):
     train: bool = False
     walk: bool = False  # split backward by the graph walk, no weight-gradient contract
     tied: bool = False  # FSDP stages with the tied embedding (tied on every other mesh)
+    sp: bool = False  # tp by examples/gpt.py's parallelize_sequence: DTensor boundaries
+    no_mesh: bool = False  # the pipeline's group and rank map given, not the mesh
+    recompute: bool = False  # every stage recomputed in full before its backward
+    partial: bool = False  # stage 0 returns its output as a Partial DTensor (refused)
 
 
 def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, Any]:
@@ -101,8 +105,11 @@ def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
     (found by identity before FSDP replaces the held stages' parameters)."""
     stages = build(_variant(case), case.program.placement.num_stages(0))
     if case.dim == "tp":
+        plan = _gpt().parallelize_sequence if case.sp else _gpt().parallelize
         for stage, module in enumerate(stages):
-            _gpt().parallelize(module, stage, mesh["tp"])
+            plan(module, stage, mesh["tp"])
+        if case.partial:
+            stages[0].register_forward_hook(_as_partial)
     shared = shared_parameters(stages)
     if case.dim == "dp_shard":
         held = {s.stage for s in case.program.placement.chunks(mesh.get_coordinate()[0])}
@@ -112,8 +119,21 @@ def _stages(case: MeshCase, mesh: Any) -> tuple[list[nn.Module], Any]:
     return stages, shared
 
 
+def _as_partial(module: nn.Module, args: Any, output: Any) -> Any:
+    """A stage output as an unreduced sum: each rank's half of the whole value."""
+    del module, args
+    whole = output.full_tensor() / 2
+    return DTensor.from_local(whole, output.device_mesh, [Partial()], run_check=False)
+
+
 def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module], shared: Any) -> PipelineRuntime:
-    cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, mesh=mesh)
+    cfg = RuntimeConfig(
+        shared=shared, seed=OPTIONS.seed, mesh=mesh, recompute="full" if case.recompute else None
+    )
+    if case.no_mesh:  # the same pipeline, without the mesh DTensor boundaries need
+        group = mesh.get_group("pp")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        cfg = RuntimeConfig(shared=shared, seed=OPTIONS.seed, group=group, rank_map=ranks)
     chunks = case.program.placement.chunks(mesh.get_coordinate()[0])
     modules = {s.chunk: stages[s.stage] for s in chunks}
     # the split-backward method is chosen when the runtime binds its chunks
@@ -179,10 +199,21 @@ def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
     microbatches = case.program.num_microbatches * _replicas(case)
     want_loss, want = reference_step(reference, data, microbatches, loss_fn, OPTIONS)
     loss = float(runtime.global_loss())
-    return {
+    found = {
         "grad_rel": _worst(_whole(gradients(stages)), want, held), "loss": (loss, want_loss),
         "collectives": collectives, "actions": _actions(case, runtime.rank),
+        "boundaries": _placed(runtime),
     }  # fmt: skip
+    if case.sp:  # forward only (evaluation) over the same DTensor boundaries
+        runtime.forward(*_share(case, mesh, data))
+        found["eval_loss"] = (float(runtime.global_loss()), want_loss)
+    return found
+
+
+def _placed(runtime: PipelineRuntime) -> list[str]:
+    """The DTensor layouts of the boundaries this runtime's signature crosses."""
+    found = runtime.signatures.cache[runtime.signatures.current]
+    return [spec.describe() for b in found.values() for spec in b.tensors if spec.placed]
 
 
 def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:

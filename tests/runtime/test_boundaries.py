@@ -257,3 +257,25 @@ def test_a_remembered_signature_is_the_computed_one() -> None:
     for _ in range(2):
         with pytest.raises(InputError, match="3 rows cannot be split into 2"):
             signatures.of(torch.zeros(3, 3))
+
+
+def test_a_dtensor_leaf_keeps_its_layout_through_the_text() -> None:
+    """A DTensor leaf's layout (mesh dims, placements, global shape and stride) travels in
+    the boundary's text to every rank and is part of its identity: a receiver that rebuilt
+    a sharded leaf as a plain one (or with other placements) would take the wrong value."""
+    from pipecc.runtime.boundaries.placed import Placed
+    from pipecc.runtime.boundaries.trees import Boundary
+
+    placed = Placed(("tp",), ("S(1)",), (2, 8, 16), (128, 16, 1))
+    spec = TensorSpec((2, 4, 16), torch.float32, True, placed)
+    boundary = Boundary(torch.utils._pytree.tree_flatten(0)[1], (spec,))
+    again = Boundary.from_text(boundary.text())
+    assert again.tensors == (spec,)
+    assert boundary.describe() == "float32[2, 4, 16] of a DTensor(tp: S(1); global [2, 8, 16])"
+    plain = Boundary(boundary.tree, (spec._replace(placed=None),))
+    replicated = Boundary(
+        boundary.tree, (spec._replace(placed=placed._replace(placements=("R",))),)
+    )
+    assert not boundary.same_as(plain, grads=True)
+    assert not boundary.same_as(replicated, grads=True)
+    assert Boundary.from_text(plain.text()).tensors[0].placed is None
