@@ -121,3 +121,27 @@ def test_dispatch_is_global_and_not_negative(tmp_path: Path) -> None:
         load_cost_file(path)
     with pytest.raises(CostModelError, match="dispatch must be a finite number ≥ 0"):
         parse_cost_flag("dispatch=-1")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({"I": 0.5, "W": 0.4}, (0.7, 0.5, 0.4)),  # B = I + W - 0.2: one fixed part, not two
+        ({"B": 0.8}, (0.8, 0.5, 0.5)),  # each half its own fixed part
+        ({"B": 0.8, "I": 0.5}, (0.8, 0.5, 0.5)),
+        ({"B": 0.8, "W": 0.4}, (0.8, 0.6, 0.4)),
+        ({"I": 0.5}, (0.8, 0.5, 0.5)),
+    ],
+)
+def test_a_derived_duration_pays_the_fixed_part_once_per_instruction(
+    given: dict[str, float], expected: tuple[float, float, float]
+) -> None:
+    """With dispatch=0.2 a B derived from I and W is I + W - 0.2 (one instruction), and the
+    halves derived from a B are (B + 0.2) / 2 each: B = I + W - dispatch holds every way
+    (a ZB-H1 profile predicted 1F1B's B one dispatch long each; measured 1.077x)."""
+    from pipecc.semantics.costs import StageCost, _resolve
+
+    resolved = _resolve(StageCost(**given), None, 1.0, 0.2)
+    assert (resolved.B, resolved.I, resolved.W) == pytest.approx(expected)
+    plain = _resolve(StageCost(**given), None, 1.0, 0.0)
+    assert plain.B == pytest.approx(plain.I + plain.W), "without dispatch: as before"
