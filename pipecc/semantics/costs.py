@@ -55,8 +55,8 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
 
 Defaults: F=1, B=2, I=1, W=1. Given only B, I = W = B/2; given I and W, B = I + W; given B
 and I, W = B - I. With `dispatch` d each instruction pays its fixed part once: B = I + W - d,
-I = W = (B + d)/2, W = B - I + d. A stage override `[cost.stage.N]` applies to stage N of every pipe (the two
-pipes of DualPipe hold the same layers at the same stage index).
+I = W = (B + d)/2, W = B - I + d. A stage override `[cost.stage.N]` applies to stage N of
+every pipe (the two pipes of DualPipe hold the same layers at the same stage index).
 
 The convention (docs/simulate.md, DESIGN §6): global costs are per share of the model (1/P).
 `CostModel.for_program` turns a model as given into the one stage of a program runs: the
