@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The runtime's GPU checks, for one GPU host (about 8 minutes; every step has a time limit,
-# 14 minutes in all at most for 1-5, 2 more on one GPU for 6, 6 more with several GPUs). Not
+# The runtime's GPU checks, for one GPU host (about 9 minutes; every step has a time limit,
+# 17 minutes in all at most for 1-5, 2 more on one GPU for 6, 6 more with several GPUs). Not
 # run by `make test`: CI and this repository's machines have no GPU. Run from anywhere:
 #     bash benchmarks/gpu_check.sh            # every step
 #     MESH_ONLY=1 bash benchmarks/gpu_check.sh   # step 6 only (about 1 minute on one GPU)
@@ -15,7 +15,9 @@
 #   4. the GPT of examples/gpt.py on the GPU with --check: tied embeddings (the shared-
 #      parameter sum), dropout (the per-forward RNG states derived on CUDA, the reference on
 #      the same device type), bf16 autocast (real-run shape inference, the bf16 tolerance),
-#      and the step's shape gather over NCCL;
+#      and the step's shape gather over NCCL; then full and selective recomputation
+#      (`--recompute full`, `attn`: the forward replayed under the CUDA RNG state it drew)
+#      with --check and --memory (the CUDA allocator's peak beside the prediction);
 #   5. no host sync in a warm step (benchmarks/gpu_sync_check.py): after two warm-up steps,
 #      one step under torch.cuda.set_sync_debug_mode("error") (any .item(), .cpu(), blocking
 #      copy or synchronize raises), running the static plan bound on the first step (bound
@@ -65,6 +67,12 @@ PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
 PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
     timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
     --check --steps 3 --warmup 1 --autocast bf16 --json | tee "$OUT/gpt_bf16.json"
+for MODE in full attn; do  # the CUDA RNG state replayed; CUDA's allocator peak vs predicted
+    PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
+        timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
+        --recompute "$MODE" --check --memory --steps 3 --warmup 1 --json \
+        | tee "$OUT/gpt_recompute_$MODE.json"
+done
 echo "== 5. no host sync in a warm step; NCCL's coalesced posting"
 timeout 180 "$PY" benchmarks/gpu_sync_check.py | tee "$OUT/sync.txt"
 fi
