@@ -67,7 +67,8 @@ def test_predicted_within_target_on_a_loop_a_v_shape_and_dualpipe(
 ) -> None:
     errors = {name: [abs(p - m) / m for p, m in ranks] for name, ranks in runs.items()}
     every = [e for found in errors.values() for e in found]
-    assert max(every) <= 0.05, errors
+    over = {name: found for name, found in errors.items() if max(found) > 0.05}
+    assert not over, f"off by more than 5%: {over} (all: {errors})"  # names the case whole
     assert statistics.median(every) <= 0.02, errors
 
 
