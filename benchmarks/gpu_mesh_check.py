@@ -20,8 +20,6 @@ import argparse
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +36,10 @@ from pipecc.driver.mesh import MeshOptions, place_mesh
 from pipecc.ir.ops import StageAction, StageOp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the tests' call counter and FSDP's names
+from discovery_cases import Counts, counting  # noqa: E402
+from mesh_cases import FSDP_COLLECTIVES  # noqa: E402
+
 CASES = (("zb_h1", 4), ("dualpipev", 4), ("1f1b", 4))  # schedule, M (P = 1)
 TOLERANCE = 1e-5  # max relative gradient difference
 ROWS = 2  # rows per microbatch
@@ -52,28 +54,6 @@ def _gpt() -> Any:
     return module
 
 
-@contextmanager
-def counting(counts: list[int]) -> Iterator[None]:
-    """Count FSDP2's all-gathers (counts[0]) and reduce-scatters (counts[1]) inside."""
-    names = ("all_gather_single", "reduce_scatter_single")
-    saved = {name: getattr(dist, name) for name in names}
-
-    def counted(at: int, name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[at] += 1
-            return saved[name](*args, **kwargs)
-
-        return call
-
-    for at, name in enumerate(names):
-        setattr(dist, name, counted(at, name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def run_case(schedule: str, microbatches: int, device: torch.device) -> dict[str, Any]:
     """One step of `schedule` (P=1) on FSDP2 stages against one process without FSDP."""
     gpt = _gpt()
@@ -85,9 +65,10 @@ def run_case(schedule: str, microbatches: int, device: torch.device) -> dict[str
     reference = [s.to(device) for s in gpt.build_stages(num_stages, config)]
     runtime = _runtime(program, stages, gpt.loss_fn, device)
     batch = gpt.make_batch(ROWS * microbatches, seed=0, config=config)
-    counts = [0, 0]
-    with counting(counts):
+    counted = Counts()
+    with counting(counted, ((dist, FSDP_COLLECTIVES),)):
         runtime.step(*(t.to(device) for t in batch))
+    counts = [counted.calls.get(name, 0) for name in FSDP_COLLECTIVES]
     loss = float(runtime.global_loss())
     want_loss, want = reference_step(
         reference, batch, microbatches, gpt.loss_fn, Options(device=device)

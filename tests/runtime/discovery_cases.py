@@ -209,12 +209,18 @@ class Counts:
         return sum(self.calls.get(name, 0) for name in names)
 
 
+COUNTED = ((dist, COLLECTIVES), (torch.Tensor, HOST_READS))
+
+
 @contextlib.contextmanager
-def counting(counts: Counts) -> Iterator[None]:
-    """Count every collective (and blocking send/recv) of torch.distributed and every host
-    read of a tensor while the block runs."""
+def counting(
+    counts: Counts, counted: tuple[tuple[Any, tuple[str, ...]], ...] = COUNTED
+) -> Iterator[None]:
+    """Count the calls of each (owner, names) of `counted` while the block runs: by default
+    every collective (and blocking send/recv) of torch.distributed and every host read of a
+    tensor (the mesh cases and benchmarks/gpu_mesh_check.py count FSDP2's own)."""
     saved: list[tuple[Any, str, Any]] = []
-    for owner, names in ((dist, COLLECTIVES), (torch.Tensor, HOST_READS)):
+    for owner, names in counted:
         for name in names:
             original = getattr(owner, name, None)
             if original is not None:

@@ -18,13 +18,13 @@ Functions here run in the spawned processes: keep them importable and picklable.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any, NamedTuple, cast
 from unittest import mock
 
 import torch
 import torch.distributed as dist
+from discovery_cases import Counts, counting
 from gpt_cases import ROWS, _gpt, _worst, build, config, loss_fn
 from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
@@ -148,33 +148,12 @@ def _runtime(mesh: Any, case: MeshCase, stages: list[nn.Module], shared: Any) ->
 FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")  # what FSDP2 calls
 
 
-@contextmanager
-def _counting(counts: list[int]) -> Iterator[None]:
-    """Count FSDP2's all-gathers (counts[0]) and reduce-scatters (counts[1]) inside."""
-    saved = {name: getattr(dist, name) for name in FSDP_COLLECTIVES}
-
-    def counted(at: int, name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[at] += 1
-            return saved[name](*args, **kwargs)
-
-        return call
-
-    for at, name in enumerate(FSDP_COLLECTIVES):
-        setattr(dist, name, counted(at, name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def _step(runtime: PipelineRuntime, batch: tuple[Any, Any], found: list[list[int]]) -> None:
     """One step, its FSDP collectives appended to `found` (all-gathers, reduce-scatters)."""
-    counts = [0, 0]
-    with _counting(counts):
+    counts = Counts()
+    with counting(counts, ((dist, FSDP_COLLECTIVES),)):
         runtime.step(*batch)
-    found.append(counts)
+    found.append([counts.calls.get(name, 0) for name in FSDP_COLLECTIVES])
 
 
 def _actions(case: MeshCase, rank: int) -> list[int]:

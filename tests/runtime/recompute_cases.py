@@ -20,6 +20,7 @@ from pipecc.runtime.engine import selective
 from pipecc.runtime.engine.rng import derive_seed
 from pipecc.runtime.tools.memory import measuring
 from torch import nn
+from training_cases import _worst  # every held stage's gradients against the reference
 
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.program import Program
@@ -253,15 +254,3 @@ def _reference(
         for n, p in stage.named_parameters()
     }
     return {"grads": grads, "total": total, "aux": found}
-
-
-def _worst(
-    stages: list[nn.Module], want: dict[tuple[int, str], torch.Tensor], held: set[int]
-) -> float:
-    worst = 0.0
-    for s in held:
-        for name, p in stages[s].named_parameters():
-            ref = want[(s, name)]
-            got = p.grad if p.grad is not None else torch.zeros_like(p)
-            worst = max(worst, float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0))
-    return worst
