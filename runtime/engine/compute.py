@@ -49,6 +49,8 @@ from .split_backward import full_backward, input_backward
 from .steps import ComputeStep
 from .weight_contract import capturing
 
+_NOTHING: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable, yields None
+
 
 class StageOps:
     """The compute primitives over this rank's chunks."""
@@ -108,15 +110,21 @@ class StageOps:
         else:
             record_added(ctx, op, added)
 
-    @contextlib.contextmanager
-    def recording(self, ctx: StepContext, op: ComputeStep) -> Iterator[Selected | None]:
+    def recording(
+        self, ctx: StepContext, op: ComputeStep
+    ) -> contextlib.AbstractContextManager[Selected | None]:
         """Around a forward of a stage that recomputes selected modules (training): their
         calls keep only their inputs (runtime/engine/selective.py); the block gets what
-        their replay needs, None elsewhere."""
+        their replay needs, None elsewhere (a shared no-op: no generator per forward)."""
         modules = self.selected.get(op.chunk) if ctx.training else None
         if not modules or op.stage in self.recompute:
-            yield None
-            return
+            return _NOTHING
+        return self._recorded(modules, op)
+
+    @contextlib.contextmanager
+    def _recorded(
+        self, modules: tuple[torch.nn.Module, ...], op: ComputeStep
+    ) -> Iterator[Selected | None]:
         cuda = self.rng.index if self.rng.cuda else None
         selected = Selected([], op.capture, op.unit.module)
         with recording(modules, self.autocast_device, cuda, selected):
