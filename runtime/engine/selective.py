@@ -202,8 +202,8 @@ class Selected:
                 values.append(tensor.detach() if tensor.requires_grad else tensor)
                 return len(values) - 1
 
-            def keep(tensor: torch.Tensor, values: list[torch.Tensor] = values) -> torch.Tensor:
-                values.append(tensor.detach() if tensor.requires_grad else tensor)
+            def keep(tensor: torch.Tensor, record: Any = record) -> torch.Tensor:
+                record(tensor)  # the contract's input takes its place in the same order
                 return tensor
 
             with (
