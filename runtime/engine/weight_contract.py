@@ -251,7 +251,7 @@ def _arrived(
     module, fn, params, x = call
     if not isinstance(x, torch.Tensor):
         x = x.get()  # kept through `keeping`
-    work = Deferred(module, fn, params, x, g.reshape(shape))
+    work = Deferred(module, fn, params, x, g if g.shape == shape else g.reshape(shape))
     store = capture.store
     if store is not None:
         store.append(work)
@@ -262,21 +262,38 @@ def _arrived(
 def accumulate(work: Deferred) -> None:
     """Add one call's weight gradients into `.grad`, as autograd's leaf accumulation does.
 
-    A Linear weight whose `.grad` already holds a gradient of its own dtype gets `gᵀ·x`
-    added by the matmul itself (`addmm_`), without a gradient block of its own: that block
-    (MBs) is what autograd allocates, adds and frees per Linear and microbatch, and with
-    glibc's default allocator each one is faulted in afresh. (The sum is rounded once
-    instead of twice, so from the second microbatch on it is not bit-identical to B's.)"""
-    names = set(work.params)
-    weight = work.params.get("weight")
-    if work.fn is linear_weight_grads and weight is not None and _fusable(weight, work.g):
-        assert weight.grad is not None  # _fusable
-        g2 = work.g.reshape(-1, work.g.shape[-1])
-        with torch.no_grad():  # x needs a gradient: recorded, .grad would keep x and g alive
-            weight.grad.addmm_(g2.t(), work.x.reshape(-1, work.x.shape[-1]).to(g2.dtype))
-        names.discard("weight")
-    if names:
-        _add(work, names)
+    A Linear whose `.grad`s already hold gradients of their own dtype gets `gᵀ·x` added by
+    the matmul itself (`addmm_`) and `Σ g` by one `add_`, without a gradient block of their
+    own: that block (MBs) is what autograd allocates, adds and frees per Linear and
+    microbatch, and with glibc's default allocator each one is faulted in afresh. (The sum
+    is rounded once instead of twice, so from the second microbatch on it is not
+    bit-identical to B's.) That is the common case from the second microbatch of a step on,
+    and it runs no more torch calls than the arithmetic needs: this is most of `W`'s host
+    time on small microbatches."""
+    if work.fn is linear_weight_grads:
+        weight = work.params.get("weight")
+        if weight is not None and _fusable(weight, work.g):
+            g2 = _rows(work.g)
+            x2 = _rows(work.x)
+            if x2.requires_grad:  # autograd would record the add, and .grad keep x and g
+                x2 = x2.detach()
+            if x2.dtype != g2.dtype:
+                x2 = x2.to(g2.dtype)
+            weight.grad.addmm_(g2.t(), x2)  # type: ignore[union-attr]  # _fusable
+            bias = work.params.get("bias")
+            if bias is None:
+                return
+            if _fusable(bias, work.g):
+                bias.grad.add_(g2.sum(0))  # type: ignore[union-attr]  # _fusable
+                return
+            _add(work, {"bias"})
+            return
+    _add(work, set(work.params))
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a matrix of rows (its last dimension the columns)."""
+    return tensor if tensor.dim() == 2 else tensor.reshape(-1, tensor.shape[-1])
 
 
 def _fusable(weight: torch.Tensor, g: torch.Tensor) -> bool:

@@ -454,6 +454,9 @@ def test_w_adds_into_existing_gradients_inside_the_matmul(dtype: torch.dtype) ->
             weight.run()
     assert counted.ops["addmm_"] == 3 and counted.ops["mm"] == 0
     assert counted.ops["add_"] == 3, "the bias gradients only"
+    for name, param in captured.named_parameters():  # x needs a gradient: nothing recorded
+        assert param.grad is not None and param.grad.grad_fn is None, name
+        assert not param.grad.requires_grad, name
     tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
     for (name, a), b in zip(plain.named_parameters(), captured.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=name, **tolerance)
