@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -12,7 +12,8 @@ from typing import Any, cast
 import pytest
 import torch
 from pipecc.runtime import TensorSpec
-from pipecc.runtime.comm.channel import Channel, OpTimeout, Posted
+from pipecc.runtime.comm import channel as channel_module
+from pipecc.runtime.comm.channel import Channel, Group, OpTimeout, Posted, Poster
 from pipecc.runtime.plan.binding import backend_problem
 from pipecc.runtime.plan.plan import build_plan as _plan
 from pipecc.runtime.plan.plan import forward_only as _forward_only
@@ -285,9 +286,38 @@ def test_a_wait_is_a_timeout_by_its_deadline_not_its_text(
 
 
 def test_an_op_not_posted_by_its_deadline_is_a_timeout() -> None:
-    never: Future[list[list[Any]]] = Future()
+    never = Group([], batched=False)  # never handed to a poster thread
     with pytest.raises(OpTimeout):
-        Posted(future=never).works(0.01)
+        Posted(group=never, index=0).works(0.01)
+
+
+def test_a_group_posted_by_the_poster_thread_gives_each_op_its_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Groups are posted in the order submitted, in the poster thread; each op takes its own
+    works; an error raised while posting reaches every op of its group."""
+    seen: list[tuple[str, int]] = []
+
+    def post_now(ops: list[Any], batched: bool) -> list[list[Any]]:
+        if ops and ops[0] == "bad":
+            raise RuntimeError("gloo refused")
+        seen.append((threading.current_thread().name, len(ops)))
+        return [[f"work {op}"] for op in ops]
+
+    monkeypatch.setattr(channel_module, "_post_now", post_now)
+    poster = Poster()
+    try:
+        first = [Posted(group=g, index=i) for g in [poster.submit(["a", "b"], True)]
+                 for i in range(2)]  # fmt: skip
+        bad = poster.submit(["bad"], False)
+        last = Posted(group=poster.submit(["c"], False), index=0)
+        assert last.works(5.0) == ["work c"]
+        assert [p.works(5.0) for p in reversed(first)] == [["work b"], ["work a"]]
+        with pytest.raises(RuntimeError, match="gloo refused"):
+            Posted(group=bad, index=0).works(5.0)
+    finally:
+        poster.shutdown()
+    assert seen == [("pipecc-post", 2), ("pipecc-post", 1)]
 
 
 class _AddsToATuple(nn.Module):
