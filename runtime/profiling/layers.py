@@ -3,8 +3,9 @@
 Each layer (a module of the model file's `build_layers_model()`, named as in the cut) is
 first timed alone, in one process on one thread, on one microbatch of the run's batch: the
 whole model runs once with a forward pre-hook on every layer that keeps the layer's real
-input; then each layer runs on that input `repeats` times as the runtime runs a split
-backward (runtime/engine/split_backward.py): F its forward (inside the weight contract's
+input; then the layers run on their inputs in rounds (every layer once a round, `ROUNDS`
+rounds, so that a slow moment of the machine lands on all of them alike) as the runtime runs
+a split backward (runtime/engine/split_backward.py): F its forward (inside the weight contract's
 capture when it holds a contracted module, as the runtime's forward of a split chunk), I
 `input_backward` from its output and W the weight work that I left, each the median of
 `perf_counter` times. The last layer's F and I include the loss (`loss_fn` on its output).
@@ -55,6 +56,7 @@ class Times(NamedTuple):
     W: float
 
 
+ROUNDS = 15  # rounds of alone timings per layer (`profile_layers`)
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
@@ -191,32 +193,22 @@ def _split_once(module: torch.nn.Module, args: tuple[Any, ...], finish: Finish) 
     return Times(forward - start, backward - forward, end - backward)
 
 
-def _time_layer(
-    module: torch.nn.Module, args: tuple[Any, ...], finish: Finish, repeats: int
-) -> dict[str, float]:
-    """F, I and W (ms, medians over `repeats` after a warm-up) and the bytes of one layer
-    on its input."""
-    act_bytes = _saved_bytes(module, args, finish)
-    runs = [_split_once(module, args, finish) for _ in range(repeats + 1)][1:]
+def _layer_facts(module: torch.nn.Module, args: tuple[Any, ...], finish: Finish) -> dict[str, int]:
+    """The bytes of one layer on its input: what its forward saves, its parameters, its
+    input."""
     return {
-        **{kind: statistics.median(getattr(r, kind) for r in runs) * 1e3 for kind in "FIW"},
-        "act_bytes": act_bytes,
+        "act_bytes": _saved_bytes(module, args, finish),
         "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
         "input_bytes": sum(t.numel() * t.element_size() for t in _tensors(args)),
     }
 
 
-def _time_loss(
-    module: torch.nn.Module, args: tuple[Any, ...], finish: Finish, repeats: int
-) -> float:
-    """The loss on the last layer's output (ms, the median of `repeats`)."""
+def _time_loss(module: torch.nn.Module, args: tuple[Any, ...], finish: Finish) -> float:
+    """One call of the loss on the last layer's output (seconds)."""
     out = module(*_leaves(args))
-    found = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        finish(out)
-        found.append(time.perf_counter() - start)
-    return statistics.median(found) * 1e3
+    start = time.perf_counter()
+    finish(out)
+    return time.perf_counter() - start
 
 
 def profile_layers(
@@ -224,30 +216,56 @@ def profile_layers(
     names: Sequence[str],
     batch: tuple[Any, ...],
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    repeats: int = 9,
+    repeats: int = ROUNDS,
 ) -> list[dict[str, Any]]:
-    """One entry per layer, in model order, each timed alone: name, F, I, W (ms),
+    """One entry per layer, in model order, each timed alone: name, F, I, W (ms, medians),
     act_bytes, param_bytes, input_bytes, on the microbatch `batch` ((inputs, targets) or
-    with a context)."""
+    with a context).
+
+    The layers are timed in `repeats` rounds (after one warm-up round), each round every
+    layer once in model order, not each layer's repeats one after the other: a slow moment
+    of a shared machine then lands on every layer of a round alike instead of on the few
+    layers timed during it. Each layer's times enter the calibration through its stage's
+    sum (`calibrate`), so one layer measured slow makes its stage's other layers look fast,
+    and a cut that moves those layers to another stage is mispredicted by as much."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs (runtime/tools/spawn.py)
     try:
         inputs = _inputs(model, names, batch)
         modules = dict(model.named_modules())
+        finishes = [_finish(loss_fn, batch, last=i == len(names) - 1) for i in range(len(names))]
+        runs: list[list[Times]] = [[] for _ in names]
+        losses: list[float] = []
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for index, name in enumerate(names):
+                times = _split_once(modules[name], inputs[name], finishes[index])
+                if round_ > 0:
+                    runs[index].append(times)
+            if round_ > 0:
+                losses.append(_time_loss(modules[names[-1]], inputs[names[-1]], finishes[-1]))
         entries = []
         for index, name in enumerate(names):
-            last = index == len(names) - 1
-
-            def finish(out: Any, last: bool = last) -> Any:
-                return loss_fn(out, batch[1]) if last else out
-
-            timed = _time_layer(modules[name], inputs[name], finish, repeats)
-            if last:  # the loss alone too: a run's layer hooks time the module without it
-                timed["loss"] = _time_loss(modules[name], inputs[name], finish, repeats)
-            entries.append({"name": name, **timed})
+            entry: dict[str, Any] = {
+                "name": name,
+                **{k: statistics.median(getattr(r, k) for r in runs[index]) * 1e3 for k in "FIW"},
+                **_layer_facts(modules[name], inputs[name], finishes[index]),
+            }
+            if index == len(names) - 1:  # the loss alone too: the run's layer hooks miss it
+                entry["loss"] = statistics.median(losses) * 1e3
+            entries.append(entry)
     finally:
         torch.set_num_threads(before)
     return entries
+
+
+def _finish(
+    loss_fn: Callable[[Any, Any], torch.Tensor], batch: tuple[Any, ...], *, last: bool
+) -> Finish:
+    """What a layer's backward starts from: the loss on its output for the last layer, the
+    output itself otherwise."""
+    if last:
+        return lambda out: loss_fn(out, batch[1])
+    return lambda out: out
 
 
 def stage_of_layers(names: Sequence[str], held: Mapping[int, Sequence[str]]) -> list[int]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipecc.runtime.profiling import layers as layers_module
 from pipecc.runtime.profiling.layers import (
     calibrate,
     profile_layers,
@@ -83,6 +84,27 @@ class _Model(nn.Module):
         for block in self.blocks:
             h = h + block(h)
         return self.head(h)
+
+
+def test_the_layers_are_timed_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer once a round, not one layer's repeats after another: a slow stretch of
+    the machine then lands on all layers of a round, not on the few timed during it (which
+    calibration would pass on to the other layers of their stage)."""
+    timed: list[int] = []
+    split_once = layers_module._split_once
+
+    def recorded(module: nn.Module, args: Any, finish: Any) -> Any:
+        timed.append(id(module))
+        return split_once(module, args, finish)
+
+    monkeypatch.setattr(layers_module, "_split_once", recorded)
+    model = _Model()
+    x = torch.randint(0, 16, (4, 8))
+    names = ["embed", "blocks.0", "blocks.1", "head"]
+    loss = lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    profile_layers(model, names, (x, x), loss, repeats=3)
+    order = [id(dict(model.named_modules())[n]) for n in names]
+    assert timed == order * 4, "a warm-up round, then 3 rounds of every layer"
 
 
 def test_each_layer_is_timed_with_its_backward_split(tmp_path: Any) -> None:
