@@ -106,6 +106,16 @@ def coalesces(op: dist.P2POp) -> bool:
     return bool(op.group._get_backend(op.tensor.device).supports_coalescing)
 
 
+def group_coalesces(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether `group`'s backend for `device` coalesces a group of point-to-point ops (False
+    where it has none for that device)."""
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(device)  # type: ignore[union-attr]
+    except RuntimeError:
+        return False
+    return bool(backend.supports_coalescing)
+
+
 def post_p2p(op: dist.P2POp, tensor: torch.Tensor) -> dist.Work | None:
     """Post one op's `tensor` on its process group directly (what `isend`/`irecv` do after
     their checks), to the peer's rank in that group."""

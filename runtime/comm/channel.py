@@ -17,6 +17,18 @@ work on a CUDA stream, so it happens in the calling thread. `PIPECC_POST_THREAD=
 environment when a runtime is built posts in the calling thread on gloo too (the tests run
 the gloo suite both ways; docs/runtime.md).
 
+One gloo group per direction: gloo connects each pair of ranks of a group by one socket, and
+when the two ranks of a pair send to each other at the same moment (every exchange of a
+symmetric schedule such as DualPipeV at P=2) one of the sends now and then stalls for
+milliseconds (measured: 1 to 5 sends in 200 took 2.2 to 5.4 ms against a median of 40 µs;
+docs/performance.md). So on gloo a pipeline's messages to a higher rank go over its own
+group and those to a lower rank over a second group of the same ranks (`Directions`), made
+once per pipeline and process when the first runtime is built: each socket then carries
+data one way. Messages between two ranks in one direction still go over one group, in
+program order, so which message matches which receive is exactly as verified. (Not where
+the backend coalesces, as NCCL does: a coalesced batch must be in one group.)
+`PIPECC_GLOO_DIRECTIONS=0` keeps one group for both directions.
+
 Completing a work: on gloo, `wait(timeout)` blocks the host and raises when the peer has not
 matched in time (or has died: gloo reports the closed connection); gloo raises a
 RuntimeError either way, so a failure after the deadline becomes an `OpTimeout`, a
@@ -39,13 +51,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import InputError
+from pipecc.diagnostics import InputError, SetupError
 
-from ..compat import coalesces, post_p2p
+from ..compat import coalesces, group_coalesces, post_p2p
 
 Work = dist.Work
 CLOCK_SLACK = 0.01  # seconds: gloo counts a wait's timeout in whole milliseconds
 POST_THREAD = "PIPECC_POST_THREAD"  # "0": no poster thread on gloo; "1" (default): one
+DIRECTIONS = "PIPECC_GLOO_DIRECTIONS"  # "0": one gloo group both ways; "1" (default): two
 
 
 class Posted:
@@ -166,10 +179,21 @@ class Channel:
         if self.blocking and _post_thread_wanted():
             self._poster = Poster()
             weakref.finalize(self, self._poster.shutdown)
+        self.downward = group  # the group of messages to a lower rank (module docstring)
+        if self.blocking and len(self.rank_map) > 1 and _switch(DIRECTIONS, "one group both ways"):
+            # a coalesced batch must be in one group (a test backend coalesces on gloo)
+            if not group_coalesces(group, torch.device("cpu")):
+                self.downward = downward_group(group, self.rank_map, timeout)
 
     def p2p(self, send: bool, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        """The op that sends `tensor` to program rank `peer`, or receives it from there: over
+        the pipeline's group when the message goes to a higher rank, over `downward` when it
+        goes to a lower one (both ends choose alike)."""
         op = dist.isend if send else dist.irecv
-        return dist.P2POp(op, tensor, self.rank_map[peer], self.group)
+        other = self.rank_map[peer]
+        me = dist.get_rank()
+        upward = me < other if send else other < me
+        return dist.P2POp(op, tensor, other, self.group if upward else self.downward)
 
     def post(self, ops: Sequence[dist.P2POp], *, batched: bool) -> list[Posted]:
         """Post `ops` (a group together when `batched`), in order; one handle per op."""
@@ -215,10 +239,50 @@ def uses_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
 
 def _post_thread_wanted() -> bool:
     """Whether posts on gloo go through the poster thread (`PIPECC_POST_THREAD`, default 1)."""
-    value = os.environ.get(POST_THREAD, "1")
+    return _switch(POST_THREAD, "post in the calling thread")
+
+
+def _switch(name: str, off: str) -> bool:
+    """An on/off setting of the environment: "1" (the default) or "0" (`off`)."""
+    value = os.environ.get(name, "1")
     if value not in ("0", "1"):
-        raise InputError(f"{POST_THREAD}={value!r}: expected 0 (post in the calling thread) or 1")
+        raise InputError(f"{name}={value!r}: expected 0 ({off}) or 1")
     return value == "1"
+
+
+# per pipeline (its global ranks): the group it was made for and its downward group
+_DOWNWARD: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}
+
+
+def downward_group(
+    group: dist.ProcessGroup | None, rank_map: Sequence[int], timeout: float
+) -> dist.ProcessGroup:
+    """A second gloo group of the pipeline's ranks, for its messages to a lower rank: made
+    on the pipeline's ranks only (`use_local_synchronization`: other pipelines of a larger
+    world take no part), the first time a runtime of this pipeline is built in this process,
+    and kept while the group it was made for lives (a new world makes it again). Every rank
+    of the pipeline builds its runtimes in the same order, so they make it together."""
+    parent = group if group is not None else dist.group.WORLD
+    key = tuple(rank_map)
+    kept = _DOWNWARD.get(key)
+    if kept is not None and kept[0] is parent:
+        return kept[1]
+    try:
+        made = dist.new_group(
+            sorted(key),
+            timeout=timedelta(seconds=timeout),
+            backend="gloo",
+            use_local_synchronization=True,
+            group_desc="pipecc pipeline, to lower ranks",
+        )
+    except Exception as err:  # e.g. a rank of the pipeline never built its runtime
+        raise SetupError(
+            f"rank {dist.get_rank()}: could not make the pipeline's second gloo group (ranks "
+            f"{list(key)}; {DIRECTIONS}=0 does without it): {type(err).__name__}: {err}"
+        ) from err
+    assert isinstance(made, dist.ProcessGroup)
+    _DOWNWARD[key] = (parent, made)
+    return made
 
 
 def _post_now(ops: list[dist.P2POp], batched: bool) -> list[list[Work]]:

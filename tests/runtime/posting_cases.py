@@ -115,6 +115,38 @@ def exchange_case(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def directions_case(rank: int, world: int) -> dict[str, Any]:
+    """Gloo's two groups, one per direction: which group each op takes, whether a second
+    channel of the same pipeline reuses them, and what arrives when both ranks send each
+    other many messages at once (each direction's messages in their order)."""
+    peer = 1 - rank
+    channel = comm.Channel(None, range(world), timeout=30.0, nccl=False)
+    again = comm.Channel(None, range(world), timeout=30.0, nccl=False)
+    world_group = dist.group.WORLD
+    count = 12
+    sent = [torch.full((3,), 100.0 * rank + i) for i in range(count)]
+    received = [torch.zeros(3) for _ in range(count)]
+    ops = []
+    for i in range(count):  # a receive and a send of each message, both ways at once
+        ops += [channel.p2p(False, received[i], peer), channel.p2p(True, sent[i], peer)]
+    for works in comm._post_now(ops, False):
+        for work in works:
+            work.wait(timedelta(seconds=30))
+    os.environ[comm.DIRECTIONS] = "0"
+    try:
+        single = comm.Channel(None, range(world), timeout=30.0, nccl=False)
+    finally:
+        del os.environ[comm.DIRECTIONS]
+    return {
+        "distinct": channel.downward is not None and channel.downward is not world_group,
+        "send_down": ops[1].group is channel.downward,
+        "recv_down": ops[0].group is channel.downward,
+        "reused": again.downward is channel.downward,
+        "received": [t[0].item() for t in received],
+        "single": single.downward is single.group,
+    }
+
+
 @contextmanager
 def posting_threads() -> Iterator[set[str]]:
     """The names of the threads that posted (runtime/comm/channel.py's `_post_now`) meanwhile."""
@@ -135,6 +167,7 @@ def posting_threads() -> Iterator[set[str]]:
 def run_posting(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
     """The cases with no poster thread, then the exchange and the cases again over
     coalescing gloo groups (poster thread on); which threads posted in each."""
+    directions = directions_case(rank, world)
     os.environ[comm.POST_THREAD] = "0"
     try:
         with posting_threads() as unthreaded_posters:
@@ -147,6 +180,7 @@ def run_posting(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
         with posting_threads() as coalesced_posters:
             coalesced = run_cases(rank, world, cases)
     return {
+        "directions": directions,
         "unthreaded": unthreaded,
         "unthreaded_posters": unthreaded_posters,
         "exchange": exchange,

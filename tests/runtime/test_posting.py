@@ -75,6 +75,21 @@ def test_a_coalesced_group_transfers_every_tensor_under_one_shared_work(
         assert torch.equal(ints, torch.tensor([peer, 7, 8]))
 
 
+def test_each_direction_has_its_own_gloo_group(posting: list[dict[str, Any]]) -> None:
+    """On gloo, messages to a lower rank go over a second group of the pipeline's ranks
+    (two ranks sending each other at once over one socket stall now and then: the module
+    docstring of runtime/comm/channel.py); each direction keeps its messages' order; a
+    second runtime of the same pipeline reuses the group; PIPECC_GLOO_DIRECTIONS=0 keeps
+    one group."""
+    for rank, result in enumerate(posting):
+        found = result["directions"]
+        assert found["distinct"] and found["reused"] and found["single"], found
+        assert found["send_down"] is (rank == 1), "rank 1 sends down, rank 0 up"
+        assert found["recv_down"] is (rank == 0), "rank 0 receives what came down"
+        peer = 1 - rank
+        assert found["received"] == [100.0 * peer + i for i in range(12)], "in order"
+
+
 def test_the_poster_thread_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     def poster(nccl: bool) -> object:
         return comm.Channel(None, [0], timeout=1.0, nccl=nccl)._poster
@@ -91,4 +106,11 @@ def test_the_poster_thread_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         poster(False)
     assert str(err.value) == (
         "error: PIPECC_POST_THREAD='off': expected 0 (post in the calling thread) or 1"
+    )
+    monkeypatch.setenv(comm.POST_THREAD, "1")
+    monkeypatch.setenv(comm.DIRECTIONS, "2")
+    with pytest.raises(InputError) as err:
+        comm.Channel(None, [0, 1], timeout=1.0, nccl=False)
+    assert str(err.value) == (
+        "error: PIPECC_GLOO_DIRECTIONS='2': expected 0 (one group both ways) or 1"
     )
