@@ -64,7 +64,11 @@ class Transfers:
                 for op, tensor in zip(step.ops, tensors, strict=True):
                     op.tensor = tensor  # its last post completed: the step's wait came first
             ops.extend(step.ops)
-        handles = self.channel.post(ops, batched=ctx.queue[0][0].batched)
+        try:
+            handles = self.channel.post(ops, batched=ctx.queue[0][0].batched)
+        except RuntimeError as err:  # the backend refused (a closed connection): not user code
+            ctx.queue.clear()
+            raise RankError(f"posting failed: {_short(str(err))}") from err
         first = 0  # each queued op's tensors are a contiguous run of `ops`
         for step, tensors in ctx.queue:
             mine = tuple(handles[first : first + len(tensors)])
