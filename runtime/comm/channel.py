@@ -6,26 +6,27 @@ live inside a larger world (pipeline × data parallel). A group of posts goes ou
 group, shared by its ops); on gloo, which does not, each op goes to the process group
 directly, one work per op, and every one of them is waited (pytorch#152938).
 
-Posting never blocks the rank for long (DESIGN §5). On NCCL a post only enqueues work on a
-CUDA stream. On gloo a send to a peer whose receive is already posted writes the data into
-the socket in the posting thread, and both sends and receives take the lock of the peer's
-connection, which gloo's own thread holds while it moves data. Over one socket carrying both
-directions that could stall a post for milliseconds (below), which is why gloo posts went
-through a poster thread until the directions got a group each; since then the hand-off to
-that thread (a wake-up each way, tens of µs on a busy host) costs more than it saves, on
-tiny and on large messages, quiet and loaded (docs/performance.md, "One gloo group per
-direction"), so posts happen in the calling thread. `PIPECC_POST_THREAD=1` in the
-environment when a runtime is built sends every post on gloo through one poster thread, in
-program order (a FIFO of one worker keeps the order the program was verified with), and the
-compute thread goes on; a `wait` first waits for its post to have happened (the tests run
-the gloo suite both ways; docs/runtime.md).
+Posting never blocks the rank (DESIGN §5). On gloo it can: a send to a peer whose receive is
+already posted writes the data in the posting thread, and both sends and receives take the
+lock of the peer's connection, which gloo's own thread holds while it moves data; on a busy
+host each of these waits until the scheduler runs the other thread (milliseconds; measured,
+docs/performance.md). So on gloo every post goes through one poster thread, in program order
+(a FIFO of one worker keeps the order the program was verified with), and the compute thread
+goes on; a `wait` first waits for its post to have happened. On NCCL a post only enqueues
+work on a CUDA stream, so it happens in the calling thread. `PIPECC_POST_THREAD=0` in the
+environment when a runtime is built posts in the calling thread on gloo too (the tests run
+the gloo suite both ways; docs/runtime.md). Since each direction has its own group (below)
+that is faster on tiny microbatches (the host-overhead benchmark's median 0.43 against
+0.48-0.52), but the simulator then predicts a run 10-20% fast where it predicts the
+default within 5% (docs/performance.md, "One gloo group per direction"): the default keeps
+the thread, so what `pipecc run --profile` measures is what `compare` and `search` predict.
 
 One gloo group per direction: gloo connects each pair of ranks of a group by one socket, and
 when the two ranks of a pair send to each other at the same moment (every exchange of a
 symmetric schedule such as DualPipeV at P=2) one of the sends now and then stalls for
 milliseconds (measured: 1 to 5 sends in 200 took 2.2 to 5.4 ms against a median of 40 µs;
 docs/performance.md). So on gloo a pipeline's messages to a higher rank go over its own
-group and those to a lower rank over a second group of the same ranks (`downward_group`), made
+group and those to a lower rank over a second group of the same ranks (`Directions`), made
 once per pipeline and process when the first runtime is built: each socket then carries
 data one way. Messages between two ranks in one direction still go over one group, in
 program order, so which message matches which receive is exactly as verified. (Not where
@@ -60,7 +61,7 @@ from ..compat import coalesces, group_coalesces, post_p2p
 
 Work = dist.Work
 CLOCK_SLACK = 0.01  # seconds: gloo counts a wait's timeout in whole milliseconds
-POST_THREAD = "PIPECC_POST_THREAD"  # "1": a poster thread on gloo; "0" (default): none
+POST_THREAD = "PIPECC_POST_THREAD"  # "0": no poster thread on gloo; "1" (default): one
 DIRECTIONS = "PIPECC_GLOO_DIRECTIONS"  # "0": one gloo group both ways; "1" (default): two
 
 
@@ -241,17 +242,15 @@ def uses_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
 
 
 def _post_thread_wanted() -> bool:
-    """Whether posts on gloo go through the poster thread (`PIPECC_POST_THREAD`, default 0)."""
-    return _switch(
-        POST_THREAD, "post in the calling thread", default="0", on="through a poster thread"
-    )
+    """Whether posts on gloo go through the poster thread (`PIPECC_POST_THREAD`, default 1)."""
+    return _switch(POST_THREAD, "post in the calling thread")
 
 
-def _switch(name: str, off: str, *, default: str = "1", on: str = "") -> bool:
-    """An on/off setting of the environment: "1" or "0" (`off`; what "1" is: `on`)."""
-    value = os.environ.get(name, default)
+def _switch(name: str, off: str) -> bool:
+    """An on/off setting of the environment: "1" (the default) or "0" (`off`)."""
+    value = os.environ.get(name, "1")
     if value not in ("0", "1"):
-        raise InputError(f"{name}={value!r}: expected 0 ({off}) or 1{f' ({on})' if on else ''}")
+        raise InputError(f"{name}={value!r}: expected 0 ({off}) or 1")
     return value == "1"
 
 
@@ -294,9 +293,9 @@ def _post_now(ops: list[dist.P2POp], batched: bool) -> list[list[Work]]:
     """Post `ops` now; for each op, the works that complete it. A group goes through
     `batch_isend_irecv` only where the backend coalesces it (NCCL). Elsewhere (gloo) that
     posts the ops one by one anyway, so each goes to its process group directly, without
-    the argument checks of `isend`/`irecv` (the ops come from a verified program): host
-    time on every message's way out, in the compute thread or the poster's (measured:
-    docs/performance.md, "Less Python in the poster thread")."""
+    the argument checks of `isend`/`irecv` (the ops come from a verified program): on gloo
+    this Python runs in the poster thread, holding the interpreter lock that the compute
+    thread needs (measured: docs/performance.md, "Less Python in the poster thread")."""
     if not batched or not coalesces(ops[0]):
         return [_single(op) for op in ops]
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None]

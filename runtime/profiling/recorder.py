@@ -46,8 +46,8 @@ steps, as below.
   every kind (a backward's fixed part, autograd's start, is not separable from its layers).
 
 - `post`: host time of one send or receive instruction on the compute thread: preparing its
-  buffer and, at the last op of a group, posting it (or handing it to the poster thread,
-  on gloo with `PIPECC_POST_THREAD=1`). The simulator charges it to every Send/Recv and posts a group at the
+  buffer and, at the last op of a group, handing the group to the poster thread (gloo) or
+  posting it (NCCL). The simulator charges it to every Send/Recv and posts a group at the
   end of its last op's post.
 - `wait`: host time of a wait after its last op completed (the mailbox, the bookkeeping).
 - `comm`: the latency under which the simulator's rendezvous rule reproduces the run's own
@@ -56,7 +56,7 @@ steps, as below.
   was released; under the rule it is released at max(start, that moment + comm). `comm` is
   the smallest value that makes those releases add up to the measured ones (their sum grows
   with `comm`). Transfers are slower while both ranks compute (gloo's
-  threads need a core) than while one waits, and a wait that finds its data
+  threads and the poster need a core) than while one waits, and a wait that finds its data
   already there says nothing of when it came; fitting all waits at once counts both right,
   where an average over waits that blocked would count only the slow ones and one over
   waits that began before their transfer only the fast ones.

@@ -51,7 +51,9 @@ def test_a_noisy_profile_is_refused_unless_allowed(tmp_path: Path) -> None:
     assert profile["steps"] == 20
     assert profile["spread"] == report["profile_spread"]
     assert profile["spread_at"] == report["profile_spread_at"]
-    assert profile["stage"]["0"]["F_spread"] > 1.0, "the odd steps' 20 ms"
+    # half the steps sleep 20 ms: the quartiles fall in the two modes, the median in one
+    # of them or between, so the spread is 1 to 2, never near the bound
+    assert profile["stage"]["0"]["F_spread"] > 5 * SPREAD_BOUND, "the odd steps' 20 ms"
     assert profile["stage"]["0"]["spread"] == report["profile_spread"], "stage 0 is the worst"
     assert report["profile_spread_at"] == "stage 0"
     assert tomllib.loads(costs.read_text())["cost"]["dispatch"] > 0, "each forward's host time"
