@@ -109,8 +109,11 @@ def coalesces(op: dist.P2POp) -> bool:
 def group_coalesces(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether `group`'s backend for `device` coalesces a group of point-to-point ops (False
     where it has none for that device)."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return False
     try:
-        backend = (group or dist.group.WORLD)._get_backend(device)  # type: ignore[union-attr]
+        backend = pg._get_backend(device)
     except RuntimeError:
         return False
     return bool(backend.supports_coalescing)

@@ -271,20 +271,20 @@ def accumulate(work: Deferred) -> None:
     and it runs no more torch calls than the arithmetic needs: this is most of `W`'s host
     time on small microbatches."""
     if work.fn is linear_weight_grads:
-        weight = work.params.get("weight")
-        if weight is not None and _fusable(weight, work.g):
+        weight_grad = _fusable(work.params.get("weight"), work.g)
+        if weight_grad is not None:
             g2 = _rows(work.g)
             x2 = _rows(work.x)
             if x2.requires_grad:  # autograd would record the add, and .grad keep x and g
                 x2 = x2.detach()
             if x2.dtype != g2.dtype:
                 x2 = x2.to(g2.dtype)
-            weight.grad.addmm_(g2.t(), x2)  # type: ignore[union-attr]  # _fusable
-            bias = work.params.get("bias")
-            if bias is None:
+            weight_grad.addmm_(g2.t(), x2)
+            if "bias" not in work.params:
                 return
-            if _fusable(bias, work.g):
-                bias.grad.add_(g2.sum(0))  # type: ignore[union-attr]  # _fusable
+            bias_grad = _fusable(work.params["bias"], work.g)
+            if bias_grad is not None:
+                bias_grad.add_(g2.sum(0))
                 return
             _add(work, {"bias"})
             return
@@ -296,9 +296,15 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dim() == 2 else tensor.reshape(-1, tensor.shape[-1])
 
 
-def _fusable(weight: torch.Tensor, g: torch.Tensor) -> bool:
-    grad = weight.grad
-    return grad is not None and grad.dtype == g.dtype == weight.dtype and grad.is_contiguous()
+def _fusable(param: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor | None:
+    """`param.grad` where `W` can add into it in place: one of the gradient's dtype (and
+    the parameter's), contiguous; None otherwise."""
+    if param is None:
+        return None
+    grad = param.grad
+    if grad is None or not grad.dtype == g.dtype == param.dtype or not grad.is_contiguous():
+        return None
+    return grad
 
 
 def _add(work: Deferred, names: set[str]) -> None:
