@@ -16,7 +16,7 @@ goes on; a `wait` first waits for its post to have happened. On NCCL a post only
 work on a CUDA stream, so it happens in the calling thread. `PIPECC_POST_THREAD=0` in the
 environment when a runtime is built posts in the calling thread on gloo too (the tests run
 the gloo suite both ways; docs/runtime.md). Since each direction has its own group (below)
-that is faster on tiny microbatches (the host-overhead benchmark's median 0.43 against
+posting in place is faster on tiny microbatches (the host-overhead benchmark's median 0.43 against
 0.48-0.52), but the simulator then predicts a run 10-20% fast where it predicts the
 default within 5% (docs/performance.md, "One gloo group per direction"): the default keeps
 the thread, so what `pipecc run --profile` measures is what `compare` and `search` predict.
@@ -26,7 +26,7 @@ when the two ranks of a pair send to each other at the same moment (every exchan
 symmetric schedule such as DualPipeV at P=2) one of the sends now and then stalls for
 milliseconds (measured: 1 to 5 sends in 200 took 2.2 to 5.4 ms against a median of 40 µs;
 docs/performance.md). So on gloo a pipeline's messages to a higher rank go over its own
-group and those to a lower rank over a second group of the same ranks (`Directions`), made
+group and those to a lower rank over a second group of the same ranks (`downward_group`), made
 once per pipeline and process when the first runtime is built: each socket then carries
 data one way. Messages between two ranks in one direction still go over one group, in
 program order, so which message matches which receive is exactly as verified. (Not where
