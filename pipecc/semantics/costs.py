@@ -54,8 +54,8 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   writes them): its placement's name, its P and its stages per pipe S
 
 Defaults: F=1, B=2, I=1, W=1. Given only B, I = W = B/2; given I and W, B = I + W; given B
-and I, W = B - I. With `dispatch` d each instruction pays its fixed part once: B = I + W - d,
-I = W = (B + d)/2, W = B - I + d. A stage override `[cost.stage.N]` applies to stage N of
+and I, W = B - I (measured on this runtime, docs/simulate.md; `dispatch` enters only the
+conversion to another cut). A stage override `[cost.stage.N]` applies to stage N of
 every pipe (the two pipes of DualPipe hold the same layers at the same stage index).
 
 The convention (docs/simulate.md, DESIGN §6): global costs are per share of the model (1/P).
@@ -277,7 +277,7 @@ class CostModel:
         cached = self._resolved.get(stage)
         if cached is None:
             raw = dict(self.stages).get(stage, StageCost()).over(self.base)
-            cached = _resolve(raw, self.bandwidth, self.default_scale, self.host.dispatch or 0.0)
+            cached = _resolve(raw, self.bandwidth, self.default_scale)
             self._resolved[stage] = cached
         return cached
 
@@ -433,7 +433,7 @@ class CostModel:
         base = _scaled(self.base, factor, fixed)
         tables = dict(self.stages)
         raw = [tables.get(j, StageCost()).over(base) for j in range(measured.stages)]
-        done = [_resolve(cost, self.bandwidth, factor, fixed) for cost in raw]
+        done = [_resolve(cost, self.bandwidth, factor) for cost in raw]
         return tuple(
             (s, _recut_stage(raw, done, s, (measured.stages, cut.stages), fixed))
             for s in range(cut.stages)
@@ -592,30 +592,26 @@ def format_shared(groups: tuple[tuple[int, ...], ...]) -> str:
     return "/".join("+".join(str(stage) for stage in group) for group in groups)
 
 
-def _resolve(
-    cost: StageCost, bandwidth: float | None, scale: float = 1.0, fixed: float = 0.0
-) -> ResolvedCost:
+def _resolve(cost: StageCost, bandwidth: float | None, scale: float = 1.0) -> ResolvedCost:
     """Defaults and derivations applied; the defaults F=1 and B=2 are per share, times
-    `scale` (a converted model's shares per stage). Each instruction pays the fixed part
-    `fixed` (`dispatch`) once: B derived from I and W pays it once, not twice, and each
-    half derived from B pays its own (with `fixed` 0, plain sums and halves)."""
+    `scale` (a converted model's shares per stage). A derived duration is a plain sum or
+    half: B = I + W, I = W = B / 2 (`dispatch` enters the conversion of a given duration to
+    another cut, not these; docs/simulate.md says what was measured)."""
     F = cost.F if cost.F is not None else scale
     B, I, W = cost.B, cost.I, cost.W  # noqa: E741
     if B is None and I is not None and W is not None:
-        B = I + W - min(fixed, I, W)
+        B = I + W
     if B is None and I is None and W is None:
         B = 2.0 * scale
     elif B is None:  # one half given: the other the same
-        half = I or W or 1.0
-        B = 2 * half - min(fixed, half)
-    once = min(fixed, B)
+        B = 2 * (I or W or 1.0)
     if I is None and W is None:
-        I = W = (B + once) / 2  # noqa: E741
+        I = W = B / 2  # noqa: E741
     elif I is None:
         assert W is not None  # the first branch took both None
-        I = B - W + once  # noqa: E741
+        I = B - W  # noqa: E741
     elif W is None:
-        W = B - I + once
+        W = B - I
     assert I is not None and W is not None  # every branch above set both
     if I < 0 or W < 0:
         raise CostModelError(f"B={B:g} is less than its given half (I={I:g}, W={W:g})")
