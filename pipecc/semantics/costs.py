@@ -729,11 +729,18 @@ def load_cost_file(path: str | Path) -> CostModel:
     """A TOML cost file: `[cost]` with global keys, `[cost.stage.N]` with overrides."""
     where = str(path)
     try:
-        data = tomllib.loads(Path(path).read_text("utf-8"))
+        text = Path(path).read_text("utf-8")
     except FileNotFoundError:
         raise CostModelError(f"{where}: no such file") from None
     except (OSError, UnicodeDecodeError) as err:
         raise CostModelError(f"{where}: cannot read: {err}") from None
+    return parse_cost_text(text, where)
+
+
+def parse_cost_text(text: str, where: str) -> CostModel:
+    """The text of a TOML cost file; `where` names it in errors."""
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise CostModelError(f"{where}: malformed TOML: {err}") from None
     cost = data.get("cost")

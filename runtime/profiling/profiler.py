@@ -47,7 +47,10 @@ class ProfilingInterpreter(Interpreter):
             handles.append(chunk.module.register_forward_pre_hook(self._entered))
             handles.append(chunk.module.register_forward_hook(self._left))
         try:
+            start = time.perf_counter()
             super().run(current, ctx)
+            self._synchronize()
+            self.recorder.span(start, time.perf_counter())
         finally:
             for handle in handles:
                 handle.remove()

@@ -2,7 +2,8 @@
 
 A `Recorder` collects, on one rank during real steps, the wall time of every compute
 instruction and of every post, when each message was posted on each side, when each wait
-started and was released, and the duplicated-stage gradient sum. `render_cost_file` merges
+started and was released, the duplicated-stage gradient sum, and when the step's first
+instruction started and its last ended. `render_cost_file` merges
 the records of all ranks into the simulator's TOML cost format (DESIGN §6):
 
     [cost]            unit = "ms"; placement, ranks, stages: the program's placement, its P
@@ -50,16 +51,16 @@ steps, as below.
   posting it (NCCL). The simulator charges it to every Send/Recv and posts a group at the
   end of its last op's post.
 - `wait`: host time of a wait after its last op completed (the mailbox, the bookkeeping).
-- `comm`: the latency under which the simulator's rendezvous rule reproduces the run's own
-  waits. For every wait that waits for a transfer, the run measured when it started, when
-  the last of its transfers could start (its send and its receive both posted) and when it
-  was released; under the rule it is released at max(start, that moment + comm). `comm` is
-  the smallest value that makes those releases add up to the measured ones (their sum grows
-  with `comm`). Transfers are slower while both ranks compute (gloo's
-  threads and the poster need a core) than while one waits, and a wait that finds its data
-  already there says nothing of when it came; fitting all waits at once counts both right,
-  where an average over waits that blocked would count only the slow ones and one over
-  waits that began before their transfer only the fast ones.
+- `comm`: the latency under which the profiled program, replayed with the file's own
+  durations and host times under the backend's comm model (`render_cost_file`'s `model`),
+  lasts the median span of the timed steps: per step, the last end of any rank's
+  instructions minus the first start (`span_times`; `calibrated_comm` bisects, the
+  makespan never falling as the latency grows). So the profile predicts its own run. Where
+  no latency moves the replay (no messages), the waits' fit: for every wait that waits for
+  a transfer, the run measured when it started, when the last of its transfers could start
+  (its send and its receive both posted) and when it was released; under the rendezvous
+  rule it is released at max(start, that moment + comm), and `fit_latency` finds the
+  smallest comm that makes those releases add up to the measured ones.
 - `sync`: per step, from the moment the last holder of a duplicated stage starts the
   gradient sum to the moment the last one has finished it.
 
@@ -72,18 +73,23 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipecc.ir.keys import Message
 from pipecc.ir.program import Program
+from pipecc.semantics import CommModel
+from pipecc.semantics.costs import parse_cost_text
+from pipecc.simulate import simulate
 
 WaitedOp = tuple[bool, Message]  # (a send?, its message)
 KEYS = ("F", "B", "I", "W", "FB", "FI")
 # the largest spread (relative interquartile range of the per-step means of one (stage, op))
 # of a profile `pipecc run --profile` writes without --allow-noisy-profile
 SPREAD_BOUND = 0.1
+CALIBRATION_CAP = 1000.0  # ms: the longest message latency `calibrated_comm` tries
+CALIBRATION_TOLERANCE = 1e-4  # ms: how close it finds it
 Samples = dict[int, list[float]]  # step -> the seconds of one (stage, op) measured in it
 
 
@@ -101,6 +107,8 @@ class Recorder:
         default_factory=list
     )
     syncs: list[tuple[int, float, float]] = field(default_factory=list)  # (step, start, end)
+    # (step, start, end): the program's instructions on this rank, first start to last end
+    spans: list[tuple[int, float, float]] = field(default_factory=list)
     # of each forward, the seconds outside its stage's module call (the fixed part)
     outsides: list[float] = field(default_factory=list)
 
@@ -121,6 +129,9 @@ class Recorder:
 
     def sync(self, start: float, end: float) -> None:
         self.syncs.append((self.step, start, end))
+
+    def span(self, start: float, end: float) -> None:
+        self.spans.append((self.step, start, end))
 
 
 def _mean_ms(samples: Iterable[float]) -> float:
@@ -276,6 +287,18 @@ def sync_times(records: list[Recorder]) -> list[float]:
     return [ends[step] - starts[step] for step in sorted(starts)]
 
 
+def span_times(records: list[Recorder]) -> list[float]:
+    """Per timed step: the program's span over every rank (the last end of its instructions
+    minus their first start; the ranks share one clock)."""
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for record in records:
+        for step, start, end in record.spans:
+            starts[step] = min(starts.get(step, start), start)
+            ends[step] = max(ends.get(step, end), end)
+    return [ends[step] - starts[step] for step in sorted(starts)]
+
+
 def wait_times(records: list[Recorder]) -> list[tuple[float, float, float]]:
     """Per wait that waits for a transfer: (its start, the moment its last transfer could
     start: both sides posted, its release)."""
@@ -330,10 +353,13 @@ def render_cost_file(
     measured_on: Program,
     shared: Sequence[Sequence[int]] = (),
     sizes: Mapping[int, Mapping[str, int]] | None = None,
+    model: CommModel = CommModel.RENDEZVOUS,
 ) -> str:
     """The TOML text: a comment header, `[cost]` (what it was measured on, the durations per
     share, with `shared`, the groups of stages that hold one parameter, where there are any),
-    the `[cost.stage.N]` tables, then `[profile]` (what the figures are over, their spread)."""
+    the `[cost.stage.N]` tables, then `[profile]` (what the figures are over, their spread).
+    `comm` is calibrated on the run (`calibrated_comm`) under `model`, the comm model of the
+    backend it ran on."""
     top, per_stage = compute_costs(records)
     ranks, stages = measured_on.num_ranks, measured_on.placement.num_stages(0)
     fixed = dispatch_ms(records)
@@ -343,13 +369,47 @@ def render_cost_file(
     top.update(host_costs(records))
     if fixed is not None:
         top["dispatch"] = fixed
-    lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    lines += ["", "[cost]", 'unit = "ms"', *_measured_on(measured_on), *_table(top)]
-    if shared:
-        lines.append(f"shared = {[list(group) for group in shared]}")
-    for stage, costs in per_stage.items():  # with `sizes`, its byte keys (profiling/memory.py)
-        lines += ["", f"[cost.stage.{stage}]", *_table({**costs, **(sizes or {}).get(stage, {})})]
-    return "\n".join([*lines, *_profile_table(records)]) + "\n"
+
+    def text(comm: float | None) -> str:
+        given = {**top} if comm is None else {**top, "comm": round(comm, 4)}
+        lines = [f"# {line}".rstrip() for line in header.splitlines()]
+        lines += ["", "[cost]", 'unit = "ms"', *_measured_on(measured_on), *_table(given)]
+        if shared:
+            lines.append(f"shared = {[list(group) for group in shared]}")
+        for stage, costs in per_stage.items():  # with `sizes`, its byte keys (memory.py)
+            table = {**costs, **(sizes or {}).get(stage, {})}
+            lines += ["", f"[cost.stage.{stage}]", *_table(table)]
+        return "\n".join([*lines, *_profile_table(records)]) + "\n"
+
+    def predicted(comm: float) -> float:
+        costs = parse_cost_text(text(comm), "the profile").for_program(measured_on)
+        return simulate(measured_on, costs, model=model).makespan
+
+    spans = span_times(records)
+    # without spans, or where no latency moves the replay (no messages): the waits' fit
+    return text(calibrated_comm(predicted, statistics.median(spans) * 1e3) if spans else None)
+
+
+def calibrated_comm(predicted: Callable[[float], float], span: float) -> float | None:
+    """The profile's `comm` (ms): the smallest latency under which the replay of the profiled
+    program with the profile's own durations (`predicted(comm)`: its makespan, ms) is as long
+    as the median span the run measured, `span` (module docstring); 0 when the replay is that
+    long without any latency; None when no latency up to `CALIBRATION_CAP` makes it so (a
+    program without messages: its makespan does not move)."""
+    low, high = 0.0, 0.5
+    if predicted(low) >= span:
+        return 0.0
+    while predicted(high) < span:
+        if high >= CALIBRATION_CAP:
+            return None
+        low, high = high, min(high * 2, CALIBRATION_CAP)
+    while high - low > CALIBRATION_TOLERANCE:  # the makespan never falls as latency grows
+        middle = (low + high) / 2
+        if predicted(middle) < span:
+            low = middle
+        else:
+            high = middle
+    return high
 
 
 def _measured_on(program: Program) -> list[str]:

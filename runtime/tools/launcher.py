@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+import tomllib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,6 +30,7 @@ from pipecc.diagnostics import InputError
 from pipecc.ir.mesh import Mesh
 from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Program
+from pipecc.semantics import CommModel
 
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
@@ -166,6 +168,7 @@ def run_job(job: RunJob) -> RunReport:
     aux = aux_by_stage([r["aux"][last] for r in results], microbatches)
     program = job.program
     worst = worst_spread(_records(results)) if job.profile else None
+    cost_text = _cost_text(job, results) if job.profile else None
     return RunReport(
         schedule=program.schedule,
         ranks=program.num_ranks,
@@ -184,7 +187,7 @@ def run_job(job: RunJob) -> RunReport:
             [*(d for r in results for d in r["dtypes"]), _autocast(job, model) or torch.float32]
         ),
         worst_params=[] if checked is None else [d._asdict() for d in checked.worst],
-        cost_file=_cost_text(job, results) if job.profile else None,
+        cost_file=cost_text,
         profile_spread=None if worst is None else worst.spread,
         profile_spread_at=None if worst is None else worst.where(),
         profile_spread_bound=SPREAD_BOUND if job.profile else None,
@@ -194,14 +197,18 @@ def run_job(job: RunJob) -> RunReport:
         reference_aux_loss=None if checked is None else checked.reference_added,
         check_failures=[] if checked is None else list(checked.failures),
         **_memory_fields(results),
-        layer_profile=_layer_profile(job, model, results) if job.profile_layers else None,
+        layer_profile=_layer_profile(job, model, results, cost_text)
+        if job.profile_layers and cost_text is not None
+        else None,
     )
 
 
-def _layer_profile(job: RunJob, model: ModelFile, results: list[dict[str, Any]]) -> str:
+def _layer_profile(
+    job: RunJob, model: ModelFile, results: list[dict[str, Any]], cost_text: str
+) -> str:
     """--profile-layers: each layer timed alone on one microbatch, then calibrated against
-    the stages this run measured (profiling/layers.py), with the run's host times and fitted
-    message latency."""
+    the stages this run measured (profiling/layers.py), with the run's host times and the
+    message latency of its cost file (`cost_text`, calibrated on the run's steps)."""
     whole = model.layers_model()
     names = [n for stage in job.layers for n in stage] if job.layers else layer_names(whole)
     rows = job.batch_size // job.program.num_microbatches
@@ -212,7 +219,7 @@ def _layer_profile(job: RunJob, model: ModelFile, results: list[dict[str, Any]])
     in_run = {name: ms for r in results for name, ms in r["layer_f"].items()}
     entries, fixed = calibrate(entries, stage_of_layers(names, held), measured, in_run)
     host = {**comm_costs(records), **host_costs(records), "F_fixed": fixed}
-    host.setdefault("comm", 0.0)
+    host["comm"] = tomllib.loads(cost_text)["cost"].get("comm", 0.0)
     header = (
         f"pipecc run --profile-layers: {job.model}, {len(names)} layers, one microbatch of "
         f"{rows} rows; F timed inside this {job.program.schedule} run (P="
@@ -427,7 +434,8 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "placement, ranks, stages = the program measured on (P, S stages per pipe);",
             "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
             "post = host time of a send or recv; wait = host time of a wait after its release;",
-            "comm = the latency under which the rendezvous rule reproduces the run's waits;",
+            "comm = the message latency under which this program's replay with these costs",
+            "lasts as long as its timed steps did (the median span of its instructions);",
             "sync = the gradient sum of parameters held by several ranks (duplicated stages,",
             "shared weights), per step; shared = the groups of stages that hold one parameter;",
             "bytes = median message size (per stage: its largest receive buffer); byte keys",
@@ -439,6 +447,7 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
     )
     shared = results[0]["shared_stages"]
     sizes = _memory_fields(results).get("memory_sizes")
+    model = CommModel.NCCL if backend_for(program.num_ranks) == "nccl" else CommModel.RENDEZVOUS
     return render_cost_file(
-        _records(results), header, measured_on=program, shared=shared, sizes=sizes
+        _records(results), header, measured_on=program, shared=shared, sizes=sizes, model=model
     )

@@ -17,7 +17,13 @@ from pipecc.runtime.comm.channel import Channel, Group, OpTimeout, Posted, Poste
 from pipecc.runtime.plan.binding import backend_problem
 from pipecc.runtime.plan.plan import build_plan as _plan
 from pipecc.runtime.plan.plan import forward_only as _forward_only
-from pipecc.runtime.profiling.recorder import Recorder, fit_latency, render_cost_file
+from pipecc.runtime.profiling.recorder import (
+    Recorder,
+    calibrated_comm,
+    fit_latency,
+    render_cost_file,
+    span_times,
+)
 from torch import nn
 
 from pipecc.api import compile_schedule
@@ -25,7 +31,9 @@ from pipecc.ir.keys import Message
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import EARLY_RECV, insert_comms, strip_comms
+from pipecc.semantics import CommModel
 from pipecc.semantics.costs import Cut, load_cost_file
+from pipecc.simulate import simulate
 
 
 def test_a_gloo_only_program_is_refused_on_nccl() -> None:
@@ -200,6 +208,44 @@ def test_comm_is_the_latency_that_reproduces_the_waits() -> None:
     slow = (20.0002, 20.0, 20.0006)  # came 0.2 ms after, still waited: 0.6 ms
     assert fit_latency([blocked, slow]) == pytest.approx(0.0005, abs=1e-8)
     assert fit_latency([]) == 0.0
+
+
+def test_comm_is_calibrated_so_that_the_profile_replays_its_own_steps(tmp_path: Path) -> None:
+    """With the spans of its steps recorded, `comm` is the latency under which the profiled
+    program replayed with the file's own durations lasts the median measured span: each
+    message of 1F1B at P=2, M=2 on the critical path takes it, so the makespan grows with it."""
+    program = compile_schedule("1f1b", ranks=2, microbatches=2)
+    records = []
+    for step, span in ((0, 0.0120), (1, 0.0140), (2, 0.0200)):  # the median: 14 ms
+        for rank in (0, 1):
+            record = Recorder(step=step)
+            for _ in range(2):
+                record.compute("F", rank, 0.001)
+                record.compute("B", rank, 0.002)
+            record.post(0.0001)
+            record.span(100.0 * step + 0.001 * rank, 100.0 * step + span)  # rank 1 later
+            records.append(record)
+    path = tmp_path / "costs.toml"
+    path.write_text(render_cost_file(records, "calibrated", measured_on=program))
+    costs = load_cost_file(path).for_program(program)
+    replayed = simulate(program, costs, model=CommModel.RENDEZVOUS).makespan
+    assert costs.base.comm is not None and costs.base.comm > 0.5
+    assert replayed == pytest.approx(14.0, abs=1e-3), "the median span, from rank 0's start"
+    without = load_cost_file(path)
+    assert span_times(records) == pytest.approx([0.012, 0.014, 0.02])
+    assert without.host.post == pytest.approx(0.1)
+
+
+def test_the_calibration_is_the_least_latency_that_reaches_the_span() -> None:
+    def linear(comm: float) -> float:  # 10 ms of work and 4 messages in a row
+        return 10.0 + 4 * comm
+
+    assert calibrated_comm(linear, 12.0) == pytest.approx(0.5, abs=2e-4)
+    assert calibrated_comm(linear, 9.0) == 0.0, "already that long without latency"
+    assert calibrated_comm(linear, 4011.0) is None, "beyond the latencies tried"
+    assert calibrated_comm(lambda comm: 10.0, 12.0) is None, "no message moves it"
+    stepped = calibrated_comm(lambda comm: 10.0 + max(0.0, comm - 3.0), 11.0)
+    assert stepped == pytest.approx(4.0, abs=2e-4), "found past the first doubling"
 
 
 class _Group:
