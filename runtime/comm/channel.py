@@ -6,20 +6,20 @@ live inside a larger world (pipeline × data parallel). A group of posts goes ou
 group, shared by its ops); on gloo, which does not, each op goes to the process group
 directly, one work per op, and every one of them is waited (pytorch#152938).
 
-Posting never blocks the rank (DESIGN §5). On gloo it can: a send to a peer whose receive is
-already posted writes the data in the posting thread, and both sends and receives take the
-lock of the peer's connection, which gloo's own thread holds while it moves data; on a busy
-host each of these waits until the scheduler runs the other thread (milliseconds; measured,
-docs/performance.md). So on gloo every post goes through one poster thread, in program order
-(a FIFO of one worker keeps the order the program was verified with), and the compute thread
-goes on; a `wait` first waits for its post to have happened. On NCCL a post only enqueues
-work on a CUDA stream, so it happens in the calling thread. `PIPECC_POST_THREAD=0` in the
-environment when a runtime is built posts in the calling thread on gloo too (the tests run
-the gloo suite both ways; docs/runtime.md). Since each direction has its own group (below)
-posting in place is faster on tiny microbatches (the host-overhead benchmark's median 0.43 against
-0.48-0.52), but the simulator then predicts a run 10-20% fast where it predicts the
-default within 5% (docs/performance.md, "One gloo group per direction"): the default keeps
-the thread, so what `pipecc run --profile` measures is what `compare` and `search` predict.
+Posting happens in the calling thread by default, as torch's own schedules post: on NCCL a
+post only enqueues work on a CUDA stream; on gloo a send to a peer whose receive gloo has
+already been told about writes the data then and there (a few µs for a pipeline's
+activations), anything else sends gloo a notice and returns. `PIPECC_POST_THREAD=1` in the
+environment when a runtime is built hands every gloo post to one poster thread instead,
+in program order (a FIFO of one worker keeps the order the program was verified with), and
+the compute thread goes on; a `wait` first waits for its post to have happened. That thread
+was the default while both directions shared one gloo group, where a post could block for
+milliseconds behind gloo's own thread; with a group per direction (below) posting in place
+is the faster on every schedule of the host-overhead benchmark (median 0.43 against
+0.51-0.53 of torch's step), and since the profile's `comm` is calibrated on the run
+(runtime/profiling/recorder.py) the simulator predicts either way alike
+(docs/performance.md, "Calibrating comm on the run"). The tests run the gloo suite's
+schedules both ways (docs/runtime.md).
 
 One gloo group per direction: gloo connects each pair of ranks of a group by one socket, and
 when the two ranks of a pair send to each other at the same moment (every exchange of a
@@ -61,7 +61,7 @@ from ..compat import coalesces, group_coalesces, post_p2p
 
 Work = dist.Work
 CLOCK_SLACK = 0.01  # seconds: gloo counts a wait's timeout in whole milliseconds
-POST_THREAD = "PIPECC_POST_THREAD"  # "0": no poster thread on gloo; "1" (default): one
+POST_THREAD = "PIPECC_POST_THREAD"  # "1": a poster thread on gloo; "0" (default): in place
 DIRECTIONS = "PIPECC_GLOO_DIRECTIONS"  # "0": one gloo group both ways; "1" (default): two
 
 
@@ -242,13 +242,13 @@ def uses_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
 
 
 def _post_thread_wanted() -> bool:
-    """Whether posts on gloo go through the poster thread (`PIPECC_POST_THREAD`, default 1)."""
-    return _switch(POST_THREAD, "post in the calling thread")
+    """Whether posts on gloo go through the poster thread (`PIPECC_POST_THREAD`, default 0)."""
+    return _switch(POST_THREAD, "post in the calling thread", default="0")
 
 
-def _switch(name: str, off: str) -> bool:
-    """An on/off setting of the environment: "1" (the default) or "0" (`off`)."""
-    value = os.environ.get(name, "1")
+def _switch(name: str, off: str, default: str = "1") -> bool:
+    """An on/off setting of the environment: "1" or "0" (`off`), `default` when unset."""
+    value = os.environ.get(name, default)
     if value not in ("0", "1"):
         raise InputError(f"{name}={value!r}: expected 0 ({off}) or 1")
     return value == "1"

@@ -165,13 +165,14 @@ def posting_threads() -> Iterator[set[str]]:
 
 
 def run_posting(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
-    """The cases with no poster thread, then the exchange and the cases again over
-    coalescing gloo groups (poster thread on); which threads posted in each."""
+    """The cases through the poster thread (`PIPECC_POST_THREAD=1`), then the exchange and
+    the cases again over coalescing gloo groups (posting in place, the default); which
+    threads posted in each."""
     directions = directions_case(rank, world)
-    os.environ[comm.POST_THREAD] = "0"
+    os.environ[comm.POST_THREAD] = "1"
     try:
-        with posting_threads() as unthreaded_posters:
-            unthreaded = run_cases(rank, world, cases)
+        with posting_threads() as threaded_posters:
+            threaded = run_cases(rank, world, cases)
     finally:
         del os.environ[comm.POST_THREAD]
     with coalescing() as seen:
@@ -181,8 +182,8 @@ def run_posting(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
             coalesced = run_cases(rank, world, cases)
     return {
         "directions": directions,
-        "unthreaded": unthreaded,
-        "unthreaded_posters": unthreaded_posters,
+        "threaded": threaded,
+        "threaded_posters": threaded_posters,
         "exchange": exchange,
         "exchange_groups": exchange_groups,
         "coalesced": coalesced,

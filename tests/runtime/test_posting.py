@@ -1,8 +1,8 @@
-"""The posting paths the gloo suite does not take by itself: no poster thread, and the
+"""The posting paths the gloo suite does not take by itself: the poster thread, and the
 coalesced branch (`batch_isend_irecv` on a backend that coalesces, as NCCL does).
 
 One process group of 2 ranks runs a few schedules (plain and tuple boundaries, the
-duplicated-stage sum of DualPipe) first with `PIPECC_POST_THREAD=0`, then over gloo groups
+duplicated-stage sum of DualPipe) first with `PIPECC_POST_THREAD=1`, then over gloo groups
 made to coalesce (posting_cases.py), each against the single-process reference.
 """
 
@@ -36,12 +36,12 @@ def posting() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_schedules_without_the_poster_thread_equal_the_reference(
+def test_schedules_through_the_poster_thread_equal_the_reference(
     posting: list[dict[str, Any]], case: Case
 ) -> None:
-    per_rank = [r["unthreaded"][case.name] for r in posting]
+    per_rank = [r["threaded"][case.name] for r in posting]
     _assert_matches_reference(per_rank, case.program.num_microbatches)
-    assert [r["unthreaded_posters"] for r in posting] == [{"MainThread"}] * 2, "posted in place"
+    assert [r["threaded_posters"] for r in posting] == [{"pipecc-post"}] * 2, "by the thread"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -55,11 +55,11 @@ def test_schedules_over_coalescing_groups_equal_the_reference(
 
 def test_the_runs_took_the_paths_they_test(posting: list[dict[str, Any]]) -> None:
     """Positive controls: the coalescing runs posted groups through `batch_isend_irecv`'s
-    coalescing branch (several ops in a group), from the poster thread."""
+    coalescing branch (several ops in a group), in place (the default)."""
     for result in posting:
         groups = result["coalesced_groups"]
         assert groups and max(groups) >= 2, groups
-        assert result["coalesced_posters"] == {"pipecc-post"}
+        assert result["coalesced_posters"] == {"MainThread"}
 
 
 def test_a_coalesced_group_transfers_every_tensor_under_one_shared_work(
@@ -95,7 +95,7 @@ def test_the_poster_thread_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         return comm.Channel(None, [0], timeout=1.0, nccl=nccl)._poster
 
     monkeypatch.delenv(comm.POST_THREAD, raising=False)
-    assert poster(False) is not None, "gloo posts through a poster thread by default"
+    assert poster(False) is None, "gloo posts in the calling thread by default"
     assert poster(True) is None, "NCCL posts in the calling thread"
     monkeypatch.setenv(comm.POST_THREAD, "1")
     assert poster(False) is not None
