@@ -6,6 +6,7 @@ The runtime and torch are imported inside `run`, so `pipecc` itself works withou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -30,6 +31,9 @@ from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
 from pipecc.search.layers import load_cut
+from pipecc.semantics import CommModel
+from pipecc.semantics.costs import parse_cost_text
+from pipecc.simulate import simulate
 from pipecc.verify import Options, report
 
 # the timed and warm-up steps of `pipecc run --profile` unless --steps and --warmup say
@@ -379,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
         recompute=_recompute(args, program, cut_recompute, parse_spec),
         layers=layers,
         profile_layers=args.profile_layers is not None,
+        replay=functools.partial(replayed_ms, program=program, model=verified.backend.comm_model),
     )
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k not in ("cost_file", "layer_profile")}
@@ -404,6 +409,14 @@ def run(args: argparse.Namespace) -> int:
     if noisy is not None:
         raise ProgramError(noisy)
     return 0
+
+
+def replayed_ms(text: str, *, program: Program, model: CommModel) -> float:
+    """The makespan (ms) of `program` replayed under `model` with the cost file `text`: how
+    `pipecc run --profile` calibrates the profile's `comm` (the runtime does not import the
+    simulator; docs/runtime.md)."""
+    costs = parse_cost_text(text, "the profile").for_program(program)
+    return simulate(program, costs, model=model).makespan
 
 
 def _recompute(

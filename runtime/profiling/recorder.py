@@ -52,7 +52,7 @@ steps, as below.
   end of its last op's post.
 - `wait`: host time of a wait after its last op completed (the mailbox, the bookkeeping).
 - `comm`: the latency under which the profiled program, replayed with the file's own
-  durations and host times under the backend's comm model (`render_cost_file`'s `model`),
+  durations and host times under the backend's comm model (`render_cost_file`'s `replay`),
   lasts the median span of the timed steps: per step, the last end of any rank's
   instructions minus the first start (`span_times`; `calibrated_comm` bisects, the
   makespan never falling as the latency grows). So the profile predicts its own run. Where
@@ -79,9 +79,6 @@ from typing import NamedTuple
 
 from pipecc.ir.keys import Message
 from pipecc.ir.program import Program
-from pipecc.semantics import CommModel
-from pipecc.semantics.costs import parse_cost_text
-from pipecc.simulate import simulate
 
 WaitedOp = tuple[bool, Message]  # (a send?, its message)
 KEYS = ("F", "B", "I", "W", "FB", "FI")
@@ -353,13 +350,15 @@ def render_cost_file(
     measured_on: Program,
     shared: Sequence[Sequence[int]] = (),
     sizes: Mapping[int, Mapping[str, int]] | None = None,
-    model: CommModel = CommModel.RENDEZVOUS,
+    replay: Callable[[str], float] | None = None,
 ) -> str:
     """The TOML text: a comment header, `[cost]` (what it was measured on, the durations per
     share, with `shared`, the groups of stages that hold one parameter, where there are any),
     the `[cost.stage.N]` tables, then `[profile]` (what the figures are over, their spread).
-    `comm` is calibrated on the run (`calibrated_comm`) under `model`, the comm model of the
-    backend it ran on."""
+    With `replay` (a cost file's text -> the profiled program's makespan under it, in ms: the
+    simulator under the comm model of the backend the run used; the caller's, as the
+    runtime does not import the simulator), `comm` is calibrated on the run
+    (`calibrated_comm`); without, it is the waits' fit."""
     top, per_stage = compute_costs(records)
     ranks, stages = measured_on.num_ranks, measured_on.placement.num_stages(0)
     fixed = dispatch_ms(records)
@@ -381,13 +380,11 @@ def render_cost_file(
             lines += ["", f"[cost.stage.{stage}]", *_table(table)]
         return "\n".join([*lines, *_profile_table(records)]) + "\n"
 
-    def predicted(comm: float) -> float:
-        costs = parse_cost_text(text(comm), "the profile").for_program(measured_on)
-        return simulate(measured_on, costs, model=model).makespan
-
     spans = span_times(records)
-    # without spans, or where no latency moves the replay (no messages): the waits' fit
-    return text(calibrated_comm(predicted, statistics.median(spans) * 1e3) if spans else None)
+    if replay is None or not spans:
+        return text(None)
+    # where no latency moves the replay (no messages): the waits' fit
+    return text(calibrated_comm(lambda comm: replay(text(comm)), statistics.median(spans) * 1e3))
 
 
 def calibrated_comm(predicted: Callable[[float], float], span: float) -> float | None:

@@ -20,6 +20,7 @@ import itertools
 import statistics
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +31,6 @@ from pipecc.diagnostics import InputError
 from pipecc.ir.mesh import Mesh
 from pipecc.ir.placement import StageSlot
 from pipecc.ir.program import Program
-from pipecc.semantics import CommModel
 
 from ..comm.shared import shared_parameters, shared_stages
 from ..config import RuntimeConfig
@@ -88,6 +88,9 @@ class RunJob:
     recompute: Spec = None  # --recompute (runtime/engine/recompute.py); overrides the model file's
     layers: tuple[tuple[str, ...], ...] | None = None  # --partition: each stage's layer names
     profile_layers: bool = False  # --profile-layers: time each layer (profiling/layers.py)
+    # a cost file's text -> the program's makespan under it (ms): what calibrates the
+    # profile's comm (profiling/recorder.py); the command's, which may import the simulator
+    replay: Callable[[str], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -447,7 +450,7 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
     )
     shared = results[0]["shared_stages"]
     sizes = _memory_fields(results).get("memory_sizes")
-    model = CommModel.NCCL if backend_for(program.num_ranks) == "nccl" else CommModel.RENDEZVOUS
     return render_cost_file(
-        _records(results), header, measured_on=program, shared=shared, sizes=sizes, model=model
-    )
+        _records(results), header, measured_on=program, shared=shared, sizes=sizes,
+        replay=job.replay,
+    )  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -144,6 +145,8 @@ def directions_case(rank: int, world: int) -> dict[str, Any]:
         "reused": again.downward is channel.downward,
         "received": [t[0].item() for t in received],
         "single": single.downward is single.group,
+        # the cache holds the world it was made for weakly, and is emptied at exit
+        "weak": isinstance(comm._DOWNWARD[tuple(range(world))][0], weakref.ref),
     }
 
 

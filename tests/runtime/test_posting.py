@@ -84,6 +84,7 @@ def test_each_direction_has_its_own_gloo_group(posting: list[dict[str, Any]]) ->
     for rank, result in enumerate(posting):
         found = result["directions"]
         assert found["distinct"] and found["reused"] and found["single"], found
+        assert found["weak"], "a destroyed world is not kept alive to its teardown (an abort)"
         assert found["send_down"] is (rank == 1), "rank 1 sends down, rank 0 up"
         assert found["recv_down"] is (rank == 0), "rank 0 receives what came down"
         peer = 1 - rank

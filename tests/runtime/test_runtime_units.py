@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import replace
@@ -27,6 +28,7 @@ from pipecc.runtime.profiling.recorder import (
 from torch import nn
 
 from pipecc.api import compile_schedule
+from pipecc.commands.run import replayed_ms
 from pipecc.ir.keys import Message
 from pipecc.ir.ops import Compute, Fused, Kind, Msg, Recv, Send, Wait
 from pipecc.ir.program import Program
@@ -226,7 +228,10 @@ def test_comm_is_calibrated_so_that_the_profile_replays_its_own_steps(tmp_path: 
             record.span(100.0 * step + 0.001 * rank, 100.0 * step + span)  # rank 1 later
             records.append(record)
     path = tmp_path / "costs.toml"
-    path.write_text(render_cost_file(records, "calibrated", measured_on=program))
+    replay = functools.partial(replayed_ms, program=program, model=CommModel.RENDEZVOUS)
+    path.write_text(render_cost_file(records, "calibrated", measured_on=program, replay=replay))
+    waits_only = render_cost_file(records, "no replay", measured_on=program)
+    assert "\ncomm =" not in waits_only, "no waits were recorded, no replay given: no comm"
     costs = load_cost_file(path).for_program(program)
     replayed = simulate(program, costs, model=CommModel.RENDEZVOUS).makespan
     assert costs.base.comm is not None and costs.base.comm > 0.5
