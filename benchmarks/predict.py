@@ -8,7 +8,8 @@ CPU processes (gloo), times its steps (`step_ms`: the median over the timed step
 0's wall time between a barrier before and one after) and writes what it measured in those
 steps: per-(stage, op) durations, host time per post and per wait, the message latency and,
 for DualPipe, the duplicated-stage gradient sum (`sync`); `pipecc simulate … --cost-file
-costs.toml --comm rendezvous` (gloo's semantics) predicts the step from them: the program's
+costs.toml --backend gloo` (the program `pipecc run` ran on gloo, its comm ops placed by
+early-recv, under gloo's rendezvous semantics) predicts the step from them: the program's
 makespan plus `sync` (`step` in its JSON). It prints both, the relative error (the target is
 within 15%), the `sync` part, the simulated step without the host time of posts and waits
 (`--cost post=0,wait=0`: what that term adds), the profile's `post` and `comm`, and the load
@@ -76,8 +77,9 @@ def predict(name: str, hidden: int, steps: int) -> Prediction:
         timing = ["--steps", str(steps), "--warmup", "2", "--profile", costs, "--json",
                   "--allow-noisy-profile"]  # fmt: skip
         measured = _json([*run, *timing], env)
+        # the program `pipecc run` ran: on gloo, the comm ops placed by early-recv
         simulate = [*PIPECC, "simulate", name, *size, "--cost-file", costs]
-        simulate += ["--comm", "rendezvous", "--json"]
+        simulate += ["--backend", "gloo", "--json"]
         simulated = _json(simulate, env)
         no_host = _json([*simulate, "--cost", "post=0,wait=0"], env)
         profile = tomllib.loads(Path(costs).read_text("utf-8"))["cost"]
