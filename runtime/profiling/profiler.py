@@ -90,7 +90,7 @@ class ProfilingInterpreter(Interpreter):
         if step.commit:
             group = list(ctx.queue)
             self.transfers.commit(ctx)
-            now = time.perf_counter()  # the group is posted (its ops go out from the poster)
+            now = time.perf_counter()  # the group is posted (or handed to the poster thread)
             for posted, tensors in group:
                 nbytes = sum(t.nbytes for t in tensors)
                 self.recorder.posted(posted.send, carried(posted.comm), now, nbytes)

@@ -47,9 +47,9 @@ steps, as below.
   every kind (a backward's fixed part, autograd's start, is not separable from its layers).
 
 - `post`: host time of one send or receive instruction on the compute thread: preparing its
-  buffer and, at the last op of a group, handing the group to the poster thread (gloo) or
-  posting it (NCCL). The simulator charges it to every Send/Recv and posts a group at the
-  end of its last op's post.
+  buffer and, at the last op of a group, posting it (on gloo a send may write its data
+  then), or handing it to the poster thread (`PIPECC_POST_THREAD=1`). The simulator
+  charges it to every Send/Recv and posts a group at the end of its last op's post.
 - `wait`: host time of a wait after its last op completed (the mailbox, the bookkeeping).
 - `comm`: the latency under which the profiled program, replayed with the file's own
   durations and host times under the backend's comm model (`render_cost_file`'s `replay`),
