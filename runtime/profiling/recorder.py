@@ -275,23 +275,25 @@ def host_costs(records: list[Recorder]) -> dict[str, float]:
 
 def sync_times(records: list[Recorder]) -> list[float]:
     """Per step: the last end of the gradient sum minus its last start, over the ranks."""
-    starts: dict[int, float] = {}
-    ends: dict[int, float] = {}
-    for record in records:
-        for step, start, end in record.syncs:
-            starts[step] = max(starts.get(step, start), start)
-            ends[step] = max(ends.get(step, end), end)
-    return [ends[step] - starts[step] for step in sorted(starts)]
+    return _per_step([record.syncs for record in records], start_of=max)
 
 
 def span_times(records: list[Recorder]) -> list[float]:
     """Per timed step: the program's span over every rank (the last end of its instructions
     minus their first start; the ranks share one clock)."""
+    return _per_step([record.spans for record in records], start_of=min)
+
+
+def _per_step(
+    intervals: list[list[tuple[int, float, float]]], start_of: Callable[[float, float], float]
+) -> list[float]:
+    """Per step, in step order: the last end over every rank's (step, start, end) minus the
+    start `start_of` picks among theirs (`max`: the last start, `min`: the first)."""
     starts: dict[int, float] = {}
     ends: dict[int, float] = {}
-    for record in records:
-        for step, start, end in record.spans:
-            starts[step] = min(starts.get(step, start), start)
+    for rank in intervals:
+        for step, start, end in rank:
+            starts[step] = start_of(starts.get(step, start), start)
             ends[step] = max(ends.get(step, end), end)
     return [ends[step] - starts[step] for step in sorted(starts)]
 
