@@ -420,6 +420,16 @@ def _records(results: list[dict[str, Any]]) -> list[Recorder]:
     return [record for result in results for record in result["records"]]
 
 
+# the header's lines on `comm`: without a replay, and calibrated with one (recorder.py)
+_COMM_LINES = {
+    False: ("comm = the latency under which the rendezvous rule reproduces the run's waits;",),
+    True: (
+        "comm = the message latency under which this program's replay with these costs",
+        "lasts as long as its timed steps did (the median span of its instructions);",
+    ),
+}
+
+
 def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
     program = job.program
     header = "\n".join(
@@ -437,8 +447,7 @@ def _cost_text(job: RunJob, results: list[dict[str, Any]]) -> str:
             "placement, ranks, stages = the program measured on (P, S stages per pipe);",
             "[cost.stage.N]: N is the program's stage index (both pipes' stage N together);",
             "post = host time of a send or recv; wait = host time of a wait after its release;",
-            "comm = the message latency under which this program's replay with these costs",
-            "lasts as long as its timed steps did (the median span of its instructions);",
+            *_COMM_LINES[job.replay is not None],
             "sync = the gradient sum of parameters held by several ranks (duplicated stages,",
             "shared weights), per step; shared = the groups of stages that hold one parameter;",
             "bytes = median message size (per stage: its largest receive buffer); byte keys",
