@@ -23,6 +23,10 @@ private names: it imports them from here.
   state's `_state_ctx.all_states` and `_fsdp_param_groups`), then its root's end-of-backward
   callback (`_root_post_backward_final_callback`: the compute stream waits for the
   reduce-scatters, the groups' state is reset).
+- `default_store`: the job's key-value store (`distributed_c10d._get_default_store`), where a
+  failed runtime leaves its notice (runtime/comm/failure.py).
+- `profiler_enabled`: whether a torch profiler records now (`torch._C._autograd.
+  _profiler_enabled`), read once per step to label the instructions only then.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch._C._distributed_c10d import Store
 from torch.autograd.graph import GradientEdge, Node
 from torch.autograd.variable import Variable
 from torch.distributed.fsdp import fully_shard
@@ -41,11 +46,13 @@ __all__ = [
     "ACCUMULATE_GRAD",
     "base_of",
     "coalesces",
+    "default_store",
     "fsdp_post_backward",
     "grad_hooked",
     "storage_shared",
     "leaf_of",
     "post_p2p",
+    "profiler_enabled",
     "pytree",
     "run_backward",
 ]
@@ -137,3 +144,16 @@ def fsdp_post_backward(module: torch.nn.Module) -> None:
         for group in each._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def default_store() -> Store | None:
+    """The job's key-value store (the default process group's), None without one."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler (`torch.profiler.profile`, the autograd profiler) records."""
+    return bool(torch._C._autograd._profiler_enabled())
