@@ -52,6 +52,9 @@ class RuntimeConfig:
     `recompute`: "full" (every stage), "none", or {stage: "full" | "none"}: a recomputed
     stage's forward keeps only its input and runs again, with its graph, before its
     backward (runtime/engine/recompute.py).
+    `check_finite`: every loss of a step (the main loss, each `add_loss`) and the gradient
+    norm of `clip_grad_norm_` must be finite, else `NonFiniteError` names the rank, the
+    step, the stage and the microbatch (one host read per step; runtime/engine/watch.py).
     """
 
     group: dist.ProcessGroup | None = None
@@ -70,3 +73,4 @@ class RuntimeConfig:
     pp_dim: str = "pp"
     plans_kept: int = 4
     recompute: str | Mapping[int, str] | None = None
+    check_finite: bool = False

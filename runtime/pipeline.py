@@ -23,17 +23,20 @@ from typing import Any, Literal, cast, overload
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import InputError, PipeccError, ProgramError, SetupError
+from pipecc.diagnostics import InputError, PipeccError, ProgramError, RankError, SetupError
 from pipecc.ir.ops import Msg
 from pipecc.ir.program import Program
 
 from .boundaries import discovery
 from .boundaries.context import sample_context, split_context
 from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
+from .boundaries.fingerprint import Fingerprint
 from .boundaries.signatures import BoundaryFn, Signature, Signatures
 from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
 from .comm import agreement, mesh, shared, training
+from .comm.agreement import ExchangeTimeout
 from .comm.channel import Channel, uses_nccl
+from .comm.failure import Guard, guarded
 from .config import LossFn, RuntimeConfig, mse_loss
 from .engine import aux_loss, stage_actions
 from .engine.aux_loss import LossBreakdown
@@ -49,6 +52,7 @@ from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
 from .engine.steps import Current
 from .engine.transfers import Transfers
+from .engine.watch import StepStats, check_losses, nonfinite_norm, nonfinite_stages, rows_of
 from .plan import binding
 from .plan.plan import build_plan, forward_only, mailbox
 from .profiling.profiler import ProfilingInterpreter
@@ -103,8 +107,14 @@ class PipelineRuntime:
         self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
         self._signatures: dict[int, BoundPlans] = {}  # the bound plans of each signature seen
         self.current = Current()  # the bound plans in use
+        self.last_step: StepStats | None = None  # the last training step's times and rows
+        # what every rank must share (compared in the first discovery's gather)
+        self.fingerprint = Fingerprint.of(program, self.rank, self.modules)
+        self.guard = Guard(self.rank, self.rank_map)  # failures (runtime/comm/failure.py)
         if self._problem is None:
             self._bind()
+            groups = (self.group, self.channel.downward, *self.sums.groups.values())
+            self.guard = Guard(self.rank, self.rank_map, groups, close=not nccl)
 
     def _bind(self) -> None:
         rank, config = self.rank, self.config
@@ -143,6 +153,7 @@ class PipelineRuntime:
 
     # ---- public API ------------------------------------------------------------------------
 
+    @guarded(after=0)
     def step(
         self,
         inputs: object = None,
@@ -160,8 +171,10 @@ class PipelineRuntime:
         (`add_loss`), by stage. `context`: a dict of every stage's keyword inputs, split
         into microbatches like the inputs (runtime/boundaries/context.py); every rank
         passes the same one. `recorder`: time every instruction into it
-        (runtime/profiling/profiler.py).
+        (runtime/profiling/profiler.py). `self.last_step` then holds the step's times and
+        rows (`StepStats`). A failure fails the runtime on every rank (`RuntimeFailed`).
         """
+        start = time.perf_counter()
         ctx = self._context(inputs, targets, training=True, context=context)
         interpreter = self.interpreter
         if recorder is not None:
@@ -181,9 +194,19 @@ class PipelineRuntime:
                 recorder.sync(start, time.perf_counter())
         if precision is not None:
             precision.end()
+        if self.config.check_finite:
+            self._check_finite(ctx)
         self.steps += 1
+        seconds = time.perf_counter() - start
+        rows = rows_of(self.signatures.cache.get(self.signatures.current), self.program)
+        self.last_step = StepStats(ctx.step, seconds, interpreter.waited, rows)
         return self._loss_of(ctx)
 
+    def _check_finite(self, ctx: StepContext) -> None:
+        last = self.program.placement.num_stages(0) - 1
+        check_losses((self.rank, ctx.step), ctx.losses, ctx.aux_losses, last)
+
+    @guarded(after=0)
     def forward(
         self, inputs: object = None, targets: object = None, *, context: object = None
     ) -> dict[int, object]:
@@ -210,13 +233,25 @@ class PipelineRuntime:
         tied weight, is listed once): what an optimizer on this rank should step."""
         return shared.distinct(self.groups)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    @guarded(after=1)
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Scale every gradient so that the norm over the whole pipeline's parameters (each
         parameter held by several ranks counted once) is at most `max_norm`; returns the
-        norm before clipping, the same on every rank. A collective: every rank calls it."""
+        norm before clipping, the same on every rank. A collective: every rank calls it.
+        `error_if_nonfinite` (or `RuntimeConfig(check_finite=True)`): a norm that is nan or
+        inf raises `NonFiniteError` on every rank, the gradients untouched (as torch's)."""
         mine = shared.owned(self.groups, self.rank)
-        total = training.global_norm(mine, self.grads, norm_type, self.group, self.device)
-        training.scale_grads(self.parameters(), float(max_norm) / (float(total) + 1e-6))
+        total = training.global_norm(
+            mine, self.grads, norm_type, self.group, self.device, self._limit
+        )
+        value = float(total)
+        if (error_if_nonfinite or self.config.check_finite) and not torch.isfinite(total):
+            stages = nonfinite_stages(self.chunks.values(), self.grads.get)
+            where = (self.rank, max(self.steps - 1, 0))
+            raise self.guard.passing(nonfinite_norm(where, total, norm_type, stages))
+        training.scale_grads(self.parameters(), float(max_norm) / (value + 1e-6))
         return total
 
     @overload
@@ -228,14 +263,18 @@ class PipelineRuntime:
         rank calls it): the mean main loss plus the mean of the losses added inside the
         stages (`add_loss`), the loss whose gradient `.grad` holds. `breakdown=True`
         returns a `LossBreakdown`: total, main, added, and added by stage."""
-        found = aux_loss.breakdown(  # one all-reduce, alike on every rank
-            self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
-            self.device,
-        )  # fmt: skip
-        found = self._over_replicas(found)
+        found = self._breakdown()
         if breakdown:
             return found
         return torch.tensor(found.total, dtype=torch.float32, device=self.device)
+
+    @guarded(after=1)
+    def _breakdown(self) -> LossBreakdown:
+        found = aux_loss.breakdown(  # one all-reduce, alike on every rank
+            self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
+            self.device, self._limit,
+        )  # fmt: skip
+        return self._over_replicas(found)
 
     def _over_replicas(self, found: LossBreakdown) -> LossBreakdown:
         """A pipeline's breakdown averaged over every pipeline of the mesh (one all-reduce
@@ -255,8 +294,8 @@ class PipelineRuntime:
         self, inputs: object, targets: object, *, training: bool, context: object = None
     ) -> StepContext:
         """Split the batch and learn the step's signature; a new one is discovered."""
-        if self._problem is not None:
-            raise SetupError(self._problem)
+        if self._problem is not None:  # the same on every rank: it fails nothing
+            raise self.guard.passing(SetupError(self._problem))
         found: list[str] = []
         contexts = split_context(context, self.program.num_microbatches, self.device, found)
         signature = self._signature(inputs, found, context if contexts else None)
@@ -302,10 +341,13 @@ class PipelineRuntime:
             found.append(err.message)
             return None
         if self.config.static_shapes and current and signature.code != current:
-            raise SetupError(
-                f"{where}: RuntimeConfig(static_shapes=True) declares that the shapes never "
-                f"change, but the step's inputs are {signature.boundary.describe()} per "
-                f"microbatch, not {self.signatures.cache[current][0].describe()}"
+            # raised alike on every rank given the inputs: it fails nothing
+            raise self.guard.passing(
+                SetupError(
+                    f"{where}: RuntimeConfig(static_shapes=True) declares that the shapes never "
+                    f"change, but the step's inputs are {signature.boundary.describe()} per "
+                    f"microbatch, not {self.signatures.cache[current][0].describe()}"
+                )
             )
         return signature
 
@@ -313,23 +355,39 @@ class PipelineRuntime:
         self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
     ) -> None:
         """Discover a new signature with every rank (runtime/boundaries/discovery.py), check
-        it and switch to it."""
+        it and switch to it. Its errors are the same on every rank and fail nothing, but a
+        rank that does not come (a timeout) fails the runtime."""
+        try:
+            agreed, boundaries = self._discover(signature, found, split_inputs)
+        except SetupError as err:
+            raise self.guard.passing(err) from err.__cause__
+        except ExchangeTimeout as err:
+            raise RankError(
+                f"rank {self.rank}, step {self.steps}: the discovery of the step's boundaries "
+                f"did not complete within {self._limit:g} s: {err}"
+            ) from err
+        self.signatures.learn(agreed.code, boundaries)
+        self._use(boundaries)
+
+    def _discover(
+        self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
+    ) -> tuple[Signature, dict[int, Boundary]]:
         config = self.config
         forward = Forward(config.autocast, self._seed_of, f"rank {self.rank}, step {self.steps}")
         exchange = Exchange(
             self.group, self.rank_map, self.rank, self.device, self._limit, config.mesh
         )
-        agreed = discovery.agree_signature(exchange, signature, found + self._problems(), forward)
+        problems = found + self._problems()
+        agreed = discovery.agree_signature(exchange, signature, problems, forward, self.fingerprint)
         stages = PipeStages.of(self.program, self.rank, self.modules)
         first = split_inputs[0] if split_inputs else None
         try:
             boundaries = discovery.along_pipeline(exchange, stages, first, agreed, forward)
         except StageFailed as err:  # the user's exception, with its traceback
-            raise InstructionError(err.message) from err.__cause__
+            raise self.guard.passing(InstructionError(err.message)) from err.__cause__
         self._agree(binding.boundary_problems(self.program, self.rank, boundaries)
                     + self._declared_problems(agreed, boundaries))  # fmt: skip
-        self.signatures.learn(agreed.code, boundaries)
-        self._use(boundaries)
+        return agreed, boundaries
 
     def _seed_of(self, stage: int) -> int | None:
         """The RNG seed of (this step, `stage`, this process's microbatch 0), as its forward
@@ -373,7 +431,7 @@ class PipelineRuntime:
 
     def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]
-        agreement.agree(named, self.group, self.program.num_ranks, self.device)
+        agreement.agree(named, self.group, self.program.num_ranks, self.device, self._limit)
 
     def _use(self, boundaries: dict[int, Boundary]) -> None:
         """Switch to a signature's plans: bound once, when it is first seen, to its

@@ -17,19 +17,29 @@ instruction, raised from the exception, which keeps its full traceback (`details
 does not match the next stage's input, a loss that is not a scalar) keeps its kind and gets
 the same prefix, and no traceback: it is one message. The text is built only then.
 
+While a torch profiler records (`torch.profiler.profile`, read once per step), every step
+runs under `torch.profiler.record_function` with its instruction's label (`F0.3`, `I1.2`,
+`send act s1.3→r1`, made once when the plan is bound, runtime/engine/steps.py), so the
+trace shows the program; otherwise the loop is the plain one (no cost per instruction). The
+host time spent in waits is added up per step (`waited`: `PipelineRuntime.last_step`).
+
 Subclasses change what happens around a step by overriding `compute`, `post`, `wait` and
 `collective`: `ProfilingInterpreter` (runtime/profiling/profiler.py) times them.
 """
 
 from __future__ import annotations
 
+import time
 import traceback
+
+import torch
 
 from pipecc.diagnostics import PipeccError, RankError
 from pipecc.ir.ops import Collective
 
 from ..comm.mesh import DataParallel
 from ..comm.shared import GradientSums
+from ..compat import profiler_enabled
 from .compute import StageOps
 from .context import StepContext
 from .fused import FusedOps
@@ -78,6 +88,7 @@ class Interpreter:
         self.transfers = transfers
         self.sums = sums
         self.mesh: DataParallel | None = None  # the reductions over mesh dimensions
+        self.waited = 0.0  # host seconds in this step's waits
 
     def run(self, current: Current, ctx: StepContext) -> None:
         """One step: the bound plan in use, training or forward only as `ctx` says."""
@@ -85,7 +96,17 @@ class Interpreter:
         assert plan is not None  # the runtime binds a signature before any step runs
         ctx.mail = [None] * len(plan.messages)
         ctx.messages = plan.messages
-        self.walk(plan.steps, ctx)
+        self.waited = 0.0
+        if profiler_enabled():
+            self.walk_labelled(plan.steps, ctx)
+        else:
+            self.walk(plan.steps, ctx)
+
+    def walk_labelled(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
+        """`walk`, each step under `record_function` with its label (a profiler records)."""
+        for step in steps:
+            with torch.profiler.record_function(step.label):
+                self.walk((step,), ctx)
 
     def walk(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
         for step in steps:
@@ -117,7 +138,9 @@ class Interpreter:
             self.transfers.commit(ctx)
 
     def wait(self, ctx: StepContext, step: WaitStep) -> None:
+        start = time.perf_counter()
         self.transfers.wait(ctx, step, self.rank)
+        self.waited += time.perf_counter() - start
 
     def stage_op(self, step: StageStep) -> None:
         """torch's UNSHARD & co.: FSDP stages only (runtime/engine/stage_actions.py)."""
