@@ -46,9 +46,10 @@ def finished(work: dist.Work | None, timeout: float | None, what: str) -> None:
     """`finish`, a failure raised as a `RankError` that says `what` failed."""
     try:
         finish(work, timeout)
-    except ExchangeTimeout as err:
-        limit = "" if timeout is None else f" (within {timeout:g} s)"
-        raise RankError(f"{what} did not complete{limit}: {err}") from err
+    except ExchangeTimeout as err:  # gloo's text without its source location and advice
+        text = str(err)
+        text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+        raise RankError(f"{what} failed: {text.split('. This is typically')[0]}") from err
 
 
 def finish(work: dist.Work | None, timeout: float | None) -> None:

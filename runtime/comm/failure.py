@@ -39,6 +39,7 @@ from pipecc.diagnostics import PipeccError, RankError
 
 from ..compat import default_store
 
+FAILED_AT = "this runtime failed at step"  # how a runtime that failed begins to say so
 TAG = 1_000_003  # the tag of the receive that closes a pair: no program's message has it
 CLOSE_AFTER = timedelta(milliseconds=1)
 
@@ -59,7 +60,7 @@ class Failed:
 
     def message(self) -> str:
         return (
-            f"this runtime failed at step {self.step} on rank {self.rank} ({self.reason}); "
+            f"{FAILED_AT} {self.step} on rank {self.rank} ({self.reason}); "
             "restart from a checkpoint"
         )
 
@@ -101,13 +102,13 @@ class Guard:
         began on another rank is raised as `RuntimeFailed` naming it."""
         try:
             yield
-        except Exception as err:
+        except Exception as err:  # (a KeyboardInterrupt fails nothing: the job ends)
             passing, self._passing = self._passing, None
             if err is passing or self.failed is not None:
                 raise
             origin = self.fail(step, err)
-            if origin.rank != self.rank:
-                raise RuntimeFailed(origin.message()) from err
+            if origin.rank != self.rank:  # what this rank saw, then where it began
+                raise RuntimeFailed(f"{_first_line(err)}; {origin.message()}") from err
             raise
 
     def fail(self, step: int, err: BaseException) -> Failed:

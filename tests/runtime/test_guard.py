@@ -6,6 +6,7 @@ Every multi-process case runs in one process group of 2 ranks (guard_cases.py).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -109,13 +110,19 @@ def test_a_nan_loss_names_rank_step_stage_and_microbatch(ranks: Results) -> None
     )
     assert ranks[0]["nan-loss"]["step"] == {"error": None}  # its part of the step ran
     failed = (
-        "error: this runtime failed at step 1 on rank 1 (rank 1, step 1: the loss is nan at "
+        "this runtime failed at step 1 on rank 1 (rank 1, step 1: the loss is nan at "
         "stage 1, microbatch 2: the first non-finite loss of the step "
         "(RuntimeConfig(check_finite=True))); restart from a checkpoint"
     )
-    for result in ranks:  # the runtime failed: the next collective is refused on every rank
-        assert result["nan-loss"]["clip"]["error"] == "RuntimeFailed"
-        assert result["nan-loss"]["clip"]["message"] == failed
+    # the runtime failed: the next collective is refused on rank 1; rank 0, in it, is told
+    assert ranks[1]["nan-loss"]["clip"]["message"] == f"error: {failed}"
+    told = ranks[0]["nan-loss"]["clip"]
+    assert told["error"] == "RuntimeFailed"
+    assert told["message"].startswith(
+        "error: the all-reduce of the gradient norm over the pipeline failed: Connection closed "
+        "by peer "
+    ), told["message"]
+    assert told["message"].endswith(f"; {failed}"), told["message"]
 
 
 def test_an_infinite_added_loss_is_named_by_its_stage(ranks: Results) -> None:
@@ -169,10 +176,14 @@ def test_a_failure_reaches_the_other_rank_at_once_and_every_call_then_refuses(
         "rank 1, step 1: instruction 7 (F0.1): ValueError: the stage failed on purpose"
     )
     assert told["step"]["error"] == "RuntimeFailed"
-    message = (
-        f"error: this runtime failed at step 1 on rank 1 ({origin}); restart from a checkpoint"
-    )
-    assert told["step"]["message"] == message
+    failed = f"this runtime failed at step 1 on rank 1 ({origin}); restart from a checkpoint"
+    said = told["step"]["message"]  # what rank 0 saw (its wait failed), then where it began
+    assert re.fullmatch(
+        r"error: rank 0, step 1: instruction \d+ \(wait [\d ]+\): recv .* failed: Connection "
+        rf"closed by peer \S+; {re.escape(failed)}",
+        said,
+    ), said
+    message = f"error: {failed}"
     # told long before the 300 s timeout, while rank 1 lived on (a generous bound: no race)
     assert told["step"]["at"] - failing["step"]["at"] < 60.0
     for result in (failing, told):
