@@ -26,7 +26,8 @@ Results = list[dict[str, dict[str, Any]]]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
     folder = tmp_path_factory.mktemp("guard")
-    return spawn(run_cases, 2, str(folder), timeout=120.0)  # type: ignore[no-any-return]
+    found: Results = spawn(run_cases, 2, str(folder), timeout=120.0)
+    return found
 
 
 # ---- part 6: the run shows itself ------------------------------------------------------------
@@ -222,3 +223,21 @@ def test_the_program_fingerprint_is_stable_and_made_once(tmp_path: Path) -> None
     assert Fingerprint.of(program, 0, modules) == Fingerprint.of(again, 0, modules)
     other = compile_schedule("1f1b", ranks=2, microbatches=4)
     assert Fingerprint.of(program, 0, modules) != Fingerprint.of(other, 0, modules)
+
+
+def test_ranks_that_run_one_program_are_named_together() -> None:
+    from pipecc.runtime.boundaries.fingerprint import Fingerprint, program_problem
+
+    zb = compile_schedule("zb_h1", ranks=4, microbatches=8)
+    other = compile_schedule("1f1b", ranks=4, microbatches=8)
+    replies = [
+        {"program": Fingerprint.of(p, rank, {}).as_json()}
+        for rank, p in enumerate((zb, other, zb, zb))
+    ]
+    assert program_problem(replies, 2) == (
+        "the ranks run different programs: ranks 2, 0, 3 run zb_h1 P=4 M=8, rank 1 runs 1f1b "
+        "P=4 M=8 (they differ in: schedule, instructions); compile one program and give it to "
+        "every rank"
+    )
+    same = [{"program": Fingerprint.of(zb, rank, {}).as_json()} for rank in range(4)]
+    assert program_problem(same, 0) is None
