@@ -19,6 +19,16 @@ private names: it imports them from here.
 - `storage_shared`: whether anything besides the tensor references its storage
   (`torch._C._storage_Use_Count`: the storage's reference count, which counts every tensor
   viewing it and the storage object asked for).
+- `version_of`: a tensor's version counter (`Tensor._version`: bumped by every in-place op).
+- `dtensor_local_shape`: the shape of a DTensor's local shard without an autograd op
+  (`DTensor._local_tensor`).
+- `child_table`, `parameter_table`, `buffer_table`: a module's own registries of children,
+  parameters and buffers (`_modules`, `_parameters`, `_buffers`), `None` entries and a module
+  registered under two names included (what `named_children` and friends skip or merge).
+- `detached_parameters`: a module's trainable parameters swapped for detached copies for the
+  extent of a call (the `_parameters` registry written directly, then restored).
+- `DispatchMode`, `storage_weak_ref`: torch's dispatch mode (`TorchDispatchMode`, to see
+  every op's outputs) and a weak reference to a tensor storage (`StorageWeakRef`).
 - `fsdp_post_backward`: FSDP2's post-backward for every parameter group of a module (its
   state's `_state_ctx.all_states` and `_fsdp_param_groups`), then its root's end-of-backward
   callback (`_root_post_backward_final_callback`: the compute stream waits for the
@@ -27,8 +37,9 @@ private names: it imports them from here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,24 +47,45 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge, Node
 from torch.autograd.variable import Variable
 from torch.distributed.fsdp import fully_shard
+from torch.multiprocessing import reductions
 
 __all__ = [
     "ACCUMULATE_GRAD",
+    "DispatchMode",
     "base_of",
+    "buffer_table",
+    "child_table",
     "coalesces",
+    "detached_parameters",
+    "dtensor_local_shape",
     "fsdp_post_backward",
     "grad_hooked",
-    "storage_shared",
+    "group_coalesces",
     "leaf_of",
+    "parameter_table",
     "post_p2p",
     "pytree",
     "run_backward",
+    "storage_shared",
+    "storage_weak_ref",
+    "version_of",
 ]
 
 Grads = tuple[torch.Tensor | None, ...]
 
 ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]  # a leaf's node
 _ENGINE = Variable._execution_engine
+
+if TYPE_CHECKING:  # torch's dispatch mode is untyped: typed here once
+
+    class DispatchMode:
+        """`TorchDispatchMode`: `__torch_dispatch__` sees every op while the mode is entered."""
+
+        def __enter__(self) -> Any: ...
+        def __exit__(self, *exc: object) -> None: ...
+
+else:
+    from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 
 
 def run_backward(
@@ -137,3 +169,50 @@ def fsdp_post_backward(module: torch.nn.Module) -> None:
         for group in each._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: it grows with every in-place op on its storage."""
+    return int(tensor._version)
+
+
+def dtensor_local_shape(tensor: Any) -> tuple[int, ...]:
+    """The shape of a DTensor's local shard, read without `to_local()` (an autograd op)."""
+    return tuple(tensor._local_tensor.shape)
+
+
+def child_table(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """The module's own children by name, as registered (`None` entries, and a child
+    registered under two names twice): writable, as `del table[name]` removes one."""
+    return module._modules
+
+
+def parameter_table(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """The module's own parameters by name, as registered (writable)."""
+    return module._parameters
+
+
+def buffer_table(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own buffers by name, as registered (writable)."""
+    return module._buffers
+
+
+@contextmanager
+def detached_parameters(
+    module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter]
+) -> Iterator[None]:
+    """Within the block the module's `params` (its own, by name) are detached copies, so a
+    forward records no edge to them; the parameters themselves are back afterwards."""
+    table = cast(dict[str, Any], module._parameters)
+    for name, param in params.items():
+        table[name] = param.detach()
+    try:
+        yield
+    finally:
+        table.update(params)
+
+
+def storage_weak_ref(storage: torch.UntypedStorage) -> Any:
+    """A weak reference to `storage` (`.expired()` once it is freed), which does not keep
+    it alive."""
+    return cast(Any, reductions).StorageWeakRef(storage)

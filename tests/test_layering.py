@@ -131,7 +131,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.runtime.boundaries",
         "pipecc.runtime.plan",
     ),
-    "pipecc.runtime.profiling": ("pipecc.ir", "torch", "pipecc.runtime.engine"),
+    "pipecc.runtime.profiling": (
+        "pipecc.ir",
+        "torch",
+        "pipecc.runtime.compat",  # profiling.memory: a dispatch mode, weak storage references
+        "pipecc.runtime.engine",
+    ),
     "pipecc.runtime.tools": (
         "pipecc.diagnostics",
         "pipecc.ir",

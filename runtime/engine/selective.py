@@ -38,7 +38,7 @@ from torch import nn
 
 from pipecc.diagnostics import ProgramError, SetupError
 
-from ..compat import pytree
+from ..compat import pytree, version_of
 from .aux_loss import collecting
 from .weight_contract import Capture, capturing, keeping
 
@@ -76,7 +76,7 @@ class Region:
         self.args = args
         self.kwargs = kwargs
         leaves = pytree.tree_leaves((args, kwargs))
-        self.inputs = {id(t): t._version for t in leaves if isinstance(t, torch.Tensor)}
+        self.inputs = {id(t): version_of(t) for t in leaves if isinstance(t, torch.Tensor)}
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.autocast: tuple[bool, torch.dtype] | None = None
         self.count = 0  # tensors saved (and contract inputs kept) in the call
@@ -136,7 +136,7 @@ class Recorder:
         region, self.open = self.open, None
         assert region is not None
         self.regions.append(region)
-        changed = [i for i, t in _tensors(region) if t._version != region.inputs[i]]
+        changed = [i for i, t in _tensors(region) if version_of(t) != region.inputs[i]]
         if changed:
             raise SetupError(
                 f"{type(module).__name__}, recomputed selectively, modified its input in "

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..compat import child_table
 from ..engine.split_backward import input_backward
 from ..engine.weight_contract import Capture, capturing, contracted
 
@@ -103,7 +104,7 @@ def layer_names(model: torch.nn.Module) -> list[str]:
     names = []
     for name, child in model.named_children():
         if isinstance(child, CONTAINERS):
-            names += [f"{name}.{key}" for key, sub in child._modules.items() if sub is not None]
+            names += [f"{name}.{key}" for key, sub in child_table(child).items() if sub is not None]
         else:
             names.append(name)
     return names

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
+from ..compat import pytree
 from ..pipeline import PipelineRuntime
 from ..profiling.memory import (
     ByteProfile,
@@ -72,7 +72,7 @@ def measuring(
 
 def tree_bytes(value: object) -> int:
     """Bytes of the distinct storages of every tensor in a pytree (a batch)."""
-    leaves = tree_leaves(value)
+    leaves = pytree.tree_leaves(value)
     return sum(n for n, _ in storages(t for t in leaves if isinstance(t, torch.Tensor)).values())
 
 
