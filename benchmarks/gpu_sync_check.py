@@ -115,13 +115,13 @@ def run_case(case: Case, rank: int, device: torch.device, guard: Guard) -> dict[
     # plain values only: the result travels back from a spawned process
     case_fields = (case.schedule, case.ranks, case.microbatches)
     reused = len(buffers) == WARM + 1 and all(b == buffers[0] for b in buffers)
-    plan = {"bindings": runtime.binder.count, "reused": reused}
+    plan = {"bindings": runtime.plans.binder.count, "reused": reused}
     return {"case": case_fields, "fused": fused, "groups": list(groups), "error": error, **plan}
 
 
 def receive_buffers(runtime: PipelineRuntime) -> list[int]:
     """The id of every receive buffer of the training plan in use."""
-    plan = runtime.current.train
+    plan = runtime.plans.bound(training=True)
     steps = () if plan is None else plan.steps
     return [
         id(tensor)

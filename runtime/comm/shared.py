@@ -297,6 +297,7 @@ class GradientSums:
         grads: ParamGrads,
         *,
         device: torch.device,
+        enabled: bool = True,
     ) -> None:
         self.rank = rank
         self.mine = [(i, op) for i, op in enumerate(program.ranks[rank]) if _is_sum(op)]
@@ -305,7 +306,7 @@ class GradientSums:
         self.grads = grads
         self.device = device
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        self.enabled = True
+        self.enabled = enabled  # RuntimeConfig.sync_duplicated
 
     def create_groups(
         self,

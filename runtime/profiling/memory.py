@@ -43,7 +43,7 @@ from pipecc.ir.ops import Collective, Kind
 from ..compat import DispatchMode, pytree, storage_weak_ref
 from ..engine.context import StepContext, Tensors
 from ..engine.interpreter import Interpreter
-from ..engine.steps import ComputeStep, Current, FusedStep, PostStep, SequentialStep
+from ..engine.steps import Bound, ComputeStep, FusedStep, PostStep, SequentialStep
 
 StorageWeakRef = Any  # torch's weak reference to a storage (`.expired()`; untyped)
 tree_leaves = pytree.tree_leaves
@@ -178,7 +178,7 @@ class ByteProfilingInterpreter(Interpreter):
     """An `Interpreter` over `base`'s parts that records the byte profile of one step."""
 
     def __init__(self, base: Interpreter, profile: ByteProfile, live: LiveStorages) -> None:
-        super().__init__(base.rank, base.stage, base.fused, base.transfers, base.sums)
+        super().__init__(base.parts)
         self.profile = profile
         self.live = live
         self.skip: set[int] = set()  # parameters, buffers, the step's batch
@@ -186,9 +186,9 @@ class ByteProfilingInterpreter(Interpreter):
         self.end = 0  # live bytes when the program ended
         self.pool: list[torch.Tensor] = []  # the receive buffers of the plan in use
 
-    def run(self, current: Current, ctx: StepContext) -> None:
-        self.pool = pool_tensors(current)  # counted apart: the rule holds them all step
-        super().run(current, ctx)
+    def run(self, bound: Bound, ctx: StepContext) -> None:
+        self.pool = pool_tensors(bound)  # counted apart: the rule holds them all step
+        super().run(bound, ctx)
         self.end = self.live.mark()  # what follows is the gradient sum (pipeline.step)
 
     def begin(self, ctx: StepContext) -> None:
@@ -327,14 +327,13 @@ class ByteProfilingInterpreter(Interpreter):
             self.profile.optim[stage] = optimizer_bytes(held.module, optimizer)
 
 
-def pool_tensors(current: Current) -> list[torch.Tensor]:
-    """The receive buffers of a bound signature (its training and forward plans share them),
-    allocated when it was bound and held for every step of it."""
+def pool_tensors(bound: Bound) -> list[torch.Tensor]:
+    """The receive buffers of a bound plan (a signature's training and forward plans share
+    them), allocated when it was bound and held for every step of it."""
     found: dict[int, torch.Tensor] = {}
-    for plan in (current.train, current.forward):
-        for step in plan.steps if plan is not None else ():
-            if isinstance(step, PostStep) and not step.send and step.buffers is not None:
-                found.update((id(t), t) for t in step.buffers)
+    for step in bound.steps:
+        if isinstance(step, PostStep) and not step.send and step.buffers is not None:
+            found.update((id(t), t) for t in step.buffers)
     return list(found.values())
 
 

@@ -20,8 +20,8 @@ from pipecc.ir.ops import Collective, Fused, Kind, Send
 from ..engine.context import StepContext
 from ..engine.interpreter import Interpreter
 from ..engine.steps import (
+    Bound,
     ComputeStep,
-    Current,
     FusedStep,
     PostStep,
     SequentialStep,
@@ -34,13 +34,13 @@ class ProfilingInterpreter(Interpreter):
     """An `Interpreter` over `base`'s parts that records every instruction in `recorder`."""
 
     def __init__(self, base: Interpreter, recorder: Recorder) -> None:
-        super().__init__(base.rank, base.stage, base.fused, base.transfers, base.sums)
+        super().__init__(base.parts)
         self.recorder = recorder
         self.cuda = base.transfers.device if base.transfers.device.type == "cuda" else None
         # (start, end) of the last call of a stage's module: a forward's time inside it
         self.inside: list[float] = []
 
-    def run(self, current: Current, ctx: StepContext) -> None:
+    def run(self, bound: Bound, ctx: StepContext) -> None:
         """The step, with hooks on the stage modules that time a forward's module call."""
         handles = []
         for chunk in self.stage.chunks.values():
@@ -48,7 +48,7 @@ class ProfilingInterpreter(Interpreter):
             handles.append(chunk.module.register_forward_hook(self._left))
         try:
             start = time.perf_counter()
-            super().run(current, ctx)
+            super().run(bound, ctx)
             self._synchronize()
             self.recorder.span(start, time.perf_counter())
         finally:
@@ -88,8 +88,8 @@ class ProfilingInterpreter(Interpreter):
         start = time.perf_counter()
         self.transfers.post(ctx, step)
         if step.commit:
-            group = list(ctx.queue)
-            self.transfers.commit(ctx)
+            group = list(self.transfers.posts.queue)
+            self.transfers.commit()
             now = time.perf_counter()  # the group is posted (or handed to the poster thread)
             for posted, tensors in group:
                 nbytes = sum(t.nbytes for t in tensors)

@@ -190,7 +190,7 @@ def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
                 stage.zero_grad(set_to_none=True)
         data = batch(case.variant, case.program.num_microbatches, step)
         runtime.step(*data)
-        specs.append({s: b.describe() for s, b in runtime.interpreter.stage.boundaries.items()})
+        specs.append({s: b.describe() for s, b in runtime.boundaries.items()})
         options = case.options._replace(step=step)
         want_loss, want = reference_step(reference, data, case.program.num_microbatches,
                                          loss_fn, options)  # fmt: skip

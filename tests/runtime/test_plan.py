@@ -87,8 +87,7 @@ def _batch(seed: int, rows: int = ROWS * M) -> tuple[torch.Tensor, torch.Tensor]
 
 def _buffers(runtime: PipelineRuntime) -> list[int]:
     """The id of every receive buffer of the training plan in use."""
-    plan = runtime.current.train
-    assert plan is not None
+    plan = runtime.plans.bound(training=True)
     return [
         id(tensor)
         for step in plan.steps
@@ -115,7 +114,7 @@ def _steps(runtime: PipelineRuntime, stages: list[nn.Module], schedule: str) -> 
         found["worst"] = max(found["worst"], worst)
         if loss is not None:
             found["losses"].append((float(loss), want_loss))
-        found["bindings"].append(runtime.binder.count)
+        found["bindings"].append(runtime.plans.binder.count)
         buffers = _buffers(runtime)
         first = first or buffers
         found["same_buffers"].append(buffers == first)
@@ -246,8 +245,8 @@ def test_the_split_backward_method_is_chosen_per_runtime(tmp_path: Path) -> None
             for stages, x in ((linear, _batch(0)[0][:ROWS]), (scaled, _batch(0)[0][:ROWS]))
         ]
         split = split_chunks(program.ranks[0])
-        assert split and sorted(runtimes[0].binder.captures) == sorted(split), "the contract"
-        assert runtimes[1].binder.captures == {}, "the walk"
+        assert split and sorted(runtimes[0].plans.binder.captures) == sorted(split), "the contract"
+        assert runtimes[1].plans.binder.captures == {}, "the walk"
         for step in range(2):
             for stages, runtime in ((linear, runtimes[0]), (scaled, runtimes[1])):
                 for stage in stages:
