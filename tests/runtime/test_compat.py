@@ -136,3 +136,13 @@ def test_storage_shared_counts_the_tensors_of_a_storage() -> None:
     del seed
     x.grad = None
     assert not compat.storage_shared(param.grad)
+
+
+def test_fsdp_param_groups_are_found_under_either_name() -> None:
+    """torch 2.13 keeps a list (`_fsdp_param_groups`); torch 2.11 one group or None
+    (`_fsdp_param_group`): the runtime's post-backward takes both."""
+    from types import SimpleNamespace
+
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_groups=("a", "b"))) == ["a", "b"]
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
