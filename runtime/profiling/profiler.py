@@ -157,8 +157,9 @@ class EventTimes:
         """The device's event timer; None off CUDA."""
         if device.type != "cuda":
             return None
+        event: Any = torch.cuda.Event  # torch leaves its constructor untyped
         return cls(
-            lambda: torch.cuda.Event(enable_timing=True),
+            lambda: event(enable_timing=True),
             lambda: torch.cuda.current_stream(device),
             lambda: torch.cuda.synchronize(device),
         )
