@@ -40,6 +40,7 @@ from pipecc.api import compile_schedule
 
 WIDTH, ROWS, MICROBATCHES, STEPS = 1024, 256, 6, 4
 TOLERANCE = 1e-4
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # a kernel's launch: cudaLaunchKernel, cuLaunchKernel
 
 
 class Heavy(nn.Module):
@@ -141,7 +142,7 @@ def kernel_streams(trace: dict[str, Any]) -> dict[tuple[int, str], set[int]]:
     launches = {
         e["args"]["correlation"]: e["ts"]
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})
     }
     found: dict[tuple[int, str], set[int]] = {}
     for event in events:

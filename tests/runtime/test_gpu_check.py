@@ -227,7 +227,7 @@ def test_the_streams_check_labels_each_half_and_judges_their_streams(
         event("user_annotation", 10, dur=10, name="pipecc-half 4 fwd"),
         event("user_annotation", 30, dur=10, name="pipecc-half 4 bwd"),
         event("cuda_runtime", 12, args={"correlation": 1}),
-        event("cuda_runtime", 32, args={"correlation": 2}),
+        event("cuda_driver", 32, args={"correlation": 2}),
         event("cuda_runtime", 50, args={"correlation": 3}),  # outside every label
         event("kernel", 60, args={"correlation": 1, "stream": 7}),
         event("kernel", 61, args={"correlation": 2, "stream": 13}),
