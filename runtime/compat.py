@@ -1,9 +1,10 @@
 """Every private torch API the runtime uses, in one place.
 
-torch keeps no promise about these; each one here has a test in tests/runtime/test_compat.py
-that fails, naming it, when a torch release changes it, so an upgrade breaks one named test
-instead of a step deep inside the interpreter. Nothing else in the runtime reaches into torch's
-private names: it imports them from here.
+The runtime supports torch 2.11 to 2.13 (the `runtime` extra): where a name differs between
+them, the function here takes either. torch keeps no promise about these; each one here has
+a test in tests/runtime/test_compat.py that fails, naming it, when a torch release changes
+it, so an upgrade breaks one named test instead of a step deep inside the interpreter.
+Nothing else in the runtime reaches into torch's private names: it imports them from here.
 
 - `pytree`: `torch.utils._pytree` (flatten and rebuild any stage value; registered types).
 - `run_backward`: the autograd engine called directly (`Variable._execution_engine`), as
@@ -30,7 +31,8 @@ private names: it imports them from here.
 - `DispatchMode`, `storage_weak_ref`: torch's dispatch mode (`TorchDispatchMode`, to see
   every op's outputs) and a weak reference to a tensor storage (`StorageWeakRef`).
 - `fsdp_post_backward`: FSDP2's post-backward for every parameter group of a module (its
-  state's `_state_ctx.all_states` and `_fsdp_param_groups`), then its root's end-of-backward
+  state's `_state_ctx.all_states` and `_fsdp_param_groups`, or torch 2.11's one
+  `_fsdp_param_group`), then its root's end-of-backward
   callback (`_root_post_backward_final_callback`: the compute stream waits for the
   reduce-scatters, the groups' state is reset).
 """
@@ -166,9 +168,19 @@ def fsdp_post_backward(module: torch.nn.Module) -> None:
     stream wait for them before anything reads the reduced gradients."""
     state = cast(Any, fully_shard).state(module)  # `state` is added by torch's decorator
     for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
+        for group in _param_groups(each):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: `_fsdp_param_groups` (a list, since FSDP2's
+    per-parameter meshes), else the one `_fsdp_param_group` or none (torch 2.11)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def version_of(tensor: torch.Tensor) -> int:

@@ -43,7 +43,7 @@ from .engine.interpreter import InstructionError, Interpreter, Parts
 from .engine.plan_cache import PlanCache
 from .engine.precision import Fp32Grads
 from .engine.recompute import recomputed, selected_modules
-from .engine.rng import ForwardRng, derive_seed
+from .engine.rng import ForwardRng, cuda_index, derive_seed
 from .engine.split_backward import split_chunks
 from .engine.transfers import Transfers
 from .plan import binding
@@ -83,7 +83,7 @@ class PipelineRuntime:
         self.rank_map = tuple(
             rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
         )
-        self.device = config.device or _device_of(self.modules)
+        self.device = _device(config.device, self.modules, self.group)
         nccl = uses_nccl(self.group, self.device)
         limit = None if nccl else config.timeout
         self.declared = _declared(boundaries)  # checked against the discovered ones
@@ -127,7 +127,9 @@ class PipelineRuntime:
         )  # fmt: skip
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
-        self.mesh = mesh.DataParallel(self.program, rank, self.modules, config.mesh)
+        self.mesh = mesh.DataParallel(
+            self.program, rank, self.modules, config.mesh, device=self.device
+        )
         self.interpreter = Interpreter(Parts(rank, stage, fused, transfers, self.sums, self.mesh))
         slots = mailbox(self.program.ranks[rank])
         binder = Binder(stage, fused, self.channel, slots, captures, mesh=config.mesh)
@@ -419,8 +421,20 @@ def _declared(
     return normalise_boundaries(boundaries)
 
 
-def _device_of(modules: Mapping[int, torch.nn.Module]) -> torch.device:
+def _device(
+    given: torch.device | None,
+    modules: Mapping[int, torch.nn.Module],
+    group: dist.ProcessGroup | None,
+) -> torch.device:
+    """The runtime's device: the configured one (`cuda` without an index: the current CUDA
+    device), else the first parameter's; a rank whose stages have no parameters takes the
+    current CUDA device where the group runs NCCL (its peers' messages go over NCCL), else
+    the CPU."""
+    if given is not None:
+        return torch.device("cuda", cuda_index(given)) if given.type == "cuda" else given
     for module in modules.values():
         for param in module.parameters():
             return param.device
+    if torch.cuda.is_available() and "nccl" in dist.get_backend_config(group):
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

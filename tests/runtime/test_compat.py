@@ -200,3 +200,13 @@ def test_dispatch_mode_sees_ops_and_a_weak_ref_expires() -> None:
     assert not ref.expired()
     del t
     assert ref.expired()
+
+
+def test_fsdp_param_groups_are_found_under_either_name() -> None:
+    """torch 2.13 keeps a list (`_fsdp_param_groups`); torch 2.11 one group or None
+    (`_fsdp_param_group`): the runtime's post-backward takes both."""
+    from types import SimpleNamespace
+
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_groups=("a", "b"))) == ["a", "b"]
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
