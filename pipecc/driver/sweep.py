@@ -11,9 +11,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from pipecc.diagnostics import InputError, RequirementError, ScheduleError
+from pipecc.diagnostics import InputError, LoweringViolation, RequirementError, ScheduleError
 from pipecc.driver.check import DEFAULT_RESOLUTION, Outcome, Resolution, Unusable
-from pipecc.driver.compile import order_tree
+from pipecc.driver.compile import order_tree, violation_report
 from pipecc.driver.files import read_text, resolve_schedule
 from pipecc.driver.load import Source, resolve_source
 from pipecc.frontend.ast import ScheduleFile
@@ -73,8 +73,16 @@ class Schedule:
         """The program of one size, resolved as `pipecc run` resolves it on the backend
         (`pipecc.driver.load.resolve_source`: the default nccl resolution compiles it as
         `pipecc compile` does)."""
-        order = order_tree(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
-        label = f"{self.path} P={ranks} M={microbatches}"
+        order = self.order(ranks, microbatches, defines)
+        return self.lower(order, resolution)
+
+    def order(self, ranks: int, microbatches: int, defines: Mapping[str, int]) -> Program:
+        """The compute order of one size, with its hand-placed comm ops (`order_tree`)."""
+        return order_tree(self.tree, ranks=ranks, microbatches=microbatches, defines=defines)
+
+    def lower(self, order: Program, resolution: Resolution = DEFAULT_RESOLUTION) -> Program:
+        """`order` resolved for the backend (`compile`)."""
+        label = f"{self.path} P={order.num_ranks} M={order.num_microbatches}"
         source = Source(label, order, (), compiled=True)
         return resolve_source(source, resolution.backend, resolution.lowering).program
 
@@ -131,11 +139,17 @@ def check_size(
     A size its requires allow but that does not compile raises the compiler's error."""
     label = f"{schedule.path} P={ranks} M={microbatches}"
     try:
-        program = schedule.compile(ranks, microbatches, defines, resolution)
+        order = schedule.order(ranks, microbatches, defines)
     except RequirementError as err:
         return Skip(ranks, microbatches, f"requires {err.requirement}")
-    report = verify(program, options)
-    return Outcome(label, report)
+    try:
+        program = schedule.lower(order, resolution)
+    except LoweringViolation:  # the verifier's report of it, as `pipecc verify` gives
+        found = violation_report(order, options)
+        if found is None:
+            raise
+        return Outcome(label, found)
+    return Outcome(label, verify(program, options))
 
 
 def sweep_file(
