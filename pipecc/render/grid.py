@@ -40,14 +40,14 @@ def format_timeline(timeline: Timeline, *, width: int = 120) -> str:
 
 
 def _scale(timeline: Timeline, span: float, width: int) -> float:
-    """Characters per time unit: the largest whole number that fits (at least 5 characters
-    for the shortest op when possible: `F0.3|`), else a fraction."""
+    """Characters per time unit: the largest whole number that fits (at least 6 characters
+    for the shortest op when possible: `F0.3|` and one for rounding), else a fraction."""
     shortest = min(
         (end - start for _, _, i, start, end in timeline.ops() if is_compute(i) and end > start),
         default=1.0,
     )
     fit = width / span
-    wanted = 5 / shortest
+    wanted = 6 / shortest
     scale = min(fit, wanted)
     return math.floor(scale) if scale >= 1 else scale
 
