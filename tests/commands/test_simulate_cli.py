@@ -66,10 +66,10 @@ def test_timeline_labels_are_the_languages_op_names(capsys: pytest.CaptureFixtur
     assert code == 0
     grid = [line for line in out.splitlines() if line.startswith("rank ") and "|" in line]
     assert grid == [
-        "rank 0 | F0.0|F0.1|F0.2|F1.0|I1.0|W1.0|F1.1|I1.1|W1.1|F0.3|I0.0|W0.0|F1.2|I1.2|W1.2|"
-        "I0.1|W0.1|F1.3|I1.3|W1.3|I0.2|W0.2|I0.3|W0.3|",
-        "rank 1 | .....F0.0|F1.0|F0.1|F1.1|I1.0|W1.0|F0.2|I0.0|W0.0|F1.2|I1.1|W1.1|F0.3|I0.1|"
-        "W0.1|F1.3|I1.2|W1.2|I0.2|I1.3|I0.3|W0.2|W1.3|W0.3|",
+        "rank 0 | F0.0 |F0.1 |F0.2 |F1.0 |I1.0 |W1.0 |F1.1 |I1.1 |W1.1 |F0.3 |I0.0 |W0.0 |"
+        "F1.2 |I1.2 |W1.2 |I0.1 |W0.1 |F1.3 |I1.3 |W1.3 |I0.2 |W0.2 |I0.3 |W0.3 |",
+        "rank 1 | ......F0.0 |F1.0 |F0.1 |F1.1 |I1.0 |W1.0 |F0.2 |I0.0 |W0.0 |F1.2 |I1.1 |W1.1 |"
+        "F0.3 |I0.1 |W0.1 |F1.3 |I1.2 |W1.2 |I0.2 |I1.3 |I0.3 |W0.2 |W1.3 |W0.3 |",
     ]
 
 
