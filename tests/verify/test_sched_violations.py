@@ -89,7 +89,7 @@ def test_deadlocking_order_is_one_violation_in_sched_json_and_csv(
     assert out == (
         f"dl.sched:1:39: {CYCLE}{SCHED_CARETS}\n"
         "dl.sched P=2 M=2: 1 violation(s) (unrunnable-order 1)\n"
-        "peak activations per rank: 1 2\n"
+        "peak activations per rank (stage units): 1 2\n"
     )
 
 
@@ -113,7 +113,7 @@ def test_mismatched_hand_placed_messages_are_a_violation(
     assert out == (
         f"{MISMATCH_REPORT}\n"
         "mm.sched P=2 M=2: 1 violation(s) (mismatch 1); nccl passes\n"
-        "peak activations per rank: 2 1\n"
+        "peak activations per rank (stage units): 2 1\n"
     )
     code, out, err = run_cli(capsys, "compile", "mm.sched", "-P", "2", "-M", "2")
     assert (code, out) == (1, "")

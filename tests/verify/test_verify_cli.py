@@ -24,7 +24,7 @@ def test_clean_schedule_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     head, peaks = out.splitlines()
     assert head.startswith("schedules/dualpipe.sched P=4 M=8: ok (")
     assert head.endswith(" instructions on 4 ranks; nccl passes)")
-    assert peaks == "peak activations per rank: 5 5 5 5"
+    assert peaks == "peak activations per rank (stage units): 5 5 5 5"
 
 
 def test_comm_all_lists_each_verdict(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,7 +37,7 @@ def test_violation_exits_1_with_the_witness(capsys: pytest.CaptureFixture[str]) 
     code, out, _ = run_cli(capsys, "verify", "tests/verify/data/pytorch_172668.csv")
     assert code == 1
     assert out.startswith("tests/verify/data/pytorch_172668.csv:1:27: error[deadlock]: ")
-    assert out.rstrip().endswith("peak activations per rank: 4 4")
+    assert out.rstrip().endswith("peak activations per rank (stage units): 4 4")
 
 
 def test_json_format(capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,7 +128,7 @@ def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(
         capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "7"
     )
-    assert code == 0 and "peak activations per rank: 7 7 7 7" in out
+    assert code == 0 and "peak activations per rank (stage units): 7 7 7 7" in out
     code, out, _ = run_cli(
         capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "6"
     )

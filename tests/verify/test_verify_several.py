@@ -188,6 +188,6 @@ def test_the_lines_keep_todays_formats(capsys: pytest.CaptureFixture[str]) -> No
     code, out, _ = _verify(capsys, [GOOD, GOOD], *SIZES)
     assert code == 0
     assert out.splitlines()[0].startswith(f"{GOOD} P=4 M=8: ok (")
-    assert out.splitlines()[1] == "peak activations per rank: 4 3 2 1"
+    assert out.splitlines()[1] == "peak activations per rank (stage units): 4 3 2 1"
     code, out, _ = _verify(capsys, [GOOD], *SWEEP)
     assert out == f"{GOOD}: ok: 1 size(s) verified, 0 skipped\n"
