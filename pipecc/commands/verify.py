@@ -384,6 +384,15 @@ def _sweep_json(result: SweepResult | Unusable) -> dict[str, object]:
         ],
         "failed": _failure_json(result.failed),
         "failures": [_distinct_json(found) for found in result.distinct()],
+        "sizes": [
+            {
+                "ranks": size.ranks,
+                "microbatches": size.microbatches,
+                **dict(size.params),
+                "verdict": verdict,
+            }
+            for size, verdict in result.ran
+        ],
     }
 
 

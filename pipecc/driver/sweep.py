@@ -97,6 +97,7 @@ class SweepResult:
     verified: int
     skipped: tuple[Skip, ...]
     failures: tuple[Failure, ...] = ()
+    ran: tuple[tuple[Size, str], ...] = ()  # every size in sweep order: ok, skipped, failed
 
     @property
     def ok(self) -> bool:
@@ -125,6 +126,7 @@ class SweepResult:
 
 
 DOES_NOT_COMPILE = "does not compile"
+OK, SKIPPED, FAILED = "ok", "skipped", "failed"  # a size's verdict in `SweepResult.ran`
 
 
 def signature(found: Outcome | CompileFailure) -> str:
@@ -390,6 +392,7 @@ class _Part:
     verified: int
     skipped: tuple[Skip, ...]
     failures: tuple[Failure, ...]
+    ran: tuple[tuple[Size, str], ...]
 
 
 def _sweep_part(
@@ -403,6 +406,7 @@ def _sweep_part(
     verified = 0
     skipped: list[Skip] = []
     failures: list[Failure] = []
+    ran: list[tuple[Size, str]] = []
     seen: set[str] = set()  # the signatures whose report this part keeps already
     for size in todo:
         found: Skip | Outcome | CompileFailure
@@ -414,25 +418,30 @@ def _sweep_part(
             found = CompileFailure(f"{path} {size.label}", err)
         if isinstance(found, Skip):
             skipped.append(found)
+            ran.append((size, SKIPPED))
         elif isinstance(found, Outcome) and found.report.ok:
             verified += 1
+            ran.append((size, OK))
         else:
             sig = signature(found)
             failures.append(Failure(size, sig, None if sig in seen else found))
+            ran.append((size, FAILED))
             seen.add(sig)
-    return _Part(verified, tuple(skipped), tuple(failures))
+    return _Part(verified, tuple(skipped), tuple(failures), tuple(ran))
 
 
 def _merge(path: str, parts: list[_Part]) -> SweepResult:
     """Parts in size order; a report kept for the first size of each distinct failure."""
     verified, skipped, failures = 0, list[Skip](), list[Failure]()
+    ran: list[tuple[Size, str]] = []
     seen: set[str] = set()
     for part in parts:
         verified += part.verified
         skipped += part.skipped
+        ran += part.ran
         for failure in part.failures:
             if failure.found is not None and failure.signature in seen:
                 failure = replace(failure, found=None)
             seen.add(failure.signature)
             failures.append(failure)
-    return SweepResult(path, verified, tuple(skipped), tuple(failures))
+    return SweepResult(path, verified, tuple(skipped), tuple(failures), tuple(ran))

@@ -71,6 +71,10 @@ def test_a_fixed_define_and_the_json_report(buggy: str, capsys: pytest.CaptureFi
     assert failure["failure"] == "error[unrunnable-order] at sw.sched:7:47"
     assert failure["sizes"] == [{"ranks": p, "microbatches": m} for p in (2, 3) for m in (5, 6)]
     assert failure["first"]["input"] == "sw.sched P=2 M=5"
+    assert [(s["ranks"], s["microbatches"], s["verdict"]) for s in data["sizes"]] == [
+        (2, 2, "ok"), (2, 3, "ok"), (2, 4, "ok"), (2, 5, "failed"), (2, 6, "failed"),
+        (3, 2, "skipped"), (3, 3, "ok"), (3, 4, "ok"), (3, 5, "failed"), (3, 6, "failed"),
+    ]  # fmt: skip
 
 
 def test_distinct_failures_each_get_a_line(tmp_path: Path) -> None:
