@@ -27,7 +27,7 @@ from pipecc.driver.lowering import add_lowering_arg, requested_style
 from pipecc.driver.sweep import (
     CompileFailure,
     Distinct,
-    Failure,
+    Size,
     Skip,
     SweepResult,
     parse_sizes,
@@ -66,6 +66,7 @@ comm models (--comm):
 examples:
   pipecc verify schedules/dualpipe.sched -P 8 -M 20
   pipecc verify schedules/*.sched --sweep ranks=2..8 microbatches=1..40
+  pipecc verify my.sched --sweep ranks=4,8 microbatches=8..32 frac=2,3   # and a -D parameter
   pipecc verify prog.json --comm all
   pipecc verify actions.csv --format github
   pipecc verify dualpipe -P 8 -M 20 --cost F=1,B=2,I=1,W=1,comm=0.1 --stall-budget 0
@@ -384,20 +385,12 @@ def _sweep_json(result: SweepResult | Unusable) -> dict[str, object]:
         ],
         "failed": _failure_json(result.failed),
         "failures": [_distinct_json(found) for found in result.distinct()],
-        "sizes": [
-            {
-                "ranks": size.ranks,
-                "microbatches": size.microbatches,
-                **dict(size.params),
-                "verdict": verdict,
-            }
-            for size, verdict in result.ran
-        ],
+        "sizes": [{**_size_json(size), "verdict": verdict} for size, verdict in result.ran],
     }
 
 
-def _size_json(failure: Failure | Distinct, index: int = 0) -> dict[str, int]:
-    size = failure.size if isinstance(failure, Failure) else failure.sizes[index]
+def _size_json(size: Size) -> dict[str, object]:
+    """`{"ranks": 4, "microbatches": 8, "frac": 2}`: a size and its swept parameters."""
     return {"ranks": size.ranks, "microbatches": size.microbatches, **dict(size.params)}
 
 
@@ -405,7 +398,7 @@ def _distinct_json(found: Distinct) -> dict[str, object]:
     """One distinct failure: what it is, every size it occurs at, its first size's report."""
     return {
         "failure": found.signature,
-        "sizes": [_size_json(found, i) for i in range(len(found.sizes))],
+        "sizes": [_size_json(size) for size in found.sizes],
         "first": _failure_json(found.found),
     }
 
