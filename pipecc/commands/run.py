@@ -304,7 +304,11 @@ def _program(
     ok = outcome.report.ok
     if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
         refuse_invalid(source.label, source.program if resolved is None else resolved.program)
-    assert resolved is not None, "a compute order that cannot run fails check_order"
+    if resolved is None:  # a .sched file with no correct program (an order that cannot run)
+        print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
+        raise ProgramError(
+            f"{outcome.label}: refused: it has no correct program to run, as reported above"
+        )
     print_notes((*resolved.notes, *filter(None, (resolved.placed_for,))))
     if not ok:
         print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)

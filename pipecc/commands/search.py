@@ -49,7 +49,9 @@ rendezvous and eager. The makespan and baseline lines are simulated as 'pipecc c
 EPILOG = """\
 output (--json: one object): makespan (of the written program under --comm; with
 --comm eager, the latency model the search optimises), lower_bound, gap, peak (per rank, in
---mem units), placement, seconds (search time, from the parsed input to the chosen order),
+--mem units: per share of the model, 1/P of it, with the default --mem one share's
+activations for one microbatch; simulate's peak act counts stages), placement, seconds
+(search time, from the parsed input to the chosen order),
 baseline ({name, makespan} of the best bundled schedule that fits the cap, placed like the
 result, or null), backend, comm (the written program's placement: aligned, early-recv, ...).
 
@@ -294,7 +296,8 @@ def _table(outcome: Outcome, total: float) -> str:
         + ", ".join(model.value for model in outcome.placing.verified_under),
         f"lower bound  {outcome.lower_bound:g}   gap {outcome.gap:.2%}",
         *([f"span         {outcome.span:g} (the objective, latency model)"] if span else []),
-        f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g})",
+        f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g}; "
+        "in --mem units of one share of the model, where simulate's peak act counts stages)",
         f"baseline     {baseline}",
         f"placement    {problem.placement}   chosen by {outcome.chosen_by}",
         f"seconds      {outcome.seconds:.3f} search, {total:.3f} in all",

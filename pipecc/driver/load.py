@@ -23,12 +23,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from pipecc.diagnostics import InputError, RefusedProgramError
+from pipecc.diagnostics import InputError, LoweringViolation, RefusedProgramError
 from pipecc.driver.compile import (
     DEFAULT_LOWERING,
     Lowering,
     compile_order,
     lower_program,
+    violated,
 )
 from pipecc.driver.files import read_program, read_text
 from pipecc.driver.mesh import place_mesh
@@ -171,7 +172,10 @@ def resolve(request: Request, *, checked: bool = True) -> Resolved:
         microbatches=request.microbatches,
         defines=request.defines,
     )
-    return resolve_source(source, request.backend, request.lowering, checked=checked)
+    try:
+        return resolve_source(source, request.backend, request.lowering, checked=checked)
+    except LoweringViolation as err:  # the verifier's report instead (exit 1)
+        raise violated(source.label, source.program, err) from None
 
 
 def resolve_source(
