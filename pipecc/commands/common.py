@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, NoReturn
 from pipecc.diagnostics import CostModelError, InputError
 from pipecc.driver.compile import Alignment, Lowering
 from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
-from pipecc.driver.lowering import requested_style
 from pipecc.driver.mesh import MeshOptions
 from pipecc.ir.mesh import parse_mesh
 from pipecc.ir.program import Program
@@ -135,6 +134,38 @@ def print_notes(notes: tuple[str, ...]) -> None:
     """Notes on stderr, one `note:` line each."""
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+
+
+LOWERING_CHOICES = tuple(item.value for item in LoweringStyle)
+
+
+def add_lowering_arg(parser: argparse.ArgumentParser) -> None:
+    """`--lowering pipecc|torch|torch-defer`: whose rules place the comm ops of a compute
+    order (docs/interop.md); one option of the one resolution (`Lowering.style`)."""
+    parser.add_argument(
+        "--lowering",
+        choices=LOWERING_CHOICES,
+        default=LoweringStyle.PIPECC.value,
+        help="whose rules place the comm ops of a compute-only input: pipecc (default: "
+        "pipecc's comm policy), torch (as torch 2.13's runtime lowers a compute-only "
+        "schedule) or torch-defer (the same with defer_pp_recv=True); docs/interop.md",
+    )
+
+
+def requested_style(args: argparse.Namespace) -> LoweringStyle:
+    """The command's --lowering (pipecc where it has no such flag), refusing a torch
+    lowering together with --align or --comm-policy (both place the comm ops)."""
+    style = LoweringStyle(getattr(args, "lowering", LoweringStyle.PIPECC.value))
+    if style is not LoweringStyle.PIPECC:
+        for flag, given in (
+            ("--align", getattr(args, "align", False)),
+            ("--comm-policy", getattr(args, "comm_policy", None) is not None),
+        ):
+            if given:
+                raise InputError(
+                    f"--lowering {style.value} and {flag} both place the comm ops: give one"
+                )
+    return style
 
 
 def lowering(args: argparse.Namespace, backend: RunBackend = DEFAULT_BACKEND) -> Lowering:

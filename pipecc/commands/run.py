@@ -17,6 +17,7 @@ from pipecc.analysis.memory import format_bytes, measured_sizes, predict_run
 from pipecc.commands.common import (
     SubParsers,
     add_input_args,
+    add_lowering_arg,
     add_policy_arg,
     lowering,
     mesh_text,
@@ -27,7 +28,6 @@ from pipecc.commands.common import (
 from pipecc.diagnostics import InputError, ProgramError
 from pipecc.driver.check import Resolution, verify_source
 from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
-from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
 from pipecc.search.layers import load_cut
@@ -303,7 +303,10 @@ def _program(
     outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
     ok = outcome.report.ok
     if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
-        refuse_invalid(source.label, source.program if resolved is None else resolved.program)
+        if resolved is None:
+            refuse_invalid(source.label, source.program, compute_only=source.compute_only)
+        else:
+            refuse_invalid(source.label, resolved.program, compute_only=False)
     if resolved is None:  # a .sched file with no correct program (an order that cannot run)
         print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
         raise ProgramError(

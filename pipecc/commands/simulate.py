@@ -11,6 +11,7 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_lowering_arg,
     add_mesh_args,
     comm_model,
     load_costs,
@@ -21,7 +22,6 @@ from pipecc.commands.common import (
     write_output,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import whole_mesh
 from pipecc.interop.torch_csv import has_stage_ops
 from pipecc.render.grid import format_timeline

@@ -11,6 +11,7 @@ import sys
 from pipecc.commands.common import (
     SubParsers,
     add_backend_arg,
+    add_lowering_arg,
     add_mesh_args,
     add_policy_arg,
     add_size_args,
@@ -23,7 +24,6 @@ from pipecc.commands.common import (
 )
 from pipecc.diagnostics import InputError
 from pipecc.driver.check import Outcome, Resolution, Unusable, input_label, verify_file
-from pipecc.driver.lowering import add_lowering_arg, requested_style
 from pipecc.driver.sweep import (
     CompileFailure,
     Distinct,
@@ -176,11 +176,10 @@ def run(args: argparse.Namespace) -> int:
         memory_budget=memory,
     )
     defines = dict(args.defines)
-    style = requested_style(args)
-    if args.sweep and style is not LoweringStyle.PIPECC:
-        raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
     backend = backend_of(args)
     resolution = Resolution(backend, lowering(args, backend))
+    if args.sweep and resolution.lowering.style is not LoweringStyle.PIPECC:
+        raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
     if args.sweep:
         ranks, microbatches, params = parse_sweep(args.sweep, args)
         jobs = args.jobs or os.cpu_count() or 1
@@ -207,7 +206,6 @@ def run(args: argparse.Namespace) -> int:
                     microbatches=args.microbatches,
                     defines=defines,
                     options=options,
-                    style=style,
                     resolution=resolution,
                 )
             )

@@ -178,7 +178,7 @@ class Schedule:
     def lower(self, order: Program, resolution: Resolution = DEFAULT_RESOLUTION) -> Program:
         """`order` resolved for the backend (`compile`)."""
         label = f"{self.path} P={order.num_ranks} M={order.num_microbatches}"
-        source = Source(label, order, (), compiled=True)
+        source = Source.of(label, order, (), compiled=True)
         return resolve_source(source, resolution.backend, resolution.lowering).program
 
 
