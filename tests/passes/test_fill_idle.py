@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import compile_bundled, compute_order, run_cli
 
 from pipecc.diagnostics import ScheduleError
 from pipecc.driver.compile import compile_source
@@ -130,3 +130,11 @@ def test_an_order_that_cannot_run_is_reported_as_without_the_fill() -> None:
             compile_source(source, "d.sched", ranks=2, microbatches=2)
         errors.append(str(caught.value).splitlines()[:3])
     assert errors[1] == [errors[0][0].replace(":1:39:", ":1:48:"), *errors[0][1:]]  # `fill W { `
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 2), (3, 5), (4, 6), (4, 8), (6, 13)])
+def test_1f1b_with_its_ws_filled_under_1f1b_memory_is_zb_h1(ranks: int, microbatches: int) -> None:
+    source = ONE_F_ONE_B.replace("fill W {", "fill W cap P {")
+    filled = compile_source(source, "f.sched", ranks=ranks, microbatches=microbatches)
+    bundled = compile_bundled("zb_h1", ranks, microbatches)
+    assert compute_order(filled) == compute_order(bundled)
