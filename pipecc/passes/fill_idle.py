@@ -338,9 +338,11 @@ class _Sim:
         if _W in fill.kinds and len(state.pending):
             self._weight(state, None, fill.span)
             return True
-        times = [self.done.get(key) for key in op.inputs]
-        if all(time is not None for time in times):
-            self._schedule(rank, max(time for time in times if time is not None))
+        wake = self._arrival(op)
+        if wake is None:  # nothing on the way to `op` yet: wake for a later op of the block
+            wake = self._next_arrival(state, fill)
+        if wake is not None:
+            self._schedule(rank, max(wake, state.clock))
         self.idle.add(rank)
         return False
 
@@ -358,6 +360,20 @@ class _Sim:
                 return True
             forwards += entry.grows
         return False
+
+    def _next_arrival(self, state: _Rank, fill: FillSpec) -> int | None:
+        """The earliest time a later op of the block that the fill may pull has its inputs
+        (None: none has them on the way)."""
+        found: int | None = None
+        for index in range(state.cursor + 1, state.end):
+            entry = state.entries[index]
+            if not isinstance(entry, _Op) or index in state.pulled or entry.dropped:
+                continue
+            if len(entry.parts) == 1 and entry.parts[0][0] in fill.kinds:
+                arrival = self._arrival(entry)
+                if arrival is not None and arrival > state.clock:
+                    found = arrival if found is None else min(found, arrival)
+        return found
 
     def _pullable(self, state: _Rank, op: _Op, fill: FillSpec, forwards: int) -> bool:
         if len(op.parts) != 1 or op.dropped:
@@ -379,6 +395,12 @@ class _Sim:
         else:
             state.clock = max(time for time in times if time is not None)
         return not missing
+
+    def _arrival(self, op: _Op) -> int | None:
+        """When the last input of `op` exists, None while one is still to be made."""
+        times = [self.done.get(key) for key in op.inputs]
+        known = [time for time in times if time is not None]
+        return max(known, default=0) if len(known) == len(times) else None
 
     def _ready(self, op: _Op, time: int) -> bool:
         done = self.done
