@@ -368,6 +368,11 @@ def placements(choice: str) -> tuple[str, ...]:
     """`--placement`'s value → the placements to search."""
     if choice == "auto":
         return SHAPES
-    if choice not in SHAPES:
-        raise ValueError(f"unknown placement {choice!r}: {SHAPES}")
+    if choice not in (*SHAPES, *LAYOUTS):
+        raise ValueError(f"unknown placement {choice!r}: {SHAPES + LAYOUTS}")
     return (choice,)
+
+
+LAYOUTS = ("bidirectional", "table")
+"""The placements the search takes as an IR placement (`Problem.layout`): DualPipe's and
+Chimera's two pipes, and a `.sched` file's table (`--placement-from`)."""
