@@ -271,6 +271,11 @@ def run(args: argparse.Namespace) -> int:
     if args.placement == "v":
         args.placement = "vshape"
     if args.layers is not None:
+        if args.placement_from is not None or not args.split or args.placement == "bidirectional":
+            raise InputError(
+                "--placement bidirectional, --placement-from and --no-split search orders on a "
+                "given cut: not with --layers"
+            )
         return run_layers(args, _placing(args))
     if args.partition is not None:
         raise InputError("--partition writes the cut of a layer search: give --layers")
