@@ -15,6 +15,7 @@ from pipecc.interop.json_program import loads
 from pipecc.ir.ops import Compute, Kind
 from pipecc.ir.placement import bidirectional_placement
 from pipecc.ir.program import Program
+from pipecc.search import exact
 from pipecc.search.bounds import lower_bound
 from pipecc.search.problem import Problem
 from pipecc.semantics import CommModel
@@ -108,3 +109,16 @@ def test_bidirectional_needs_an_even_m(capsys: pytest.CaptureFixture[str]) -> No
     assert err.strip() == (
         "error: placement bidirectional splits M over 2 pipes: M must be a multiple of 2, got 7"
     )
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_bound_is_below_the_proven_optimum_of_two_pipes(split: bool) -> None:
+    pytest.importorskip("ortools")
+    costs = parse_cost_flag("F=1,I=1.5,W=0.5,comm=0.5")
+    problem = Problem.from_costs(
+        costs, ranks=2, microbatches=4, placement="bidirectional", cap=3,
+        layout=bidirectional_placement(2), split=split,
+    )  # fmt: skip
+    solved = exact.solve(problem, time_limit=60)
+    assert solved.optimal
+    assert lower_bound(problem) <= solved.value + 1e-9
