@@ -361,7 +361,18 @@ def smallest_cap(problem: Problem) -> float:
     one = problem.ranks * (RankPolicy(1, 0, False, True),)
     decoded = decode(replace(problem, cap=math.inf), one)
     assert decoded is not None  # one microbatch at a time always runs
-    return max(decoded.evaluation.peak)
+    most = max(decoded.evaluation.peak)
+    if problem.pipes == 1:
+        return most
+    # several pipes: the policy above keeps one microbatch of each pipe in flight; the
+    # smallest cap is the least whole number of forwards under which it still runs
+    step = max(problem.mem_f)
+    cap = step
+    while cap < most - 1e-9:
+        if decode(replace(problem, cap=cap), one) is not None:
+            return cap
+        cap += step
+    return most
 
 
 def placements(choice: str) -> tuple[str, ...]:

@@ -122,3 +122,16 @@ def test_the_bound_is_below_the_proven_optimum_of_two_pipes(split: bool) -> None
     solved = exact.solve(problem, time_limit=60)
     assert solved.optimal
     assert lower_bound(problem) <= solved.value + 1e-9
+
+
+def test_two_pipes_run_under_one_forward_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ("-P", "4", "-M", "8", "--cost", "F=1,B=2", "--placement", "bidirectional")
+    code, out, err = run_cli(capsys, "search", *base, "--memory", "0.5")
+    assert code == 1
+    assert err.strip() == (
+        "error: no schedule fits --memory 0.5: the smallest cap that has one is 1 "
+        "(bidirectional placement, one microbatch in flight at a time)"
+    )
+    found = _search(capsys, *base, "--memory", "2", "--time-limit", "0.3")
+    assert found["peak"] == [2.0] * 4
+    assert float(str(found["lower_bound"])) <= float(str(found["makespan"]))
