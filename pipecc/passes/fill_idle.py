@@ -24,8 +24,10 @@ run, nothing is moved and each block's pending Ws run at its end: `assign_microb
 the lowering then report the fault as they do for any order.
 
 The timing is its own dataflow list schedule, not the replay engine's: it decides the order
-that the replay then runs (a test checks that `pipecc simulate` at F=I=W=1 finds the same
-start times).
+that the replay then runs (tests/passes/test_fill_idle.py checks with `pipecc simulate` at
+F=I=W=1 that a filled W delays no written op, and that V-Half and V-Min reach the spans of
+the reference generators). A rank decides what fills a slot only once every other rank has
+caught up with its clock, so that no input that could exist by then is still to be made.
 """
 
 from __future__ import annotations
