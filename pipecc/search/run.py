@@ -227,6 +227,11 @@ def _problem(req: Request, placement: str) -> Problem:
     layout = req.layout
     if placement == "bidirectional":
         layout = bidirectional_placement(req.ranks)
+    if layout is not None and layout.num_pipes > 1 and req.objective == Objective.SPAN.value:
+        raise InputError(
+            "--objective span measures a rank from its first forward, which with several "
+            "pipes need not be its first op: use --objective makespan"
+        )
     try:
         return Problem.from_costs(
             req.costs,

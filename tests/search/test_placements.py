@@ -135,3 +135,15 @@ def test_two_pipes_run_under_one_forward_per_rank(capsys: pytest.CaptureFixture[
     found = _search(capsys, *base, "--memory", "2", "--time-limit", "0.3")
     assert found["peak"] == [2.0] * 4
     assert float(str(found["lower_bound"])) <= float(str(found["makespan"]))
+
+
+def test_the_span_objective_takes_one_pipe(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys, "search", "-P", "4", "-M", "8", "--cost", "F=1", "--memory", "4",
+        "--placement", "bidirectional", "--objective", "span",
+    )  # fmt: skip
+    assert code == 2
+    assert err.strip() == (
+        "error: --objective span measures a rank from its first forward, which with several "
+        "pipes need not be its first op: use --objective makespan"
+    )
