@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/compile_scale.py --torch-microbatches 256   # quicker torch
 
 For DualPipeV and interleaved 1F1B it prints pipecc's compile time (.sched → lowered
-program with every send, recv and wait), its instructions per second, the time torch takes
+program with every send, recv and wait), its instructions per second, the whole command
+`pipecc compile NAME -P P -M M -o x.json` (the file written, as the CLI resolves its input)
+with its own scaling, the time torch takes
 to build `pipeline_order_with_comms` for the same schedule (its generator, then the lowering
 `_PipelineScheduleRuntime` runs: `_add_unshard_reshard`, `_add_reduce_grad`,
 `_add_send_recv`), and the ratio; then pipecc's scaling from M/4 to M microbatches (linear
@@ -13,8 +15,15 @@ means ×4; the target is ≤ ×4.5). Machines are noisy: compare the ratios, mea
 
 from __future__ import annotations
 
-from scale import compile_case, median_time, parse_args, run
+import contextlib
+import io
+import tempfile
+from pathlib import Path
+
+from scale import ROOT, compile_case, median_time, parse_args, run
 from torch_baseline import torch_lowered
+
+from pipecc.cli import main as pipecc
 
 CASES = (("dualpipev", {}), ("interleaved_1f1b", {"V": 2}))
 
@@ -24,6 +33,26 @@ def _pipecc(
 ) -> tuple[float, int]:
     seconds, program = median_time(repeat, lambda: compile_case(name, defines, ranks, microbatches))
     return seconds, program.num_instructions()
+
+
+def _command(
+    name: str, defines: dict[str, int], ranks: int, microbatches: int, repeat: int
+) -> float:
+    """The median time of `pipecc compile` writing the program to a .json file."""
+    flags = [arg for key, value in defines.items() for arg in ("-D", f"{key}={value}")]
+    path = str(ROOT / "schedules" / f"{name}.sched")
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "x.json")
+        argv = ["compile", path, "-P", str(ranks), "-M", str(microbatches), *flags, "-o", out]
+
+        def once() -> int:
+            with contextlib.redirect_stdout(io.StringIO()):
+                code = pipecc(argv)
+            assert code == 0, f"pipecc {' '.join(argv)}: exit {code}"
+            return code
+
+        seconds, _ = median_time(repeat, once)
+    return seconds
 
 
 def main() -> None:
@@ -39,6 +68,12 @@ def main() -> None:
         )
         quarter, _ = _pipecc(name, defines, P, M // 4, args.repeat)
         print(f"  {'':18s} scaling M/4 → M: ×{seconds / quarter:.2f} time (linear: ×4)")
+        whole = _command(name, defines, P, M, args.repeat)
+        whole_quarter = _command(name, defines, P, M // 4, args.repeat)
+        print(
+            f"  {'':18s} pipecc compile -o x.json {whole:7.2f} s, "
+            f"M/4 → M: ×{whole / whole_quarter:.2f} (the whole command, the file written)"
+        )
         if args.skip_torch:
             continue
         tm = args.torch_microbatches or M

@@ -32,7 +32,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "pipecc.semantics.costs": ("pipecc.diagnostics", "pipecc.ir"),
     "pipecc.semantics.costs.keys": (),  # the cost key table: the standard library only
     "pipecc.analysis": ("pipecc.ir", "pipecc.semantics"),
-    "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir"),
+    # the comm lowering pauses the collector over its 10⁶ objects, as align_comms does
+    "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),
     # the alignment pass asks the replay engine how its candidates run (DESIGN §1)
     "pipecc.passes.align_comms": (
         "pipecc.ir",

@@ -6,6 +6,7 @@ directly, as `json.dumps` would, for speed."""
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from typing import Any
 
 from pipecc.diagnostics import Span
@@ -14,6 +15,8 @@ from pipecc.ir.ops import (
     Compute,
     Fused,
     Instr,
+    Kind,
+    Msg,
     Recv,
     Send,
     Sequential,
@@ -24,6 +27,9 @@ from pipecc.ir.program import Program
 
 FORMAT = "pipecc.program/1"
 RECOMPUTE = "full"  # the one mode a program names: the stage's whole forward again
+# the enums' values, looked up by member (`.value` is a property, slow over 10⁶ instructions)
+_KIND = MappingProxyType({kind: kind.value for kind in Kind})
+_MSG = MappingProxyType({msg: msg.value for msg in Msg})
 
 
 def dumps(program: Program) -> str:
@@ -52,8 +58,8 @@ def dumps(program: Program) -> str:
     lines.append('  "programs": [')
     for rank, instrs in enumerate(program.ranks):
         lines.append("    [")
-        body = [f"      {instr_to_json(instr)}" for instr in instrs]
-        lines.append(",\n".join(body))
+        if instrs:
+            lines.append("      " + ",\n      ".join([instr_to_json(instr) for instr in instrs]))
         lines.append("    ]" + ("," if rank + 1 < program.num_ranks else ""))
     lines.append("  ]")
     lines.append("}")
@@ -121,27 +127,40 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
 
 
 def instr_to_json(instr: Instr) -> str:
-    """`json.dumps(instr_to_dict(instr))`, formatted directly for a compute, send, receive or
-    wait (their fields are ints, None and enum values of plain letters, which `json.dumps`
-    writes as `str` does; tests/interop/test_json_program.py compares the two)."""
+    """`json.dumps(instr_to_dict(instr))`, formatted directly for a send, receive, wait,
+    compute or F&B / F&I (their fields are ints, None and enum values of plain letters,
+    which `json.dumps` writes as `str` does; tests/interop/test_json_write.py compares the
+    two): a large program is almost only these."""
     span: Span | None
-    if type(instr) is Compute:
-        op, chunk, pipe, stage, mb, span = instr
-        text = (
-            f'{{"op": "{op.value}", "chunk": {chunk}, "pipe": {pipe}, "stage": {stage}, "mb": {mb}'
-        )
-    elif type(instr) is Send or type(instr) is Recv:
+    if type(instr) is Send or type(instr) is Recv:
         what, peer, pipe, stage, mb, group, span = instr
         name = "send" if type(instr) is Send else "recv"
         text = (
-            f'{{"op": "{name}", "what": "{what.value}", "peer": {peer}, "pipe": {pipe}, '
+            f'{{"op": "{name}", "what": "{_MSG[what]}", "peer": {peer}, "pipe": {pipe}, '
             f'"stage": {stage}, "mb": {mb}, "group": {"null" if group is None else group}'
         )
     elif type(instr) is Wait:
         ops, span = instr
         text = '{"op": "wait", "ops": [' + ", ".join(map(str, ops)) + "]"
+    elif type(instr) is Fused:
+        forward, backward, span = instr
+        text = (
+            f'{{"op": "F&{_KIND[backward.kind]}", "f": {_compute_json(forward)}, '
+            f'"b": {_compute_json(backward)}'
+        )
+    elif type(instr) is Compute:
+        span = instr.span
+        text = _compute_json(instr)[:-1]
     else:
         return json.dumps(instr_to_dict(instr))
     if span is not None:
         text += f', "line": {span.line}, "col": {span.col}'
     return text + "}"
+
+
+def _compute_json(op: Compute) -> str:
+    """`json.dumps(_compute_dict(op))`."""
+    kind, chunk, pipe, stage, mb, _ = op
+    return (
+        f'{{"op": "{_KIND[kind]}", "chunk": {chunk}, "pipe": {pipe}, "stage": {stage}, "mb": {mb}}}'
+    )
