@@ -27,7 +27,9 @@ class Cut:
     def of(cls, program: Program) -> Cut:
         """The cut of `program` (pipe 0's stages: DualPipe's two pipes hold the same ones)."""
         placement = program.placement
-        return cls(program.pipeline_ranks, placement.num_stages(0), placement.name)
+        return cls(
+            ranks=program.pipeline_ranks, stages=placement.num_stages(0), placement=placement.name
+        )
 
     @property
     def shares(self) -> float:

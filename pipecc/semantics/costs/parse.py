@@ -141,7 +141,7 @@ def _measured(values: dict[str, Any], where: str) -> Cut | None:
     placement = given.get("placement", "")
     if not isinstance(placement, str):
         raise CostModelError(f"{where}: placement must be a name, got {placement!r}")
-    return Cut(sizes[0], sizes[1], placement)
+    return Cut(ranks=sizes[0], stages=sizes[1], placement=placement)
 
 
 def _shared(value: Any, where: str) -> tuple[tuple[int, ...], ...]:
