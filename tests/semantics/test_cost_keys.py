@@ -119,7 +119,7 @@ def test_the_key_table_imports_the_standard_library_only() -> None:
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
     }
-    assert imported <= {"__future__", "enum", "typing"}
+    assert imported <= {"__future__", "enum", "types", "typing"}
 
 
 def test_the_runtimes_profile_writes_table_keys_only() -> None:

@@ -13,6 +13,7 @@ of them knows every row. This module imports the standard library only.
 from __future__ import annotations
 
 from enum import Enum
+from types import MappingProxyType
 from typing import NamedTuple
 
 
@@ -55,47 +56,47 @@ class Key(NamedTuple):
         return self.scope is Scope.STAGE and (self.default is not None or bool(self.derived))
 
 
-S, G, FILE = Scope.STAGE, Scope.GLOBAL, Scope.FILE
+STAGE, GLOBAL, FILE = Scope.STAGE, Scope.GLOBAL, Scope.FILE  # the table's abbreviations
 
 KEYS: tuple[Key, ...] = (
-    Key("F", S, Scale.OP, derived="1 per share"),
-    Key("B", S, Scale.OP, derived="I + W, else 2 per share"),
-    Key("I", S, Scale.OP, derived="B - W, else B / 2"),
-    Key("W", S, Scale.OP, derived="B - I, else B / 2"),
-    Key("FB", S, Scale.OP),  # absent: F + B (CostModel.fused)
-    Key("FI", S, Scale.OP),  # absent: F + I
-    Key("comm", S, Scale.MESSAGE, 0.0),  # plus bytes / bandwidth
-    Key("bytes", S, Scale.MESSAGE),
-    Key("out_bytes", S, Scale.MESSAGE),
-    Key("act_bytes", S, Scale.BYTES),
-    Key("act_bytes_w", S, Scale.BYTES),
-    Key("param_bytes", S, Scale.BYTES),
-    Key("grad_bytes", S, Scale.BYTES),
-    Key("grad_bytes_w", S, Scale.BYTES),
-    Key("optim_bytes", S, Scale.BYTES),
-    Key("sharded_param_bytes", S, Scale.BYTES),
-    Key("unsharded_param_bytes", S, Scale.BYTES),
-    Key("workspace_F", S, Scale.BYTES),
-    Key("workspace_B", S, Scale.BYTES),
-    Key("workspace_I", S, Scale.BYTES),
-    Key("workspace_W", S, Scale.BYTES),
-    Key("workspace_sum", S, Scale.BYTES),
-    Key("UNSHARD", S, Scale.WORK, 0.0),
-    Key("RESHARD", S, Scale.WORK, 0.0),
-    Key("REDUCE_GRAD", S, Scale.WORK, 0.0),
-    Key("bandwidth", G, Scale.NONE),
-    Key("post", G, Scale.HOST, 0.0),
-    Key("wait", G, Scale.HOST, 0.0),
-    Key("sync", G, Scale.HOST, 0.0),
-    Key("collective", G, Scale.HOST, 0.0),
-    Key("dispatch", G, Scale.HOST, 0.0),
-    Key("shared", G, Scale.NONE),
-    Key("unit", G, Scale.NONE),
+    Key("F", STAGE, Scale.OP, derived="1 per share"),
+    Key("B", STAGE, Scale.OP, derived="I + W, else 2 per share"),
+    Key("I", STAGE, Scale.OP, derived="B - W, else B / 2"),
+    Key("W", STAGE, Scale.OP, derived="B - I, else B / 2"),
+    Key("FB", STAGE, Scale.OP),  # absent: F + B (CostModel.fused)
+    Key("FI", STAGE, Scale.OP),  # absent: F + I
+    Key("comm", STAGE, Scale.MESSAGE, 0.0),  # plus bytes / bandwidth
+    Key("bytes", STAGE, Scale.MESSAGE),
+    Key("out_bytes", STAGE, Scale.MESSAGE),
+    Key("act_bytes", STAGE, Scale.BYTES),
+    Key("act_bytes_w", STAGE, Scale.BYTES),
+    Key("param_bytes", STAGE, Scale.BYTES),
+    Key("grad_bytes", STAGE, Scale.BYTES),
+    Key("grad_bytes_w", STAGE, Scale.BYTES),
+    Key("optim_bytes", STAGE, Scale.BYTES),
+    Key("sharded_param_bytes", STAGE, Scale.BYTES),
+    Key("unsharded_param_bytes", STAGE, Scale.BYTES),
+    Key("workspace_F", STAGE, Scale.BYTES),
+    Key("workspace_B", STAGE, Scale.BYTES),
+    Key("workspace_I", STAGE, Scale.BYTES),
+    Key("workspace_W", STAGE, Scale.BYTES),
+    Key("workspace_sum", STAGE, Scale.BYTES),
+    Key("UNSHARD", STAGE, Scale.WORK, 0.0),
+    Key("RESHARD", STAGE, Scale.WORK, 0.0),
+    Key("REDUCE_GRAD", STAGE, Scale.WORK, 0.0),
+    Key("bandwidth", GLOBAL, Scale.NONE),
+    Key("post", GLOBAL, Scale.HOST, 0.0),
+    Key("wait", GLOBAL, Scale.HOST, 0.0),
+    Key("sync", GLOBAL, Scale.HOST, 0.0),
+    Key("collective", GLOBAL, Scale.HOST, 0.0),
+    Key("dispatch", GLOBAL, Scale.HOST, 0.0),
+    Key("shared", GLOBAL, Scale.NONE),
+    Key("unit", GLOBAL, Scale.NONE),
     Key("placement", FILE, Scale.NONE),
     Key("ranks", FILE, Scale.NONE),
     Key("stages", FILE, Scale.NONE),
 )
-BY_NAME = {key.name: key for key in KEYS}
+BY_NAME = MappingProxyType({key.name: key for key in KEYS})
 
 
 def key(name: str) -> str:
@@ -106,8 +107,8 @@ def key(name: str) -> str:
     return name
 
 
-def _names(*scales: Scale, scope: Scope | None = None) -> tuple[str, ...]:
-    return tuple(k.name for k in KEYS if k.scale in scales and (scope is None or k.scope is scope))
+def _names(scale: Scale) -> tuple[str, ...]:
+    return tuple(k.name for k in KEYS if k.scale is scale)
 
 
 # every key of a [cost.stage.N] table (and a StageCost's fields), in the table's order
