@@ -8,6 +8,11 @@ default) from which the rest is derived: `stage.py` one stage's costs (`StageCos
 into a `FilledCost`) and the host's (`HostCost`); `convert.py` the conversion between cuts;
 `model.py` the `CostModel` and its queries; `parse.py` the flag and the TOML; `timing.py`
 the replay engine's view. docs/simulate.md "The cost model" describes every key.
+
+A new key is a row of `keys.KEYS`; the parser, the conversion, the defaults and the writers
+follow from its scope and scale. A stage key is also a field of `StageCost` and a host key
+one of `HostCost` (typed attributes), and every key a row of docs/simulate.md's table:
+tests/semantics/test_cost_keys.py fails, naming it, where one is missing.
 """
 
 from .convert import Cut, format_shared, ratio, scale_duration
