@@ -30,8 +30,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "pipecc.frontend": ("pipecc.diagnostics", "pipecc.ir", "lark"),
     "pipecc.semantics": ("pipecc.ir",),
     "pipecc.semantics.costs": ("pipecc.diagnostics", "pipecc.ir"),
+    "pipecc.semantics.costs.keys": (),  # the cost key table: the standard library only
     "pipecc.analysis": ("pipecc.ir", "pipecc.semantics"),
-    "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir"),
+    # the comm lowering pauses the collector over its 10⁶ objects, as align_comms does
+    "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),
     # the alignment pass asks the replay engine how its candidates run (DESIGN §1)
     "pipecc.passes.align_comms": (
         "pipecc.ir",
@@ -136,6 +138,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "torch",
         "pipecc.runtime.compat",  # profiling.memory: a dispatch mode, weak storage references
         "pipecc.runtime.engine",
+        # the cost file's writer names its keys from the readers' own table, so the two agree
+        # by construction; that module imports the standard library only (its own layer)
+        "pipecc.semantics.costs.keys",
     ),
     "pipecc.runtime.tools": (
         "pipecc.diagnostics",
