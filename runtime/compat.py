@@ -13,7 +13,7 @@ private names: it imports them from here.
 - `grad_hooked`: whether hooks wait for a parameter's gradient (`_backward_hooks`,
   `_post_accumulate_grad_hooks`).
 - `base_of`: the tensor a view was made from (`Tensor._base`).
-- `coalesces`, `post_p2p`: whether a process group's backend coalesces a group of
+- `group_coalesces`, `post_p2p`: whether a process group's backend coalesces a group of
   point-to-point ops (`ProcessGroup._get_backend`), and one op posted on its process group
   with the peer's rank in that group (`P2POp.group_peer`).
 - `storage_shared`: whether anything besides the tensor references its storage
@@ -40,9 +40,9 @@ from torch.distributed.fsdp import fully_shard
 __all__ = [
     "ACCUMULATE_GRAD",
     "base_of",
-    "coalesces",
     "fsdp_post_backward",
     "grad_hooked",
+    "group_coalesces",
     "storage_shared",
     "leaf_of",
     "post_p2p",
@@ -98,12 +98,6 @@ def storage_shared(tensor: torch.Tensor) -> bool:
     storage = tensor.untyped_storage()
     count: int = torch._C._storage_Use_Count(storage._cdata)
     return count > 2
-
-
-def coalesces(op: dist.P2POp) -> bool:
-    """Whether the backend of `op`'s group for its tensor's device coalesces a group of
-    point-to-point ops (NCCL does, gloo does not)."""
-    return bool(op.group._get_backend(op.tensor.device).supports_coalescing)
 
 
 def group_coalesces(group: dist.ProcessGroup | None, device: torch.device) -> bool:
