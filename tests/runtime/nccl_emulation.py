@@ -74,14 +74,13 @@ def _post(op: Any, tensor: torch.Tensor, peer: int, alone: bool) -> list[Any]:
 
 def run_emulated(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
     """Under `nccl_lazy`: the crossing messages both ways, then each case; for each case,
-    how many point-to-point ops went out in coalesced groups and how many alone."""
-    results: dict[str, Any] = {"cases": {}, "coalesced": {}, "lone": {}}
+    how many point-to-point ops went out in coalesced groups."""
+    results: dict[str, Any] = {"cases": {}, "coalesced": {}}
     with nccl_lazy() as seen:
         results["crossing"] = crossing_case(rank, grouped_alone=True)
         results["batched"] = crossing_case(rank, grouped_alone=False)
         for case in cases:
-            groups, lone = len(seen.groups), seen.lone
+            groups = len(seen.groups)
             results["cases"].update(run_cases(rank, world, [case]))
             results["coalesced"][case.name] = sum(seen.groups[groups:])
-            results["lone"][case.name] = seen.lone - lone
     return results

@@ -45,11 +45,10 @@ class GroupWork(dist.Work):
 
 @dataclass
 class Coalesced:
-    """What the coalescing groups saw: ops per coalesced group, ops posted alone."""
+    """What the coalescing groups saw: ops per coalesced group."""
 
     groups: list[int] = field(default_factory=list)
     queued: dict[int, list[tuple[Post, tuple[Any, ...]]]] = field(default_factory=dict)
-    lone: int = 0
 
 
 @contextmanager
@@ -74,7 +73,6 @@ def coalescing(lone: Mapping[int, dist.ProcessGroup] | None = None) -> Iterator[
             if id(pg) in seen.queued:
                 seen.queued[id(pg)].append((post, (tensors, peer, tag)))
                 return None
-            seen.lone += 1
             return post(pg if lone is None else lone[id(pg)], tensors, peer, tag)
 
         return call
