@@ -294,3 +294,38 @@ def test_compiler_verifier_simulator_run_without_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+ENVIRONMENT = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def _environment_reads(path: Path) -> list[int]:
+    """The lines of `path` that touch the process environment (`os.environ`, `os.getenv`,
+    or those names imported from os)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ENVIRONMENT:
+            found.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            found += [node.lineno for alias in node.names if alias.name in ENVIRONMENT]
+    return sorted(found)
+
+
+def test_the_runtime_reads_no_environment_below_its_tools() -> None:
+    """A runtime setting is a `RuntimeConfig` field; only runtime/tools/ (what `pipecc run`
+    starts) maps `PIPECC_*` variables onto fields (runtime/tools/environment.py)."""
+    found = [
+        f"{module}:{line}"
+        for module, path in MODULES
+        if _within(module, "pipecc.runtime") and not _within(module, "pipecc.runtime.tools")
+        for line in _environment_reads(path)
+    ]
+    assert found == []
+
+
+def test_the_environment_rule_sees_every_form(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import os\nfrom os import getenv\na = os.environ.get('X')\nb = os.getenv('Y')\n"
+    )
+    assert _environment_reads(source) == [2, 3, 4]

@@ -14,6 +14,7 @@ from pipecc.api import read_text
 from pipecc.commands.common import SubParsers, positive, write_output
 from pipecc.commands.search_layers import add_layer_flags, run_layers
 from pipecc.diagnostics import InputError
+from pipecc.driver.load import RunBackend
 from pipecc.frontend.expand import expand
 from pipecc.frontend.parser import parse
 from pipecc.interop import json_program
@@ -49,7 +50,8 @@ two stages of half the cost; a [cost.stage.N] table is stage N of the placement'
 profile ('pipecc run --profile') measured on another cut is converted.
 
 The placement is the one 'pipecc run' gives a compute-only program on that backend: on
-nccl the alignment for NCCL's ordered streams, verified under every comm model; on gloo the
+nccl the alignment for the one stream the runtime posts on there (nccl-single), verified
+under every comm model; on gloo the
 early-recv policy (every receive posted at the start of the step), verified under
 rendezvous and eager. The makespan and baseline lines are simulated as 'pipecc compare
 --backend' simulates the written program and the bundled one on that backend, under --comm.
@@ -77,10 +79,11 @@ smallest cap that has one); 2 input pipecc cannot use.
 
 # how `pipecc run` places a compute-only program on each backend, for the search: gloo's
 # early-recv (every receive posted at the start; faster on gloo than an alignment,
-# docs/performance.md run 4), the alignment for NCCL's ordered streams on nccl
+# docs/performance.md run 4), on nccl the alignment for the one stream the runtime posts
+# every op on there (nccl-single: runtime/comm/channel.py)
 BACKEND_PLACING = {
     "gloo": Placing("early-recv", CommModel.RENDEZVOUS),
-    "nccl": Placing(ALIGNED, CommModel.NCCL),
+    "nccl": Placing(ALIGNED, RunBackend.NCCL.comm_model),
 }
 
 
@@ -161,7 +164,7 @@ def _add_backend(cmd: argparse.ArgumentParser) -> None:
         choices=tuple(BACKEND_PLACING),
         default="nccl",
         help="the backend the program is placed for, as 'pipecc run' places a compute-only "
-        "program there (default nccl: aligned for nccl; gloo: early-recv, run under "
+        "program there (default nccl: aligned for nccl-single; gloo: early-recv, run under "
         "rendezvous)",
     )
     cmd.add_argument(
@@ -174,7 +177,7 @@ def _add_backend(cmd: argparse.ArgumentParser) -> None:
         "--comm",
         choices=[model.value for model in CommModel],
         help="the comm model the program is aligned for and reported under (default: the "
-        "backend's: nccl, or rendezvous on gloo)",
+        "backend's: nccl-single, or rendezvous on gloo)",
     )
 
 

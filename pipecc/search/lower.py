@@ -74,7 +74,7 @@ class Placing(NamedTuple):
         return f"{ALIGNED} for {self.model.value}" if self.policy == ALIGNED else self.policy
 
 
-NCCL_ALIGNED = Placing(ALIGNED, CommModel.NCCL)
+NCCL_ALIGNED = Placing(ALIGNED, CommModel.NCCL_SINGLE)  # what the runtime posts on NCCL
 
 
 class Lowered(NamedTuple):
