@@ -93,7 +93,11 @@ class PipelineRuntime:
             program, world, self.rank_map, dist.get_rank()
         ) or binding.backend_problem(program, nccl=nccl)
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
-        self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
+        self.channel = Channel(
+            self.group, self.rank_map, timeout=config.timeout, nccl=nccl,
+            poster_thread=config.gloo_poster_thread,
+            direction_groups=config.gloo_direction_groups,
+        )  # fmt: skip
         self.losses: dict[int, torch.Tensor] = {}
         self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation

@@ -15,10 +15,10 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_size_args,
-    comm_model,
     define,
     load_costs,
     load_input,
+    simulated_model,
 )
 from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
@@ -114,7 +114,7 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    args = argparse.Namespace(**{**vars(args), "comm": comm_model(args).value})
+    args = argparse.Namespace(**{**vars(args), "comm": simulated_model(args).value})
     if args.ranks is None or args.microbatches is None:
         args = _sizes_of_programs(args)
     costs = load_costs(args)

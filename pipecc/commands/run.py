@@ -60,8 +60,9 @@ on NCCL); a .sched file's hand-placed sends, receives and waits are kept; a .jso
 with comm ops runs as it is; --comm-policy, --align or --lowering place every comm op
 afresh, and a note says how many of the input's they replaced. Before any process starts,
 that exact program is verified under the backend's comm model (gloo: rendezvous, NCCL:
-nccl) with verify's checks; a program that fails is refused (exit 1, with verify's report)
-unless --unverified. The first line says which program runs and that it verified.
+nccl-single, as every op goes through one communicator there) with verify's checks; a
+program that fails is refused (exit 1, with verify's report) unless --unverified. The
+first line says which program runs and that it verified.
 """
 
 EPILOG = """\

@@ -13,12 +13,12 @@ from pipecc.commands.common import (
     add_input_args,
     add_lowering_arg,
     add_mesh_args,
-    comm_model,
     load_costs,
     load_input,
     positive,
     print_notes,
     program_costs,
+    simulated_model,
     write_output,
 )
 from pipecc.diagnostics import InputError
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     timeline = simulate(
-        program, costs, model=comm_model(args), stall_threshold=args.stall_threshold
+        program, costs, model=simulated_model(args), stall_threshold=args.stall_threshold
     )
     if args.svg:
         write_output(render_svg(timeline, arrows=args.arrows), args.svg)

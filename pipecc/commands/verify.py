@@ -55,9 +55,11 @@ The program verified is the one `pipecc run` runs on --backend (default nccl), w
 
 EPILOG = """\
 comm models (--comm):
-  nccl         (default) rendezvous, plus per-peer FIFO streams: ops toward one peer run in
-               posting order; a group is one unit on every stream it touches
-  nccl-single  one FIFO stream per rank for all peers
+  nccl         rendezvous, plus per-peer FIFO streams: ops toward one peer run in posting
+               order; a group is one unit on every stream it touches (a runtime that posts
+               each peer's ops on a communicator of their own)
+  nccl-single  (default, --backend nccl) one FIFO stream per rank for all peers: what
+               pipecc's runtime runs on NCCL, every op through one communicator
   rendezvous   a send and its receive complete together once both are posted (gloo)
   eager        sends complete when posted (unbounded buffering); a program that passes
                only here passes eager but fails with a "needs-buffering" violation
@@ -99,8 +101,8 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--comm",
         choices=COMMS,
-        help="comm model to verify under (default: the backend's, nccl or rendezvous with "
-        "--backend gloo)",
+        help="comm model to verify under (default: the backend's, nccl-single or rendezvous "
+        "with --backend gloo)",
     )
     add_policy_arg(cmd)
     cmd.add_argument(

@@ -32,10 +32,11 @@ from pipecc.verify import DEFAULT_OPTIONS, Options, Report, check_order, verify
 
 @dataclass(frozen=True, slots=True)
 class Alignment:
-    """`--align`: place every comm op for these costs under this comm model (docs/align.md)."""
+    """`--align`: place every comm op for these costs under this comm model (docs/align.md);
+    by default nccl-single, what pipecc's runtime runs on NCCL (one communicator)."""
 
     costs: CostModel
-    model: CommModel = CommModel.NCCL
+    model: CommModel = CommModel.NCCL_SINGLE
 
 
 @dataclass(frozen=True, slots=True)

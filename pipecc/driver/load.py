@@ -53,8 +53,10 @@ class RunBackend(enum.Enum):
     @property
     def comm_model(self) -> CommModel:
         """How its sends and receives complete (DESIGN §5): gloo progresses every posted op on
-        its own (rendezvous), nccl runs a pair's ops in order on one stream."""
-        return CommModel.RENDEZVOUS if self is RunBackend.GLOO else CommModel.NCCL
+        its own (rendezvous); on nccl the runtime posts every op of a rank through
+        `batch_isend_irecv` on the group's one communicator, so they run in order on one
+        stream (nccl-single; runtime/comm/channel.py)."""
+        return CommModel.RENDEZVOUS if self is RunBackend.GLOO else CommModel.NCCL_SINGLE
 
     @property
     def policy(self) -> str:

@@ -84,6 +84,7 @@ from pipecc.passes.comm.placement import (
     SendWait,
 )
 from pipecc.passes.comm.refine import refine
+from pipecc.perf import paused_gc
 
 __all__ = [
     "DEFAULT",
@@ -124,7 +125,13 @@ def strip_comms(prog: Program) -> Program:
 
 def lower(prog: Program, placement: CommPlacement, *, check_hand_placed: bool = True) -> Program:
     """Place the comm ops of `prog` as `placement` says (the module docstring describes the
-    default; `align_comms` passes the real costs)."""
+    default; `align_comms` passes the real costs). The collector is paused: the pass makes
+    10⁶ objects for a large program, acyclic (`pipecc.perf.paused_gc`), whoever calls it."""
+    with paused_gc():
+        return _lower(prog, placement, check_hand_placed)
+
+
+def _lower(prog: Program, placement: CommPlacement, check_hand_placed: bool) -> Program:
     keys = MessageKeys(prog.placement).by_stage(prog.num_microbatches)
     table = op_table(keys, placement)
     ranks = [collect(instrs, keys, placement, table) for instrs in prog.ranks]

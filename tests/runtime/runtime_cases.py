@@ -135,6 +135,7 @@ class Case:
     timeout: float = 60.0
     keep_grads: bool = False  # return this rank's gradients
     device: str = "cpu"  # "cuda": this rank's stages and data on its GPU
+    poster_thread: bool = False  # RuntimeConfig.gloo_poster_thread (test_posting.py)
 
 
 def compile_case(name: str, ranks: int, microbatches: int, **defines: int) -> Program:
@@ -237,7 +238,8 @@ def _setup(rank: int, case: Case) -> _Run:
     loss_fn = tuple_loss if case.model == "tuple" else nn.functional.mse_loss
     boundaries = case.boundaries  # None: found along the pipeline by the runtime
     config = RuntimeConfig(group=group, rank_map=rank_map, sync_duplicated=case.mode != "nosync",
-                           timeout=case.timeout, device=device)  # fmt: skip
+                           timeout=case.timeout, device=device,
+                           gloo_poster_thread=case.poster_thread)  # fmt: skip
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=loss_fn, config=config)
     return _Run(case, me, stages, modules, runtime, inputs, targets, loss_fn)
 

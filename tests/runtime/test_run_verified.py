@@ -81,7 +81,7 @@ def test_a_program_placed_for_gloo_is_refused_on_nccl(tmp_path: Path) -> None:
     program = compile_schedule("1f1b", ranks=2, microbatches=2, lowering=Lowering("early-recv"))
     early.write_text(json_program.dumps(program))
     args = build_parser().parse_args(["run", str(early), "--model", MLP])
-    with pytest.raises(ProgramError, match=r"fails verification under nccl \(nccl\)"):
+    with pytest.raises(ProgramError, match=r"fails verification under nccl-single \(nccl\)"):
         run_command._program(args, lambda ranks: "nccl")
     verified = run_command._program(args, lambda ranks: "gloo")
     assert verified.ok and verified.resolved.choice.value == "program"

@@ -23,7 +23,7 @@ def test_clean_schedule_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     head, peaks = out.splitlines()
     assert head.startswith("schedules/dualpipe.sched P=4 M=8: ok (")
-    assert head.endswith(" instructions on 4 ranks; nccl passes)")
+    assert head.endswith(" instructions on 4 ranks; nccl-single passes)")
     assert peaks == "peak activations per rank (stage units): 5 5 5 5"
 
 
