@@ -288,17 +288,19 @@ class Verified(NamedTuple):
         return f"{self.backend.comm_model.value} ({self.backend.value})"
 
 
-def _program(
-    args: argparse.Namespace, backend_for: Callable[[int], str], world: int | None = None
-) -> Verified:
-    """The program to run on the backend `backend_for` picks for its ranks, resolved as
-    `pipecc verify --backend` resolves it, verified once under that backend's comm model
-    with verify's checks, and refused (exit 1, verify's report on stderr) when it fails,
-    unless --unverified."""
+def program_to_run(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Verified:
+    """The program to run on the backend `backend_for` picks for its processes (`--nproc`,
+    the mesh's world with --mesh, whose pp is the program's P), resolved as `pipecc verify
+    --backend` resolves it, verified once under that backend's comm model with verify's
+    checks, and refused (exit 1, verify's report on stderr) when it fails, unless
+    --unverified."""
+    mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
+    ranks = mesh.pp if mesh is not None else args.ranks  # the program is one pipeline's
+    world = mesh.world if mesh is not None else None
     source = read_source(
-        args.file, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
+        args.file, ranks=ranks, microbatches=args.microbatches, defines=dict(args.defines)
     )
-    _check_sizes(args, source.program)
+    _check_sizes(args, source.program, ranks)
     backend = RunBackend(backend_for(world or source.program.num_ranks))
     resolution = Resolution(backend, lowering(args, backend))
     outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
@@ -325,7 +327,7 @@ def _program(
     return Verified(resolved, backend, ok)
 
 
-def _check_sizes(args: argparse.Namespace, program: Program) -> None:
+def _check_sizes(args: argparse.Namespace, program: Program, ranks: int | None) -> None:
     """--nproc and -M, where given, agree with a compiled program's sizes; a program for a
     mesh of several pipelines is not run on one pipeline (docs/parallelism.md)."""
     if program.mesh is not None and program.mesh.pipelines > 1 and not args.mesh:
@@ -333,9 +335,9 @@ def _check_sizes(args: argparse.Namespace, program: Program) -> None:
             f"{args.file}: the program is for the mesh {program.mesh.describe()}; "
             "run it with --mesh (pipecc run --mesh: docs/parallelism.md)"
         )
-    if args.ranks is not None and program.num_ranks != args.ranks:
+    if ranks is not None and program.num_ranks != ranks:
         raise InputError(
-            f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"
+            f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {ranks}"
         )
     if args.microbatches is not None and program.num_microbatches != args.microbatches:
         raise InputError(
@@ -364,9 +366,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(_import_failure(err)) from None
     steps, warmup = _timing(args)
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
-    if mesh is not None:
-        args.ranks = mesh.pp  # the program is one pipeline's
-    verified = _program(args, backend_for, mesh.world if mesh is not None else None)
+    verified = program_to_run(args, backend_for)
     program = verified.resolved.program
     if not args.json:
         print(verified.line(), flush=True)

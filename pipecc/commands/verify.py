@@ -23,7 +23,8 @@ from pipecc.commands.common import (
     positive,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.check import Outcome, Resolution, Unusable, input_label, verify_file
+from pipecc.driver.check import Outcome, Resolution, Unusable, input_label, verify_source
+from pipecc.driver.load import Resolved, read_source
 from pipecc.driver.sweep import (
     CompileFailure,
     Distinct,
@@ -201,21 +202,23 @@ def run(args: argparse.Namespace) -> int:
     outcomes: list[Outcome | Unusable] = []
     for path in args.files:
         try:
-            outcomes.append(
-                verify_file(
-                    path,
-                    ranks=args.ranks,
-                    microbatches=args.microbatches,
-                    defines=defines,
-                    options=options,
-                    resolution=resolution,
-                )
-            )
+            outcomes.append(verified(path, args, options, resolution)[0])
         except InputError as err:  # reported with the others' verdicts
             outcomes.append(Unusable(path, input_label(path, args.ranks, args.microbatches), err))
     _print_errors(outcomes)
     print(_render_outcomes(outcomes, args.format), end="")
     return _exit_code(outcomes)
+
+
+def verified(
+    path: str, args: argparse.Namespace, options: Options, resolution: Resolution
+) -> tuple[Outcome, Resolved | None]:
+    """One input verified: read, resolved as `pipecc run` resolves it on the backend (the
+    one resolution, `driver/load.resolve_source`), verified; its resolved program too."""
+    source = read_source(
+        path, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
+    )
+    return verify_source(source, options, resolution)
 
 
 def _print_errors(results: list[Outcome | Unusable] | list[SweepResult | Unusable]) -> None:
