@@ -256,7 +256,11 @@ def _to(value: Any, device: torch.device) -> Any:
 
 def _timeout_case(run: _Run) -> dict[str, Any]:
     """Step 1: rank 0 stays away from the program (the shapes are known: nothing is
-    exchanged before it): the others time out in a wait. Step 2: the same again."""
+    exchanged before it): the others time out in a wait. Step 2: the same again.
+    The ranks meet first: rank 0 stays away for `timeout + 1.5` s twice, so the others'
+    first wait must begin within that time of rank 0's, which a rank behind by the previous
+    cases' work (a loaded machine) would miss, finding rank 0 gone instead of late."""
+    dist.barrier()
     if run.me == 0:
         run.runtime.interpreter.run = lambda plan, ctx: time.sleep(run.case.timeout + 1.5)  # type: ignore[method-assign]
         run.runtime.step(run.inputs, run.targets)
