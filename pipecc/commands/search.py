@@ -66,7 +66,7 @@ smallest cap that has one); 2 input pipecc cannot use.
 
 # how `pipecc run` places a compute-only program on each backend, for the search: gloo's
 # early-recv (every receive posted at the start; faster on gloo than an alignment,
-# docs/performance.md run 4), the alignment for NCCL's ordered streams on nccl
+# docs/changelog.md, run 4), the alignment for NCCL's ordered streams on nccl
 BACKEND_PLACING = {
     "gloo": Placing("early-recv", CommModel.RENDEZVOUS),
     "nccl": Placing(ALIGNED, CommModel.NCCL),
