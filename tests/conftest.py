@@ -87,6 +87,10 @@ SLOW_TESTS = frozenset(
         "search/test_search_cli.py::test_the_pytest_plugin_verifies_a_written_sched",
         "test_layering.py::test_compiler_verifier_simulator_run_without_torch",
         "verify/test_stall_budget.py::test_pytest_plugin_applies_the_budget",
+        # `--sweep` verifies its sizes over a process pool (pipecc/driver/sweep.py)
+        "verify/test_verify_cli.py::test_sweep_in_parallel_matches_serial",
+        "verify/test_verify_docs.py::test_documented_output_is_what_the_tool_prints",
+        "verify/test_verify_several.py::test_a_name_error_in_a_sweep_is_one_unusable_size",
     }
 )
 
