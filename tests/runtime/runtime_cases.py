@@ -8,7 +8,11 @@ itself. Functions here run in the spawned processes: keep them importable and pi
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +138,7 @@ class Case:
     pipelines: tuple[tuple[int, ...], ...] | None = None
     timeout: float = 60.0
     keep_grads: bool = False  # return this rank's gradients
+    hogs: int = 0  # CPU-bound processes rank 0 starts for the case's extent (a loaded machine)
     device: str = "cpu"  # "cuda": this rank's stages and data on its GPU
 
 
@@ -167,13 +172,28 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, A
     results = {}
     for case in cases:
         start = time.perf_counter()
-        try:
-            result = _run_case(rank, case)
-        except PipeccError as err:
-            result = {"error": type(err).__name__, "message": str(err)}
+        with _beside_hogs(case.hogs if rank == 0 else 0) as hogs:
+            try:
+                result = _run_case(rank, case)
+            except PipeccError as err:
+                result = {"error": type(err).__name__, "message": str(err)}
+            result["hogs"] = sum(hog.poll() is None for hog in hogs)  # still spinning
         result["seconds"] = time.perf_counter() - start
         results[case.name] = result
     return results
+
+
+@contextmanager
+def _beside_hogs(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`count` processes spinning on the CPU while the block runs; stopped after it."""
+    spin = "while True: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def _group_for(case: Case) -> tuple[Any, tuple[int, ...] | None]:
