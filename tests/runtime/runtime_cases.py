@@ -56,12 +56,15 @@ class HookedBlock(Block):
     def __init__(self) -> None:
         super().__init__()
         self.hook_calls = 0
+        self.captured_calls = 0
 
     @classmethod
     def overlapped_forward_backward(
         cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
     ):  # type: ignore[no-untyped-def]
         module0.hook_calls += 1
+        # under the contract's capture, the Linear has a forward of its own for the call
+        module0.captured_calls += "forward" in vars(module0.linear)
         outputs0 = module0(*inputs0)
         outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
         loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
@@ -337,6 +340,8 @@ def _compare(
         "want_loss": want_loss,
         "hook_calls": sum(getattr(m, "hook_calls", 0) for m in run.modules.values()),
         "fused_b": _fused_backwards(run.case.program, run.me),
+        "hook_captured": sum(getattr(m, "captured_calls", 0) for m in run.modules.values()),
+        "fused_before_i": _fused_forwards_before_i(run.case.program, run.me),
         "grads": {k: v for k, v in got.items() if k[0] in held} if keep else None,
         "want": want if keep else None,
     }
@@ -344,6 +349,23 @@ def _compare(
 
 def _fused_backwards(program: Program, rank: int) -> int:
     return sum(1 for i in program.ranks[rank] if type(i) is Fused and i.backward.kind is Kind.B)
+
+
+def _fused_forwards_before_i(program: Program, rank: int) -> int:
+    """The F&B whose forward's microbatch has its backward split (an `I` of that chunk)."""
+    split = {
+        (c.chunk, c.mb)
+        for i in program.ranks[rank]
+        for c in ((i.forward, i.backward) if type(i) is Fused else (i,))
+        if getattr(c, "kind", None) is Kind.I
+    }
+    return sum(
+        1
+        for i in program.ranks[rank]
+        if type(i) is Fused
+        and i.backward.kind is Kind.B
+        and (i.forward.chunk, i.forward.mb) in split
+    )
 
 
 def _forward_case(run: _Run) -> dict[str, Any]:

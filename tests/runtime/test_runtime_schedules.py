@@ -143,8 +143,12 @@ def test_overlap_hook_is_called_and_changes_nothing(group2: Results, schedule: s
     plain = [r[f"plain-{schedule}"] for r in group2]
     _assert_matches_reference(hooked, 5 if schedule == "dualpipev" else 6)
     assert sum(r["fused_b"] for r in hooked) > 0
+    if schedule == "dualpipev":  # F&B whose forward's backward is an I: 2 on each rank
+        assert [r["fused_before_i"] for r in hooked] == [2, 2]
     for h, p in zip(hooked, plain, strict=True):
         assert h["hook_calls"] == h["fused_b"], "one hook call per fused F&B"
+        # the hook's forward is captured where the plain one is: the same arithmetic
+        assert h["hook_captured"] == h["fused_before_i"]
         assert p["hook_calls"] == 0
         assert h["losses"] == p["losses"]
         for key, grad in h["grads"].items():
