@@ -79,7 +79,7 @@ smallest cap that has one); 2 input pipecc cannot use.
 
 # how `pipecc run` places a compute-only program on each backend, for the search: gloo's
 # early-recv (every receive posted at the start; faster on gloo than an alignment,
-# docs/performance.md run 4), on nccl the alignment for the one stream the runtime posts
+# docs/changelog.md, run 4), on nccl the alignment for the one stream the runtime posts
 # every op on there (nccl-single: runtime/comm/channel.py)
 BACKEND_PLACING = {
     "gloo": Placing("early-recv", CommModel.RENDEZVOUS),

@@ -14,31 +14,26 @@ process group directly, one work per op, and every one of them is waited (pytorc
 
 Posting happens in the calling thread by default, as torch's own schedules post: on NCCL a
 post only enqueues work on a CUDA stream; on gloo a send to a peer whose receive gloo has
-already been told about writes the data then and there (a few µs for a pipeline's
-activations), anything else sends gloo a notice and returns. `poster_thread` (the runtime's
-`gloo_poster_thread`; `PIPECC_POST_THREAD=1` for `pipecc run`) hands every gloo post to one
-poster thread instead, in program order (a FIFO of one worker keeps the order the program
-was verified with), and the compute thread goes on; a `wait` first waits for its post to
-have happened. That thread was the default while both directions shared one gloo group,
-where a post could block for milliseconds behind gloo's own thread; with a group per
-direction (below) posting in place is the faster on every schedule of the host-overhead
-benchmark (median 0.43 against 0.51-0.53 of torch's step), and since the profile's `comm`
-is calibrated on the run (runtime/profiling/recorder.py) the simulator predicts either way
-alike (docs/performance.md, "Calibrating comm on the run"). The tests run the gloo suite's
-schedules both ways (docs/runtime.md).
+already been told about writes the data then and there, anything else sends gloo a notice
+and returns. `poster_thread` (the runtime's `gloo_poster_thread`; `PIPECC_POST_THREAD=1` for
+`pipecc run`) hands every gloo post to one poster thread instead, in program order (a FIFO
+of one worker keeps the order the program was verified with), and the compute thread goes
+on; a `wait` first waits for its post to have happened. Why posting in place is the
+default: docs/performance.md, "Host overhead". The tests run the gloo suite's schedules both
+ways (docs/runtime.md).
 
 One gloo group per direction: gloo connects each pair of ranks of a group by one socket, and
 when the two ranks of a pair send to each other at the same moment (every exchange of a
 symmetric schedule such as DualPipeV at P=2) one of the sends now and then stalls for
-milliseconds (measured: 1 to 5 sends in 200 took 2.2 to 5.4 ms against a median of 40 µs;
-docs/performance.md). So on gloo a pipeline's messages to a higher rank go over its own
-group and those to a lower rank over a second group of the same ranks (`downward_group`), made
-once per pipeline and process when the first runtime is built: each socket then carries
-data one way. Messages between two ranks in one direction still go over one group, in
-program order, so which message matches which receive is exactly as verified. (Not where
-the backend coalesces, as NCCL does: every op goes through the one group.)
-`direction_groups=False` (the runtime's `gloo_direction_groups`; `PIPECC_GLOO_DIRECTIONS=0`
-for `pipecc run`) keeps one group for both directions.
+milliseconds (docs/performance.md#one-gloo-group-per-direction). So on gloo a pipeline's
+messages to a higher rank go over its own group and those to a lower rank over a second
+group of the same ranks (`downward_group`), made once per pipeline and process when the
+first runtime is built: each socket then carries data one way. Messages between two ranks
+in one direction still go over one group, in program order, so which message matches which
+receive is exactly as verified. (Not where the backend coalesces, as NCCL does: every op
+goes through the one group.) `direction_groups=False` (the runtime's
+`gloo_direction_groups`; `PIPECC_GLOO_DIRECTIONS=0` for `pipecc run`) keeps one group for
+both directions.
 
 Completing a work: on gloo, `wait(timeout)` blocks the host and raises when the peer has not
 matched in time (or has died: gloo reports the closed connection); gloo raises a
@@ -300,7 +295,7 @@ def _post_now(ops: list[dist.P2POp], coalesced: bool) -> list[list[Work]]:
     ops one by one anyway, so each goes to its process group directly, without the argument
     checks of `isend`/`irecv` (the ops come from a verified program): on gloo this Python
     may run in the poster thread, holding the interpreter lock that the compute thread needs
-    (measured: docs/performance.md, "Less Python in the poster thread")."""
+    (measured: docs/performance.md, "What made the difference")."""
     if not coalesced:
         return [_single(op) for op in ops]
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
