@@ -1,5 +1,5 @@
 """`pipecc search --no-split`: full backwards only, with a lower bound that holds
-(docs/search.md, "Full backwards")."""
+(docs/search.md §3.1)."""
 
 from __future__ import annotations
 

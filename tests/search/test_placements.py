@@ -1,5 +1,5 @@
-"""`pipecc search --placement bidirectional` and `--placement-from FILE.sched` (docs/search.md,
-"Every placement"): a verified order, a lower bound that holds, Chimera's step beaten."""
+"""`pipecc search --placement bidirectional` and `--placement-from FILE.sched` (docs/search.md
+§3.1): a verified order, a lower bound that holds, Chimera's step beaten."""
 
 from __future__ import annotations
 
