@@ -78,6 +78,7 @@ SLOW_TESTS = frozenset(
         "commands/test_resolution.py::test_a_sweep_verifies_each_size_as_run_resolves_it",
         "runtime/test_compat.py::test_an_op_is_posted_on_its_group_to_the_peer_in_it",
         "runtime/test_compat.py::test_fsdp_post_backward_reduces_the_unsynced_gradients",
+        "runtime/test_compat.py::test_dtensor_local_shape_is_the_shards_shape",
         "runtime/test_compat.py::test_gloo_does_not_coalesce",
         "runtime/test_overhead_benchmark.py::test_the_floor_adds_the_message_latency_to_the_chain",
         "runtime/test_runtime_units.py::test_discovery_runs_a_stage_that_adds_a_loss_to_a_tuple",

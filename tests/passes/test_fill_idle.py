@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import compile_bundled, compute_order, run_cli
 
-from pipecc.diagnostics import ScheduleError
+from pipecc.diagnostics import ScheduleError, ViolatedScheduleError
 from pipecc.driver.compile import compile_source
 from pipecc.ir.printer import format_grid
 
@@ -126,7 +126,7 @@ def test_an_order_that_cannot_run_is_reported_as_without_the_fill() -> None:
     body = "if rank == 0 { repeat M { F B } } else { repeat M { F } repeat M { B } }"
     errors = []
     for source in (f"phase p {{ {body} }}", f"phase p {{ fill W {{ {body} }} }}"):
-        with pytest.raises(ScheduleError) as caught:
+        with pytest.raises(ViolatedScheduleError) as caught:  # the verifier's report: exit 1
             compile_source(source, "d.sched", ranks=2, microbatches=2)
         errors.append(str(caught.value).splitlines()[:3])
     assert errors[1] == [errors[0][0].replace(":1:39:", ":1:48:"), *errors[0][1:]]  # `fill W { `
