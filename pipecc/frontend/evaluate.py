@@ -6,8 +6,7 @@ comparison used as a number or a number used as a condition is caught without ru
 anything. The result is a tree of Python closures over a flat environment (a list of slot
 values), which is what makes expanding 10⁵–10⁶ ops per schedule fast.
 
-Integer semantics: `/` is exact division (an inexact `/` is an error at its location), `//`
-floors and `%` takes the sign of the divisor, as in Python.
+Integers: `/` is exact (an inexact one is an error there), `//` floors, `%` as in Python.
 """
 
 from __future__ import annotations

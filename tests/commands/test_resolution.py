@@ -86,7 +86,7 @@ def _illegal(kind: str, flag: str) -> bool:
 def run_program(path: str, args: tuple[str, ...], backend: RunBackend) -> Program:
     """The program `pipecc run PATH ARGS` executes on `backend` (no process starts)."""
     parsed = build_parser().parse_args(["run", path, "--model", MODEL, "--unverified", *args])
-    return run_command._program(parsed, lambda ranks: backend.value).resolved.program
+    return run_command.program_to_run(parsed, lambda ranks: backend.value).resolved.program
 
 
 def verified_program(

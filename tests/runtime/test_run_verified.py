@@ -82,8 +82,8 @@ def test_a_program_placed_for_gloo_is_refused_on_nccl(tmp_path: Path) -> None:
     early.write_text(json_program.dumps(program))
     args = build_parser().parse_args(["run", str(early), "--model", MLP])
     with pytest.raises(ProgramError, match=r"fails verification under nccl-single \(nccl\)"):
-        run_command._program(args, lambda ranks: "nccl")
-    verified = run_command._program(args, lambda ranks: "gloo")
+        run_command.program_to_run(args, lambda ranks: "nccl")
+    verified = run_command.program_to_run(args, lambda ranks: "gloo")
     assert verified.ok and verified.resolved.choice.value == "program"
     assert verified.line() == (
         f"program: {early}, comm ops as in the input (early-recv), verified under rendezvous "
@@ -97,13 +97,13 @@ def test_a_default_program_on_gloo_gets_a_note(
     compiled = tmp_path / "zb_h1.json"
     compiled.write_text(json_program.dumps(compile_bundled("zb_h1", 2, 4)))
     args = build_parser().parse_args(["run", str(compiled), "--model", MLP])
-    run_command._program(args, lambda ranks: "gloo")
+    run_command.program_to_run(args, lambda ranks: "gloo")
     err = capsys.readouterr().err
     assert err == (
         f"note: {compiled} is placed by the default comm policy, nccl's; a compute-only input "
         "gets early-recv on gloo (--comm-policy early-recv places it for gloo)\n"
     )
-    run_command._program(args, lambda ranks: "nccl")
+    run_command.program_to_run(args, lambda ranks: "nccl")
     assert capsys.readouterr().err == "", "placed for nccl, run on nccl"
 
 

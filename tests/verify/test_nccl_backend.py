@@ -101,11 +101,11 @@ def test_run_on_nccl_verifies_under_nccl_single_and_refuses_the_cycle(
         ["run", CYCLE, "--nproc", "3", "-M", "2", "--model", MLP]
     )
     with pytest.raises(ProgramError) as err:
-        run_command._program(args, lambda ranks: "nccl")
+        run_command.program_to_run(args, lambda ranks: "nccl")
     assert str(err.value) == (
         f"error: {CYCLE} P=3 M=2: refused: it fails verification under nccl-single (nccl), as "
         "reported above; --unverified runs it anyway"
     )
     assert "deadlock under nccl-single" in capsys.readouterr().err
-    verified = run_command._program(args, lambda ranks: "gloo")
+    verified = run_command.program_to_run(args, lambda ranks: "gloo")
     assert verified.ok and verified.model == "rendezvous (gloo)"

@@ -112,7 +112,7 @@ def test_mismatched_hand_placed_messages_are_a_violation(
     assert (code, err) == (1, "")
     assert out == (
         f"{MISMATCH_REPORT}\n"
-        "mm.sched P=2 M=2: 1 violation(s) (mismatch 1); nccl passes\n"
+        "mm.sched P=2 M=2: 1 violation(s) (mismatch 1); nccl-single passes\n"
         "peak activations per rank (stage units): 2 1\n"
     )
     code, out, err = run_cli(capsys, "compile", "mm.sched", "-P", "2", "-M", "2")
