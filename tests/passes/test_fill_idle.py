@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import compile_bundled, compute_order, run_cli
 
-from pipecc.diagnostics import ScheduleError, ViolatedScheduleError
+from pipecc.diagnostics import ViolatedScheduleError
 from pipecc.driver.compile import compile_source
 from pipecc.ir.printer import format_grid
 
