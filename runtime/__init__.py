@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .boundaries.discovery import pipeline_boundaries
 from .boundaries.specs import Boundary, TensorSpec, infer_boundaries
+from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.shared import shared_parameters
 from .config import RuntimeConfig, mse_loss
 from .engine.aux_loss import LossBreakdown, add_loss
@@ -35,8 +36,10 @@ __all__ = [
     "add_loss",
     "check_against",
     "infer_boundaries",
+    "load_checkpoint",
     "mse_loss",
     "pipeline_boundaries",
+    "save_checkpoint",
     "shared_parameters",
     "split_model",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace as dataclass_replace
 from typing import Any, Literal, cast, overload
 
 import torch
@@ -209,6 +210,37 @@ class PipelineRuntime:
         """This rank's parameters, each object once (a weight used by two of its chunks, a
         tied weight, is listed once): what an optimizer on this rank should step."""
         return shared.distinct(self.groups)
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank consumes the step's inputs: it holds stage 0 of a pipe (DualPipe:
+        both end ranks; a V shape: rank 0). Under `static_shapes` only these ranks need to
+        load the batch's inputs (docs/recipes.md, "Data where it is needed")."""
+        return any(slot.stage == 0 for slot in self._slots())
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank consumes the step's targets: it holds the last stage of a pipe."""
+        placement = self.program.placement
+        return any(placement.is_last_stage(s.pipe, s.stage) for s in self._slots())
+
+    def _slots(self) -> list[Any]:
+        if self._problem is not None:
+            raise SetupError(self._problem)
+        return list(self.program.placement.chunks(self.rank))
+
+    def state_dict(self) -> dict[str, int]:
+        """The runtime's own state, for a checkpoint (runtime/checkpoint.py): the completed
+        steps (the step index of the dropout masks' derivation) and the seed."""
+        return {"steps": self.steps, "seed": self.config.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a `state_dict()`: the next step is step `steps` of the run that
+        saved it, its dropout masks derived from the saved seed."""
+        self.steps = int(state["steps"])
+        self.config = dataclass_replace(self.config, seed=int(state["seed"]))
+        if self._problem is None:
+            self.rng.seed_value = self.config.seed
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that the norm over the whole pipeline's parameters (each

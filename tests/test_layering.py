@@ -132,6 +132,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pipecc.runtime.plan",
     ),
     "pipecc.runtime.profiling": ("pipecc.ir", "torch", "pipecc.runtime.engine"),
+    # checkpoints: the runtime's stages, optimizer and own state through torch's DCP
+    "pipecc.runtime.checkpoint": ("pipecc.diagnostics", "torch", "pipecc.runtime.pipeline"),
     "pipecc.runtime.tools": (
         "pipecc.diagnostics",
         "pipecc.ir",
