@@ -257,10 +257,19 @@ def _require(path: str | Path, saved: set[str], state: Mapping[str, Any]) -> Non
     dist.all_gather_object(gathered, mine)
     missing = sorted({key for found in gathered for key in found})
     if missing:
-        shown = ", ".join(missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
+        kinds: dict[str, list[str]] = {}
+        for key in missing:
+            kinds.setdefault(WHAT.get(key.split(".")[0], key), []).append(key)
+        parts = [f"{what} ({len(keys)}, e.g. '{keys[0]}')" for what, keys in kinds.items()]
         raise InputError(
-            f"{path}: the checkpoint has no {shown} (saved without it, or from a model whose "
-            "parameters have other names)"
+            f"{path}: the checkpoint has no {'; no '.join(parts)}: it was saved without "
+            "them, or from a model whose parameters have other names"
         )
+
+
+WHAT = {
+    "model": "parameters or buffers of these stages",
+    "optim": "optimizer state",
+    "optim_group": "optimizer hyperparameters",
+    "scheduler": "LR scheduler state",
+}

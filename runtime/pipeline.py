@@ -290,6 +290,10 @@ class PipelineRuntime:
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
+        where, microbatches = f"rank {self.rank}, step {self.steps}", self.program.num_microbatches
+        binding.check_rows(inputs, "inputs", microbatches, where)
+        if self.needs_targets:
+            binding.check_rows(targets, "targets", microbatches, where)
         contexts = split_context(context, self.program.num_microbatches, self.device, found)
         signature = self._signature(inputs, found, context if contexts else None)
         holds_first = any(c.first for c in self.chunks.values())

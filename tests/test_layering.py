@@ -133,6 +133,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "pipecc.runtime.profiling": ("pipecc.ir", "torch", "pipecc.runtime.engine"),
     # checkpoints: the runtime's stages, optimizer and own state through torch's DCP
+    # the step's shapes from the loading ranks (a stand-in of meta tensors elsewhere)
+    "pipecc.runtime.data": ("torch", "pipecc.runtime.compat", "pipecc.runtime.pipeline"),
     "pipecc.runtime.checkpoint": ("pipecc.diagnostics", "torch", "pipecc.runtime.pipeline"),
     "pipecc.runtime.tools": (
         "pipecc.diagnostics",
