@@ -151,6 +151,7 @@ class PipelineRuntime:
         *,
         context: object = None,
         recorder: Recorder | None = None,
+        loss_scale: float = 1.0,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of all M microbatches.
 
@@ -161,9 +162,13 @@ class PipelineRuntime:
         (`add_loss`), by stage. `context`: a dict of every stage's keyword inputs, split
         into microbatches like the inputs (runtime/boundaries/context.py); every rank
         passes the same one. `recorder`: time every instruction into it
-        (runtime/profiling/profiler.py).
+        (runtime/profiling/profiler.py). `loss_scale`: each microbatch's loss (and added
+        loss) is multiplied by it before its backward, so `.grad` gets `loss_scale` times the
+        mean; `1/K` for K accumulated steps leaves the mean over their K·M microbatches
+        (the reported losses are unscaled).
         """
         ctx = self._context(inputs, targets, training=True, context=context)
+        ctx.scale *= loss_scale
         interpreter = self.interpreter
         if recorder is not None:
             interpreter = ProfilingInterpreter(interpreter, recorder)

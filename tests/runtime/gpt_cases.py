@@ -59,7 +59,7 @@ def _gpt() -> Any:
 def config(variant: str, seq: int = 8) -> Any:
     gpt = _gpt()
     dropout = 0.2 if variant == "dropout" else 0.0
-    tied = variant in ("tied", "undeclared", "accumulate")
+    tied = variant in ("tied", "undeclared", "accumulate", "accumulate-mean")
     return gpt.GPTConfig(vocab=32, dim=16, heads=2, seq=seq, layers=0, tied=tied,
                          dropout=dropout)  # fmt: skip
 
@@ -191,17 +191,19 @@ def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
     worst, losses, specs = 0.0, [], []
     accumulated: dict[Any, torch.Tensor] = {}
     for step in range(case.steps):
-        if case.variant != "accumulate":  # else: gradients accumulate over the steps
+        accumulating = case.variant in ("accumulate", "accumulate-mean")
+        if not accumulating:  # else: gradients accumulate over the steps
             for stage in stages:
                 stage.zero_grad(set_to_none=True)
         data = batch(case.variant, case.program.num_microbatches, step)
-        runtime.step(*_given(runtime, case.variant, data))
+        scale = 1.0 / case.steps if case.variant == "accumulate-mean" else 1.0
+        runtime.step(*_given(runtime, case.variant, data), loss_scale=scale)
         specs.append({s: b.describe() for s, b in runtime.interpreter.stage.boundaries.items()})
         options = case.options._replace(step=step)
         want_loss, want = reference_step(reference, data, case.program.num_microbatches,
                                          loss_fn, options)  # fmt: skip
-        if case.variant == "accumulate":
-            accumulated = want = {k: accumulated[k] + v if accumulated else v
+        if accumulating:  # the sum of the steps' gradients, or their mean (loss_scale 1/K)
+            accumulated = want = {k: (accumulated[k] if accumulated else 0) + scale * v
                                   for k, v in want.items()}  # fmt: skip
         worst = max(worst, _worst(gradients(stages), want, held))
         losses.append((float(runtime.global_loss()), want_loss))

@@ -28,6 +28,7 @@ Results = list[dict[str, dict[str, Any]]]
 FEATURES = (
     "tied",
     "accumulate",
+    "accumulate-mean",
     "dict",
     "dataclass",
     "shapes",
@@ -52,7 +53,8 @@ def cases() -> tuple[GptCase, ...]:
     ]
     for variant in FEATURES:
         for placement, (name, m) in PLACEMENTS.items():
-            steps = 2 if variant in ("shapes", "accumulate", "loaders", "static") else 1
+            two = ("shapes", "accumulate", "accumulate-mean", "loaders", "static")
+            steps = 2 if variant in two else 1
             program = tied(compile_case(name, 2, m))
             found.append(GptCase(f"{variant}-{placement}", program, variant, steps))
     found.append(GptCase("undeclared-dualpipe", compile_case("dualpipe", 2, 4), "undeclared"))
