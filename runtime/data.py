@@ -12,7 +12,7 @@ batch everywhere (docs/recipes.md, "Data where it is needed").
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,12 +36,12 @@ def broadcast_shapes(runtime: PipelineRuntime, inputs: object = None) -> object:
     sent: list[object] = [None]
     if dist.get_rank() == source:
         leaves, tree = pytree.tree_flatten(inputs)
-        sent[0] = (tree, [_spec(leaf) for leaf in leaves])
+        sent[0] = (pytree.treespec_dumps(tree), [_spec(leaf) for leaf in leaves])
     dist.broadcast_object_list(sent, src=source, group=runtime.group)
     if runtime.needs_inputs:
         return inputs
-    tree, specs = cast(tuple[Any, list[object]], sent[0])
-    return pytree.tree_unflatten([_stand_in(spec) for spec in specs], tree)
+    text, specs = cast(tuple[str, list[object]], sent[0])
+    return pytree.tree_unflatten([_stand_in(spec) for spec in specs], pytree.treespec_loads(text))
 
 
 class _Spec(tuple[tuple[int, ...], torch.dtype]):
