@@ -30,8 +30,10 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipecc.diagnostics import InputError
 
@@ -74,7 +76,7 @@ def save_checkpoint(
         state["scheduler"] = scheduler.state_dict()
     state["extra"] = ("extra", dict(extra or {}))  # in a tuple: DCP drops an empty dict
     planner = DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True)
-    dcp.save(state, checkpoint_id=str(path), planner=planner)
+    dcp_save(state, checkpoint_id=str(path), planner=planner)
 
 
 def load_checkpoint(
@@ -100,7 +102,7 @@ def load_checkpoint(
     _require(path, saved, state)
     # flat keys, and objects loaded into `state` itself (a flattening copies it)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.load(state, checkpoint_id=str(path), planner=planner)
+    dcp_load(state, checkpoint_id=str(path), planner=planner)
     with torch.no_grad():
         for target, key in aliases:  # a second object of one parameter on this rank
             target.copy_(state[key])
@@ -243,7 +245,7 @@ def _restore_optimizer(
 
 def _saved_keys(path: str | Path) -> set[str]:
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = FileSystemReader(str(path)).read_metadata()
     except (OSError, ValueError) as err:
         raise InputError(f"{path}: not a checkpoint of save_checkpoint ({err})") from None
     return set(metadata.state_dict_metadata)
