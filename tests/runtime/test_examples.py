@@ -100,3 +100,32 @@ def test_train_loader_loads_only_where_needed() -> None:
     assert seqs == ["16", "12", "8", "16", "12", "8"], result.stdout
     losses = [float(x) for x in re.findall(r"loss ([\d.]+)", result.stdout)]
     assert losses[-1] < 0.95 * losses[0], losses
+
+
+def test_train_gpt_resumes_into_another_schedule_p_and_cut(tmp_path: Path) -> None:
+    """Saved by ZB-V on 2 ranks (4 stages of one block), resumed by ZB-H1 on 4 ranks (4
+    stages, other placement) and by 1F1B on 2 (2 stages of two blocks): by parameter name,
+    the same losses (as printed, 5 decimals) and gradient norms."""
+    common = ["--microbatches", "4", "--tied", "--layers", "4", "--steps", "4"]
+    first = _torchrun("train_gpt.py", "--schedule", "zbv", *common, "--save-every", "2",
+                      "--save-dir", str(tmp_path))  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    want = _numbers(first.stdout)[2:]
+    four = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "4", "train_gpt.py", "--schedule",
+         "zb_h1", *common, "--resume", str(tmp_path / "step_2")],
+        cwd=ROOT / "examples", capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    two = _torchrun("train_gpt.py", "--schedule", "1f1b", *common, "--resume",
+                    str(tmp_path / "step_2"))  # fmt: skip
+    for done in (four, two):
+        assert done.returncode == 0, done.stderr
+        got = _numbers(done.stdout)
+        assert len(got) == len(want) == 2, done.stdout
+        for (loss, norm), (want_loss, want_norm) in zip(got, want, strict=True):
+            assert abs(loss - want_loss) <= 2e-5 and abs(norm - want_norm) <= 2e-4
+
+
+def _numbers(stdout: str) -> list[tuple[float, float]]:
+    found = re.findall(r"^step +\d+ +loss ([\d.]+) +grad norm ([\d.]+)", stdout, re.M)
+    return [(float(loss), float(norm)) for loss, norm in found]
