@@ -60,8 +60,9 @@ on NCCL); a .sched file's hand-placed sends, receives and waits are kept; a .jso
 with comm ops runs as it is; --comm-policy, --align or --lowering place every comm op
 afresh, and a note says how many of the input's they replaced. Before any process starts,
 that exact program is verified under the backend's comm model (gloo: rendezvous, NCCL:
-nccl) with verify's checks; a program that fails is refused (exit 1, with verify's report)
-unless --unverified. The first line says which program runs and that it verified.
+nccl-single, as every op goes through one communicator there) with verify's checks; a
+program that fails is refused (exit 1, with verify's report) unless --unverified. The
+first line says which program runs and that it verified.
 """
 
 EPILOG = """\
@@ -305,7 +306,11 @@ def _program(
     ok = outcome.report.ok
     if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
         refuse_invalid(source.label, source.program if resolved is None else resolved.program)
-    assert resolved is not None, "a compute order that cannot run fails check_order"
+    if resolved is None:  # a .sched file with no correct program (an order that cannot run)
+        print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
+        raise ProgramError(
+            f"{outcome.label}: refused: it has no correct program to run, as reported above"
+        )
     print_notes((*resolved.notes, *filter(None, (resolved.placed_for,))))
     if not ok:
         print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipecc.diagnostics import InputError
-from pipecc.driver.compile import DEFAULT_LOWERING, Lowering, lower_program
+from pipecc.diagnostics import InputError, LoweringViolation
+from pipecc.driver.compile import DEFAULT_LOWERING, Lowering, lower_program, violation_report
 from pipecc.driver.load import (
     DEFAULT_BACKEND,
     Choice,
@@ -155,13 +155,19 @@ def verify_source(
 ) -> tuple[Outcome, Resolved | None]:
     """Resolve an input as `pipecc run` does on `resolution.backend` and verify that program
     once; the resolved program too, None when its compute order cannot run (a violation)."""
-    # a compute order that cannot run is a violation of a .json or .csv; a .sched file's
-    # compilation stops on it (exit 2)
+    # a compute order that cannot run is a violation of a .json or .csv, and so is it of a
+    # .sched file, whose lowering stops on it (as on hand-placed messages that mismatch)
     if not source.compiled and needs_lowering(source.program):
         refused = check_order(source.program, options)
         if refused is not None:
             return Outcome(source.label, refused, source.notes), None
-    resolved = resolve_source(source, resolution.backend, resolution.lowering, checked=False)
+    try:
+        resolved = resolve_source(source, resolution.backend, resolution.lowering, checked=False)
+    except LoweringViolation:
+        report = violation_report(source.program, options) if source.compiled else None
+        if report is None:
+            raise
+        return Outcome(source.label, report, source.notes), None
     notes = (*resolved.notes, *_lowered_note(source, resolved))
     report, notes = verify_program(resolved.program, options, notes)
     return Outcome(source.label, report, notes), resolved

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from pipecc.diagnostics import InputError, RefusedProgramError
+from pipecc.diagnostics import InputError, LoweringViolation, RefusedProgramError
 from pipecc.driver.compile import (
     DEFAULT_LOWERING,
     Lowering,
     compile_order,
     lower_program,
+    violated,
 )
 from pipecc.driver.files import read_program, read_text
 from pipecc.driver.mesh import place_mesh
@@ -52,8 +53,10 @@ class RunBackend(enum.Enum):
     @property
     def comm_model(self) -> CommModel:
         """How its sends and receives complete (DESIGN §5): gloo progresses every posted op on
-        its own (rendezvous), nccl runs a pair's ops in order on one stream."""
-        return CommModel.RENDEZVOUS if self is RunBackend.GLOO else CommModel.NCCL
+        its own (rendezvous); on nccl the runtime posts every op of a rank through
+        `batch_isend_irecv` on the group's one communicator, so they run in order on one
+        stream (nccl-single; runtime/comm/channel.py)."""
+        return CommModel.RENDEZVOUS if self is RunBackend.GLOO else CommModel.NCCL_SINGLE
 
     @property
     def policy(self) -> str:
@@ -171,7 +174,10 @@ def resolve(request: Request, *, checked: bool = True) -> Resolved:
         microbatches=request.microbatches,
         defines=request.defines,
     )
-    return resolve_source(source, request.backend, request.lowering, checked=checked)
+    try:
+        return resolve_source(source, request.backend, request.lowering, checked=checked)
+    except LoweringViolation as err:  # the verifier's report instead (exit 1)
+        raise violated(source.label, source.program, err) from None
 
 
 def resolve_source(

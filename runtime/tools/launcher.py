@@ -17,6 +17,7 @@ reference (runtime/tools/checking.py).
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 import tomllib
@@ -56,6 +57,7 @@ from ..profiling.recorder import (
 )
 from . import mesh_job
 from .checking import check_run
+from .environment import GlooPosting, gloo_posting
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
 from .reference import Options, ParamKey, default_tolerance
@@ -93,6 +95,9 @@ class RunJob:
     # a cost file's text -> the program's makespan under it (ms): what calibrates the
     # profile's comm (profiling/recorder.py); the command's, which may import the simulator
     replay: Callable[[str], float] | None = None
+    # the runtime's gloo posting fields; None: from PIPECC_POST_THREAD and
+    # PIPECC_GLOO_DIRECTIONS in the environment of `run_job` (tools/environment.py)
+    gloo: GlooPosting | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,8 @@ def run_job(job: RunJob) -> RunReport:
             f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
+    if job.gloo is None:
+        job = replace(job, gloo=gloo_posting(os.environ))
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     job = with_reference(job, model)
@@ -313,10 +320,12 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     mesh_job.shard(built, {s.stage for s in slots}, where)  # --mesh dp_shard=N: FSDP2
     modules = {slot.chunk: built[slot.stage] for slot in slots}
     autocast = _autocast(job, model)
+    gloo = job.gloo or GlooPosting()
     config = RuntimeConfig(
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
         derive_rng=job.derive_rng, autocast=autocast, group=where.group,
         rank_map=where.rank_map, mesh=where.mesh, recompute=_recompute(job, model),
+        gloo_poster_thread=gloo.poster_thread, gloo_direction_groups=gloo.direction_groups,
     )  # fmt: skip
     # the boundaries of each new shape signature are found along the pipeline on the
     # step's real data (every rank is given the batch); a file's boundaries() is checked

@@ -198,7 +198,7 @@ def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
         data = batch(case.variant, case.program.num_microbatches, step)
         scale = 1.0 / case.steps if case.variant == "accumulate-mean" else 1.0
         runtime.step(*_given(runtime, case.variant, data), loss_scale=scale)
-        specs.append({s: b.describe() for s, b in runtime.interpreter.stage.boundaries.items()})
+        specs.append({s: b.describe() for s, b in runtime.boundaries.items()})
         options = case.options._replace(step=step)
         want_loss, want = reference_step(reference, data, case.program.num_microbatches,
                                          loss_fn, options)  # fmt: skip

@@ -199,7 +199,7 @@ def _check(mesh: Any, case: MeshCase) -> dict[str, Any]:
 
 def _placed(runtime: PipelineRuntime) -> list[str]:
     """The DTensor layouts of the boundaries this runtime's signature crosses."""
-    found = runtime.signatures.cache[runtime.signatures.current]
+    found = runtime.boundaries
     return [spec.describe() for b in found.values() for spec in b.tensors if spec.placed]
 
 

@@ -56,6 +56,24 @@ def test_a_program_that_fails_verification_is_refused_with_verifys_report(
     ), err
 
 
+def test_a_sched_whose_order_cannot_run_is_refused_with_the_cycle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the same violation `pipecc verify` reports (exit 1), and nothing runs, --unverified too
+    path = tmp_path / "order.sched"
+    path.write_text(
+        "phase p { if rank == 0 { repeat M { F B } } else { repeat M { F } repeat M { B } } }\n"
+    )
+    _, report, _ = run_cli(capsys, "verify", str(path), "-P", "2", "-M", "2")
+    for flags in ((), ("--unverified",)):
+        code, out, err = run_cli(capsys, "run", str(path), *RUN, *flags)
+        assert (code, out) == (1, "")
+        assert err == (
+            f"{report}\nerror: {path} P=2 M=2: refused: it has no correct program to run, as "
+            "reported above\n"
+        )
+
+
 def test_a_program_placed_for_gloo_is_refused_on_nccl(tmp_path: Path) -> None:
     """The resolution on nccl (as a run with a GPU per rank makes it) of an early-recv .json:
     a note saying what it was placed for, the verification under nccl refusing it."""
@@ -63,7 +81,7 @@ def test_a_program_placed_for_gloo_is_refused_on_nccl(tmp_path: Path) -> None:
     program = compile_schedule("1f1b", ranks=2, microbatches=2, lowering=Lowering("early-recv"))
     early.write_text(json_program.dumps(program))
     args = build_parser().parse_args(["run", str(early), "--model", MLP])
-    with pytest.raises(ProgramError, match=r"fails verification under nccl \(nccl\)"):
+    with pytest.raises(ProgramError, match=r"fails verification under nccl-single \(nccl\)"):
         run_command._program(args, lambda ranks: "nccl")
     verified = run_command._program(args, lambda ranks: "gloo")
     assert verified.ok and verified.resolved.choice.value == "program"
