@@ -142,6 +142,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         # by construction; that module imports the standard library only (its own layer)
         "pipecc.semantics.costs.keys",
     ),
+    # checkpoints: the runtime's stages, optimizer and own state through torch's DCP
+    # the step's shapes from the loading ranks (a stand-in of meta tensors elsewhere)
+    "pipecc.runtime.data": ("torch", "pipecc.runtime.compat", "pipecc.runtime.pipeline"),
+    "pipecc.runtime.checkpoint": ("pipecc.diagnostics", "torch", "pipecc.runtime.pipeline"),
     "pipecc.runtime.tools": (
         "pipecc.diagnostics",
         "pipecc.ir",

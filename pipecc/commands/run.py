@@ -134,11 +134,12 @@ def register(commands: SubParsers) -> None:
     )
     cmd.add_argument(
         "--reference",
-        choices=("stages", "whole"),
-        default="stages",
+        choices=("auto", "stages", "whole"),
+        default="auto",
         help="what --check compares with: the model file's stages run one after another in "
-        "one process (default), or the whole unsplit model of its build_model(), parameter "
-        "by parameter name (checks the split too: a forgotten layer, a dropped norm)",
+        "one process, or the whole unsplit model of its build_model(), parameter by "
+        "parameter name, dropout off (checks the split too: a forgotten layer, a dropped "
+        "norm, an undeclared tie); auto (default): whole where the file defines build_model",
     )
     cmd.add_argument(
         "--tolerance",

@@ -273,19 +273,22 @@ def test_a_rank_missing_from_a_step_with_known_shapes_times_out_in_the_program(
 
 def test_ranks_that_disagree_on_the_shapes_or_cannot_split_stop_together(group2: Results) -> None:
     """The discovery's agreement: inputs of different new shapes on the ranks stop every
-    rank with the same error naming each rank's shapes; batches that cannot be split stop
-    every rank, each saying why; then a good step runs again (its signature is cached)."""
+    rank with the same error naming each rank's shapes; a batch that cannot be split into M
+    stops every rank given it at once, naming the step, the rows, M and what to do; then a
+    good step runs again (its signature is cached)."""
     results = [r["signatures-dualpipe"] for r in group2]
-    for result in results:
+    for rank, result in enumerate(results):
         disagree, uneven = result[2].get("message", ""), result[3].get("message", "")
         assert result[2]["error"] == "SetupError"
         assert "the ranks were given inputs of different shapes" in disagree
         assert "rank 0, step 1: float32[6, 6]" in disagree
         assert "rank 1, step 1: float32[4, 6]" in disagree
-        assert result[3]["error"] == "SetupError"
-        for rank in (0, 1):
-            said = f"rank {rank}: inputs: 11 rows cannot be split into 6 equal microbatches"
-            assert said in uneven, uneven
+        assert result[3]["error"] == "InputError"
+        assert uneven == (
+            f"error: rank {rank}, step 1: the step's inputs have 11 rows, which do not split "
+            "into M=6 microbatches of equal size: give every step a multiple of 6 rows (a "
+            "DataLoader: drop_last=True and a batch size that is a multiple of 6)"
+        )
         assert result[4]["error"] is None
     assert results[0][2]["message"] == results[1][2]["message"], "the same error"
     assert results[0][4]["loss"] is not None
