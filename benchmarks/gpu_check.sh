@@ -1,92 +1,163 @@
 #!/usr/bin/env bash
-# The runtime's GPU checks, for one GPU host (about 9 minutes; every step has a time limit,
-# 17 minutes in all at most for 1-5, 2 more on one GPU for 6, 6 more with several GPUs). Not
-# run by `make test`: CI and this repository's machines have no GPU. Run from anywhere:
-#     bash benchmarks/gpu_check.sh            # every step
-#     MESH_ONLY=1 bash benchmarks/gpu_check.sh   # step 6 only (about 1 minute on one GPU)
+# The runtime's checks on a GPU machine as it is: its own `python3` (or $PYTHON) and the
+# packages it has (torch with CUDA, networkx, pytest), nothing installed, no virtual
+# environment, pipecc imported from this working tree. Not run by `make test` (CI has no
+# GPU); tests/runtime/test_gpu_check.py runs it without CUDA.
 #
-#   1. the CUDA tests (pytest -m gpu): one rank on the GPU over NCCL, V-shape hand-offs and
-#      fused F&B on two CUDA streams, the overlap hook, tuple boundaries, split backward on
-#      the GPU; NCCL between two ranks when there are two GPUs;
-#   2. split backward on the GPU: I + W against B, walk and contract, MLP and GPT block
-#      (benchmarks/split_backward.py);
-#   3. `pipecc run --check --profile` on the GPU: every gradient against the single-process
-#      reference, and measured per-op costs (P=1 on one GPU, P=2 on two);
-#   4. the GPT of examples/gpt.py on the GPU with --check: tied embeddings (the shared-
-#      parameter sum), dropout (the per-forward RNG states derived on CUDA, the reference on
-#      the same device type), bf16 autocast (real-run shape inference, the bf16 tolerance),
-#      and the step's shape gather over NCCL; then full and selective recomputation
-#      (`--recompute full`, `attn`: the forward replayed under the CUDA RNG state it drew)
-#      with --check and --memory (the CUDA allocator's peak beside the prediction);
-#   5. no host sync in a warm step (benchmarks/gpu_sync_check.py): after two warm-up steps,
-#      one step under torch.cuda.set_sync_debug_mode("error") (any .item(), .cpu(), blocking
-#      copy or synchronize raises), running the static plan bound on the first step (bound
-#      once, the same receive buffers on CUDA at every step: runtime/engine/bound.py), on P=1
-#      programs with fused F&B on two CUDA streams and,
-#      with two GPUs, P=2 over NCCL whose groups must go through batch_isend_irecv's
-#      coalescing branch (on CPU, tests/runtime/test_posting.py emulates that branch on gloo);
-#   6. the mesh (docs/parallelism.md): on any GPU, FSDP2 stages under split backward (ZB-H1,
-#      DualPipeV) with the tied embedding's sharded copies summed, on a mesh of one shard
-#      (benchmarks/gpu_mesh_check.py: gradients against one process, no FSDP collective
-#      beyond the program's); with 2 or more GPUs, `pipecc run --mesh` over NCCL with
-#      --check for dp_shard=2 (FSDP2), dp_replicate=2 and tp=2, the tied GPT (ZBV on pp=2
-#      with 4 GPUs, DualPipeV on pp=1 with 2 or 3); with one GPU that part is skipped and
-#      says so (NCCL puts each rank on a GPU of its own).
-set -euo pipefail
+#     bash benchmarks/gpu_check.sh [--lark DIR]      # from anywhere; OUT=folder (out/gpu_check)
+#
+# pipecc comes from the tree through benchmarks/tree_site/sitecustomize.py (on PYTHONPATH:
+# it maps pipecc.runtime to runtime/, pipecc.grammars to grammars/, pipecc.schedules to
+# schedules/, as pyproject.toml's package-dir does when installed), in every process,
+# spawned ranks included. lark, pure Python, is the one package such a machine may lack: it
+# comes from a folder beside the tree, `--lark DIR` or $LARK_DIR (default shared/wheels/lark,
+# inside the working tree so that it travels with it), made where an index is reachable:
+#
+#     pip download lark==1.3.1 --no-deps -d /tmp/lark && mkdir -p shared/wheels/lark \
+#         && unzip -q -o /tmp/lark/lark-1.3.1-py3-none-any.whl -d shared/wheels/lark
+#
+# (a .whl left in that folder is put on the path too). Every step is its own process under
+# its own `timeout`; a step runs whatever failed before it; the steps share a budget of 7
+# minutes ($GPU_CHECK_BUDGET seconds): once it is spent the rest are skipped, and say so.
+# Output is unbuffered (a killed step's lines are kept). $OUT gets summary.txt (one verdict
+# line per step: PASS, FAIL, SKIP or TIMEOUT, and its seconds), log.txt (everything printed)
+# and costs.toml (the profile): 3 files. Without CUDA every GPU step is skipped, and the
+# check exits 0. Exit 1 when a step failed or timed out. In order of value:
+#
+#   versions   Python, torch (CUDA, NCCL, devices), lark; pipecc from this tree; torch 2.11-2.13
+#   compat     runtime/compat.py's tests on this torch (2.11 on the GPU machine; 2.13 in CI)
+#   gpu-tests  pytest -m gpu: one rank over NCCL, V shapes and fused F&B on two streams
+#   sync       no host sync of any kind in a warm step: it returns while 2 s of queued GPU
+#              work still runs (benchmarks/gpu_sync_check.py)
+#   streams    the two halves of every fused op on different streams (a profiler trace), and
+#              a no-gradient hand-off read late across the streams (gpu_streams_check.py)
+#   gpt-*      the GPT with --check: tied + dropout; bf16; --recompute full and attn with --memory
+#   fsdp       FSDP2 stages on a mesh of one shard under split backward (gpu_mesh_check.py)
+#   nccl-2     2+ GPUs: pipecc run --nproc 2 over NCCL with --check
+#   mesh-2     2+ GPUs: the tied GPT on a mesh, dp_shard=2 (FSDP2 over NCCL), with --check
+#   nccl-4     4+ GPUs: the aligned zb_h1 at P=4 over NCCL with --check
+#   sanitizer  warm steps under torch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1)
+#   split      measurement: split backward, I + W against B (benchmarks/split_backward.py)
+#   profile    measurement: pipecc run --profile, the cost file into $OUT/costs.toml
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-.venv/bin/python}"
-PIPECC="${PIPECC:-.venv/bin/pipecc}"
+ROOT="$PWD"
+PY="${PYTHON:-python3}"
 OUT="${OUT:-out/gpu_check}"
-mkdir -p "$OUT"
-
-nvidia-smi -L || true
-GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
-if [ "$GPUS" -lt 1 ]; then
-    echo "no CUDA device: nothing to check" >&2
-    exit 1
-fi
-
-if [ -z "${MESH_ONLY:-}" ]; then
-echo "== 1. CUDA tests"
-timeout 240 "$PY" -m pytest -q -m gpu tests/runtime -p no:cacheprovider
-
-echo "== 2. split backward on the GPU (target: I+W <= 1.10 x B)"
-timeout 90 "$PY" benchmarks/split_backward.py --device cuda --rounds 10
-
-echo "== 3. pipecc run on the GPU"
-if [ "$GPUS" -ge 2 ]; then SCHEDULE=zbv; RANKS=2; else SCHEDULE=dualpipev; RANKS=1; fi
-PIPECC_MLP_HIDDEN=1024 timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 \
-    --model examples/mlp.py --check --steps 10 --warmup 2 --json --profile "$OUT/costs.toml" \
-    --allow-noisy-profile | tee "$OUT/run.json"  # the spread is in run.json and costs.toml
-cat "$OUT/costs.toml"
-
-echo "== 4. the GPT on the GPU: tied embeddings, dropout, bf16 autocast"
-PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
-    timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
-    --check --steps 3 --warmup 1 --json | tee "$OUT/gpt.json"
-PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
-    timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
-    --check --steps 3 --warmup 1 --autocast bf16 --json | tee "$OUT/gpt_bf16.json"
-for MODE in full attn; do  # the CUDA RNG state replayed; CUDA's allocator peak vs predicted
-    PIPECC_GPT_DROPOUT=0.1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
-        timeout 120 "$PIPECC" run "$SCHEDULE" --nproc "$RANKS" -M 8 --model examples/gpt.py \
-        --recompute "$MODE" --check --memory --steps 3 --warmup 1 --json \
-        | tee "$OUT/gpt_recompute_$MODE.json"
+LARK_DIR="${LARK_DIR:-shared/wheels/lark}"
+BUDGET="${GPU_CHECK_BUDGET:-420}"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --lark) LARK_DIR="$2"; shift 2 ;;
+        *) echo "usage: bash benchmarks/gpu_check.sh [--lark DIR]" >&2; exit 2 ;;
+    esac
 done
-echo "== 5. no host sync in a warm step; NCCL's coalesced posting"
-timeout 180 "$PY" benchmarks/gpu_sync_check.py | tee "$OUT/sync.txt"
-fi
+case "$LARK_DIR" in /*) ;; *) LARK_DIR="$ROOT/$LARK_DIR" ;; esac
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+LOG="$OUT/log.txt"
+: > "$SUMMARY"
+: > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
 
-echo "== 6. the mesh: FSDP2 stages under split backward, tied; NCCL between GPUs"
-timeout 120 "$PY" benchmarks/gpu_mesh_check.py | tee "$OUT/mesh_one_gpu.txt"
-if [ "$GPUS" -ge 4 ]; then MESH_SCHEDULE=zbv; MESH_NPROC=4; else MESH_SCHEDULE=dualpipev; MESH_NPROC=2; fi
-if [ "$GPUS" -ge 2 ]; then
-    for MESH in dp_shard=2 dp_replicate=2 tp=2; do
-        PIPECC_GPT_TIED=1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 timeout 120 "$PIPECC" run \
-            "$MESH_SCHEDULE" --nproc "$MESH_NPROC" -M 8 --mesh "$MESH" --model examples/gpt.py \
-            --check --steps 3 --warmup 1 --json | tee "$OUT/mesh_${MESH%%=*}.json"
-    done
-else
-    echo "skipped: pipecc run --mesh over NCCL needs 2 GPUs or more (one rank per GPU); this host has $GPUS"
+LARK_PATH="$LARK_DIR"
+for wheel in "$LARK_DIR"/*.whl; do
+    [ -e "$wheel" ] && LARK_PATH="$LARK_PATH:$wheel"
+done
+export PYTHONPATH="$ROOT/benchmarks/tree_site:$LARK_PATH${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1
+START=$SECONDS
+FAILED=0
+
+verdict() {  # VERDICT NAME SECONDS [WHY]
+    printf '%-7s %-20s %4ss%s\n' "$1" "$2" "$3" "${4:+  $4}" | tee -a "$SUMMARY"
+}
+
+step() {  # NAME LIMIT COMMAND...: the command under `timeout`, within what the budget leaves
+    local name=$1 limit=$2 left
+    shift 2
+    left=$((BUDGET - (SECONDS - START)))
+    if [ "$left" -lt 10 ]; then
+        verdict SKIP "$name" 0 "the budget of ${BUDGET}s is spent"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name (at most ${limit}s): $*"
+    local began=$SECONDS rc
+    timeout -k 5 "$limit" "$@"
+    rc=$?
+    local took=$((SECONDS - began))
+    case $rc in
+        0) verdict PASS "$name" "$took" ;;
+        124 | 137) verdict TIMEOUT "$name" "$took" "killed at ${limit}s"; FAILED=1 ;;
+        *) verdict FAIL "$name" "$took" "exit $rc"; FAILED=1 ;;
+    esac
+}
+
+gpu_step() {  # as `step`, skipped without CUDA
+    if [ "$GPUS" -lt 1 ]; then
+        verdict SKIP "$1" 0 "no CUDA device"
+    else
+        step "$@"
+    fi
+}
+
+gpus_step() {  # COUNT NAME LIMIT COMMAND...: as `step`, skipped with fewer than COUNT GPUs
+    local need=$1
+    shift
+    if [ "$GPUS" -lt "$need" ]; then
+        verdict SKIP "$1" 0 "needs $need GPUs (one rank per GPU), this host has $GPUS"
+    else
+        step "$@"
+    fi
+}
+
+PIPECC=("$PY" -u -m pipecc.cli)
+GPT=(env PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128)
+RUN=(run dualpipev --nproc 1 -M 8 --steps 3 --warmup 1 --timeout 60)
+
+(command -v nvidia-smi >/dev/null && nvidia-smi -L) || echo "nvidia-smi: not here"
+GPUS="$(timeout 60 "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)"
+GPUS="${GPUS:-0}"
+echo "python: $PY; CUDA devices: $GPUS; lark from: $LARK_DIR; out: $OUT"
+[ "$GPUS" -lt 1 ] && echo "no CUDA device: every GPU step is skipped"
+GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/runtime/test_*.py | tr '\n' ' ')
+
+step versions 60 "$PY" -u benchmarks/gpu_versions.py
+step compat 120 "$PY" -u -m pytest -q -p no:cacheprovider tests/runtime/test_compat.py
+# shellcheck disable=SC2086  # the test files, one word each
+gpu_step gpu-tests 150 "$PY" -u -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS
+gpu_step sync 90 "$PY" -u benchmarks/gpu_sync_check.py
+gpu_step streams 90 "$PY" -u benchmarks/gpu_streams_check.py
+gpu_step gpt-tied-dropout 90 "${GPT[@]}" PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 \
+    "${PIPECC[@]}" "${RUN[@]}" --model examples/gpt.py --check
+gpu_step gpt-bf16 90 "${GPT[@]}" PIPECC_GPT_TIED=1 PIPECC_GPT_DROPOUT=0.1 \
+    "${PIPECC[@]}" "${RUN[@]}" --model examples/gpt.py --check --autocast bf16
+gpu_step gpt-recompute-full 90 "${GPT[@]}" PIPECC_GPT_DROPOUT=0.1 \
+    "${PIPECC[@]}" "${RUN[@]}" --model examples/gpt.py --check --recompute full --memory
+gpu_step gpt-recompute-attn 90 "${GPT[@]}" PIPECC_GPT_DROPOUT=0.1 \
+    "${PIPECC[@]}" "${RUN[@]}" --model examples/gpt.py --check --recompute attn --memory
+gpu_step fsdp 90 "$PY" -u benchmarks/gpu_mesh_check.py
+gpus_step 2 nccl-2 120 "${PIPECC[@]}" run zbv --nproc 2 -M 4 --model examples/mlp.py \
+    --check --steps 3 --warmup 1 --timeout 60
+gpus_step 2 mesh-2 120 env PIPECC_GPT_TIED=1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=128 \
+    "${PIPECC[@]}" run dualpipev --nproc 2 -M 8 --mesh dp_shard=2 --model examples/gpt.py \
+    --check --steps 3 --warmup 1 --timeout 60
+gpus_step 4 nccl-4 120 "${PIPECC[@]}" run zb_h1 --nproc 4 -M 8 --align \
+    --cost F=1,B=2,I=1,W=1,comm=0.1 --model examples/mlp.py --check --steps 3 --warmup 1 \
+    --timeout 60
+gpu_step sanitizer 120 env TORCH_CUDA_SANITIZER=1 "$PY" -u benchmarks/gpu_streams_check.py \
+    --sanitize
+gpu_step split 60 "$PY" -u benchmarks/split_backward.py --device cuda --rounds 5
+gpu_step profile 90 env PIPECC_MLP_HIDDEN=1024 "${PIPECC[@]}" run dualpipev --nproc 1 -M 8 \
+    --model examples/mlp.py --steps 10 --warmup 2 --timeout 60 --profile "$OUT/costs.toml" \
+    --allow-noisy-profile
+
+echo "== summary ($((SECONDS - START))s of ${BUDGET}s)"
+cat "$SUMMARY"
+if [ "$FAILED" -ne 0 ]; then
+    echo "gpu check: FAILED"
+    exit 1
 fi
 echo "gpu check: ok"

@@ -1,17 +1,22 @@
-"""No host synchronisation in a warm step on CUDA, and NCCL's coalesced posting, checked.
+"""No host synchronisation of any kind in a warm step on CUDA, and NCCL's coalesced posting.
 
-    .venv/bin/python benchmarks/gpu_sync_check.py     # benchmarks/gpu_check.sh runs it
+    python3 -u benchmarks/gpu_sync_check.py     # benchmarks/gpu_check.sh runs it
 
 On one GPU: programs compiled for P=1 (every stage on the one rank: V-shape hand-offs and
 fused F&B on two CUDA streams; no messages); with two GPUs or more, P=2 over NCCL too, whose
 grouped sends and receives go through `batch_isend_irecv`'s coalescing branch. Each case is
-an MLP (8 blocks of Linear(64, 64) + GELU, 4 rows a microbatch) under the default (NCCL-safe)
-comm policy: two warm-up steps, then one step under `torch.cuda.set_sync_debug_mode("error")`,
-where any synchronising CUDA call (`.item()`, `.cpu()`, a blocking copy, a stream or device
-synchronize) raises. The warm step must also run the plan bound on the first step (one
-static plan per shape signature: one binding in all, the same receive buffers before and
-after it). Prints one line per case with where a sync happened; exits 1 if any case
-synchronised, failed, bound its plan again, or (P=2) posted no coalesced group.
+an MLP (8 blocks of Linear(64, 64) + GELU, 4 rows a microbatch) under the default comm
+policy: two warm-up steps, then one step behind about two seconds of GPU work queued on the
+current stream (`torch.cuda._sleep`) that must return while that work still runs (a CUDA
+event recorded after it is not yet complete when the step returns). Any wait of the host for
+the device in the step (`torch.cuda.synchronize()`, an event or stream synchronize, `.item()`,
+`.cpu()`, a blocking copy, a distributed op that blocks) would have let the queued work
+finish: this sees every kind, where `torch.cuda.set_sync_debug_mode` sees only some (not
+`synchronize()`, event syncs or distributed ops). The step also runs under that mode, which
+names the call for the kinds it sees. The warm step must run the plan bound on the first
+step (one static plan per shape signature: one binding in all, the same receive buffers
+before and after it). Prints one line per case; exits 1 if any case waited for the device,
+failed, bound its plan again, or (P=2) posted no coalesced group.
 """
 
 from __future__ import annotations
@@ -53,15 +58,47 @@ ONE_GPU = (Case("dualpipev", 1, 6), Case("zbv", 1, 4), Case("1f1b", 1, 3))
 TWO_GPUS = (Case("1f1b", 2, 4), Case("zbv", 2, 4), Case("dualpipev", 2, 5))
 
 
+BUSY_SECONDS = 2.0  # GPU work queued before the measured step
+
+
+class HostSync(RuntimeError):
+    """The host waited for the device during the measured step."""
+
+
+def sleep_cycles(seconds: float) -> int:
+    """How many cycles of `torch.cuda._sleep` keep the current GPU busy about `seconds`."""
+    cycles = 20_000_000
+    torch.cuda._sleep(1000)  # the kernel loaded
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds / (start.elapsed_time(end) / 1e3))
+
+
 @contextlib.contextmanager
 def no_host_sync() -> Iterator[None]:
-    """Any synchronising CUDA call raises inside (the work queued before is drained first)."""
+    """The block must return while about two seconds of GPU work queued before it still
+    run (module docstring); the sync debug mode raises inside for the calls it sees."""
+    cycles = sleep_cycles(BUSY_SECONDS)
     torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    queued = torch.cuda.Event()
+    queued.record()
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    still_busy = not queued.query()  # a query does not wait
+    torch.cuda.synchronize()
+    if not still_busy:
+        raise HostSync(
+            f"the {BUSY_SECONDS:g} s of GPU work queued before the step had finished when "
+            "it returned: the host waited for the device in the step (a synchronize, an "
+            "event or stream sync, .item(), .cpu(), a blocking copy or a blocking collective)"
+        )
 
 
 @contextlib.contextmanager
@@ -115,13 +152,13 @@ def run_case(case: Case, rank: int, device: torch.device, guard: Guard) -> dict[
     # plain values only: the result travels back from a spawned process
     case_fields = (case.schedule, case.ranks, case.microbatches)
     reused = len(buffers) == WARM + 1 and all(b == buffers[0] for b in buffers)
-    plan = {"bindings": runtime.binder.count, "reused": reused}
+    plan = {"bindings": runtime.plans.binder.count, "reused": reused}
     return {"case": case_fields, "fused": fused, "groups": list(groups), "error": error, **plan}
 
 
 def receive_buffers(runtime: PipelineRuntime) -> list[int]:
     """The id of every receive buffer of the training plan in use."""
-    plan = runtime.current.train
+    plan = runtime.plans.bound(training=True)
     steps = () if plan is None else plan.steps
     return [
         id(tensor)
@@ -152,7 +189,7 @@ def verdict(result: dict[str, Any]) -> tuple[bool, str]:
             f"{name}: FAILED: the plan was bound {result['bindings']} times, receive buffers "
             f"{'kept' if result['reused'] else 'replaced'} ({facts})"
         )
-    return True, f"{name}: no host sync in the warm step ({facts})"
+    return True, f"{name}: no host sync of any kind in the warm step ({facts})"
 
 
 def main() -> int:

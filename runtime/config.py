@@ -55,6 +55,12 @@ class RuntimeConfig:
     `check_finite`: every loss of a step (the main loss, each `add_loss`) and the gradient
     norm of `clip_grad_norm_` must be finite, else `NonFiniteError` names the rank, the
     step, the stage and the microbatch (one host read per step; runtime/engine/watch.py).
+    `gloo_poster_thread`: on gloo, post every send and receive from one poster thread, in
+    program order, instead of the calling thread (`pipecc run`: `PIPECC_POST_THREAD=1`).
+    `gloo_direction_groups`: on gloo, a pipeline's messages to a lower rank go over a second
+    gloo group of its ranks, so each socket carries data one way (`pipecc run`:
+    `PIPECC_GLOO_DIRECTIONS=0` turns it off). Neither applies on NCCL, where every post goes
+    through `batch_isend_irecv` on the group's communicator (runtime/comm/channel.py).
     """
 
     group: dist.ProcessGroup | None = None
@@ -74,3 +80,5 @@ class RuntimeConfig:
     plans_kept: int = 4
     recompute: str | Mapping[int, str] | None = None
     check_finite: bool = False
+    gloo_poster_thread: bool = False
+    gloo_direction_groups: bool = True

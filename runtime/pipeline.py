@@ -1,30 +1,29 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
-The runtime binds the program to this rank once (its chunks and their modules, the plans to
-The runtime binds the program to this rank once (its chunks and their modules, the plans to
-walk, each chunk's split-backward method, the parameters it shares with other ranks), builds
-the parts an `Interpreter` dispatches to, and for each step: splits the batch, computes the
-step's input signature from its own inputs (runtime/boundaries/signatures.py: host metadata,
-no exchange), and when the signature is new, discovers its boundaries with every rank on
-real data and checks them together before any point-to-point op
-(runtime/boundaries/discovery.py, runtime/plan/binding.py); its plans are compiled once into
-bound steps (runtime/engine/bound.py: `_use`); then runs the signature's bound plan in a
-fresh `StepContext` (the gradient sums of parameters held by several ranks are instructions
-of it, runtime/comm/shared.py; a program without them gets them after it). A step whose
-signature is known exchanges nothing outside the program.
+The runtime binds the program to this rank once (its chunks and their modules, the plans to walk,
+each chunk's split-backward method, the parameters it shares with other ranks), builds the parts an
+`Interpreter` dispatches to, and for each step: splits the batch, computes the step's input
+signature from its own inputs (runtime/boundaries/signatures.py: host metadata, no exchange), and
+when the signature is new, discovers its boundaries with every rank on real data and checks them
+together before any point-to-point op (runtime/boundaries/discovery.py, runtime/plan/binding.py);
+the plan cache keeps them and compiles its plans once into bound steps
+(runtime/engine/plan_cache.py, runtime/engine/bound.py); then runs the signature's bound plan in a
+fresh `StepContext` (the gradient sums of parameters held by several ranks are instructions of it,
+runtime/comm/shared.py; a program without them gets them after it). A step whose signature is known
+exchanges nothing outside the program.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace as dataclass_replace
 from typing import Any, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import InputError, PipeccError, ProgramError, RankError, SetupError
-from pipecc.ir.ops import Msg
+from pipecc.diagnostics import InputError, ProgramError, RankError, SetupError
 from pipecc.ir.program import Program
 
 from .boundaries import discovery
@@ -32,25 +31,25 @@ from .boundaries.context import sample_context, split_context
 from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
 from .boundaries.fingerprint import Fingerprint
 from .boundaries.signatures import BoundaryFn, Signature, Signatures
-from .boundaries.specs import Boundary, Specs, normalise_boundaries, synthetic
+from .boundaries.specs import Boundary
 from .comm import agreement, mesh, shared, training
 from .comm.agreement import ExchangeTimeout
 from .comm.channel import Channel, uses_nccl
 from .comm.failure import Guard, guarded
 from .config import LossFn, RuntimeConfig, mse_loss
+from .declared import declared_of, declared_problems, runtime_device
 from .engine import aux_loss, stage_actions
 from .engine.aux_loss import LossBreakdown
 from .engine.bound import Binder, methods
-from .engine.bound import Signature as BoundPlans
-from .engine.compute import StageOps
-from .engine.context import StepContext
+from .engine.compute import StageOps, StageOptions
+from .engine.context import Mailbox, StepContext
 from .engine.fused import FusedOps
-from .engine.interpreter import InstructionError, Interpreter
+from .engine.interpreter import InstructionError, Interpreter, Parts
+from .engine.plan_cache import PlanCache
 from .engine.precision import Fp32Grads
 from .engine.recompute import recomputed, selected_modules
 from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
-from .engine.steps import Current
 from .engine.transfers import Transfers
 from .engine.watch import StepStats, check_losses, nonfinite_norm, nonfinite_stages, rows_of
 from .plan import binding
@@ -90,23 +89,24 @@ class PipelineRuntime:
         self.rank_map = tuple(
             rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
         )
-        self.device = config.device or _device_of(self.modules)
+        self.device = runtime_device(config.device, self.modules, self.group)
         nccl = uses_nccl(self.group, self.device)
         limit = None if nccl else config.timeout
-        self.declared = _declared(boundaries)  # checked against the discovered ones
+        self.declared = declared_of(boundaries)  # checked against the discovered ones
         self.signatures = Signatures(program.num_microbatches)
         self._limit = limit  # seconds the discovery's agreement waits for a rank (gloo)
         self._problem = binding.world_problem(
             program, world, self.rank_map, dist.get_rank()
         ) or binding.backend_problem(program, nccl=nccl)
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
-        self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
+        self.channel = Channel(
+            self.group, self.rank_map, timeout=config.timeout, nccl=nccl,
+            poster_thread=config.gloo_poster_thread,
+            direction_groups=config.gloo_direction_groups,
+        )  # fmt: skip
         self.losses: dict[int, torch.Tensor] = {}
         self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
-        self._recv_specs: dict[int, dict[tuple[Msg, int, int], Specs]] = {}
-        self._signatures: dict[int, BoundPlans] = {}  # the bound plans of each signature seen
-        self.current = Current()  # the bound plans in use
         self.last_step: StepStats | None = None  # the last training step's times and rows
         # what every rank must share (compared in the first discovery's gather)
         self.fingerprint = Fingerprint.of(program, self.rank, self.modules)
@@ -117,11 +117,15 @@ class PipelineRuntime:
             self.guard = Guard(self.rank, self.rank_map, groups, close=not nccl)
 
     def _bind(self) -> None:
+        """This rank's part of the program bound once: its chunks, plans, gradient holders
+        and sums, and the parts of its interpreter, each complete when constructed."""
         rank, config = self.rank, self.config
         self.chunks = binding.bind_chunks(self.program, rank, self.modules)
         stage_actions.accumulate_only(c.module for c in self.chunks.values())  # FSDP2 stages
-        self.plan = build_plan(list(enumerate(self.program.ranks[rank])))
-        self.forward_plan = build_plan(forward_only(self.program.ranks[rank]))
+        plans = (
+            build_plan(list(enumerate(self.program.ranks[rank]))),
+            build_plan(forward_only(self.program.ranks[rank])),
+        )
         self.groups = shared.local_groups(self.program.placement, rank, self.modules, config.shared)
         params = shared.distinct(self.groups)
         self.grads = Fp32Grads(params) if config.fp32_grads else shared.ParamGrads()
@@ -130,26 +134,35 @@ class PipelineRuntime:
             self.program.num_microbatches
         )  # microbatches numbered over the global batch (runtime/engine/rng.py)
         self.rng = ForwardRng(self.device, config.seed, enabled=config.derive_rng, first=first)
-        stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, (self.device, config.autocast))
-        stage.precision = self.grads if isinstance(self.grads, Fp32Grads) else None
-        placement = self.program.placement
-        stages = max(placement.num_stages(p) for p in range(placement.num_pipes))
-        stage.recompute = recomputed(config.recompute, stages)
-        stage.selected = selected_modules(config.recompute, stages, self.chunks)
+        stage = StageOps(rank, self.chunks, self.loss_fn, self.rng, self._stage_options())
         captures = methods(self.chunks, split_chunks(self.program.ranks[rank]))
-        transfers = Transfers(self.channel, {}, self.device, config.timeout)
+        transfers = Transfers(self.channel, self.device, config.timeout)
         self.sums = shared.GradientSums(
-            self.program, rank, self.to_sum, self.grads, device=self.device
-        )
-        self.sums.enabled = config.sync_duplicated
+            self.program, rank, self.to_sum, self.grads, device=self.device,
+            enabled=config.sync_duplicated,
+        )  # fmt: skip
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
-        self.interpreter = Interpreter(rank, stage, fused, transfers, self.sums)
+        self.mesh = mesh.DataParallel(
+            self.program, rank, self.modules, config.mesh, device=self.device
+        )
+        self.interpreter = Interpreter(Parts(rank, stage, fused, transfers, self.sums, self.mesh))
         slots = mailbox(self.program.ranks[rank])
-        self.binder = Binder(stage, fused, self.channel, slots, captures)
-        self.binder.mesh = config.mesh  # DTensor boundaries are rebuilt over it
-        self.mesh = mesh.DataParallel(self.program, rank, self.modules, config.mesh)
-        self.interpreter.mesh = self.mesh
+        binder = Binder(stage, fused, self.channel, slots, captures, mesh=config.mesh)
+        self.plans = PlanCache(binder, plans, self.program, rank, kept=config.plans_kept)
+
+    def _stage_options(self) -> StageOptions:
+        """How the stages compute (RuntimeConfig: autocast, fp32 gradients, recomputation)."""
+        placement = self.program.placement
+        stages = max(placement.num_stages(p) for p in range(placement.num_pipes))
+        recompute = self.config.recompute
+        return StageOptions(
+            self.device,
+            self.config.autocast,
+            self.grads if isinstance(self.grads, Fp32Grads) else None,
+            recomputed(recompute, stages),
+            selected_modules(recompute, stages, self.chunks),
+        )
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -161,6 +174,8 @@ class PipelineRuntime:
         *,
         context: object = None,
         recorder: Recorder | None = None,
+        loss_scale: float = 1.0,
+        through: Callable[[Interpreter], Interpreter] | None = None,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of all M microbatches.
 
@@ -171,34 +186,41 @@ class PipelineRuntime:
         (`add_loss`), by stage. `context`: a dict of every stage's keyword inputs, split
         into microbatches like the inputs (runtime/boundaries/context.py); every rank
         passes the same one. `recorder`: time every instruction into it
-        (runtime/profiling/profiler.py). `self.last_step` then holds the step's times and
-        rows (`StepStats`). A failure fails the runtime on every rank (`RuntimeFailed`).
+        (runtime/profiling/profiler.py). `loss_scale`: each microbatch's loss (and added
+        loss) is multiplied by it before its backward, so `.grad` gets `loss_scale` times the
+        mean; `1/K` for K accumulated steps leaves the mean over their K·M microbatches
+        (the reported losses are unscaled). `through`: run this step through the interpreter
+        it makes of the runtime's own (a subclass that wraps it: runtime/engine/interpreter.py).
+        (`self.last_step` then holds the step's times and rows, `StepStats`; a failure fails
+        the runtime on every rank, `RuntimeFailed`.)
         """
         start = time.perf_counter()
-        ctx = self._context(inputs, targets, training=True, context=context)
+        ctx = self._context(inputs, targets, training=True, context=context, loss_scale=loss_scale)
         interpreter = self.interpreter
         if recorder is not None:
             interpreter = ProfilingInterpreter(interpreter, recorder)
+        if through is not None:
+            interpreter = through(interpreter)
         precision = self.grads if isinstance(self.grads, Fp32Grads) else None
         if self.config.sync_duplicated:
             shared.count_once(self.to_sum, self.rank)  # accumulated gradients counted once
         if precision is not None:
             precision.begin()
         with self.rng.step_scope():
-            interpreter.run(self.current, ctx)
-        self._finish(ctx)
+            interpreter.run(self.plans.bound(training=True), ctx)
+        self._finish(interpreter, ctx)
         if self.config.sync_duplicated and self.to_sum and self.sums.outside:
-            start = time.perf_counter()  # a program without its sums: after it (shared.py)
+            summed = time.perf_counter()  # a program without its sums: after it (shared.py)
             shared.sum_shared(self.channel, self.rank, self.to_sum, self.device, self.grads)
             if recorder is not None:
-                recorder.sync(start, time.perf_counter())
+                recorder.sync(summed, time.perf_counter())
         if precision is not None:
             precision.end()
         if self.config.check_finite:
             self._check_finite(ctx)
         self.steps += 1
         seconds = time.perf_counter() - start
-        rows = rows_of(self.signatures.cache.get(self.signatures.current), self.program)
+        rows = rows_of(self.plans.boundaries(), self.program)
         self.last_step = StepStats(ctx.step, seconds, interpreter.waited, rows)
         return self._loss_of(ctx)
 
@@ -217,8 +239,8 @@ class PipelineRuntime:
         with torch.no_grad():
             ctx = self._context(inputs, targets, training=False, context=context)
             with self.rng.step_scope():
-                self.interpreter.run(self.current, ctx)
-            self._finish(ctx)
+                self.interpreter.run(self.plans.bound(training=False), ctx)
+            self._finish(self.interpreter, ctx)
         self._loss_of(ctx)
         return dict(sorted(ctx.outputs.items()))
 
@@ -226,12 +248,43 @@ class PipelineRuntime:
     def boundaries(self) -> dict[int, Boundary]:
         """The current signature's boundaries, `{stage: input of one microbatch}` (empty
         before the first step)."""
-        return dict(self.signatures.cache.get(self.signatures.current, {}))
+        return self.plans.boundaries()
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameters, each object once (a weight used by two of its chunks, a
         tied weight, is listed once): what an optimizer on this rank should step."""
         return shared.distinct(self.groups)
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank consumes the step's inputs: it holds stage 0 of a pipe (DualPipe:
+        both end ranks; a V shape: rank 0). Under `static_shapes` only these ranks need to
+        load the batch's inputs (docs/recipes.md, "Data where it is needed")."""
+        return any(slot.stage == 0 for slot in self._slots())
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank consumes the step's targets: it holds the last stage of a pipe."""
+        placement = self.program.placement
+        return any(placement.is_last_stage(s.pipe, s.stage) for s in self._slots())
+
+    def _slots(self) -> list[Any]:
+        if self._problem is not None:
+            raise SetupError(self._problem)
+        return list(self.program.placement.chunks(self.rank))
+
+    def state_dict(self) -> dict[str, int]:
+        """The runtime's own state, for a checkpoint (runtime/checkpoint.py): the completed
+        steps (the step index of the dropout masks' derivation) and the seed."""
+        return {"steps": self.steps, "seed": self.config.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a `state_dict()`: the next step is step `steps` of the run that
+        saved it, its dropout masks derived from the saved seed."""
+        self.steps = int(state["steps"])
+        self.config = dataclass_replace(self.config, seed=int(state["seed"]))
+        if self._problem is None:
+            self.rng.seed_value = self.config.seed
 
     @guarded(after=1)
     def clip_grad_norm_(
@@ -274,51 +327,49 @@ class PipelineRuntime:
             self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
             self.device, self._limit,
         )  # fmt: skip
-        return self._over_replicas(found)
-
-    def _over_replicas(self, found: LossBreakdown) -> LossBreakdown:
-        """A pipeline's breakdown averaged over every pipeline of the mesh (one all-reduce
-        over the other dimensions; as it is without a mesh). Every replica runs the same
-        stages, so each adds losses in the same stages."""
-        if self.config.mesh is None:
-            return found
-        stages = sorted(found.by_stage)
-        parts = [found.total, found.main, found.added, *(found.by_stage[s] for s in stages)]
-        values = torch.tensor(parts, dtype=torch.float64, device=self.device)
-        mean = mesh.replicas_mean(values, self.config.mesh, self.config.pp_dim).tolist()
-        return LossBreakdown(mean[0], mean[1], mean[2], dict(zip(stages, mean[3:], strict=True)))
+        return aux_loss.over_replicas(found, self.config.mesh, self.config.pp_dim, self.device)
 
     # ---- the step --------------------------------------------------------------------------
 
     def _context(
-        self, inputs: object, targets: object, *, training: bool, context: object = None
+        self,
+        inputs: object,
+        targets: object,
+        *,
+        training: bool,
+        context: object = None,
+        loss_scale: float = 1.0,
     ) -> StepContext:
-        """Split the batch and learn the step's signature; a new one is discovered."""
+        """Split the batch and learn the step's signature; a new one is discovered. Each
+        microbatch's loss is scaled by `loss_scale` / M."""
         if self._problem is not None:  # the same on every rank: it fails nothing
             raise self.guard.passing(SetupError(self._problem))
         found: list[str] = []
+        where, microbatches = f"rank {self.rank}, step {self.steps}", self.program.num_microbatches
+        binding.check_rows(inputs, "inputs", microbatches, where)
+        if self.needs_targets:
+            binding.check_rows(targets, "targets", microbatches, where)
         contexts = split_context(context, self.program.num_microbatches, self.device, found)
         signature = self._signature(inputs, found, context if contexts else None)
-        holds_first = any(c.first for c in self.chunks.values())
-        holds_last = any(c.last for c in self.chunks.values())
         split_inputs = split_targets = None  # ranks that do not use them copy nothing
-        if holds_first and not found:
+        if self.needs_inputs and not found:
             split_inputs = self._split(inputs, "inputs", found, required=True)
-        if holds_last:
+        if self.needs_targets:
             split_targets = self._split(targets, "targets", found, required=training)
-        if signature is None or not self.signatures.known(signature):
+        if signature is None or not self.plans.known(signature.code):
             # discovery runs on the sample context; what its forwards add (add_loss) is dropped
             with sample_context(contexts[0] if contexts else None), aux_loss.collecting([]):
                 self._settle(signature, found, split_inputs)
         elif found:  # a known signature: nothing is exchanged, this rank stops alone
             raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))
-        elif signature.code != self.signatures.current:  # seen before: switched to locally
-            self.signatures.current = signature.code
-            self._use(self.signatures.cache[signature.code])
-        scale = 1.0 / self.program.num_microbatches
-        ctx = StepContext(split_inputs, split_targets, scale, training, step=self.steps)
-        ctx.context = contexts
-        return ctx
+        elif signature.code != self.plans.code:  # seen before: switched to locally
+            self.plans.use(signature.code)
+        scale = loss_scale / self.program.num_microbatches
+        mail = Mailbox(self.plans.bound(training).messages)
+        return StepContext(
+            split_inputs, split_targets, scale, training, step=self.steps, mail=mail,
+            context=contexts,
+        )  # fmt: skip
 
     def _signature(
         self, inputs: object, found: list[str], context: object = None
@@ -326,11 +377,11 @@ class PipelineRuntime:
         """The step's signature from this rank's inputs (host metadata only); under
         `static_shapes` a rank without inputs keeps the current one. None: to be learned
         from the other ranks (first step, static shapes), or unusable (in `found`)."""
-        current = self.signatures.current
+        current = self.plans.code
         where = f"rank {self.rank}, step {self.steps}"
         if inputs is None:
             if self.config.static_shapes:
-                return Signature(current, self.signatures.cache[current][0]) if current else None
+                return Signature(current, self._input_boundary()) if current else None
             if current:
                 raise SetupError(f"{where}: {NO_INPUTS}")
             found.append(NO_INPUTS)
@@ -346,7 +397,7 @@ class PipelineRuntime:
                 SetupError(
                     f"{where}: RuntimeConfig(static_shapes=True) declares that the shapes never "
                     f"change, but the step's inputs are {signature.boundary.describe()} per "
-                    f"microbatch, not {self.signatures.cache[current][0].describe()}"
+                    f"microbatch, not {self._input_boundary().describe()}"
                 )
             )
         return signature
@@ -366,8 +417,7 @@ class PipelineRuntime:
                 f"rank {self.rank}, step {self.steps}: the discovery of the step's boundaries "
                 f"did not complete within {self._limit:g} s: {err}"
             ) from err
-        self.signatures.learn(agreed.code, boundaries)
-        self._use(boundaries)
+        self.plans.learn(agreed.code, boundaries)
 
     def _discover(
         self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
@@ -388,6 +438,10 @@ class PipelineRuntime:
         self._agree(binding.boundary_problems(self.program, self.rank, boundaries)
                     + self._declared_problems(agreed, boundaries))  # fmt: skip
         return agreed, boundaries
+
+    def _input_boundary(self) -> Boundary:
+        """Stage 0's input boundary of the signature in use."""
+        return self.plans.current.boundaries[0]
 
     def _seed_of(self, stage: int) -> int | None:
         """The RNG seed of (this step, `stage`, this process's microbatch 0), as its forward
@@ -415,43 +469,16 @@ class PipelineRuntime:
         """Where the boundaries the user declared differ from those found."""
         if self.declared is None or not self.config.check_shapes:
             return []
-        declared = self.declared
-        if callable(declared):
-            given = agreed.boundary
-            sample = given.rebuild(synthetic(given.tensors, torch.device("cpu")))
-            try:
-                declared = normalise_boundaries(declared(sample))
-            except Exception as err:  # the user's function: reported on every rank
-                text = err.message if isinstance(err, PipeccError) else str(err).split("\n")[0]
-                return [
-                    f"step {self.steps}: the boundaries function failed on a sample microbatch "
-                    f"{given.describe()}: {type(err).__name__}: {text[:200]}"
-                ]
-        return binding.declared_problems(self.program, self.rank, declared, boundaries)
+        return declared_problems(
+            self.declared, agreed.boundary, boundaries, (self.program, self.rank, self.steps)
+        )
 
     def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]
         agreement.agree(named, self.group, self.program.num_ranks, self.device, self._limit)
 
-    def _use(self, boundaries: dict[int, Boundary]) -> None:
-        """Switch to a signature's plans: bound once, when it is first seen, to its
-        boundaries (stage -> the input of one microbatch) and receive specs."""
-        key = self.signatures.current
-        bound = self._signatures.pop(key, None)  # re-inserted last: the most recently used
-        if bound is None:
-            specs = binding.recv_specs(self.program, self.rank, boundaries)
-            self._recv_specs[key] = specs
-            plans = (self.plan, self.forward_plan)
-            bound = self.binder.bind(plans, boundaries, specs)
-        self._signatures[key] = bound
-        while len(self._signatures) > max(self.config.plans_kept, 1):  # the oldest let go
-            del self._signatures[next(iter(self._signatures))]
-        self.current.train, self.current.forward = bound.train, bound.forward
-        self.interpreter.stage.boundaries = boundaries
-        self.interpreter.transfers.specs = self._recv_specs[key]
-
-    def _finish(self, ctx: StepContext) -> None:
-        left = ctx.leftovers()
+    def _finish(self, interpreter: Interpreter, ctx: StepContext) -> None:
+        left = interpreter.leftovers(ctx)
         if left:
             raise ProgramError(
                 f"rank {self.rank}, step {ctx.step}: the program ended with work left over: "
@@ -471,18 +498,3 @@ NO_INPUTS = (
     "signature (only their shapes are read; nothing is copied), or declare "
     "RuntimeConfig(static_shapes=True) when the shapes never change"
 )
-
-
-def _declared(
-    boundaries: Mapping[int, object] | BoundaryFn | None,
-) -> dict[int, Boundary] | BoundaryFn | None:
-    if boundaries is None or callable(boundaries):
-        return boundaries
-    return normalise_boundaries(boundaries)
-
-
-def _device_of(modules: Mapping[int, torch.nn.Module]) -> torch.device:
-    for module in modules.values():
-        for param in module.parameters():
-            return param.device
-    return torch.device("cpu")

@@ -9,6 +9,7 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_lowering_arg,
     add_mesh_args,
     add_policy_arg,
     add_shared_arg,
@@ -16,7 +17,6 @@ from pipecc.commands.common import (
     write_output,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.lowering import add_lowering_arg
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
 from pipecc.ir.program import Program

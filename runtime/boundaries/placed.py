@@ -30,6 +30,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from pipecc.diagnostics import InputError, SetupError
 
+from ..compat import dtensor_local_shape
+
 
 class Placed(NamedTuple):
     """How a DTensor leaf is laid out over its mesh: what the receiver rebuilds."""
@@ -103,7 +105,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def local_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The shape of what travels for a leaf."""
     if isinstance(tensor, DTensor):
-        return tuple(tensor._local_tensor.shape)
+        return dtensor_local_shape(tensor)
     return tuple(tensor.shape)
 
 

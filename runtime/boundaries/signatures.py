@@ -10,7 +10,8 @@ given none and keeps the signature it learned on the first step.
 
 A signature not seen before starts the discovery pass on every rank together
 (runtime/boundaries/discovery.py), which also checks that the ranks saw the same signature.
-Its boundaries are cached by signature: a signature seen before is switched to locally.
+Its boundaries, and everything bound to them, belong to the runtime's plan cache
+(runtime/engine/plan_cache.py): a signature seen before is switched to locally.
 
 A step with a context (every stage's keyword inputs, runtime/boundaries/context.py) has the
 context's microbatch boundary in its signature too: a new mask length is a new signature.
@@ -79,12 +80,10 @@ REMEMBERED = 64  # input layouts whose signature is remembered (a step's costs a
 
 
 class Signatures:
-    """The boundaries of every signature this runtime has discovered, and the current one."""
+    """Each step's signature, remembered by the layout of its inputs (`of`)."""
 
     def __init__(self, microbatches: int) -> None:
         self.microbatches = microbatches
-        self.cache: dict[int, dict[int, Boundary]] = {}
-        self.current = 0  # 0: none yet (before the first step)
         self.seen: dict[Hashable, Signature] = {}
 
     def of(self, inputs: object, context: Mapping[str, Any] | None = None) -> Signature:
@@ -98,13 +97,6 @@ class Signatures:
             if len(self.seen) < REMEMBERED:
                 self.seen[key] = found
         return found
-
-    def known(self, signature: Signature) -> bool:
-        return signature.code in self.cache
-
-    def learn(self, code: int, boundaries: dict[int, Boundary]) -> None:
-        self.cache[code] = boundaries
-        self.current = code
 
 
 def _layout(value: object) -> Hashable:

@@ -15,6 +15,9 @@ by the program's `wait` that lists it, like a send. A parameter held by two stag
 (a tied embedding on a V shape's rank 0) is reduced once, by the last of their reductions in
 the program (an earlier one would miss the later backwards' gradients); a parameter without a
 gradient gets zeros first, so every replica reduces the same tensors in the same order.
+The groups of this rank's reductions are made (a flattened mesh's too) and warmed at set-up,
+given the runtime's device: one tiny all_reduce on each, the dimensions in sorted order (the
+replicas along them run one program, so one order); NCCL never makes a communicator in a step.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from pipecc.ir.ops import Collective, CollectiveKind
 from pipecc.ir.program import Program
+
+from .shared import warm
 
 
 def pipeline_of(mesh: Any, pp_dim: str) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
@@ -52,6 +57,7 @@ class DataParallel:
         rank: int,
         modules: Mapping[int, torch.nn.Module],
         mesh: Any,
+        device: torch.device | None = None,
     ) -> None:
         self.mesh = mesh
         self.mine = [
@@ -61,6 +67,9 @@ class DataParallel:
         ]
         self.params = _reduced_params(program, rank, modules, self.mine)
         self.groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, int]] = {}
+        if mesh is not None and device is not None and not self.problems():
+            for dims in sorted({op.dims for _, op in self.mine}):  # one order on every replica
+                warm(self._group(dims)[0], device)
 
     def problems(self) -> list[str]:
         """What this runtime cannot run: reductions without a mesh, over dimensions the mesh

@@ -21,8 +21,10 @@ sum it:
   runs it there as `all_reduce` over the holders' process group. Those groups are created
   once, at set-up, on the ranks of each set, the sets in one global order (sorted), with
   `new_group(use_local_synchronization=True)` so that ranks outside a set (other pipelines
-  of a larger world) need not take part. The reduction leaves the same bits on every holder
-  (gloo's and NCCL's rings reduce each element once and copy the result).
+  of a larger world) need not take part, each warmed by one tiny all_reduce there (NCCL
+  makes a communicator at its first collective: never inside a step). The reduction
+  leaves the same bits on every holder (gloo's and NCCL's rings reduce each element once
+  and copy the result).
 - a program that holds no collective (compiled before collectives existed, or a torch CSV,
   whose format has none) keeps the old path: after its last instruction the holders of each
   set of ranks exchange their flat tensors point to point (the sets in a fixed global order,
@@ -297,6 +299,7 @@ class GradientSums:
         grads: ParamGrads,
         *,
         device: torch.device,
+        enabled: bool = True,
     ) -> None:
         self.rank = rank
         self.mine = [(i, op) for i, op in enumerate(program.ranks[rank]) if _is_sum(op)]
@@ -305,7 +308,7 @@ class GradientSums:
         self.grads = grads
         self.device = device
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        self.enabled = True
+        self.enabled = enabled  # RuntimeConfig.sync_duplicated
 
     def create_groups(
         self,
@@ -315,7 +318,8 @@ class GradientSums:
         timeout: float,
     ) -> None:
         """The process group of each set of ranks of the program's collectives that holds
-        this rank, created once, in one global order (sorted sets) on every member."""
+        this rank, created once, in one global order (sorted sets) on every member, and
+        warmed there (`warm`): no communicator is made inside a step."""
         sets = sorted({_set(op) for ops in program.ranks for op in ops if _is_sum(op)})
         for ranks in sets:
             if self.rank not in ranks or any(r >= len(rank_map) for r in ranks):
@@ -323,11 +327,13 @@ class GradientSums:
             if len(ranks) == len(rank_map):  # the whole pipeline: its own group
                 self.groups[ranks] = group
                 continue
-            self.groups[ranks] = dist.new_group(
+            made = dist.new_group(
                 [rank_map[r] for r in ranks],
                 timeout=timedelta(seconds=timeout),
                 use_local_synchronization=True,
             )
+            warm(made, self.device)
+            self.groups[ranks] = made
 
     def problems(self) -> list[str]:
         """Collectives this runtime cannot run, and sums the program does not place."""
@@ -364,6 +370,13 @@ class GradientSums:
             total = _flat(groups, self.device, dtype, self.grads)
             dist.all_reduce(total, group=group)
             _scatter(total, groups, self.grads)
+
+
+def warm(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """One tiny all_reduce over a group just made, on the runtime's device: NCCL creates a
+    group's communicator at its first collective, and that blocks every member; done at
+    set-up, in the order the groups are made (one order on every rank), never in a step."""
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def _is_sum(op: object) -> TypeGuard[Collective]:

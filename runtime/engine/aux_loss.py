@@ -40,6 +40,7 @@ import torch.distributed as dist
 from pipecc.diagnostics import InputError
 
 from ..comm.agreement import finished
+from ..comm.mesh import replicas_mean
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -161,3 +162,18 @@ def breakdown(
     }
     main, added = values[0] / count, sum(by_stage.values())
     return LossBreakdown(main + added, main, added, by_stage)
+
+
+def over_replicas(
+    found: LossBreakdown, mesh: Any, pp_dim: str, device: torch.device
+) -> LossBreakdown:
+    """A pipeline's breakdown averaged over every pipeline of the mesh (one all-reduce over
+    the other dimensions; as it is without a mesh). Every replica runs the same stages, so
+    each adds losses in the same stages."""
+    if mesh is None:
+        return found
+    stages = sorted(found.by_stage)
+    parts = [found.total, found.main, found.added, *(found.by_stage[s] for s in stages)]
+    values = torch.tensor(parts, dtype=torch.float64, device=device)
+    mean = replicas_mean(values, mesh, pp_dim).tolist()
+    return LossBreakdown(mean[0], mean[1], mean[2], dict(zip(stages, mean[3:], strict=True)))

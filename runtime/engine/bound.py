@@ -1,9 +1,9 @@
 """One static plan per shape signature: a rank's plans compiled once into bound steps.
 
 `Binder.bind` runs when a step brings a shape signature this runtime has not bound yet
-(`PipelineRuntime._use`, the one entry point: it gets the signature's boundaries,
-`{stage: Boundary}` of one microbatch, and the receive specs) and turns the training plan and
-the forward-only plan (runtime/plan/plan.py) into `Bound` plans of steps
+(`PlanCache`, runtime/engine/plan_cache.py, the one entry point: it gets the signature's
+boundaries, `{stage: Boundary}` of one microbatch, and the receive specs) and turns the
+training plan and the forward-only plan (runtime/plan/plan.py) into `Bound` plans of steps
 (runtime/engine/steps.py). Everything an instruction would otherwise look up, allocate or
 decide at each step is resolved there, once:
 
@@ -97,16 +97,6 @@ def methods(chunks: Mapping[int, Chunk], split: frozenset[int]) -> dict[int, Cap
     }
 
 
-class Signature:
-    """The bound plans of one signature: training, and forward only (evaluation)."""
-
-    __slots__ = ("forward", "train")
-
-    def __init__(self, train: Bound, forward: Bound) -> None:
-        self.train = train
-        self.forward = forward
-
-
 class Binder:
     """Binds this rank's plans to a signature (module docstring)."""
 
@@ -117,6 +107,8 @@ class Binder:
         channel: Channel,
         slots: dict[Message, int],
         captures: Mapping[int, Capture],
+        *,
+        mesh: Any = None,
     ) -> None:
         self.stage = stage
         self.fused = fused
@@ -125,18 +117,18 @@ class Binder:
         self.messages = tuple(slots)
         self.captures = dict(captures)
         self.count = 0  # signatures bound so far
-        self.mesh: Any = None  # the runtime's device mesh (DTensor boundaries' rebuild)
+        self.mesh = mesh  # the runtime's device mesh (DTensor boundaries' rebuild)
         self._split: frozenset[tuple[int, int]] = frozenset()  # the plan being bound's I
 
     def bind(
         self, plans: tuple[Plan, Plan], boundaries: Mapping[int, Boundary], specs: RecvSpecs
-    ) -> Signature:
+    ) -> tuple[Bound, Bound]:
         """The training and forward-only plans bound to `boundaries` (their receives share
         buffers: the two never run at once)."""
         self.count += 1
         buffers: dict[int, Tensors] = {}
         train, forward = (self._bind(plan, boundaries, specs, buffers) for plan in plans)
-        return Signature(train, forward)
+        return train, forward
 
     def _bind(
         self,

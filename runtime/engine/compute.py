@@ -24,15 +24,15 @@ when an error is raised.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from pipecc.diagnostics import InputError, ProgramError, SetupError
+from pipecc.diagnostics import InputError, SetupError
 from pipecc.ir.ops import Compute
-from pipecc.ir.printer import describe, message
+from pipecc.ir.printer import describe
 
 from ..boundaries.placed import local, placed_of
 from ..boundaries.specs import autocast_context
@@ -52,6 +52,18 @@ from .weight_contract import capturing
 _NOTHING: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable, yields None
 
 
+class StageOptions(NamedTuple):
+    """How the stages compute, fixed when the runtime is built: the device and autocast dtype,
+    fp32 gradient accumulation (None: off), the stages recomputed in full, and by chunk the
+    submodules recomputed selectively (runtime/engine/recompute.py)."""
+
+    device: torch.device
+    autocast: torch.dtype | None = None
+    precision: Fp32Grads | None = None
+    recompute: frozenset[int] = frozenset()
+    selected: Mapping[int, tuple[torch.nn.Module, ...]] = {}
+
+
 class StageOps:
     """The compute primitives over this rank's chunks."""
 
@@ -61,23 +73,18 @@ class StageOps:
         chunks: dict[int, Chunk],
         loss_fn: LossFn,
         rng: ForwardRng,
-        autocast: tuple[torch.device, torch.dtype | None],
+        options: StageOptions,
     ) -> None:
         self.rank = rank
         self.chunks = chunks
-        self.boundaries: dict[int, Boundary] = {}  # this step's, set by the runtime
         self.loss_fn = loss_fn
         self.rng = rng
-        self.autocast_device, self.autocast_dtype = autocast
-        self.precision: Fp32Grads | None = None
+        self.autocast_device, self.autocast_dtype = options.device, options.autocast
+        self.precision = options.precision
         self._params: dict[int, tuple[torch.nn.Parameter, ...]] = {}  # each chunk's, by id
-        self.recompute: frozenset[int] = frozenset()  # stages recomputed in full
+        self.recompute = options.recompute  # stages recomputed in full
         # by chunk: the submodules recomputed selectively (runtime/engine/selective.py)
-        self.selected: dict[int, tuple[torch.nn.Module, ...]] = {}
-
-    def run(self, ctx: StepContext, op: ComputeStep) -> None:
-        """One compute step, by the method its kind was bound to."""
-        op.run(ctx, op)
+        self.selected = dict(options.selected)
 
     def forward(self, ctx: StepContext, op: ComputeStep) -> None:
         chunk = op.unit
@@ -221,7 +228,7 @@ class StageOps:
             if ctx.inputs is None:
                 raise InputError(f"rank {self.rank} holds stage 0 and needs the step's inputs")
             return ctx.inputs[op.mb], ()
-        tensors = take(ctx, op.src)
+        tensors = ctx.mail.take(op.src)
         carries = op.carries
         if carries is None or len(carries) != len(tensors):
             carries = _carries(op.given, tensors)
@@ -289,7 +296,7 @@ class StageOps:
         if op.unit.last:
             ones = tuple(torch.ones_like(o) for o in saved.outputs)
             return saved.outputs + roots, ones + seeds
-        received = take(ctx, op.src)
+        received = ctx.mail.take(op.src)
         live = [(o, g) for o, g in zip(saved.outputs, received, strict=True) if o.requires_grad]
         return tuple(o for o, _ in live) + roots, tuple(g for _, g in live) + seeds
 
@@ -413,18 +420,6 @@ def _matches(leaf: object, spec: TensorSpec) -> bool:
     if spec.placed is None:
         return not isinstance(leaf, DTensor) and leaf.shape == spec.shape
     return isinstance(leaf, DTensor) and placed_of(leaf) == spec.placed
-
-
-def take(ctx: StepContext, slot: int) -> Tensors:
-    """Take a message's tensors out of the mailbox; absent is a wrong program."""
-    found = ctx.mail[slot]
-    if found is None:
-        raise ProgramError(
-            f"{message(ctx.messages[slot])} is not here: it was neither "
-            "produced on this rank nor received by a completed wait before this instruction"
-        )
-    ctx.mail[slot] = None
-    return found
 
 
 def own_grads(params: Sequence[torch.nn.Parameter]) -> tuple[torch.nn.Parameter, ...]:

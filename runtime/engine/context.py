@@ -2,29 +2,53 @@
 
 Nothing here outlives a step: a fresh `StepContext` is built for each call, so two runtimes
 (or two steps) never share state, and a step that ends with anything left over is a wrong
-program (`leftovers`). The mailbox is a list indexed by the plan's message slots
-(runtime/plan/plan.py `mailbox`), set up by the interpreter from the plan it runs; a step's
-receive buffers belong to the bound plan (runtime/engine/bound.py), not to the context.
+program (`leftovers`). The `Mailbox` is a list indexed by the plan's message slots
+(runtime/plan/plan.py `mailbox`), made for the plan the step runs; a step's receive buffers
+belong to the bound plan (runtime/engine/bound.py), and its posted sends and receives to the
+transfers (runtime/engine/transfers.py `PostState`), not to the context.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from pipecc.diagnostics import ProgramError
 from pipecc.ir.keys import Message
 from pipecc.ir.printer import message
 
-from ..comm.channel import Posted
 from .selective import Selected
 from .split_backward import WeightGrad
 
-if TYPE_CHECKING:
-    from .steps import PostStep
-
 Tensors = tuple[torch.Tensor, ...]
+
+
+class Mailbox(list[Tensors | None]):
+    """The tensors of each message slot of a plan between the instruction that leaves them
+    (a forward, a backward, a completed receive) and the one that takes them."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self, messages: tuple[Message, ...] = ()) -> None:
+        super().__init__([None] * len(messages))
+        self.messages = messages  # the message of each slot
+
+    def take(self, slot: int) -> Tensors:
+        """Take a message's tensors out of the mailbox; absent is a wrong program."""
+        found = self[slot]
+        if found is None:
+            raise ProgramError(
+                f"{message(self.messages[slot])} is not here: it was neither "
+                "produced on this rank nor received by a completed wait before this instruction"
+            )
+        self[slot] = None
+        return found
+
+    def leftovers(self) -> list[str]:
+        """The messages still in the mailbox, by name."""
+        return sorted(message(self.messages[slot]) for slot, t in enumerate(self) if t is not None)
 
 
 class Saved(NamedTuple):
@@ -56,14 +80,6 @@ class Replay(NamedTuple):
     rng_state: Any = None
 
 
-class Pending(NamedTuple):
-    """A posted send or receive, until its `wait`: one handle per tensor of its message."""
-
-    step: PostStep
-    posted: tuple[Posted, ...]
-    tensors: Tensors
-
-
 @dataclass
 class StepContext:
     """The state of one step on one rank."""
@@ -73,15 +89,9 @@ class StepContext:
     scale: float  # 1/M: each microbatch's share of the step's mean loss
     training: bool  # False: forward only, nothing kept for a backward
     step: int = 0  # the runtime's step counter (the RNG derivation uses it)
-    mail: list[Tensors | None] = field(default_factory=list)  # by slot (the interpreter's)
-    messages: tuple[Message, ...] = ()  # the message of each slot
+    mail: Mailbox = field(default_factory=Mailbox)  # by slot, made for the plan it runs
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)
-    pending: dict[int, Pending] = field(default_factory=dict)
-    # async collectives over mesh dimensions, by instruction (runtime/comm/mesh.py): their
-    # works, completed by the `wait` that lists them
-    reductions: dict[int, list[Any]] = field(default_factory=dict)
-    queue: list[tuple[PostStep, Tensors]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     # the losses added inside each stage's forward, by microbatch then stage (detached sums)
     aux_losses: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
@@ -94,15 +104,11 @@ class StepContext:
     def leftovers(self) -> list[str]:
         """What a complete program would have consumed by the end of the step."""
         found = []
-        if self.pending or self.reductions:
-            posted = sorted([*self.pending, *self.reductions])
-            found.append(f"posted ops never waited: instructions {posted}")
         if self.saved:
             found.append(f"forwards without a backward: (chunk, mb) {sorted(self.saved)}")
         if self.weights:
             found.append(f"I without its W: (chunk, mb) {sorted(self.weights)}")
-        left = [slot for slot, tensors in enumerate(self.mail) if tensors is not None]
+        left = self.mail.leftovers()
         if left:
-            names = sorted(message(self.messages[slot]) for slot in left)
-            found.append("tensors produced but never consumed: " + "; ".join(names))
+            found.append("tensors produced but never consumed: " + "; ".join(left))
         return found

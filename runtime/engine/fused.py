@@ -22,14 +22,25 @@ collected like any forward. A step context reaches the hook's `module0(*inputs0)
 keywords (a forward pre-hook on module0).
 
 `FusedOps` runs a fused step: through the hook when there is one (F&B only; found when the
-plan is bound, runtime/engine/bound.py), else on CUDA the forward on a side stream
-concurrently with the backward on the current one, else one after the other.
+plan is bound, runtime/engine/bound.py), else on CUDA its two halves concurrently on two
+streams (`TwoStreams`), else one after the other.
+
+On two streams: autograd runs each backward kernel on the stream its forward ran on, so the
+backward half runs, as the ambient stream, on the stream its (chunk, mb)'s forward ran on, and
+the fused forward on the other one. Plain forwards run on the current stream; a fused forward
+goes to the side stream unless its backward half's forward ran there, then to the current one;
+two streams always suffice. The side stream first waits for the current one, and the current
+one waits for the side stream at the op's end (the join). The forward is queued first, and
+every tensor the two halves read (the forward's input message, the backward's output
+gradients and what its forward saved) is held until the join, so that the caching allocator
+cannot hand a block read by one stream to the other before the read is done.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +52,7 @@ from .aux_loss import collecting, scaled_roots
 from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
 from .steps import ComputeStep, FusedStep
+from .weight_contract import Capture, capturing
 
 HOOK = "overlapped_forward_backward"
 Hook = Callable[..., tuple[Any, Any]]
@@ -75,10 +87,56 @@ class ScaledCriterion:
         return loss * self.scale
 
 
+Key = tuple[int, int]  # (chunk, mb)
+
+
+class TwoStreams:
+    """The current stream and one side stream of a device, and which of them each
+    (chunk, mb)'s forward ran on in the step (module docstring).
+
+    `side` is a stream object with `wait_stream`; `current()` gives the current stream and
+    `use(stream)` makes a stream the current one for a block (`torch.cuda.current_stream`
+    and `torch.cuda.stream` on CUDA; a test passes stand-ins)."""
+
+    def __init__(
+        self,
+        side: Any,
+        current: Callable[[], Any],
+        use: Callable[[Any], AbstractContextManager[Any]],
+    ) -> None:
+        self.side = side
+        self.current = current
+        self.use = use
+        self.on_side: set[Key] = set()  # the step's forwards that ran on the side stream
+        self._step: weakref.ref[StepContext] | None = None
+
+    @classmethod
+    def of(cls, device: torch.device) -> TwoStreams | None:
+        """The device's two streams (None off CUDA: fused halves run one after the other)."""
+        if device.type != "cuda":
+            return None
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        return cls(side, lambda: torch.cuda.current_stream(device), torch.cuda.stream)
+
+    def pick(self, ctx: StepContext, forward: Key, backward: Key) -> tuple[bool, bool]:
+        """Whether a fused op's forward, and its backward half, run on the side stream: the
+        backward where its forward ran, the forward on the other stream."""
+        if self._step is None or self._step() is not ctx:  # a new step: keys start again
+            self.on_side.clear()
+            self._step = weakref.ref(ctx)
+        backward_side = backward in self.on_side
+        self.on_side.discard(backward)
+        if not backward_side:
+            self.on_side.add(forward)
+        return not backward_side, backward_side
+
+
 class FusedOps:
     """Fused F&B and F&I over this rank's chunks."""
 
-    def __init__(self, ops: StageOps, device: torch.device) -> None:
+    def __init__(
+        self, ops: StageOps, device: torch.device, streams: TwoStreams | None = None
+    ) -> None:
         self.ops = ops
         chunks = ops.chunks
         self.hooks = {
@@ -87,32 +145,34 @@ class FusedOps:
             for b, bc in chunks.items()
             if (hook := find_hook(fc.module, bc.module)) is not None
         }
-        cuda = device.type == "cuda"
         self.device = device
-        self.side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        self.streams = streams if streams is not None else TwoStreams.of(device)
 
     def run(self, ctx: StepContext, step: FusedStep) -> None:
         forward, backward = step.forward, step.backward
         recomputed = {forward.stage, backward.stage} & self.ops.recompute
         if step.hook is not None and not recomputed:  # bound for an F&B only
             self._overlapped(ctx, step.hook, forward, backward)
-        elif self.side is not None:
-            self._on_two_streams(ctx, forward, backward)
+        elif self.streams is not None:
+            self._on_two_streams(ctx, self.streams, forward, backward)
         else:
             self.ops.forward(ctx, forward)
             backward.run(ctx, backward)
 
     def _on_two_streams(
-        self, ctx: StepContext, forward: ComputeStep, backward: ComputeStep
+        self, ctx: StepContext, streams: TwoStreams, forward: ComputeStep, backward: ComputeStep
     ) -> None:
-        """The forward on a side stream, concurrently with the backward on the current one."""
-        assert self.side is not None
-        main = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
+        """The two halves concurrently, each on its stream (module docstring)."""
+        main, side = streams.current(), streams.side
+        forward_side, backward_side = streams.pick(ctx, forward.key, backward.key)
+        held = _read(ctx, forward, backward)  # alive until the join
+        side.wait_stream(main)
+        with streams.use(side if forward_side else main):
             self.ops.forward(ctx, forward)
-        backward.run(ctx, backward)
-        main.wait_stream(self.side)
+        with streams.use(side if backward_side else main):
+            backward.run(ctx, backward)
+        main.wait_stream(side)
+        del held
 
     def _overlapped(
         self, ctx: StepContext, hook: Hook, forward: ComputeStep, backward: ComputeStep
@@ -138,6 +198,7 @@ class FusedOps:
             collecting(added),
             _keywords(fchunk.module, context_of(ctx, forward.mb)),
             ops.recording(ctx, forward) as selected,
+            _captured(fchunk.module, forward.capture),
         ):
             outputs0, loss0 = hook(
                 fchunk.module, _as_list(value), criterion, labels,
@@ -173,10 +234,35 @@ class FusedOps:
         ctx.saved[op.key] = Saved(inputs, outputs)
 
 
+def _read(ctx: StepContext, forward: ComputeStep, backward: ComputeStep) -> tuple[object, ...]:
+    """What the halves of a fused op read that the step may drop before the streams join:
+    the forward's input message, the backward's output gradients, and its forward's `Saved`
+    (a slot that holds nothing gives None)."""
+    mail = ctx.mail
+    return (
+        mail[forward.src] if forward.src >= 0 else None,
+        mail[backward.src] if backward.src >= 0 else None,
+        ctx.saved.get(backward.key),
+    )
+
+
 def _with_added(saved: Saved, scale: float) -> torch.Tensor:
     """`loss1` of the hook: the scaled main loss plus the scaled losses the forward added."""
     roots, _ = scaled_roots(saved.added, scale)
     return saved.outputs[0] + roots[0] * scale if roots else saved.outputs[0]
+
+
+@contextmanager
+def _captured(module: torch.nn.Module, capture: Capture | None) -> Iterator[None]:
+    """The hook's forward under the weight-gradient contract's capture wherever the plain
+    forward runs under it (its microbatch's backward is an `I`: runtime/engine/bound.py),
+    so that `I` defers the same weight gradients to `W` and a run with the hook computes
+    the same arithmetic as one without, not only the same values up to rounding."""
+    if capture is None:
+        yield
+        return
+    with capturing(module, capture):
+        yield
 
 
 @contextmanager

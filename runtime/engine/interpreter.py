@@ -23,14 +23,42 @@ runs under `torch.profiler.record_function` with its instruction's label (`F0.3`
 trace shows the program; otherwise the loop is the plain one (no cost per instruction). The
 host time spent in waits is added up per step (`waited`: `PipelineRuntime.last_step`).
 
-Subclasses change what happens around a step by overriding `compute`, `post`, `wait` and
-`collective`: `ProfilingInterpreter` (runtime/profiling/profiler.py) times them.
+How to hook in (torch.fx's `Interpreter` shape): every step calls one method of the
+interpreter for its kind, and a subclass overrides those it cares about, calling `super()`:
+
+    Interpreter.run(bound, ctx)        one step of the program: `walk` over the bound plan
+      walk(steps, ctx)                 each step in order; errors named here
+        compute(ctx, step)             F, B, I, W; F&B and F&I; torch's OVERLAP_F_B
+        post(ctx, step)                a send or receive (its group posted at its end)
+        wait(ctx, step)                a wait on posted ops
+        stage_op(step)                 torch's UNSHARD, RESHARD, REDUCE_GRAD
+        reduce(ctx, step)              a collective over mesh dimensions
+        collective(instr)              the shared-parameter gradient sum
+
+A subclass wraps a complete interpreter, built by the runtime, and shares its parts
+(`Parts`: the stage ops, fused ops, transfers, sums and mesh), so nothing is set on it
+afterwards and a part added later reaches every subclass:
+
+    class Counting(Interpreter):
+        def __init__(self, base: Interpreter) -> None:
+            super().__init__(base.parts)
+            self.computed = 0
+
+        def compute(self, ctx, step):
+            self.computed += 1
+            super().compute(ctx, step)
+
+    runtime.step(x, y, through=Counting)
+
+`ProfilingInterpreter` (runtime/profiling/profiler.py) times every step this way, and
+`ByteProfilingInterpreter` (runtime/profiling/memory.py) measures each op's bytes.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +73,8 @@ from .context import StepContext
 from .fused import FusedOps
 from .stage_actions import run_stage_op
 from .steps import (
+    Bound,
     ComputeStep,
-    Current,
     FusedStep,
     PostStep,
     ReduceStep,
@@ -71,42 +99,46 @@ class InstructionError(RankError):
         return self.message + "\n" + "".join(traceback.format_exception(cause)).rstrip()
 
 
-class Interpreter:
-    """Runs a plan on one rank against a step's context."""
+class Parts(NamedTuple):
+    """What an interpreter dispatches to: this rank's compute primitives (`stage`), fused
+    ops, transfers, the shared-parameter gradient sums and the data-parallel reductions
+    over mesh dimensions (None: the program has none)."""
 
-    def __init__(
-        self,
-        rank: int,
-        stage: StageOps,
-        fused: FusedOps,
-        transfers: Transfers,
-        sums: GradientSums | None = None,
-    ) -> None:
-        self.rank = rank
-        self.stage = stage
-        self.fused = fused
-        self.transfers = transfers
-        self.sums = sums
-        self.mesh: DataParallel | None = None  # the reductions over mesh dimensions
+    rank: int
+    stage: StageOps
+    fused: FusedOps
+    transfers: Transfers
+    sums: GradientSums | None = None
+    mesh: DataParallel | None = None
+
+
+class Interpreter:
+    """Runs a bound plan on one rank against a step's context (module docstring: the map)."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        self.rank, self.stage, self.fused, self.transfers, self.sums, self.mesh = parts
         self.waited = 0.0  # host seconds in this step's waits
 
-    def run(self, current: Current, ctx: StepContext) -> None:
-        """One step: the bound plan in use, training or forward only as `ctx` says."""
-        plan = current.train if ctx.training else current.forward
-        assert plan is not None  # the runtime binds a signature before any step runs
-        ctx.mail = [None] * len(plan.messages)
-        ctx.messages = plan.messages
+    def run(self, bound: Bound, ctx: StepContext) -> None:
+        """One step: `bound` (the signature's training or forward-only plan) against `ctx`,
+        whose mailbox was made for it."""
+        self.transfers.begin()
         self.waited = 0.0
         if profiler_enabled():
-            self.walk_labelled(plan.steps, ctx)
+            self.walk_labelled(bound.steps, ctx)
         else:
-            self.walk(plan.steps, ctx)
+            self.walk(bound.steps, ctx)
 
     def walk_labelled(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
         """`walk`, each step under `record_function` with its label (a profiler records)."""
         for step in steps:
             with torch.profiler.record_function(step.label):
                 self.walk((step,), ctx)
+
+    def leftovers(self, ctx: StepContext) -> list[str]:
+        """What a complete program would have consumed by the end of the step."""
+        return self.transfers.posts.leftovers() + ctx.leftovers()
 
     def walk(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
         for step in steps:
@@ -135,7 +167,7 @@ class Interpreter:
     def post(self, ctx: StepContext, step: PostStep) -> None:
         self.transfers.post(ctx, step)
         if step.commit:
-            self.transfers.commit(ctx)
+            self.transfers.commit()
 
     def wait(self, ctx: StepContext, step: WaitStep) -> None:
         start = time.perf_counter()
@@ -158,7 +190,7 @@ class Interpreter:
         assert self.mesh is not None and isinstance(step.instr, Collective)
         works = self.mesh.post(step.index, step.instr)
         if step.instr.asynchronous:
-            ctx.reductions[step.index] = works
+            self.transfers.hold(step.index, works)
         else:
             for work in works:
                 work.wait()

@@ -43,6 +43,12 @@ def derive_seed(seed: int, step: int, stage: int, mb: int) -> int:
     return value >> 1
 
 
+def cuda_index(device: torch.device) -> int:
+    """A CUDA device's index: `cuda` without one is the current device (each rank's own,
+    as torch resolves it), not device 0."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class ForwardRng:
     """Seeds the generators of `device` (and the CPU's) for each forward; off when not
     `enabled`."""
@@ -52,7 +58,7 @@ class ForwardRng:
         self.first = first  # the global index of this process's microbatch 0 (docstring)
         self.seed_value = seed
         self.cuda = device.type == "cuda"
-        self.index = device.index if device.index is not None else 0
+        self.index = cuda_index(device) if self.cuda else 0
 
     def seed(self, step: int, stage: int, mb: int) -> None:
         if not self.enabled:

@@ -21,6 +21,11 @@ backward is unchanged, the recomputation happens once, before `I`, and nothing r
 after it. A slot lives as long as the node that saved it: autograd frees it when the node
 has run (or, kept for `W`, after `W`), as it frees saved tensors without recomputation.
 
+The replay runs on the CUDA stream its region's forward ran on (a fused op's forward may have
+run on the side stream, runtime/engine/fused.py), so that the filled slots are written and
+read on one stream: it waits for the current stream first, and the current stream waits for
+it after (the kept arguments are let go only then).
+
 A region's call must not modify its arguments in place (the replay would start from the
 modified values): that is checked at the call's end (SetupError naming the module). Modules
 must be called (`module(x)`), not through `module.forward(x)`, for their hooks to run.
@@ -38,7 +43,7 @@ from torch import nn
 
 from pipecc.diagnostics import ProgramError, SetupError
 
-from ..compat import pytree
+from ..compat import pytree, version_of
 from .aux_loss import collecting
 from .weight_contract import Capture, capturing, keeping
 
@@ -69,18 +74,21 @@ def _unpack(packed: Any) -> torch.Tensor:
 class Region:
     """One call of a selected module in a forward: what its replay needs."""
 
-    __slots__ = ("args", "autocast", "count", "inputs", "kwargs", "module", "rng", "slots")
+    __slots__ = (
+        "args", "autocast", "count", "inputs", "kwargs", "module", "rng", "slots", "stream",
+    )  # fmt: skip
 
     def __init__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         self.module = module
         self.args = args
         self.kwargs = kwargs
         leaves = pytree.tree_leaves((args, kwargs))
-        self.inputs = {id(t): t._version for t in leaves if isinstance(t, torch.Tensor)}
+        self.inputs = {id(t): version_of(t) for t in leaves if isinstance(t, torch.Tensor)}
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.autocast: tuple[bool, torch.dtype] | None = None
         self.count = 0  # tensors saved (and contract inputs kept) in the call
         self.slots: list[tuple[int, weakref.ref[_Slot]]] = []
+        self.stream: Any = None  # the CUDA stream the call ran on (None off CUDA)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         position = self.count
@@ -121,6 +129,8 @@ class Recorder:
             return
         region = Region(module, args, kwargs)
         region.rng = rng_state(self.cuda_index)
+        if self.cuda_index is not None:
+            region.stream = torch.cuda.current_stream(self.cuda_index)
         dtype = torch.get_autocast_dtype(self.device_type)
         region.autocast = (torch.is_autocast_enabled(self.device_type), dtype)
         self.open = region
@@ -136,7 +146,7 @@ class Recorder:
         region, self.open = self.open, None
         assert region is not None
         self.regions.append(region)
-        changed = [i for i, t in _tensors(region) if t._version != region.inputs[i]]
+        changed = [i for i, t in _tensors(region) if version_of(t) != region.inputs[i]]
         if changed:
             raise SetupError(
                 f"{type(module).__name__}, recomputed selectively, modified its input in "
@@ -207,6 +217,7 @@ class Selected:
                 return tensor
 
             with (
+                on_stream(region.stream, cuda_index),
                 capturing(self.root, self.capture) if self.capture else contextlib.nullcontext(),
                 restored(region.rng, cuda_index),
                 _autocast(device_type, region.autocast),
@@ -218,6 +229,23 @@ class Selected:
                 region.module(*region.args, **region.kwargs)
             region.fill(values)
         self.regions = []
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any, cuda_index: int | None) -> Iterator[None]:
+    """The block on `stream` (a region's: module docstring), ordered after the current
+    stream's work and before its later work; as it is when `stream` is the current one."""
+    if stream is None or cuda_index is None:
+        yield
+        return
+    current = torch.cuda.current_stream(cuda_index)
+    if stream == current:
+        yield
+        return
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
 
 
 def _never(_: Any) -> torch.Tensor:

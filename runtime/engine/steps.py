@@ -15,7 +15,7 @@ is reported.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,8 @@ from pipecc.ir.printer import describe
 
 from ..boundaries.trees import Boundary
 from ..plan.binding import Chunk
+from .context import StepContext
 from .weight_contract import Capture
-
-if TYPE_CHECKING:
-    from .context import StepContext
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -143,7 +141,7 @@ class PostStep(Step):
     its point-to-point ops (a receive's over its buffers, made once; a send's reused, each
     given the step's tensor when it is posted)."""
 
-    __slots__ = ("comm", "send", "slot", "commit", "batched", "ops", "buffers")
+    __slots__ = ("comm", "send", "slot", "commit", "ops", "buffers")
 
     def __init__(self, index: int, instr: Send | Recv, slot: int, commit: bool) -> None:
         super().__init__(index, instr)
@@ -151,7 +149,6 @@ class PostStep(Step):
         self.send = type(instr) is Send
         self.slot = slot
         self.commit = commit
-        self.batched = instr.group is not None
         self.ops: list[dist.P2POp] = []
         self.buffers: Tensors | None = None  # a receive's, None where no boundary says them
 
@@ -215,17 +212,6 @@ class Bound(NamedTuple):
 
     steps: tuple[Step, ...]
     messages: tuple[Message, ...]
-
-
-class Current:
-    """The bound plans of the signature in use: the runtime switches them when the shapes
-    change (`PipelineRuntime._use`), before the step's plan runs."""
-
-    __slots__ = ("forward", "train")
-
-    def __init__(self) -> None:
-        self.train: Bound | None = None
-        self.forward: Bound | None = None
 
 
 def where(rank: int, step: int, index: int, instr: Instr) -> str:

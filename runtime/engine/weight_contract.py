@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..compat import base_of, grad_hooked
+from ..compat import base_of, detached_parameters, grad_hooked, parameter_table
 
 # (module, its input, its output's gradient, the names wanted) -> gradient by parameter name
 WeightFn = Callable[
@@ -168,15 +168,11 @@ def _captured_call(capture: Capture, module: nn.Module, *args: Any, **kwargs: An
     x = args[0] if len(args) == 1 and not kwargs else None
     if fn is None or not isinstance(x, torch.Tensor) or not x.requires_grad:
         return forward(module, *args, **kwargs)
-    params = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+    params = {n: p for n, p in parameter_table(module).items() if p is not None and p.requires_grad}
     if not params or not torch.is_grad_enabled() or any(grad_hooked(p) for p in params.values()):
         return forward(module, x)  # a hooked parameter keeps its ordinary edges
-    for name, param in params.items():
-        module._parameters[name] = param.detach()  # type: ignore[assignment]  # restored below
-    try:
+    with detached_parameters(module, params):
         output = forward(module, x)
-    finally:
-        module._parameters.update(params)
     keep = _Keeper.keep
     return _keep(capture, (module, fn, params, x if keep is None else keep(x)), output)
 

@@ -32,32 +32,21 @@ measured as the op it is.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.multiprocessing import reductions
-from torch.utils._pytree import tree_leaves
 
 from pipecc.ir.ops import Collective, Kind
 
+from ..compat import DispatchMode, pytree, storage_weak_ref
 from ..engine.context import StepContext, Tensors
 from ..engine.interpreter import Interpreter
-from ..engine.steps import ComputeStep, Current, FusedStep, PostStep, SequentialStep
+from ..engine.steps import Bound, ComputeStep, FusedStep, PostStep, SequentialStep
 
-# torch's weak reference to a storage (`.expired()`) and its dispatch mode are untyped: typed
-# here once
-StorageWeakRef = Any
-_weak: Callable[[Any], StorageWeakRef] = reductions.StorageWeakRef
-if TYPE_CHECKING:
-
-    class _DispatchMode:
-        def __enter__(self) -> Any: ...
-        def __exit__(self, *exc: object) -> None: ...
-
-else:
-    from torch.utils._python_dispatch import TorchDispatchMode as _DispatchMode
+StorageWeakRef = Any  # torch's weak reference to a storage (`.expired()`; untyped)
+tree_leaves = pytree.tree_leaves
 
 # named optimizers: bytes of state per parameter element (AdamW, Adam: two fp32 moments)
 OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 0, "none": 0}
@@ -68,7 +57,7 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int, Any]:
     return storage.data_ptr(), storage.nbytes(), storage
 
 
-class LiveStorages(_DispatchMode):
+class LiveStorages(DispatchMode):
     """Every tensor storage alive on this thread's ops, counted in bytes, and the peak."""
 
     def __init__(self) -> None:
@@ -105,7 +94,7 @@ class LiveStorages(_DispatchMode):
             return
         ptr, nbytes, storage = _storage(tensor)
         if ptr and ptr not in self.refs:
-            self.refs[ptr] = (_weak(storage), nbytes)
+            self.refs[ptr] = (storage_weak_ref(storage), nbytes)
             self.live += nbytes
             self.recent.add(ptr)
 
@@ -134,7 +123,7 @@ def storages(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[int, StorageWea
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
             ptr, nbytes, storage = _storage(tensor)
             if ptr:
-                found[ptr] = (nbytes, _weak(storage))
+                found[ptr] = (nbytes, storage_weak_ref(storage))
     return found
 
 
@@ -189,7 +178,7 @@ class ByteProfilingInterpreter(Interpreter):
     """An `Interpreter` over `base`'s parts that records the byte profile of one step."""
 
     def __init__(self, base: Interpreter, profile: ByteProfile, live: LiveStorages) -> None:
-        super().__init__(base.rank, base.stage, base.fused, base.transfers, base.sums)
+        super().__init__(base.parts)
         self.profile = profile
         self.live = live
         self.skip: set[int] = set()  # parameters, buffers, the step's batch
@@ -197,9 +186,9 @@ class ByteProfilingInterpreter(Interpreter):
         self.end = 0  # live bytes when the program ended
         self.pool: list[torch.Tensor] = []  # the receive buffers of the plan in use
 
-    def run(self, current: Current, ctx: StepContext) -> None:
-        self.pool = pool_tensors(current)  # counted apart: the rule holds them all step
-        super().run(current, ctx)
+    def run(self, bound: Bound, ctx: StepContext) -> None:
+        self.pool = pool_tensors(bound)  # counted apart: the rule holds them all step
+        super().run(bound, ctx)
         self.end = self.live.mark()  # what follows is the gradient sum (pipeline.step)
 
     def begin(self, ctx: StepContext) -> None:
@@ -345,14 +334,13 @@ class ByteProfilingInterpreter(Interpreter):
             self.profile.optim[stage] = optimizer_bytes(held.module, optimizer)
 
 
-def pool_tensors(current: Current) -> list[torch.Tensor]:
-    """The receive buffers of a bound signature (its training and forward plans share them),
-    allocated when it was bound and held for every step of it."""
+def pool_tensors(bound: Bound) -> list[torch.Tensor]:
+    """The receive buffers of a bound plan (a signature's training and forward plans share
+    them), allocated when it was bound and held for every step of it."""
     found: dict[int, torch.Tensor] = {}
-    for plan in (current.train, current.forward):
-        for step in plan.steps if plan is not None else ():
-            if isinstance(step, PostStep) and not step.send and step.buffers is not None:
-                found.update((id(t), t) for t in step.buffers)
+    for step in bound.steps:
+        if isinstance(step, PostStep) and not step.send and step.buffers is not None:
+            found.update((id(t), t) for t in step.buffers)
     return list(found.values())
 
 

@@ -1,16 +1,27 @@
 """Profiling as an interpreter subclass: the same dispatch, every instruction timed.
 
 `ProfilingInterpreter` wraps the parts of a plain `Interpreter` and records into a `Recorder`
-(runtime/profiling/recorder.py) the wall time of each compute op (on CUDA between two device
-synchronisations), the host time of each send or receive, when each group of posts went out and
-what it carried, and when each wait started, was released and ended; of each forward, the
-part of its time outside the stage's module (the profile's `dispatch`: the host time of an
-instruction that does not grow with the stage's layers), from hooks on the stage modules.
+(runtime/profiling/recorder.py) the wall time of each compute op, the host time of each send or
+receive, when each group of posts went out and what it carried, and when each wait started,
+was released and ended; of each forward, the part of its time outside the stage's module (the
+profile's `dispatch`: the host time of an instruction that does not grow with the stage's
+layers), from hooks on the stage modules.
+
+On CUDA (`EventTimes`) a compute op's time is the GPU time between two CUDA events recorded on
+the current stream, where the op is queued, before and after it (a fused op's after the join
+of its two streams), and the gradient sum's likewise: nothing synchronizes the device around
+an op, so transfers in flight on NCCL's streams are not counted as compute, and the two halves
+of a fused op stay concurrent. The events are read after the step, at its one synchronize;
+the sum's start and end are placed on the host's clock from the step's last event, recorded
+just before that synchronize. A forward's `dispatch` is then host time alone: the op's host
+time less the host time of its module call.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,8 +31,8 @@ from pipecc.ir.ops import Collective, Fused, Kind, Send
 from ..engine.context import StepContext
 from ..engine.interpreter import Interpreter
 from ..engine.steps import (
+    Bound,
     ComputeStep,
-    Current,
     FusedStep,
     PostStep,
     SequentialStep,
@@ -33,14 +44,18 @@ from .recorder import Recorder
 class ProfilingInterpreter(Interpreter):
     """An `Interpreter` over `base`'s parts that records every instruction in `recorder`."""
 
-    def __init__(self, base: Interpreter, recorder: Recorder) -> None:
-        super().__init__(base.rank, base.stage, base.fused, base.transfers, base.sums)
+    def __init__(
+        self, base: Interpreter, recorder: Recorder, events: EventTimes | None = None
+    ) -> None:
+        super().__init__(base.parts)
         self.recorder = recorder
-        self.cuda = base.transfers.device if base.transfers.device.type == "cuda" else None
+        device = base.transfers.device
+        # CUDA events time the ops (module docstring); None: host wall time, on the CPU
+        self.events = events if events is not None else EventTimes.of(device)
         # (start, end) of the last call of a stage's module: a forward's time inside it
         self.inside: list[float] = []
 
-    def run(self, current: Current, ctx: StepContext) -> None:
+    def run(self, bound: Bound, ctx: StepContext) -> None:
         """The step, with hooks on the stage modules that time a forward's module call."""
         handles = []
         for chunk in self.stage.chunks.values():
@@ -48,19 +63,20 @@ class ProfilingInterpreter(Interpreter):
             handles.append(chunk.module.register_forward_hook(self._left))
         try:
             start = time.perf_counter()
-            super().run(current, ctx)
-            self._synchronize()
+            super().run(bound, ctx)
+            if self.events is not None:
+                self.events.read()  # the step's one synchronize
             self.recorder.span(start, time.perf_counter())
         finally:
             for handle in handles:
                 handle.remove()
+            if self.events is not None:
+                self.events.pending.clear()
 
     def _entered(self, *_: object) -> None:
-        self._synchronize()
         self.inside[:] = [time.perf_counter()]
 
     def _left(self, *_: object) -> None:
-        self._synchronize()
         if len(self.inside) == 1:
             self.inside.append(time.perf_counter())
 
@@ -68,28 +84,30 @@ class ProfilingInterpreter(Interpreter):
         if isinstance(step, SequentialStep):  # each part timed as the op it is
             super().compute(ctx, step)
             return
-        self._synchronize()
         self.inside.clear()
+        marked = self.events.mark() if self.events is not None else None
         start = time.perf_counter()
         super().compute(ctx, step)
-        self._synchronize()
         seconds = time.perf_counter() - start
         instr = step.instr
         if isinstance(instr, Fused):
-            kind = "FB" if instr.backward.kind is Kind.B else "FI"
-            self.recorder.compute(kind, instr.forward.stage, seconds)
+            kind, stage = ("FB" if instr.backward.kind is Kind.B else "FI"), instr.forward.stage
         else:
             assert isinstance(step, ComputeStep)
-            self.recorder.compute(step.kind.value, step.stage, seconds)
+            kind, stage = step.kind.value, step.stage
             if step.kind is Kind.F and len(self.inside) == 2:  # the module ran once, in it
                 self.recorder.outside(seconds - (self.inside[1] - self.inside[0]))
+        if self.events is None:
+            self.recorder.compute(kind, stage, seconds)
+        else:
+            self.events.timed(marked, lambda _, took: self.recorder.compute(kind, stage, took))
 
     def post(self, ctx: StepContext, step: PostStep) -> None:
         start = time.perf_counter()
         self.transfers.post(ctx, step)
         if step.commit:
-            group = list(ctx.queue)
-            self.transfers.commit(ctx)
+            group = list(self.transfers.posts.queue)
+            self.transfers.commit()
             now = time.perf_counter()  # the group is posted (or handed to the poster thread)
             for posted, tensors in group:
                 nbytes = sum(t.nbytes for t in tensors)
@@ -104,12 +122,66 @@ class ProfilingInterpreter(Interpreter):
 
     def collective(self, instr: Collective) -> None:
         """The gradient sum, recorded as the profile's `sync` (its time per step)."""
-        self._synchronize()
+        if self.events is not None:
+            marked = self.events.mark()
+            super().collective(instr)
+            self.events.timed(marked, lambda at, took: self.recorder.sync(at, at + took))
+            return
         start = time.perf_counter()
         super().collective(instr)
-        self._synchronize()
         self.recorder.sync(start, time.perf_counter())
 
-    def _synchronize(self) -> None:
-        if self.cuda is not None:
-            torch.cuda.synchronize(self.cuda)
+
+Report = Callable[[float, float], None]  # (its start on the host's clock, its seconds)
+
+
+class EventTimes:
+    """Ops timed with CUDA events on the current stream, read after the step (module
+    docstring). `make()` gives a timing event (with `record(stream)` and `elapsed_time`),
+    `stream()` the current stream, `synchronize()` waits for the device; a test passes
+    stand-ins."""
+
+    def __init__(
+        self,
+        make: Callable[[], Any],
+        stream: Callable[[], Any],
+        synchronize: Callable[[], None],
+    ) -> None:
+        self.make = make
+        self.stream = stream
+        self.synchronize = synchronize
+        self.pending: list[tuple[Any, Any, Report]] = []  # (start, end, report) in op order
+
+    @classmethod
+    def of(cls, device: torch.device) -> EventTimes | None:
+        """The device's event timer; None off CUDA."""
+        if device.type != "cuda":
+            return None
+        event: Any = torch.cuda.Event  # torch leaves its constructor untyped
+        return cls(
+            lambda: event(enable_timing=True),
+            lambda: torch.cuda.current_stream(device),
+            lambda: torch.cuda.synchronize(device),
+        )
+
+    def mark(self) -> Any:
+        """An event recorded now on the current stream."""
+        event = self.make()
+        event.record(self.stream())
+        return event
+
+    def timed(self, start: Any, report: Report) -> None:
+        """An op that began at `start` ends now; `report` gets its times after the step."""
+        self.pending.append((start, self.mark(), report))
+
+    def read(self) -> None:
+        """After the step: one synchronize, then each op's start on the host's clock (the last
+        event is the synchronize's return) and its GPU seconds, reported in op order."""
+        last = self.mark()
+        self.synchronize()
+        now = time.perf_counter()
+
+        for start, end, report in self.pending:
+            at = now - float(start.elapsed_time(last)) / 1e3
+            report(at, float(start.elapsed_time(end)) / 1e3)
+        self.pending.clear()

@@ -21,13 +21,14 @@ the optimizer's bytes apart).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
+from ..compat import pytree
+from ..engine.interpreter import Interpreter
 from ..pipeline import PipelineRuntime
 from ..profiling.memory import (
     ByteProfile,
@@ -72,7 +73,7 @@ def measuring(
 
 def tree_bytes(value: object) -> int:
     """Bytes of the distinct storages of every tensor in a pytree (a batch)."""
-    leaves = tree_leaves(value)
+    leaves = pytree.tree_leaves(value)
     return sum(n for n, _ in storages(t for t in leaves if isinstance(t, torch.Tensor)).values())
 
 
@@ -92,24 +93,24 @@ def memory_steps(
     live = LiveStorages()
     for module in modules.values():
         live.seed(module_tensors(module))
-    plain = runtime.interpreter
-    profiler = ByteProfilingInterpreter(plain, profile, live)
-    runtime.interpreter = profiler
-    try:
-        _zeroed(modules)
-        dist.barrier()
-        with live:
-            _step(runtime, batches[0])
-        profiler.finish(optimizer)
-    finally:
-        runtime.interpreter = plain
+    made: list[ByteProfilingInterpreter] = []
+
+    def profiling(base: Interpreter) -> Interpreter:
+        made.append(ByteProfilingInterpreter(base, profile, live))
+        return made[-1]
+
+    _zeroed(modules)
+    dist.barrier()
+    with live:
+        _step(runtime, batches[0], through=profiling)
+    made[0].finish(optimizer)
     batch = batches[1]
     found: dict[str, Any] = {"bytes": profile, "measured": None, "batch_bytes": tree_bytes(batch)}
     if measure:
         _zeroed(modules)
         dist.barrier()
         on_device = 0 if device.type != "cuda" else _device_batch(runtime, batch)
-        pool = pool_tensors(runtime.current)
+        pool = pool_tensors(runtime.plans.bound(training=True))
         with measuring(device, modules.values(), batch_on_device=on_device, pool=pool) as peak:
             _step(runtime, batch)
         found["measured"] = peak[0]
@@ -122,9 +123,14 @@ def _zeroed(modules: dict[int, torch.nn.Module]) -> None:
         module.zero_grad(set_to_none=True)
 
 
-def _step(runtime: PipelineRuntime, batch: tuple[Any, ...]) -> None:
+def _step(
+    runtime: PipelineRuntime,
+    batch: tuple[Any, ...],
+    through: Callable[[Interpreter], Interpreter] | None = None,
+) -> None:
     """One step on (inputs, targets) or (inputs, targets, context), as the model file made it."""
-    runtime.step(batch[0], batch[1], context=batch[2] if len(batch) > 2 else None)
+    context = batch[2] if len(batch) > 2 else None
+    runtime.step(batch[0], batch[1], context=context, through=through)
 
 
 def _device_batch(runtime: PipelineRuntime, batch: tuple[Any, ...]) -> int:

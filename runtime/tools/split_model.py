@@ -24,6 +24,8 @@ import torch
 
 from pipecc.diagnostics import InputError
 
+from ..compat import buffer_table, child_table, parameter_table
+
 __all__ = ["split_model", "stage_layers"]
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
@@ -113,7 +115,7 @@ def _cut(
             f"split_model: layers={name!r} must name the model's ModuleList, ModuleDict or "
             f"Sequential of layers, but the model has {kind} there"
         )
-    keys = [f"{name}.{key}" for key, child in container._modules.items() if child is not None]
+    keys = [f"{name}.{key}" for key, child in child_table(container).items() if child is not None]
     if len(keys) < num_stages:
         raise InputError(
             f"split_model: {name} has {len(keys)} layers, fewer than the {num_stages} stages"
@@ -140,7 +142,7 @@ def _prune(module: torch.nn.Module, prefix: str, keep: frozenset[str]) -> None:
     whole subtree; a container's other entries are deleted (keys of the rest unchanged; a
     container held not at all stays, empty), any other module not held becomes None;
     parameters and buffers registered on a module only partly held stay only when named."""
-    for name, child in list(module._modules.items()):
+    for name, child in list(child_table(module).items()):
         if child is None:
             continue
         fqn = prefix + name
@@ -149,10 +151,10 @@ def _prune(module: torch.nn.Module, prefix: str, keep: frozenset[str]) -> None:
         if isinstance(child, CONTAINERS) or any(k.startswith(fqn + ".") for k in keep):
             _prune(child, fqn + ".", keep)
         elif isinstance(module, CONTAINERS):
-            del module._modules[name]
+            del child_table(module)[name]
         else:
             setattr(module, name, None)
-    for table in (module._parameters, module._buffers):
+    for table in (parameter_table(module), buffer_table(module)):
         for name in list(table):
             if table[name] is not None and prefix + name not in keep:
                 table[name] = None

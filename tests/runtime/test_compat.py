@@ -82,8 +82,8 @@ def gloo(tmp_path: Path) -> Iterator[None]:
 
 @pytest.mark.usefixtures("gloo")
 def test_gloo_does_not_coalesce() -> None:
-    op = dist.P2POp(dist.isend, torch.ones(2), 0)
-    assert compat.coalesces(op) is False
+    assert compat.group_coalesces(None, torch.device("cpu")) is False
+    assert compat.group_coalesces(None, torch.device("meta")) is False, "no backend for it"
 
 
 def test_an_op_is_posted_on_its_group_to_the_peer_in_it() -> None:
@@ -158,3 +158,77 @@ def test_profiler_enabled_only_while_a_profiler_records() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert compat.profiler_enabled() is True
     assert compat.profiler_enabled() is False
+
+
+def test_version_of_counts_in_place_ops() -> None:
+    t = torch.zeros(3)
+    before = compat.version_of(t)
+    t.add_(1)
+    t[0] = 5
+    assert compat.version_of(t) == before + 2
+    assert compat.version_of(t.clone()) == 0
+
+
+@pytest.mark.usefixtures("gloo")
+def test_dtensor_local_shape_is_the_shards_shape() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    placed = distribute_tensor(torch.randn(4, 6), init_device_mesh("cpu", (1,)), [Shard(1)])
+    assert compat.dtensor_local_shape(placed) == (4, 6) == tuple(placed.to_local().shape)
+
+
+def test_a_modules_registries_hold_what_was_registered() -> None:
+    inner = torch.nn.Linear(2, 2)
+    module = torch.nn.Module()
+    module.a = inner
+    module.b = inner  # one child under two names
+    module.register_module("c", None)
+    module.register_buffer("running", torch.zeros(2))
+    module.w = torch.nn.Parameter(torch.ones(1))
+    assert list(compat.child_table(module).items()) == [("a", inner), ("b", inner), ("c", None)]
+    assert [n for n, _ in module.named_children()] == ["a"], "what the public API shows"
+    assert list(compat.parameter_table(module)) == ["w"]
+    assert list(compat.buffer_table(module)) == ["running"]
+    del compat.child_table(module)["b"]
+    compat.buffer_table(module)["running"] = None
+    assert not hasattr(module, "b") and module.running is None
+
+
+def test_detached_parameters_record_no_edge_and_come_back() -> None:
+    layer = torch.nn.Linear(3, 2)
+    params = dict(layer.named_parameters())
+    x = torch.randn(4, 3, requires_grad=True)
+    with compat.detached_parameters(layer, params):
+        out = layer(x)
+        assert all(not p.requires_grad for p in layer.parameters())
+    out.sum().backward()
+    assert x.grad is not None and layer.weight.grad is None and layer.bias.grad is None
+    assert dict(layer.named_parameters()) == params, "the parameters themselves are back"
+
+
+def test_dispatch_mode_sees_ops_and_a_weak_ref_expires() -> None:
+    seen: list[str] = []
+
+    class Names(compat.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names():
+        t = torch.ones(2) + 1
+    assert any("add" in name for name in seen)
+    ref = compat.storage_weak_ref(t.untyped_storage())
+    assert not ref.expired()
+    del t
+    assert ref.expired()
+
+
+def test_fsdp_param_groups_are_found_under_either_name() -> None:
+    """torch 2.13 keeps a list (`_fsdp_param_groups`); torch 2.11 one group or None
+    (`_fsdp_param_group`): the runtime's post-backward takes both."""
+    from types import SimpleNamespace
+
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_groups=("a", "b"))) == ["a", "b"]
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert compat._param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

@@ -66,3 +66,20 @@ def test_a_one_step_profile_has_no_spread_and_is_refused_before_any_process() ->
         result.stderr
     )
     assert not (ROOT / "never.toml").exists()
+
+
+def test_a_profile_on_a_mesh_keeps_the_data_parallel_reductions(tmp_path: Path) -> None:
+    """The profiling interpreter wraps the runtime's whole interpreter, so the program's
+    reductions over `dp_replicate` run under it as in a plain step (it lost the mesh, and
+    stopped on an AssertionError, when it rebuilt the interpreter from its constructor's
+    arguments)."""
+    costs = tmp_path / "costs.toml"
+    done = subprocess.run(
+        [PIPECC, "run", "1f1b", "-M", "4", "--nproc", "4", "--mesh", "pp=2,dp_replicate=2",
+         "--model", str(ROOT / "examples" / "gpt.py"), "--steps", "3", "--warmup", "1",
+         "--profile", str(costs), "--allow-noisy-profile"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "mesh pp=2,dp_replicate=2" in done.stdout
+    assert tomllib.loads(costs.read_text())["cost"]["F"] > 0

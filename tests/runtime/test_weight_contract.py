@@ -350,10 +350,9 @@ def test_the_runtime_defers_linear_weights_to_w(
     got = gradients(stages)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7, msg=str(key))
-    assert runtime.current.train is not None
     captured = {
         half.key: half.capture is not None
-        for step in runtime.current.train.steps
+        for step in runtime.plans.bound(training=True).steps
         for half in _halves(step)
         if half.kind is Kind.F
     }
