@@ -1,16 +1,12 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
-The runtime binds the program to this rank once (its chunks and their modules, the plans to walk,
-each chunk's split-backward method, the parameters it shares with other ranks), builds the parts an
-`Interpreter` dispatches to, and for each step: splits the batch, computes the step's input
-signature from its own inputs (runtime/boundaries/signatures.py: host metadata, no exchange), and
-when the signature is new, discovers its boundaries with every rank on real data and checks them
-together before any point-to-point op (runtime/boundaries/discovery.py, runtime/plan/binding.py);
-the plan cache keeps them and compiles its plans once into bound steps
-(runtime/engine/plan_cache.py, runtime/engine/bound.py); then runs the signature's bound plan in a
-fresh `StepContext` (the gradient sums of parameters held by several ranks are instructions of it,
-runtime/comm/shared.py; a program without them gets them after it). A step whose signature is known
-exchanges nothing outside the program.
+The runtime binds the program to this rank once (its chunks, plans, split-backward methods,
+shared parameters) and builds the parts an `Interpreter` dispatches to. Each step splits the
+batch and computes its input signature from host metadata (runtime/boundaries/signatures.py);
+a new signature's boundaries are discovered with every rank on real data
+(runtime/boundaries/discovery.py) and kept, with the plans bound to them, by the plan cache
+(runtime/engine/plan_cache.py); then the bound plan runs in a fresh `StepContext`. A step
+whose signature is known exchanges nothing outside the program.
 """
 
 from __future__ import annotations
@@ -189,11 +185,9 @@ class PipelineRuntime:
         (runtime/profiling/profiler.py). `loss_scale`: each microbatch's loss (and added
         loss) is multiplied by it before its backward, so `.grad` gets `loss_scale` times the
         mean; `1/K` for K accumulated steps leaves the mean over their K·M microbatches
-        (the reported losses are unscaled). `through`: run this step through the interpreter
-        it makes of the runtime's own (a subclass that wraps it: runtime/engine/interpreter.py).
-        (`self.last_step` then holds the step's times and rows, `StepStats`; a failure fails
-        the runtime on every rank, `RuntimeFailed`.)
-        """
+        (losses reported unscaled). `through`: run the step through the interpreter it makes
+        of the runtime's (runtime/engine/interpreter.py). Then `self.last_step` holds the
+        step's times and rows; a failure fails the runtime on every rank (`RuntimeFailed`)."""
         start = time.perf_counter()
         ctx = self._context(inputs, targets, training=True, context=context, loss_scale=loss_scale)
         interpreter = self.interpreter
@@ -346,9 +340,12 @@ class PipelineRuntime:
             raise self.guard.passing(SetupError(self._problem))
         found: list[str] = []
         where, microbatches = f"rank {self.rank}, step {self.steps}", self.program.num_microbatches
-        binding.check_rows(inputs, "inputs", microbatches, where)
-        if self.needs_targets:
-            binding.check_rows(targets, "targets", microbatches, where)
+        try:  # raised alike on every rank given the batch: it fails nothing
+            binding.check_rows(inputs, "inputs", microbatches, where)
+            if self.needs_targets:
+                binding.check_rows(targets, "targets", microbatches, where)
+        except InputError as err:
+            raise self.guard.passing(err) from None
         contexts = split_context(context, self.program.num_microbatches, self.device, found)
         signature = self._signature(inputs, found, context if contexts else None)
         split_inputs = split_targets = None  # ranks that do not use them copy nothing
