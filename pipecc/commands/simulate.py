@@ -12,6 +12,7 @@ from pipecc.commands.common import (
     add_cost_args,
     add_input_args,
     add_mesh_args,
+    add_moe_args,
     comm_model,
     load_costs,
     load_input,
@@ -60,6 +61,7 @@ def register(commands: SubParsers) -> None:
     add_input_args(cmd)
     add_lowering_arg(cmd)
     add_mesh_args(cmd)
+    add_moe_args(cmd)
     add_cost_args(cmd, backend=True)
     cmd.add_argument(
         "--stall-threshold",
@@ -106,8 +108,36 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(timeline.to_json()))
     else:
         print(summary(timeline), end="")
+        if args.moe is not None:
+            off = args.moe_overlap == "off"
+            print(moe_lines(timeline, _other_form(args, timeline), sequential=off), end="")
         print(format_timeline(timeline, width=args.width), end="")
     return 0
+
+
+def _other_form(args: argparse.Namespace, timeline: Timeline) -> Timeline:
+    """The same step with --moe-overlap the other way (its fused MoE ops interleaved or in
+    sequence), for the side-by-side prediction."""
+    other = argparse.Namespace(**vars(args))
+    other.moe_overlap = "on" if args.moe_overlap == "off" else "off"
+    program, _ = whole_mesh(load_input(args.file, other))
+    costs = timeline.costs
+    return simulate(program, costs, model=timeline.model, stall_threshold=args.stall_threshold)
+
+
+def moe_lines(timeline: Timeline, other: Timeline, *, sequential: bool) -> str:
+    """The overlapped and the sequential step of a MoE program side by side (`timeline` is
+    the sequential one when `sequential`), and per rank the all-to-all time each leaves
+    exposed (the rank blocked on it)."""
+    overlapped, plain = (other, timeline) if sequential else (timeline, other)
+    lines = [
+        f"moe: step overlapped {overlapped.step:g}, sequential {plain.step:g} "
+        f"(--moe-overlap {'off' if sequential else 'on'} is the one shown)",
+        "rank  exposed a2a overlapped  sequential",
+    ]
+    for a, b in zip(overlapped.ranks, plain.ranks, strict=True):
+        lines.append(f"{a.rank:>4}  {a.a2a_exposed:>20g}  {b.a2a_exposed:>10g}")
+    return "\n".join(lines) + "\n"
 
 
 def summary(timeline: Timeline) -> str:

@@ -368,3 +368,11 @@ def computations(instr: Instr) -> tuple[Compute, ...]:
             return ()
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
+
+
+def works_on(instr: Instr) -> tuple[Compute, ...]:
+    """The computations an instruction works on: `computations`, and a Phase's op at every
+    phase (what needs the stage's parameters there, e.g. FSDP's unsharded ones)."""
+    if type(instr) is Phase:
+        return (instr.op,)
+    return computations(instr)

@@ -48,6 +48,14 @@ Keys (the same on the command line, `--cost F=1,B=2,comm=0.1`, and in a TOML fil
                   command line (groups separated by `/`); a program sums such a group's
                   gradients, and so pays `sync`, when its placement puts the group's stages
                   on more than one rank (global only; `pipecc run --profile` writes it)
+    a2a           time of one expert-parallel all_to_all (one dispatch or combine of one MoE
+                  layer for one microbatch, forward or backward), from its last member's
+                  readiness to its completion (default: `collective`); not scaled
+    moe_experts   the part (0..1) of a MoE stage's F, B and I that its experts compute
+                  (default 0.5): of an op's duration d on a stage of K MoE layers, each
+                  experts phase takes d·moe_experts/K and each of the K + 1 others (pre0..,
+                  post) d·(1 - moe_experts)/(K + 1); a fused op of MoE stages is its phases
+    moe_layers    the MoE layers of a stage (a `[cost.stage.N]` value over --moe K)
     unit          the name of the time unit, for display ("ms" in files the runtime writes)
     placement, ranks, stages
                   the cut a file's costs were measured on (a file only; `pipecc run --profile`
@@ -85,6 +93,8 @@ from pipecc.ir.ops import (
     Compute,
     Fused,
     Kind,
+    Phase,
+    PhasePart,
     Send,
     Sequential,
     StageOp,
@@ -122,8 +132,11 @@ BYTE_KEYS = (
     "workspace_sum",
 )
 # `out_bytes` is a message's size, as `bytes` (neither scales with a stage's part of the model)
+# a MoE stage's (pipecc/passes/expand_moe.py): not scaled with a stage's part of the model
+MOE_KEYS = ("a2a", "moe_experts", "moe_layers")
 DURATION_KEYS = (
     "F", "B", "I", "W", "FB", "FI", "comm", "bytes", "out_bytes", *BYTE_KEYS, *STAGE_OP_KEYS,
+    *MOE_KEYS,
 )  # fmt: skip
 # global only: host time, sync, collectives
 HOST_KEYS = ("post", "wait", "sync", "collective", "dispatch")
@@ -189,6 +202,9 @@ class StageCost:
     workspace_W: float | None = None
     workspace_sum: float | None = None
     out_bytes: float | None = None
+    a2a: float | None = None
+    moe_experts: float | None = None
+    moe_layers: float | None = None
 
     def over(self, base: StageCost) -> StageCost:
         """This stage's values where given, `base`'s elsewhere."""
@@ -225,6 +241,9 @@ class ResolvedCost:
     workspace_W: float | None = None
     workspace_sum: float | None = None
     out_bytes: float | None = None
+    a2a: float | None = None
+    moe_experts: float = 0.5
+    moe_layers: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +309,15 @@ class CostModel:
             return cost.B
         return cost.I if kind is Kind.I else cost.W
 
+    def phase(self, phase: Phase, layers: int) -> float:
+        """A MoE phase of an op on a stage of `layers` MoE layers: its part of the op's
+        duration by `moe_experts` (the module docstring)."""
+        share = self.stage(phase.op.stage).moe_experts
+        whole = self.compute(phase.op)
+        if phase.part is PhasePart.EXPERTS:
+            return whole * share / max(layers, 1)
+        return whole * (1 - share) / (max(layers, 1) + 1)
+
     def stage_op(self, op: StageOp) -> float:
         """UNSHARD, RESHARD, REDUCE_GRAD: their given duration on the stage, else 0."""
         value: float = getattr(self.stage(op.stage), op.kind.value)
@@ -332,6 +360,9 @@ class CostModel:
         """A collective's duration: `collective` (its latency), plus its traffic per rank over
         `bandwidth` when its stages' `param_bytes` are known (the module docstring)."""
         latency = self.host.collective or 0.0
+        if op.kind is CollectiveKind.ALL_TO_ALL:  # a MoE layer's dispatch or combine
+            given = self.stage(op.stages[0]).a2a if op.stages else None
+            return latency if given is None else given
         sizes = [self.stage(s).param_bytes for s in op.stages]
         n = len(op.ranks)
         if not self.bandwidth or not sizes or None in sizes or n < 2:
@@ -549,7 +580,8 @@ def _recut_stage(
     for key in STAGE_OP_KEYS:  # 0 unless given: given where any measured stage gives it
         if all(getattr(raw[j], key) is None for j, _ in weights):
             work[key] = None
-    return StageCost(**work, comm=first.comm, bytes=first.bytes)
+    moe = {key: getattr(first, key) for key in MOE_KEYS}
+    return StageCost(**work, comm=first.comm, bytes=first.bytes, **moe)
 
 
 def _recut_rule(measured: int, stages: int) -> str:
@@ -633,7 +665,19 @@ def _resolve(cost: StageCost, bandwidth: float | None, scale: float = 1.0) -> Re
         cost.REDUCE_GRAD or 0.0,
         **{key: getattr(cost, key) for key in BYTE_KEYS[1:]},
         out_bytes=cost.out_bytes,
+        **_moe(cost),
     )
+
+
+def _moe(cost: StageCost) -> dict[str, Any]:
+    """The MoE keys of a stage, checked: moe_experts a part of 1, moe_layers a count."""
+    experts = 0.5 if cost.moe_experts is None else cost.moe_experts
+    if experts > 1:
+        raise CostModelError(f"moe_experts={experts:g} must be a part of the op, 0..1")
+    layers = cost.moe_layers
+    if layers is not None and layers != int(layers):
+        raise CostModelError(f"moe_layers={layers:g} must be a whole number of layers")
+    return {"a2a": cost.a2a, "moe_experts": experts, "moe_layers": layers}
 
 
 @dataclass(frozen=True, slots=True)
@@ -642,18 +686,22 @@ class CostTiming:
     instruction runs, each message's latency, and the host time of posts and waits."""
 
     costs: CostModel
+    moe: tuple[int, ...] | None = None  # the program's MoE layers per stage (its phases')
     # durations by (kind, stage) or (kind, stage, kind, stage): a program of 10⁶ instructions
     # has a few dozen distinct ones
     _known: dict[tuple[object, ...], float] = field(default_factory=dict, compare=False)
 
     def duration(
-        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp
+        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp | Phase
     ) -> float:
         return self.op_duration(instr)
 
-    def op_duration(self, instr: Compute | Fused | Sequential | StageOp) -> float:
+    def op_duration(self, instr: Compute | Fused | Sequential | StageOp | Phase) -> float:
         if isinstance(instr, StageOp):
             return self.costs.stage_op(instr)
+        if isinstance(instr, Phase):
+            moe, stage = self.moe or (), instr.op.stage
+            return self.costs.phase(instr, moe[stage] if stage < len(moe) else 1)
         if isinstance(instr, Sequential):  # its parts one after another
             return sum(self._compute_duration(op) for op in instr.parts)
         return self._compute_duration(instr)
