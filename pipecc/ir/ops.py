@@ -340,15 +340,15 @@ def is_compute(instr: Instr) -> bool:
 def phases(op: Compute, layers: int) -> tuple[Phase, ...]:
     """The phases of a MoE stage's F, B or I with `layers` MoE layers, in the order they run:
     pre0, experts0, pre1, ..., experts(K-1), post for a forward; the reverse for a backward
-    (the all-to-alls sit between them). A W is not split: ()."""
+    (the all-to-alls sit between them), each with the op's span. A W is not split: ()."""
     if op.kind is Kind.W or layers < 1:
         return ()
     found = [
-        Phase(op, layer, part)
+        Phase(op, layer, part, op.span)
         for layer in range(layers)
         for part in (PhasePart.PRE, PhasePart.EXPERTS)
     ]
-    found.append(Phase(op, layers, PhasePart.POST))
+    found.append(Phase(op, layers, PhasePart.POST, op.span))
     return tuple(found) if op.kind is Kind.F else tuple(reversed(found))
 
 

@@ -49,7 +49,8 @@ def _report(
     want = ", ".join(p.label() for p in expected) or "none (it is not split)"
     text = (
         f"rank {rank}: {first.op.label()} (stage {first.op.stage} mb {first.op.mb}) runs the "
-        f"phases {got}; a stage of {layers} MoE layers runs {want}, each once and in this "
+        f"phases {got}; a stage of {layers} MoE layer{'' if layers == 1 else 's'} runs "
+        f"{want}, each once and in this "
         "order, so the op is not covered as a whole"
     )
     ctx.report(CoverageError(text, ctx.span(rank, index), rank=rank, index=index))
