@@ -92,7 +92,9 @@ class _Half:
     def __init__(self, rank: int, op: Compute, layers: int, asynchronous: bool) -> None:
         self.phases = phases(op, layers)
         self.a2a = tuple(
-            Collective(KIND, (rank,), what(op, layers, j), asynchronous, (DIM,), (op.stage,))
+            Collective(
+                KIND, (rank,), what(op, layers, j), asynchronous, (DIM,), (op.stage,), 1, op.span
+            )
             for j in range(len(self.phases) - 1)
         )
 

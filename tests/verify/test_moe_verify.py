@@ -20,11 +20,13 @@ from pipecc.passes.splice import splice
 from pipecc.verify import ALL_MODELS, Options, verify
 
 SIZES = ("-P", "2", "-M", "2", "--mesh", "pp=2,ep=2", "--moe", "1")
+WARMUP = "\n   14 | phase warmup   {{ repeat warmup {{ F }} }}\n      |" + " " * 34 + "^"
 MISMATCH = (
-    "error[mismatch]: collectives over ranks 0, 1: the 1st is all_to_all dispatch L0 F0.0 over "
-    "ranks 0, 1 on rank 0 (@1) but all_to_all combine L0 F0.0 over ranks 0, 1 on rank 1 "
-    "(@{at}); the k-th collective of one set of ranks meets the k-th of every member, so they "
-    "exchange the wrong data or hang inside the library\nnote: rank 1 issues its 1st one here"
+    "{loc}error[mismatch]: collectives over ranks 0, 1: the 1st is all_to_all dispatch L0 "
+    "F0.0 over ranks 0, 1 on rank 0 (@1) but all_to_all combine L0 F0.0 over ranks 0, 1 on "
+    "rank 1 (@{at}); the k-th collective of one set of ranks meets the k-th of every member, so "
+    "they exchange the wrong data or hang inside the library" + WARMUP + "\n{loc}note: rank 1 "
+    "issues its 1st one here" + WARMUP
 )
 
 
@@ -55,6 +57,8 @@ def test_the_expanded_program_round_trips_and_verifies(
         "ranks": [0, 1],
         "what": "dispatch L0 F0.0",
         "stages": [0],
+        "line": 14,
+        "col": 34,
     }
     code, text, _ = run_cli(capsys, "verify", str(out), "--comm", "all")
     assert code == 0 and "on 4 ranks" in text
@@ -73,7 +77,8 @@ def test_two_all_to_alls_swapped_on_one_rank_are_a_mismatch_with_a_witness(
     code, _, _ = run_cli(capsys, "verify", str(out))
     assert code == 1
     report = verify(json_program.loads(out.read_text()))
-    assert [str(v) for v in report.violations] == [MISMATCH.format(at=1)]
+    loc = f"{SCHEDULES}/1f1b.sched:14:34: "
+    assert [str(v) for v in report.violations] == [MISMATCH.format(loc=loc, at=1)]
 
 
 def test_a_rank_skipping_an_all_to_all_another_posts_is_rejected() -> None:
@@ -83,7 +88,8 @@ def test_a_rank_skipping_an_all_to_all_another_posts_is_rejected() -> None:
     ranks[1] = splice(program.ranks[1], drop=lambda x: x is skipped)
     edited = json_program.loads(json_program.dumps(replace(program, ranks=tuple(ranks))))
     report = verify(edited, Options(models=ALL_MODELS))
-    assert str(report.violations[0]) == MISMATCH.format(at=2)
+    loc = f"{SCHEDULES}/1f1b.sched:14:34: "
+    assert str(report.violations[0]) == MISMATCH.format(loc=loc, at=2)
     assert {v.status.value for v in report.verdicts} == {"deadlock"}
 
 
