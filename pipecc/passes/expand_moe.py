@@ -7,7 +7,8 @@ pre l, its combine after experts l. A backward (B or I) runs the reverse, with t
 gradients' all-to-alls: combine-grad before experts l, dispatch-grad after it. A W holds no
 all-to-all and stays whole. Each all-to-all is its own instruction,
 `Collective(all_to_all, (rank,), what, dims=("ep",), stages=(stage,))`, its `what` naming
-the layer, the direction and the microbatch (`dispatch L0 F1.3`, `combine-grad L1 B0.2`).
+the layer, the direction and the microbatch (`dispatch L0 F1.3`, `combine-grad L1 B0.2`; an
+I's are a B's: the same gradients cross).
 
 A plain op's all-to-alls are blocking. A fused F&B (or F&I) of MoE stages is written, with
 `overlap`, as DualPipe's interleave: the backward half's phases alternate with the forward
@@ -82,8 +83,8 @@ def what(op: Compute, layers: int, j: int) -> str:
     if op.kind is Kind.F:
         verb = "dispatch" if j % 2 == 0 else "combine"
         return f"{verb} L{j // 2} {op.label()}"
-    verb = "combine-grad" if j % 2 == 0 else "dispatch-grad"
-    return f"{verb} L{layers - 1 - j // 2} {op.label()}"
+    verb = "combine-grad" if j % 2 == 0 else "dispatch-grad"  # B or I: the same gradients
+    return f"{verb} L{layers - 1 - j // 2} B{op.chunk}.{op.mb}"
 
 
 class _Half:

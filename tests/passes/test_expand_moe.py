@@ -122,6 +122,10 @@ def test_w_holds_no_all_to_all_and_split_backward_verifies() -> None:
     program = _moe("zbv", 2, 4, "pp=2,ep=2", 1)
     assert any(type(x) is Compute and x.kind is Kind.W for x in program.ranks[0])
     assert not any(type(x) is Phase and x.op.kind is Kind.W for r in program.ranks for x in r)
+    at = [describe(x) for x in program.ranks[0]].index("I1.0:post")
+    assert describe(program.ranks[0][at + 1]) == (
+        "all_to_all combine-grad L0 B1.0 over pipeline rank 0 × ep"  # an I's are a B's
+    )
     report = verify(place_mesh_whole(program))
     assert report.ok, report.violations
 
