@@ -99,10 +99,7 @@ def register(commands: SubParsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.align and args.moe is None and (args.cost or args.cost_file):
-        raise InputError(
-            "--cost/--cost-file are for --align or --moe's moe_layers (without them nothing "
-            "uses them)"
-        )
+        raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     program = load_input(args.file, args)
     if args.expand:
         if program.mesh is None:
