@@ -352,6 +352,17 @@ def phases(op: Compute, layers: int) -> tuple[Phase, ...]:
     return tuple(found) if op.kind is Kind.F else tuple(reversed(found))
 
 
+def all_to_all_what(op: Compute, layers: int, j: int) -> str:
+    """The `what` of the j-th all-to-all of `op` (after its j-th phase) on a stage of
+    `layers` MoE layers: `dispatch L0 F1.3`, `combine L0 F1.3` forward; `combine-grad L1
+    B1.3`, `dispatch-grad L1 B1.3` backward (an I's are a B's: the same gradients cross)."""
+    if op.kind is Kind.F:
+        verb = "dispatch" if j % 2 == 0 else "combine"
+        return f"{verb} L{j // 2} {op.label()}"
+    verb = "combine-grad" if j % 2 == 0 else "dispatch-grad"
+    return f"{verb} L{layers - 1 - j // 2} B{op.chunk}.{op.mb}"
+
+
 def computations(instr: Instr) -> tuple[Compute, ...]:
     """The computations an instruction completes: one, two for a fused op, none for comm;
     a Phase completes its op when it is the op's last phase (`Phase.is_last`), else none."""

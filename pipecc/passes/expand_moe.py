@@ -37,6 +37,7 @@ from pipecc.ir.ops import (
     Phase,
     Sequential,
     Wait,
+    all_to_all_what,
     phases,
 )
 from pipecc.ir.program import Program
@@ -77,16 +78,6 @@ def all_to_alls(program: Program) -> list[int]:
     ]
 
 
-def what(op: Compute, layers: int, j: int) -> str:
-    """The `what` of the j-th all-to-all of `op` (after its j-th phase) on a stage of
-    `layers` MoE layers."""
-    if op.kind is Kind.F:
-        verb = "dispatch" if j % 2 == 0 else "combine"
-        return f"{verb} L{j // 2} {op.label()}"
-    verb = "combine-grad" if j % 2 == 0 else "dispatch-grad"  # B or I: the same gradients
-    return f"{verb} L{layers - 1 - j // 2} B{op.chunk}.{op.mb}"
-
-
 class _Half:
     """One op's phases and the all-to-alls between them (after phase j: `a2a[j]`)."""
 
@@ -94,7 +85,14 @@ class _Half:
         self.phases = phases(op, layers)
         self.a2a = tuple(
             Collective(
-                KIND, (rank,), what(op, layers, j), asynchronous, (DIM,), (op.stage,), 1, op.span
+                KIND,
+                (rank,),
+                all_to_all_what(op, layers, j),
+                asynchronous,
+                (DIM,),
+                (op.stage,),
+                1,
+                op.span,
             )
             for j in range(len(self.phases) - 1)
         )

@@ -14,7 +14,7 @@ from helpers import SCHEDULES, compile_bundled, run_cli
 
 from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe, whole_mesh
 from pipecc.interop import json_program
-from pipecc.ir.ops import Collective, Phase, PhasePart
+from pipecc.ir.ops import Collective, Phase, PhasePart, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.splice import splice
 from pipecc.verify import ALL_MODELS, Options, verify
@@ -78,7 +78,11 @@ def test_two_all_to_alls_swapped_on_one_rank_are_a_mismatch_with_a_witness(
     assert code == 1
     report = verify(json_program.loads(out.read_text()))
     loc = f"{SCHEDULES}/1f1b.sched:14:34: "
-    assert [str(v) for v in report.violations] == [MISMATCH.format(loc=loc, at=1)]
+    assert [str(v) for v in report.violations] == [
+        MISMATCH.format(loc=loc, at=1),
+        f"{loc}error[coverage]: rank 1: F0.2:experts0 @2 needs the all-to-all 'dispatch L0 "
+        "F0.0' after F0.2:pre0 @0, completed before it: no such all-to-all" + WARMUP.format(),
+    ]
 
 
 def test_a_rank_skipping_an_all_to_all_another_posts_is_rejected() -> None:
@@ -131,3 +135,42 @@ def test_phases_keep_the_activation_peak_of_their_ops() -> None:
     assert [p.peak for p in verify(_whole("dualpipev", 2, m=8)).peaks] == [
         p.peak for p in verify(plain).peaks
     ]
+
+
+def test_an_all_to_all_dropped_on_every_member_or_not_waited_is_reported() -> None:
+    """Removed from the whole EP group alike, the collectives still match: the phases'
+    check sees that the experts would run on tokens that never arrived."""
+    program = _whole(overlap=True)
+    ranks = list(program.ranks)
+    for r in (2, 3):  # pipeline rank 1 of both pipelines: its first forward's dispatch
+        dispatch = next(x for x in ranks[r] if type(x) is Collective)
+        ranks[r] = splice(ranks[r], drop=lambda x, d=dispatch: x is d)
+    report = verify(replace(program, ranks=tuple(ranks)))
+    assert [str(v).split(": ", 1)[1].splitlines()[0] for v in report.violations] == [
+        "error[coverage]: rank 2: F0.0:experts0 @4 needs the all-to-all 'dispatch L0 F0.0' "
+        "after F0.0:pre0 @3, completed before it: no such all-to-all",
+        "error[coverage]: rank 3: F0.2:experts0 @4 needs the all-to-all 'dispatch L0 F0.0' "
+        "after F0.2:pre0 @3, completed before it: no such all-to-all",
+    ]
+
+
+def test_an_async_all_to_all_not_waited_before_its_consumer_is_reported() -> None:
+    options = MeshOptions("pp=2,ep=2", moe=MoeOptions(1))
+    program = whole_mesh(
+        place_moe(place_mesh(compile_bundled("dualpipev", 2, 4), options), options)
+    )[0]
+    ranks = list(program.ranks)
+    for r in (0, 1):  # the first wait on an all-to-all of pipeline rank 0, on both members
+        wait = next(
+            x for x in ranks[r] if type(x) is Wait and type(ranks[r][x.ops[0]]) is Collective
+        )
+        ranks[r] = splice(ranks[r], drop=lambda x, w=wait: x is w)
+    report = verify(replace(program, ranks=tuple(ranks)))
+    found = [str(v).split(": ", 1)[1].splitlines()[0] for v in report.violations]
+    assert found[-2:] == [
+        "error[coverage]: rank 0: B1.1:experts0 @43 needs the all-to-all 'combine-grad L0 B1.1' "
+        "after B1.1:post @39, completed before it: @40 is not waited before it",
+        "error[coverage]: rank 1: B1.5:experts0 @43 needs the all-to-all 'combine-grad L0 B1.1' "
+        "after B1.5:post @39, completed before it: @40 is not waited before it",
+    ]
+    assert [v.code for v in report.violations[:2]] == ["unwaited", "unwaited"]
