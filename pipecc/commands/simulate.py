@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         if args.moe is not None:
             off = args.moe_overlap == "off"
             print(moe_lines(timeline, _other_form(args, timeline), sequential=off), end="")
+        elif any(stats.a2a_exposed for stats in timeline.ranks):  # a MoE program as given
+            exposed = ", ".join(f"rank {s.rank} {s.a2a_exposed:g}" for s in timeline.ranks)
+            print(f"exposed a2a (blocked on all-to-alls): {exposed}")
         print(format_timeline(timeline, width=args.width), end="")
     return 0
 

@@ -5,6 +5,7 @@ exposed, overlapped against sequential, in closed form."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from helpers import compile_bundled, run_cli
@@ -77,3 +78,16 @@ def test_simulate_prints_both_steps_and_the_exposed_time_per_rank(
     )
     # sequential: each of a pipeline rank's 128 all-to-alls waited in full, 128 × 0.2
     assert [line.split()[-1] for line in lines[at + 1 : at + 5]] == ["25.6"] * 4
+
+
+def test_a_moe_program_as_given_shows_its_exposed_time(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "moe.json"
+    flags = ("-P", "2", "-M", "2", "--mesh", "pp=2,ep=2", "--moe", "1", "--moe-overlap", "off")
+    assert run_cli(capsys, "compile", "1f1b", *flags, "--expand", "-o", str(out))[0] == 0
+    code, text, err = run_cli(capsys, "simulate", str(out), "--cost", "a2a=0.5")
+    assert code == 0, err
+    # 1F1B on P=2: each pipeline rank runs 2 forwards and 2 backwards, 2 all-to-alls each
+    line = "exposed a2a (blocked on all-to-alls): rank 0 4, rank 1 4, rank 2 4, rank 3 4"
+    assert line in text.splitlines()
