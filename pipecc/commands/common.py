@@ -209,8 +209,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIM=N,...",
         type=mesh_text,
         help="the device mesh: dp_shard=2,dp_replicate=2,tp=2 (pp is -P; torchtitan's names "
-        "pp, dp_replicate, dp_shard, cp, tp): dp_shard > 1 adds FSDP's UNSHARD, RESHARD and "
-        "REDUCE_GRAD, dp_replicate > 1 each stage's data-parallel all_reduce; verify and "
+        "pp, dp_replicate, dp_shard, ep, cp, tp): dp_shard > 1 adds FSDP's UNSHARD, RESHARD and "
+        "REDUCE_GRAD, dp_replicate or ep > 1 each stage's data-parallel all_reduce; verify and "
         "simulate replay the whole mesh (docs/parallelism.md)",
     )
     parser.add_argument(

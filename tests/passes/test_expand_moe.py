@@ -41,6 +41,8 @@ def test_dualpipev_p2_m8_with_two_moe_layers_has_128_all_to_alls_per_pipeline_ra
     ]
     assert all(x.dims == ("ep",) and x.ranks == (0,) and len(x.stages) == 1 for x in a2a)
     assert len({x.what for x in a2a}) == 128  # each names its layer, direction and microbatch
+    text = out.read_text()
+    assert json_program.dumps(json_program.loads(text)) == text  # phases, a2a's, "moe"
 
 
 def test_a_plain_forward_and_backward_run_their_phases_with_blocking_all_to_alls() -> None:
