@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import compile_bundled, run_cli
 
-from pipecc.driver.mesh import whole_mesh
+from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe, whole_mesh
 from pipecc.ir.mesh import Mesh
 from pipecc.ir.ops import Compute, Fused, Kind
 from pipecc.ir.program import Program
@@ -91,3 +91,15 @@ def test_a_moe_program_as_given_shows_its_exposed_time(
     # 1F1B on P=2: each pipeline rank runs 2 forwards and 2 backwards, 2 all-to-alls each
     line = "exposed a2a (blocked on all-to-alls): rank 0 4, rank 1 4, rank 2 4, rank 3 4"
     assert line in text.splitlines()
+
+
+def test_phases_keep_the_peak_bytes_of_their_ops() -> None:
+    """A forward's activations count from its first phase, a backward frees them at its
+    last: between, nothing changes, so the peak is the unsplit program's."""
+    options = MeshOptions("pp=2,ep=2")
+    plain = whole_mesh(place_mesh(compile_bundled("zbv", 2, 4), options))[0]
+    moe = MeshOptions("pp=2,ep=2", moe=MoeOptions(2))
+    split = whole_mesh(place_moe(place_mesh(compile_bundled("zbv", 2, 4), moe), moe))[0]
+    costs = parse_cost_flag("act_bytes=10,act_bytes_w=4,param_bytes=100,grad_bytes=100")
+    peaks = [[r.peak_bytes for r in simulate(p, costs).ranks] for p in (plain, split)]
+    assert peaks[0] == peaks[1] and peaks[0][0] is not None
