@@ -183,3 +183,20 @@ def test_a_cost_files_moe_layers_override_moe_per_stage(
     data = json.loads(out.read_text())
     assert data["moe"] == [2, 0]
     assert all_to_alls(json_program.loads(out.read_text())) == [16, 0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--expand",), "error: --expand writes a program on a mesh for every rank: give --mesh\n"),
+        (
+            ("--moe-overlap", "off"),
+            "error: --moe-overlap is for --moe K (the MoE layers of every stage)\n",
+        ),
+    ],
+)
+def test_moe_and_expand_flags_without_what_they_need_are_bad_input(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], message: str
+) -> None:
+    code, out, err = run_cli(capsys, "compile", "1f1b", "-P", "2", "-M", "2", *flags)
+    assert (code, out, err) == (2, "", message)
