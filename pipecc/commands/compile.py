@@ -9,6 +9,7 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_lowering_arg,
     add_mesh_args,
     add_moe_args,
     add_policy_arg,
@@ -17,7 +18,6 @@ from pipecc.commands.common import (
     write_output,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import whole_mesh
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing

@@ -11,24 +11,25 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_lowering_arg,
     add_mesh_args,
     add_moe_args,
-    comm_model,
     load_costs,
     load_input,
     positive,
     print_notes,
     program_costs,
+    simulated_model,
     write_output,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import whole_mesh
 from pipecc.interop.torch_csv import has_stage_ops
 from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
 from pipecc.render.svg import render_svg
 from pipecc.render.trace import render_trace
+from pipecc.semantics.costs import Cut
 from pipecc.simulate.timeline import Timeline, op_name, simulate
 
 DESCRIPTION = """\
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     timeline = simulate(
-        program, costs, model=comm_model(args), stall_threshold=args.stall_threshold
+        program, costs, model=simulated_model(args), stall_threshold=args.stall_threshold
     )
     if args.svg:
         write_output(render_svg(timeline, arrows=args.arrows), args.svg)
@@ -156,7 +157,9 @@ def summary(timeline: Timeline) -> str:
     lines = [
         f"# {program.schedule}  {sizes}  comm {timeline.model.value}  "
         f"costs {timeline.costs.describe()}",
-        f"makespan {timeline.makespan:g}{step}   bubble ratio {timeline.bubble_ratio:.4f}",
+        f"makespan {timeline.makespan:g}{step}   bubble ratio {timeline.bubble_ratio:.4f}   "
+        f"span bubble ratio {timeline.span_bubble_ratio:.4f} "
+        f"(rank {timeline.longest_rank.rank})",
         "rank   busy     idle  in-bubble  peak act  stalls (count, total)  "
         "dependency-bound  placement-bound",
     ]
@@ -168,6 +171,11 @@ def summary(timeline: Timeline) -> str:
             f"{stats.peak_activations:>9}  {stalls:<20s} {stats.dependency_bound:>16g} "
             f"{stats.placement_bound:>16g}"
         )
+    shares = Cut.of(program).shares
+    lines.append(
+        "peak act: in stage units (one stage's activations for one microbatch; a stage of "
+        f"this program is {shares:g} {'share' if shares <= 1 else 'shares'} of the model)"
+    )
     lines += _byte_lines(timeline)
     if any(stats.host for stats in timeline.ranks):
         hosts = ", ".join(f"rank {stats.rank} {stats.host:g}" for stats in timeline.ranks)

@@ -161,6 +161,21 @@ class Timeline:
     def step(self) -> float:
         return self.makespan + self.sync
 
+    @property
+    def longest_rank(self) -> RankStats:
+        """The rank whose span (last end − first start of its computations) is longest; the
+        lowest-numbered of those, on a tie."""
+        return max(self.ranks, key=lambda stats: stats.last_end - stats.first_start)
+
+    @property
+    def span_bubble_ratio(self) -> float:
+        """The zero-bubble papers' bubble rate: 1 − busy / (last end − first start) of the
+        longest rank (`longest_rank`), which leaves out the fill and drain before and after
+        it that `bubble_ratio` counts (docs/simulate.md)."""
+        stats = self.longest_rank
+        span = stats.last_end - stats.first_start
+        return 1.0 - stats.busy / span if span > 0 else 0.0
+
     def ops(self) -> list[TimedOp]:
         """Every instruction with its start and end, rank by rank."""
         found = []
@@ -183,6 +198,7 @@ class Timeline:
             "sync": clean(self.sync),
             "step": clean(self.step),
             "bubble_ratio": clean(self.bubble_ratio),
+            "span_bubble_ratio": clean(self.span_bubble_ratio),
             "ranks": [stats.to_json() for stats in self.ranks],
             "ops": [
                 {

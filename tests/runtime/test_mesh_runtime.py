@@ -116,9 +116,22 @@ def _cases() -> list[MeshCase]:
     ]
 
 
+CHECKPOINTED = ("dp_replicate", "tp", "dp_shard")  # plain replicas, tp and FSDP2 DTensors
+
+
+def _checkpoint_cases(folder: Path) -> list[MeshCase]:
+    return [
+        MeshCase(
+            f"ckpt-{dim}", _program("1f1b", dim), dim, True, tied=True, folder=str(folder / dim)
+        )  # fmt: skip
+        for dim in CHECKPOINTED
+    ]
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return spawn(run_mesh_cases, 4, _cases(), timeout=300.0)  # type: ignore[no-any-return]
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    cases = _cases() + _checkpoint_cases(tmp_path_factory.mktemp("checkpoints"))
+    return spawn(run_mesh_cases, 4, cases, timeout=300.0)  # type: ignore[no-any-return]
 
 
 def _each(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -294,3 +307,12 @@ def test_partial_dtensor_boundaries_are_refused(results: list[dict[str, Any]]) -
             "leaf 0: a DTensor with placement P(sum) at a stage boundary is not supported"
             in message
         ), result
+
+
+@pytest.mark.parametrize("dim", CHECKPOINTED)
+def test_a_checkpoint_of_a_mesh_resumes_bitwise(results: list[dict[str, Any]], dim: str) -> None:
+    """Replicas, tensor-parallel and FSDP2 stages (their parameters and AdamW states saved
+    and read as shards): the resumed steps' losses are the uninterrupted run's."""
+    for result in _each(results, f"ckpt-{dim}"):
+        assert result["resumed"] == result["losses"], result
+        assert result["sharded"] == (dim != "dp_replicate")
