@@ -210,9 +210,18 @@ def moe_options(args: argparse.Namespace) -> MoeOptions | None:
     if getattr(args, "cost_file", None) or getattr(args, "cost", None):
         costs = load_costs(args)
         if costs.base.moe_layers is not None:  # [cost] moe_layers: every stage's
-            layers = int(costs.base.moe_layers)
-        stages = tuple((s, int(c.moe_layers)) for s, c in costs.stages if c.moe_layers is not None)
+            layers = _layers(costs.base.moe_layers)
+        stages = tuple(
+            (s, _layers(c.moe_layers)) for s, c in costs.stages if c.moe_layers is not None
+        )
     return MoeOptions(layers, stages, getattr(args, "moe_overlap", None) != "off")
+
+
+def _layers(value: float) -> int:
+    """A cost file's `moe_layers`: a whole, non-negative number of layers."""
+    if value != int(value) or value < 0:
+        raise CostModelError(f"moe_layers={value:g} must be a whole number of layers")
+    return int(value)
 
 
 def add_moe_args(parser: argparse.ArgumentParser) -> None:

@@ -101,6 +101,8 @@ class CostModel:
         duration by `moe_experts` (docs/simulate.md): each experts phase d·share/K, each of
         the K + 1 others d·(1 − share)/(K + 1)."""
         share = self.stage(phase.op.stage).moe_experts
+        if not 0 <= share <= 1:
+            raise CostModelError(f"moe_experts={share:g} must be a part of the op, 0..1")
         whole = self.compute(phase.op)
         if phase.part is PhasePart.EXPERTS:
             return whole * share / max(layers, 1)

@@ -78,7 +78,6 @@ class StageCost:
         values["B"], values["I"], values["W"] = _backward(self.B, self.I, self.W, scale)
         if self.bytes is not None and bandwidth:
             values["comm"] += self.bytes / bandwidth
-        _check_moe(values["moe_experts"], self.moe_layers)
         return FilledCost(**values)
 
 
@@ -96,14 +95,6 @@ class FilledCost(StageCost):
     UNSHARD: float = 0.0
     RESHARD: float = 0.0
     REDUCE_GRAD: float = 0.0
-
-
-def _check_moe(experts: float, layers: float | None) -> None:
-    """`moe_experts` is a part of an op (0..1), `moe_layers` a whole number of layers."""
-    if not 0 <= experts <= 1:
-        raise CostModelError(f"moe_experts={experts:g} must be a part of the op, 0..1")
-    if layers is not None and layers != int(layers):
-        raise CostModelError(f"moe_layers={layers:g} must be a whole number of layers")
 
 
 def _backward(
