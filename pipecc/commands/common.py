@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NoReturn
 from pipecc.diagnostics import CostModelError, InputError
 from pipecc.driver.compile import Alignment, Lowering
 from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
-from pipecc.driver.mesh import MeshOptions
+from pipecc.driver.mesh import MeshOptions, MoeOptions
 from pipecc.ir.mesh import parse_mesh
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
@@ -191,10 +191,55 @@ def mesh_options(args: argparse.Namespace) -> MeshOptions | None:
     fsdp = bool(getattr(args, "fsdp", False))
     active = getattr(args, "max_active_stages", None)
     prefetch = getattr(args, "prefetch", None)
-    if not (text or fsdp or active is not None or prefetch is not None):
+    moe = moe_options(args)
+    if not (text or fsdp or active is not None or prefetch is not None or moe is not None):
         return None
     policy = FsdpPolicy(active, DEFAULT_POLICY.prefetch if prefetch is None else prefetch)
-    return MeshOptions(text, fsdp, policy)
+    return MeshOptions(text, fsdp, policy, moe)
+
+
+def moe_options(args: argparse.Namespace) -> MoeOptions | None:
+    """--moe K and --moe-overlap, with a cost file's per-stage `moe_layers` over K (None:
+    no --moe)."""
+    layers = getattr(args, "moe", None)
+    if layers is None:
+        if getattr(args, "moe_overlap", None) is not None:
+            raise InputError("--moe-overlap is for --moe K (the MoE layers of every stage)")
+        return None
+    stages: tuple[tuple[int, int], ...] = ()
+    if getattr(args, "cost_file", None) or getattr(args, "cost", None):
+        costs = load_costs(args)
+        if costs.base.moe_layers is not None:  # [cost] moe_layers: every stage's
+            layers = _layers(costs.base.moe_layers)
+        stages = tuple(
+            (s, _layers(c.moe_layers)) for s, c in costs.stages if c.moe_layers is not None
+        )
+    return MoeOptions(layers, stages, getattr(args, "moe_overlap", None) != "off")
+
+
+def _layers(value: float) -> int:
+    """A cost file's `moe_layers`: a whole, non-negative number of layers."""
+    if value != int(value) or value < 0:
+        raise CostModelError(f"moe_layers={value:g} must be a whole number of layers")
+    return int(value)
+
+
+def add_moe_args(parser: argparse.ArgumentParser) -> None:
+    """--moe, --moe-overlap (docs/parallelism.md, Expert parallelism)."""
+    parser.add_argument(
+        "--moe",
+        type=non_negative,
+        metavar="K",
+        help="K MoE layers in every stage (a cost file's moe_layers overrides it per stage): "
+        "each stage's F, B and I run as the layers' phases with an all_to_all over ep for "
+        "every dispatch and combine (docs/parallelism.md)",
+    )
+    parser.add_argument(
+        "--moe-overlap",
+        choices=("on", "off"),
+        help="on (default): a fused F&B of MoE stages interleaves its halves' phases, each "
+        "all_to_all hidden behind the other half (DualPipe); off: its halves in sequence",
+    )
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:
@@ -204,8 +249,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIM=N,...",
         type=mesh_text,
         help="the device mesh: dp_shard=2,dp_replicate=2,tp=2 (pp is -P; torchtitan's names "
-        "pp, dp_replicate, dp_shard, cp, tp): dp_shard > 1 adds FSDP's UNSHARD, RESHARD and "
-        "REDUCE_GRAD, dp_replicate > 1 each stage's data-parallel all_reduce; verify and "
+        "pp, dp_replicate, dp_shard, ep, cp, tp): dp_shard > 1 adds FSDP's UNSHARD, RESHARD and "
+        "REDUCE_GRAD, dp_replicate or ep > 1 each stage's data-parallel all_reduce; verify and "
         "simulate replay the whole mesh (docs/parallelism.md)",
     )
     parser.add_argument(

@@ -13,6 +13,7 @@ from pipecc.commands.common import (
     add_input_args,
     add_lowering_arg,
     add_mesh_args,
+    add_moe_args,
     load_costs,
     load_input,
     positive,
@@ -61,6 +62,7 @@ def register(commands: SubParsers) -> None:
     add_input_args(cmd)
     add_lowering_arg(cmd)
     add_mesh_args(cmd)
+    add_moe_args(cmd)
     add_cost_args(cmd, backend=True)
     cmd.add_argument(
         "--stall-threshold",
@@ -107,8 +109,39 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(timeline.to_json()))
     else:
         print(summary(timeline), end="")
+        if args.moe is not None:
+            off = args.moe_overlap == "off"
+            print(moe_lines(timeline, _other_form(args, timeline), sequential=off), end="")
+        elif any(stats.a2a_exposed for stats in timeline.ranks):  # a MoE program as given
+            exposed = ", ".join(f"rank {s.rank} {s.a2a_exposed:g}" for s in timeline.ranks)
+            print(f"exposed a2a (blocked on all-to-alls): {exposed}")
         print(format_timeline(timeline, width=args.width), end="")
     return 0
+
+
+def _other_form(args: argparse.Namespace, timeline: Timeline) -> Timeline:
+    """The same step with --moe-overlap the other way (its fused MoE ops interleaved or in
+    sequence), for the side-by-side prediction."""
+    other = argparse.Namespace(**vars(args))
+    other.moe_overlap = "on" if args.moe_overlap == "off" else "off"
+    program, _ = whole_mesh(load_input(args.file, other))
+    costs = timeline.costs
+    return simulate(program, costs, model=timeline.model, stall_threshold=args.stall_threshold)
+
+
+def moe_lines(timeline: Timeline, other: Timeline, *, sequential: bool) -> str:
+    """The overlapped and the sequential step of a MoE program side by side (`timeline` is
+    the sequential one when `sequential`), and per rank the all-to-all time each leaves
+    exposed (the rank blocked on it)."""
+    overlapped, plain = (other, timeline) if sequential else (timeline, other)
+    lines = [
+        f"moe: step overlapped {overlapped.step:g}, sequential {plain.step:g} "
+        f"(--moe-overlap {'off' if sequential else 'on'} is the one shown)",
+        "rank  exposed a2a overlapped  sequential",
+    ]
+    for a, b in zip(overlapped.ranks, plain.ranks, strict=True):
+        lines.append(f"{a.rank:>4}  {a.a2a_exposed:>20g}  {b.a2a_exposed:>10g}")
+    return "\n".join(lines) + "\n"
 
 
 def summary(timeline: Timeline) -> str:

@@ -13,6 +13,7 @@ from pipecc.commands.common import (
     add_backend_arg,
     add_lowering_arg,
     add_mesh_args,
+    add_moe_args,
     add_policy_arg,
     add_size_args,
     backend_of,
@@ -156,6 +157,7 @@ def register(commands: SubParsers) -> None:
     )
     add_lowering_arg(cmd)
     add_mesh_args(cmd)
+    add_moe_args(cmd)
     cmd.add_argument(
         "--limit",
         type=positive,
@@ -250,7 +252,8 @@ def _stall_options(args: argparse.Namespace) -> tuple[CostModel | None, StallBud
     """--stall-budget with its cost model; a cost model alone is an error (simulate shows the
     waits without a budget)."""
     if args.stall_budget is None:
-        if (args.cost or args.cost_file) and not args.align and args.memory_budget is None:
+        moe = args.moe is not None  # a cost file's moe_layers
+        if _has_costs(args) and not (args.align or moe) and args.memory_budget is None:
             raise InputError(
                 "--cost/--cost-file are for --stall-budget or --memory-budget (to see the "
                 "waits without a budget, use 'pipecc simulate')"

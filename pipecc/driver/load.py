@@ -32,7 +32,7 @@ from pipecc.driver.compile import (
     violated,
 )
 from pipecc.driver.files import read_program, read_text
-from pipecc.driver.mesh import place_mesh
+from pipecc.driver.mesh import place_mesh, place_moe
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Backend, Program
@@ -194,13 +194,16 @@ def resolve_source(
     the program resolved without it gets the gradient sums of those stages (`sum_shared`,
     idempotent, so a .json that holds them already is unchanged). `lowering.mesh` (`--mesh`,
     `--fsdp`) neither: the program resolved without it gets FSDP's stage actions and the
-    data-parallel reductions (`place_mesh`), before those sums."""
+    data-parallel reductions (`place_mesh`), before those sums, and then (`--moe`, carried
+    in the mesh options) its MoE stages' phases and all-to-alls (`place_moe`)."""
     if lowering.shared:
         found = resolve_source(source, backend, replace(lowering, shared=()), checked=checked)
         return replace(found, program=sum_shared(found.program, shared=lowering.shared))
     if lowering.mesh is not None:  # FSDP's actions and the DP reductions (driver/mesh.py)
         found = resolve_source(source, backend, replace(lowering, mesh=None), checked=checked)
-        return replace(found, program=place_mesh(found.program, lowering.mesh))
+        placed = place_mesh(found.program, lowering.mesh)
+        # the --moe step: MoE stages split into phases and all-to-alls over ep
+        return replace(found, program=place_moe(placed, lowering.mesh))
     program = source.program
     if lowering != DEFAULT_LOWERING:
         resolved = _replaced(source, lowering, checked=checked)

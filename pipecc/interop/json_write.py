@@ -17,6 +17,7 @@ from pipecc.ir.ops import (
     Instr,
     Kind,
     Msg,
+    Phase,
     Recv,
     Send,
     Sequential,
@@ -50,6 +51,8 @@ def dumps(program: Program) -> str:
     }
     if program.mesh is not None:  # absent: a pipeline on its own
         header["mesh"] = program.mesh.to_dict()
+    if program.moe is not None:  # absent: no MoE layers (pipecc/passes/expand_moe.py)
+        header["moe"] = list(program.moe)
     if program.recompute:  # absent: no stage recomputed
         header["recompute"] = [{"stage": s, "mode": RECOMPUTE} for s in program.recompute]
     lines = ["{"]
@@ -101,6 +104,9 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
             return _with_span(
                 {"op": name, "f": _compute_dict(f), "b": _compute_dict(b)}, instr.span
             )
+        case Phase(op=op, layer=layer, part=part):  # one part of a MoE stage's F, B or I
+            entry = {"op": "phase", "of": _compute_dict(op), "layer": layer, "part": part.value}
+            return _with_span(entry, instr.span)
         case Sequential(parts=parts):  # torch's OVERLAP_F_B: the parts run in this order
             ops = [_compute_dict(op) for op in parts]
             return _with_span({"op": "OVERLAP_F_B", "sequential": True, "ops": ops}, instr.span)

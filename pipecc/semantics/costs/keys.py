@@ -81,6 +81,9 @@ KEYS: tuple[Key, ...] = (
     Key("workspace_I", STAGE, Scale.BYTES),
     Key("workspace_W", STAGE, Scale.BYTES),
     Key("workspace_sum", STAGE, Scale.BYTES),
+    Key("a2a", STAGE, Scale.MESSAGE),  # one expert-parallel all_to_all; absent: `collective`
+    Key("moe_experts", STAGE, Scale.MESSAGE, 0.5),  # the experts' part of a MoE stage's ops
+    Key("moe_layers", STAGE, Scale.MESSAGE),  # a stage's MoE layers (over --moe K)
     Key("UNSHARD", STAGE, Scale.WORK, 0.0),
     Key("RESHARD", STAGE, Scale.WORK, 0.0),
     Key("REDUCE_GRAD", STAGE, Scale.WORK, 0.0),

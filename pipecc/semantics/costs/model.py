@@ -26,7 +26,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pipecc.diagnostics import CostModelError
-from pipecc.ir.ops import Collective, CollectiveKind, Compute, Fused, Kind, StageOp
+from pipecc.ir.ops import (
+    Collective,
+    CollectiveKind,
+    Compute,
+    Fused,
+    Kind,
+    Phase,
+    PhasePart,
+    StageOp,
+)
 from pipecc.ir.program import Program
 
 from .convert import (
@@ -87,6 +96,18 @@ class CostModel:
             return cost.B
         return cost.I if kind is Kind.I else cost.W
 
+    def phase(self, phase: Phase, layers: int) -> float:
+        """A MoE phase of an op on a stage of `layers` MoE layers: its part of the op's
+        duration by `moe_experts` (docs/simulate.md): each experts phase d·share/K, each of
+        the K + 1 others d·(1 − share)/(K + 1)."""
+        share = self.stage(phase.op.stage).moe_experts
+        if not 0 <= share <= 1:
+            raise CostModelError(f"moe_experts={share:g} must be a part of the op, 0..1")
+        whole = self.compute(phase.op)
+        if phase.part is PhasePart.EXPERTS:
+            return whole * share / max(layers, 1)
+        return whole * (1 - share) / (max(layers, 1) + 1)
+
     def stage_op(self, op: StageOp) -> float:
         """UNSHARD, RESHARD, REDUCE_GRAD: their given duration on the stage, else 0."""
         value: float = getattr(self.stage(op.stage), op.kind.value)
@@ -130,6 +151,9 @@ class CostModel:
         (`ring_traffic` of the bytes: its stages' `param_bytes` over its `shards`) over
         `bandwidth` when those sizes are known."""
         latency = self.host.collective or 0.0
+        if op.kind is CollectiveKind.ALL_TO_ALL:  # a MoE layer's dispatch or combine
+            given = self.stage(op.stages[0]).a2a if op.stages else None
+            return latency if given is None else given
         sizes = [self.stage(s).param_bytes for s in op.stages]
         n = len(op.ranks)
         if not self.bandwidth or not sizes or None in sizes or n < 2:

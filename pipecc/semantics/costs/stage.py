@@ -48,6 +48,9 @@ class StageCost:
     workspace_I: float | None = None
     workspace_W: float | None = None
     workspace_sum: float | None = None
+    a2a: float | None = None
+    moe_experts: float | None = None
+    moe_layers: float | None = None
     UNSHARD: float | None = None
     RESHARD: float | None = None
     REDUCE_GRAD: float | None = None
@@ -88,6 +91,7 @@ class FilledCost(StageCost):
     I: float = 0.0  # noqa: E741
     W: float = 0.0
     comm: float = 0.0
+    moe_experts: float = 0.5
     UNSHARD: float = 0.0
     RESHARD: float = 0.0
     REDUCE_GRAD: float = 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
-from pipecc.ir.ops import Collective, Compute, Fused, Send, Sequential, StageOp
+from pipecc.ir.ops import Collective, Compute, Fused, Phase, Send, Sequential, StageOp
 
 from .model import CostModel
 
@@ -16,18 +16,22 @@ class CostTiming:
     instruction runs, each message's latency, and the host time of posts and waits."""
 
     costs: CostModel
+    moe: tuple[int, ...] | None = None  # the program's MoE layers per stage (its phases')
     # durations by (kind, stage) or (kind, stage, kind, stage): a program of 10⁶ instructions
     # has a few dozen distinct ones
     _known: dict[tuple[object, ...], float] = field(default_factory=dict, compare=False)
 
     def duration(
-        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp
+        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp | Phase
     ) -> float:
         return self.op_duration(instr)
 
-    def op_duration(self, instr: Compute | Fused | Sequential | StageOp) -> float:
+    def op_duration(self, instr: Compute | Fused | Sequential | StageOp | Phase) -> float:
         if isinstance(instr, StageOp):
             return self.costs.stage_op(instr)
+        if isinstance(instr, Phase):
+            moe, stage = self.moe or (), instr.op.stage
+            return self.costs.phase(instr, moe[stage] if stage < len(moe) else 1)
         if isinstance(instr, Sequential):  # its parts one after another
             return sum(self._compute_duration(op) for op in instr.parts)
         return self._compute_duration(instr)
