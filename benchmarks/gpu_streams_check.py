@@ -108,8 +108,7 @@ def hand_off(device: torch.device) -> tuple[bool, str]:
 
 def labelled(runtime: PipelineRuntime) -> None:
     """Each half of every fused step of the training plan inside a `record_function`."""
-    plan = runtime.current.train
-    assert plan is not None
+    plan = runtime.plans.bound(training=True)
     ops = runtime.interpreter.fused.ops
     forward = ops.forward
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from pipecc.runtime import pipeline
+from pipecc.runtime import declared
 from pipecc.runtime.comm import mesh, shared
 from pipecc.runtime.engine import selective
 from pipecc.runtime.engine.rng import ForwardRng
@@ -43,7 +43,7 @@ def test_the_runtime_device_resolves_cuda_and_parameterless_stages_on_nccl(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     no_params = {0: torch.nn.ReLU()}
     linear = {0: torch.nn.ReLU(), 1: torch.nn.Linear(2, 2)}
-    device = pipeline._device
+    device = declared.runtime_device
     assert device(torch.device("cuda"), linear, None) == torch.device("cuda", current_gpu)
     assert device(torch.device("cuda", 0), no_params, None) == torch.device("cuda", 0)
     assert device(torch.device("cpu"), no_params, None) == torch.device("cpu")

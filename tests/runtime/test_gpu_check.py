@@ -216,7 +216,7 @@ def test_the_streams_check_labels_each_half_and_judges_their_streams(
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         runtime.step(x, y)
     labels = sorted(e.name for e in prof.events() if e.name.startswith("pipecc-half"))
-    fused = [s.index for s in runtime.current.train.steps if type(s.instr) is Fused]
+    fused = [s.index for s in runtime.plans.bound(training=True).steps if type(s.instr) is Fused]
     assert len(fused) == 9
     assert labels == sorted(f"pipecc-half {i} {h}" for i in fused for h in ("fwd", "bwd"))
 
