@@ -25,6 +25,8 @@ from pipecc.ir.ops import (
     Instr,
     Kind,
     Msg,
+    Phase,
+    PhasePart,
     Recv,
     Send,
     Sequential,
@@ -60,6 +62,8 @@ def dumps(program: Program) -> str:
     }
     if program.mesh is not None:  # absent: a pipeline on its own
         header["mesh"] = program.mesh.to_dict()
+    if program.moe is not None:  # absent: no MoE layers (pipecc/passes/expand_moe.py)
+        header["moe"] = list(program.moe)
     if program.recompute:  # absent: no stage recomputed
         header["recompute"] = [{"stage": s, "mode": RECOMPUTE} for s in program.recompute]
     lines = ["{"]
@@ -111,6 +115,9 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
             return _with_span(
                 {"op": name, "f": _compute_dict(f), "b": _compute_dict(b)}, instr.span
             )
+        case Phase(op=op, layer=layer, part=part):  # one part of a MoE stage's F, B or I
+            entry = {"op": "phase", "of": _compute_dict(op), "layer": layer, "part": part.value}
+            return _with_span(entry, instr.span)
         case Sequential(parts=parts):  # torch's OVERLAP_F_B: the parts run in this order
             ops = [_compute_dict(op) for op in parts]
             return _with_span({"op": "OVERLAP_F_B", "sequential": True, "ops": ops}, instr.span)
@@ -144,7 +151,7 @@ def instr_to_dict(instr: Instr) -> dict[str, Any]:
 SPAN = ("line", "col")
 HEADER_FIELDS = frozenset(
     ("format", "schedule", "source", "ranks", "microbatches", "params", "comm",
-     "placement_name", "placement", "programs", "mesh", "recompute")
+     "placement_name", "placement", "programs", "mesh", "recompute", "moe")
 )  # fmt: skip
 RECOMPUTE_FIELDS = frozenset(("stage", "mode"))
 RECOMPUTE = "full"  # the one mode a program names: the stage's whole forward again
@@ -154,6 +161,7 @@ FUSED_FIELDS = frozenset(("op", "f", "b", *SPAN))
 SEQUENTIAL_FIELDS = frozenset(("op", "sequential", "ops", *SPAN))
 COMM_FIELDS = frozenset(("op", "what", "peer", "pipe", "stage", "mb", "group", *SPAN))
 WAIT_FIELDS = frozenset(("op", "ops", *SPAN))
+PHASE_FIELDS = frozenset(("op", "of", "layer", "part", *SPAN))
 STAGE_OP_FIELDS = frozenset(("op", "chunk", "pipe", "stage", *SPAN))
 COLLECTIVE_FIELDS = frozenset(
     ("op", "kind", "ranks", "what", "async", "dims", "stages", "shards", *SPAN)
@@ -275,6 +283,7 @@ def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
     comm = str(data.get("comm", "unknown"))
     mesh = _read_mesh(data, num_ranks, reader)
     recompute = _read_recompute(data, placement.num_stages(0), reader)
+    moe = _read_moe(data, placement.num_stages(0), reader)
     program = Program(
         schedule=str(data.get("schedule", Path(path).stem)),
         source=source,
@@ -287,8 +296,24 @@ def read(text: str, path: str = "<program>") -> tuple[Program, tuple[str, ...]]:
         backend=backend_of(comm),
         mesh=mesh,
         recompute=recompute,
+        moe=moe,
     )
     return program, reader.notes()
+
+
+def _read_moe(data: dict[str, Any], stages: int, reader: _Reader) -> tuple[int, ...] | None:
+    """`"moe": [K0, K1, ...]`: the MoE layers of each stage (pipe 0's numbering), absent: none."""
+    if "moe" not in data:
+        return None
+    moe = data["moe"]
+    if not (
+        isinstance(moe, list) and len(moe) == stages and all(_is_int(k) and k >= 0 for k in moe)
+    ):
+        raise reader.fail(
+            "moe", f"expected a list of {stages} layer counts ≥ 0 (one per stage), got "
+            f"{json.dumps(moe)}"
+        )  # fmt: skip
+    return tuple(moe)
 
 
 def _read_recompute(data: dict[str, Any], stages: int, reader: _Reader) -> tuple[int, ...]:
@@ -379,6 +404,7 @@ _KINDS = {kind.value: kind for kind in Kind}
 _MSGS = {msg.value: msg for msg in Msg}
 _STAGE_ACTIONS = {action.value: action for action in StageAction}
 _COLLECTIVES = {kind.value: kind for kind in CollectiveKind}
+_PARTS = {part.value: part for part in PhasePart}
 
 
 def _read_compute(obj: Any, where: str, reader: _Reader, kind: Kind | None = None) -> Compute:
@@ -417,6 +443,17 @@ def _read_fused(obj: dict[str, Any], op: str, where: str, reader: _Reader) -> Fu
         raise reader.fail(where, f"a {op} holds an F in 'f' and a {op[-1]} in 'b'")
     reader.known(obj, where, FUSED_FIELDS)
     return Fused(forward, backward, reader.span(obj))
+
+
+def _read_phase(obj: dict[str, Any], where: str, reader: _Reader) -> Phase:
+    """`{"op": "phase", "of": {F, B or I}, "layer": l, "part": "pre"}`: a MoE phase."""
+    op = _read_compute(obj.get("of"), f"{where}.of", reader)
+    if op.kind is Kind.W:
+        raise reader.fail(where, "a phase is part of an F, B or I; a W is not split")
+    layer = reader.integer(obj, "layer", where)
+    part = reader.field(obj, "part", where, lambda v: v in _PARTS, "one of pre, experts, post")
+    reader.known(obj, where, PHASE_FIELDS)
+    return Phase(op, layer, _PARTS[part], reader.span(obj))
 
 
 def _read_stage_op(obj: dict[str, Any], op: str, where: str, reader: _Reader) -> StageOp:
@@ -507,8 +544,10 @@ def _read_instr(obj: Any, where: str, reader: _Reader) -> Instr:
         return _read_stage_op(obj, op, where, reader)
     if op == "collective":
         return _read_collective(obj, where, reader)
+    if op == "phase":
+        return _read_phase(obj, where, reader)
     raise reader.fail(
         where,
-        f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, send, "
-        "recv, wait, collective, UNSHARD, RESHARD or REDUCE_GRAD)",
+        f"unknown op {json.dumps(op)} (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, phase, "
+        "send, recv, wait, collective, UNSHARD, RESHARD or REDUCE_GRAD)",
     )

@@ -1,7 +1,8 @@
 """The device mesh a program runs on: pipelines times data, FSDP and tensor parallelism.
 
 A mesh names its dimensions as torchtitan does, outermost first: `pp` (the pipeline),
-`dp_replicate` (data-parallel replicas, DDP), `dp_shard` (FSDP's sharding), `cp` (context
+`dp_replicate` (data-parallel replicas, DDP), `dp_shard` (FSDP's sharding), `ep` (expert
+parallel: a data-parallel replica for the dense parameters, 1/ep of the experts), `cp` (context
 parallel), `tp` (tensor parallel). Global ranks are numbered row-major in that order, as
 `init_device_mesh(..., mesh_dim_names=DIMS)` numbers them: pipeline rank r of pipeline l (l
 the row-major index over the dimensions after `pp`) is global rank r·R + l, R = world / pp.
@@ -21,7 +22,7 @@ from math import prod
 
 from pipecc.diagnostics import InputError
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # torchtitan's names, outermost first
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")  # torchtitan's names, outermost first
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class Mesh:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    ep: int = 1  # expert parallelism: each EP rank holds 1/ep of every MoE layer's experts
     cp: int = 1
     tp: int = 1
 

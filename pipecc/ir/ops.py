@@ -6,7 +6,7 @@ They keep the properties the house style asks of IR nodes: immutable, typed fiel
 for every opcode, and a source span that takes no part in equality or hashing. Equality also
 compares the class, so a `Send` never equals a `Recv` with the same fields.
 
-    Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp | Collective
+    Instr = Compute | Fused | Sequential | Phase | Send | Recv | Wait | StageOp | Collective
 """
 
 from __future__ import annotations
@@ -108,6 +108,66 @@ class Sequential(NamedTuple):
     def label(self) -> str:
         """`(B0.0;F0.2)`: the parts in the order they run."""
         return "(" + ";".join(part.label() for part in self.parts) + ")"
+
+
+class PhasePart(enum.Enum):
+    """Which part of a MoE stage's computation a `Phase` is (docs/parallelism.md).
+
+    `PRE` of layer l: before layer l's dispatch (for l = 0 the stage's head and layer 0's
+    attention and router; for l > 0 layer l's attention and router, after layer l-1's
+    combine). `EXPERTS` of layer l: its experts, between its dispatch and its combine.
+    `POST`: after the last layer's combine, the rest of the stage (its layer is K)."""
+
+    PRE = "pre"
+    EXPERTS = "experts"
+    POST = "post"
+
+    __hash__ = object.__hash__
+
+
+class Phase(NamedTuple):
+    """One part of a MoE stage's F, B or I: the computation between two all-to-alls.
+
+    A MoE stage with K layers runs its forward as pre0, dispatch L0, experts0, combine L0,
+    pre1, ..., experts(K-1), combine L(K-1), post; a backward walks the same phases in
+    reverse. The phases of one op, all present and in that order, are that op (coverage,
+    dataflow, memory); its receives are consumed by its first phase, its sends post after
+    its last (`passes/expand_moe.py`)."""
+
+    op: Compute
+    layer: int
+    part: PhasePart
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Phase and self[:3] == other[:3]
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("Phase", *self[:3]))
+
+    def label(self) -> str:
+        """`F0.3:pre1`, `B1.2:experts0`, `F0.3:post` (the post phase has no layer number)."""
+        layer = "" if self.part is PhasePart.POST else str(self.layer)
+        return f"{self.op.label()}:{self.part.value}{layer}"
+
+    @property
+    def is_first(self) -> bool:
+        """The op's first phase (it consumes the op's received input): a forward's pre0,
+        a backward's post."""
+        if self.op.kind is Kind.F:
+            return self.part is PhasePart.PRE and self.layer == 0
+        return self.part is PhasePart.POST
+
+    @property
+    def is_last(self) -> bool:
+        """The op's last phase (the op is done: its output may be sent): a forward's post,
+        a backward's pre0."""
+        if self.op.kind is Kind.F:
+            return self.part is PhasePart.POST
+        return self.part is PhasePart.PRE and self.layer == 0
 
 
 class Send(NamedTuple):
@@ -223,6 +283,7 @@ class CollectiveKind(enum.Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"  # expert parallelism's dispatch and combine (over `ep`)
 
     __hash__ = object.__hash__
 
@@ -266,18 +327,34 @@ class Collective(NamedTuple):
 
 
 Comm = Send | Recv
-Instr = Compute | Fused | Sequential | Send | Recv | Wait | StageOp | Collective
-COMPUTE_TYPES = (Compute, Fused, Sequential)  # the instructions that compute
+Instr = Compute | Fused | Sequential | Phase | Send | Recv | Wait | StageOp | Collective
+COMPUTE_TYPES = (Compute, Fused, Sequential, Phase)  # the instructions that compute
 
 
 def is_compute(instr: Instr) -> bool:
-    """A Compute, a Fused or a Sequential."""
+    """A Compute, a Fused, a Sequential or a Phase."""
     t = type(instr)
-    return t is Compute or t is Fused or t is Sequential
+    return t is Compute or t is Fused or t is Sequential or t is Phase
+
+
+def phases(op: Compute, layers: int) -> tuple[Phase, ...]:
+    """The phases of a MoE stage's F, B or I with `layers` MoE layers, in the order they run:
+    pre0, experts0, pre1, ..., experts(K-1), post for a forward; the reverse for a backward
+    (the all-to-alls sit between them). A W is not split: ()."""
+    if op.kind is Kind.W or layers < 1:
+        return ()
+    found = [
+        Phase(op, layer, part)
+        for layer in range(layers)
+        for part in (PhasePart.PRE, PhasePart.EXPERTS)
+    ]
+    found.append(Phase(op, layers, PhasePart.POST))
+    return tuple(found) if op.kind is Kind.F else tuple(reversed(found))
 
 
 def computations(instr: Instr) -> tuple[Compute, ...]:
-    """The computations an instruction performs: one, two for a fused op, none for comm."""
+    """The computations an instruction completes: one, two for a fused op, none for comm;
+    a Phase completes its op when it is the op's last phase (`Phase.is_last`), else none."""
     match instr:
         case Compute():
             return (instr,)
@@ -285,6 +362,8 @@ def computations(instr: Instr) -> tuple[Compute, ...]:
             return (instr.forward, instr.backward)
         case Sequential():
             return instr.parts
+        case Phase():
+            return (instr.op,) if instr.is_last else ()
         case Send() | Recv() | Wait() | StageOp() | Collective():
             return ()
         case _:

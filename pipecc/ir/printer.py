@@ -21,6 +21,7 @@ from pipecc.ir.ops import (
     Fused,
     Instr,
     Msg,
+    Phase,
     Recv,
     Send,
     Sequential,
@@ -83,6 +84,11 @@ def describe(instr: Instr, *, pipes: bool = True, places: bool = False, groups: 
     `places`: give a computation's stage and microbatch too (`F0.2 (stage 3 mb 2)`);
     `groups`: a comm op's posting group."""
     match instr:
+        case Phase(op=op):
+            pipe = f"pipe {op.pipe} " if pipes else ""
+            return (
+                f"{instr.label()} ({pipe}stage {op.stage} mb {op.mb})" if places else instr.label()
+            )
         case Compute() | Fused() | Sequential():
             if not places:
                 return instr.label()

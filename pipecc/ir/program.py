@@ -31,6 +31,8 @@ class Program:
     or one list per global rank (`is_whole_mesh`). `recompute`: the stages (pipe 0's
     numbering, ascending) that recompute their forward in full in their backward (the
     runtime's recomputation; `pipecc search --layers` chooses them), none by default.
+    `moe`: K per stage, the MoE layers its F, B and I are split at (`Phase`s and all-to-alls
+    over `ep`, `passes/expand_moe.py`); None when the program has none.
     """
 
     schedule: str
@@ -44,6 +46,8 @@ class Program:
     backend: Backend = Backend.ANY
     mesh: Mesh | None = None
     recompute: tuple[int, ...] = ()  # the stages whose forward runs again in their backward
+    # the MoE layers of each stage (pipe 0's numbering; `passes/expand_moe.py`), None: no MoE
+    moe: tuple[int, ...] | None = None
 
     @property
     def is_whole_mesh(self) -> bool:

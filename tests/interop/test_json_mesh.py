@@ -49,7 +49,7 @@ def test_a_mesh_program_round_trips_and_validates(whole: bool) -> None:
     [
         (
             lambda d: d.update(mesh={"pp": 2, "dp": 2}),
-            "mesh: expected an object of sizes ≥ 1 named pp, dp_replicate, dp_shard, cp, tp, "
+            "mesh: expected an object of sizes ≥ 1 named pp, dp_replicate, dp_shard, ep, cp, tp, "
             'got {"pp": 2, "dp": 2}',
         ),
         (

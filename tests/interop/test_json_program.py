@@ -107,7 +107,7 @@ def test_a_malformed_collective_is_refused(entry: dict, message: str) -> None:  
         (
             lambda d: d["programs"][0].__setitem__(0, {"op": "X"}),
             'p.json: programs[0][0]: unknown op "X" (expected F, B, I, W, F&B, F&I, OVERLAP_F_B, '
-            "send, recv, wait, collective, UNSHARD, RESHARD or REDUCE_GRAD)",
+            "phase, send, recv, wait, collective, UNSHARD, RESHARD or REDUCE_GRAD)",
         ),
         (
             lambda d: d["programs"][0][1].__setitem__("mb", -1),
