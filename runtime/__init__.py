@@ -18,6 +18,7 @@ from .comm.shared import shared_parameters
 from .config import RuntimeConfig, mse_loss
 from .engine.aux_loss import LossBreakdown, add_loss
 from .engine.interpreter import InstructionError
+from .engine.moe_block import MoEBlock, MoEStage, Routed
 from .pipeline import PipelineRuntime
 from .profiling.recorder import Recorder
 from .tools.split_model import split_model
@@ -27,8 +28,11 @@ __all__ = [
     "Boundary",
     "InstructionError",
     "LossBreakdown",
+    "MoEBlock",
+    "MoEStage",
     "PipelineRuntime",
     "Recorder",
+    "Routed",
     "RuntimeConfig",
     "TensorSpec",
     "WholeCheck",

@@ -40,6 +40,8 @@ from .engine.compute import StageOps, StageOptions
 from .engine.context import Mailbox, StepContext
 from .engine.fused import FusedOps
 from .engine.interpreter import InstructionError, Interpreter, Parts
+from .engine.moe_block import expert_params
+from .engine.moe_ops import moe_ops
 from .engine.plan_cache import PlanCache
 from .engine.precision import Fp32Grads
 from .engine.recompute import recomputed, selected_modules
@@ -127,10 +129,15 @@ class PipelineRuntime:
         )  # fmt: skip
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
+        held = [c.module for c in self.chunks.values()]  # MoE stages: this EP rank's experts
+        moe = moe_ops(self.program.ranks[rank], stage, held, config.mesh, self.device)
         self.mesh = mesh.DataParallel(
-            self.program, rank, self.modules, config.mesh, device=self.device
+            self.program, rank, self.modules, config.mesh, device=self.device,
+            experts=expert_params(held),
+        )  # fmt: skip
+        self.interpreter = Interpreter(
+            Parts(rank, stage, fused, transfers, self.sums, self.mesh, moe)
         )
-        self.interpreter = Interpreter(Parts(rank, stage, fused, transfers, self.sums, self.mesh))
         slots = mailbox(self.program.ranks[rank])
         binder = Binder(stage, fused, self.channel, slots, captures, mesh=config.mesh)
         self.plans = PlanCache(binder, plans, self.program, rank, kept=config.plans_kept)

@@ -55,6 +55,7 @@ from ..profiling.recorder import (
     worst_spread,
 )
 from . import mesh_job
+from .moe_program import moe_layers, split_moe
 from .checking import check_run
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
@@ -149,6 +150,7 @@ def run_job(job: RunJob) -> RunReport:
         )
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
+    job = _moe(job, model)
     model.check_cut(job.program.placement.num_stages(0))
     spec, stages = _recompute(job, model), job.program.placement.num_stages(0)
     _check_recompute(spec, model, stages)
@@ -251,9 +253,18 @@ def _profiled_cut(job: RunJob, model: ModelFile) -> RunJob:
     return replace(job, layers=cut)
 
 
+def _moe(job: RunJob, model: ModelFile) -> RunJob:
+    """A model of MoE stages run in phases: the program split at their MoE layers, unless
+    the compiler split it (`--moe`; runtime/tools/moe_program.py)."""
+    if job.program.moe is not None:
+        return job
+    layers = moe_layers(model.all_stages(job.program.placement.num_stages(0)))
+    return replace(job, program=split_moe(job.program, layers)) if any(layers) else job
+
+
 def _replicas(job: RunJob) -> int:
     """How many pipelines see different data (1 without a mesh)."""
-    return 1 if job.mesh is None else job.mesh.dp_replicate * job.mesh.dp_shard
+    return 1 if job.mesh is None else job.mesh.dp_replicate * job.mesh.dp_shard * job.mesh.ep
 
 
 def _recompute(job: RunJob, model: ModelFile) -> Spec:

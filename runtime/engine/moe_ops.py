@@ -1,0 +1,397 @@
+"""A MoE stage run in phases: the `Phase` steps and the all-to-alls between them.
+
+The program splits each F, B and I of a MoE stage (`Program.moe`: K layers) at every MoE
+layer's dispatch and combine (pipecc/ir/ops.py `Phase`, the contract of issue 33):
+
+    F:  pre0, dispatch L0, experts0, combine L0, pre1, ..., experts(K-1), combine L(K-1), post
+    B/I: post, combine-grad L(K-1), experts(K-1), dispatch-grad L(K-1), pre(K-1), ..., pre0
+
+`MoEOps` runs them over the stage's parts (runtime/engine/moe_block.py): pre0 takes the
+stage's input as a forward does (runtime/engine/compute.py `stage_inputs`) and runs the
+head and block 0's `route`; pre l (l > 0) runs block l-1's `combine` and block l's `route`;
+experts l runs block l's `experts_forward` on the tokens received; post runs the last
+combine and the tail, then hands the output on (or takes the loss) as a forward does. Each
+phase's inputs are detached leaves (the received tokens, the combined outputs, the tensors
+`route` keeps for `combine`), so a backward phase is one autograd call from the phase's
+outputs, with the gradients received by the reverse all-to-all or left by the later phase,
+to its leaves: `B` accumulates the weight gradients as it goes, `I` records each phase's
+weight work (runtime/engine/split_backward.py) and its W runs them all. Losses added in a
+phase (`add_loss`, the balancing loss) are that phase's extra roots, seeded 1/M.
+
+The all-to-alls are plain collectives over the EP group (`all_to_all_single`), posted by
+`post`: completed at once when blocking, by the `Wait` that lists them when async. Token
+counts vary with routing, so the dispatch first exchanges the counts (a small blocking
+all_to_all of E integers: each rank learns how many rows it receives from each rank for
+each of its experts) and then moves rows of exactly those sizes; the combine and both
+backward all-to-alls reuse those sizes reversed. No capacity, no dropped tokens: the run is
+the single-process model's, token for token. An expert or a whole rank that receives no
+tokens computes on, sends and receives zero-row tensors: every EP rank posts every
+all-to-all of the program, whatever the routing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipecc.diagnostics import ProgramError
+from pipecc.ir.ops import Collective, Instr, Kind, Phase, PhasePart
+
+from ..comm.mesh import expert_group
+from ..comm.shared import warm
+
+from .aux_loss import collecting, scaled_roots, total
+from .compute import StageOps, context_of, record_added
+from .context import Saved, StepContext, Tensors
+from .moe_block import Block, Routed, blocks_of, shard
+from .split_backward import WeightGrad, full_backward, input_backward
+from .steps import AllToAllStep, ComputeStep, PhaseStep
+
+WHAT = re.compile(r"^(dispatch|combine|combine-grad|dispatch-grad) L(\d+) [FBI](\d+)\.(\d+)$")
+
+
+def parse_what(instr: Collective) -> tuple[str, int, tuple[int, int]]:
+    """An all-to-all's direction, layer and (chunk, mb), from its `what`."""
+    found = WHAT.match(instr.what)
+    if found is None:
+        raise ProgramError(
+            f"all_to_all {instr.what!r}: expected '<dispatch|combine|combine-grad|"
+            "dispatch-grad> L<layer> <F|B|I><chunk>.<mb>'"
+        )
+    direction, layer, chunk, mb = found.groups()
+    return direction, int(layer), (int(chunk), int(mb))
+
+
+@dataclass
+class Layer:
+    """One MoE layer of one (chunk, mb) in a step: what its phases and all-to-alls hand on."""
+
+    routed: Routed | None = None  # counts and order; `keep` detached (the next phase's leaves)
+    tokens: torch.Tensor | None = None  # the dispatched rows, detached
+    send: list[int] = field(default_factory=list)  # rows sent to each EP rank
+    recv: list[int] = field(default_factory=list)  # rows received from each EP rank
+    runs: list[int] = field(default_factory=list)  # rows by (source rank, local expert)
+    received: torch.Tensor | None = None
+    out: torch.Tensor | None = None  # the experts' outputs, detached
+    combined: torch.Tensor | None = None
+    grad_combined: torch.Tensor | None = None
+    grad_keep: tuple[torch.Tensor | None, ...] = ()
+    grad_out: torch.Tensor | None = None
+    grad_received: torch.Tensor | None = None
+    grad_tokens: torch.Tensor | None = None
+
+
+@dataclass
+class PhaseRecord:
+    """A forward phase's graph, for its backward phase."""
+
+    leaves: Tensors
+    outputs: Tensors
+    added: torch.Tensor | None
+
+
+@dataclass
+class Flight:
+    """One (chunk, mb) of a MoE stage between its forward's first phase and its backward's
+    last: its layers, its phases' graphs, its losses added and I's weight work."""
+
+    layers: list[Layer]
+    records: dict[tuple[PhasePart, int], PhaseRecord] = field(default_factory=dict)
+    added: list[torch.Tensor] = field(default_factory=list)
+    weights: list[WeightGrad] = field(default_factory=list)
+
+
+class Timed:
+    """A posted all-to-all's work, the tensors it reads and writes held until it completes;
+    `wait` adds the time it blocked to its owner's `waited`."""
+
+    __slots__ = ("held", "owner", "work")
+
+    def __init__(self, work: Any, held: tuple[torch.Tensor, ...], owner: MoEOps) -> None:
+        self.work, self.held, self.owner = work, held, owner
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.work.wait()
+        self.owner.waited += time.perf_counter() - start
+        self.held = ()
+
+
+class MoEOps:
+    """Runs the phases and all-to-alls of this rank's MoE stages (module docstring).
+
+    `group`: the EP group through this rank (None with ep = 1: the all-to-alls are local
+    copies). `waited`: seconds this rank's compute thread blocked on all-to-alls (the count
+    exchanges included), summed over the runtime's life (the benchmark reads it)."""
+
+    def __init__(self, stage: StageOps, group: dist.ProcessGroup | None, size: int) -> None:
+        self.stage = stage
+        self.group = group
+        self.size = size
+        self.flights: dict[tuple[int, int], Flight] = {}
+        self.waited = 0.0
+
+    def begin(self) -> None:
+        """A new step: nothing of the last one is kept."""
+        self.flights = {}
+
+    def leftovers(self) -> list[str]:
+        """MoE ops of the step that did not finish."""
+        return [f"MoE phases unfinished: (chunk, mb) {sorted(self.flights)}"] if self.flights else []
+
+    # ---- phases ----------------------------------------------------------------------------
+
+    def phase(self, ctx: StepContext, step: PhaseStep) -> None:
+        if step.phase.op.kind is Kind.F:
+            self._forward(ctx, step)
+        else:
+            self._backward(ctx, step)
+
+    def _forward(self, ctx: StepContext, step: PhaseStep) -> None:
+        phase, op = step.phase, step.op
+        blocks = _blocks(op.unit.module)
+        if phase.part is PhasePart.PRE and phase.layer == 0:
+            self.flights[op.key] = Flight([Layer() for _ in blocks])
+        flight = self._flight(op.key)
+        added: list[torch.Tensor] = []
+        graph = torch.enable_grad() if ctx.training else torch.no_grad()
+        with graph, self.stage.autocast(), collecting(added):
+            if phase.part is PhasePart.EXPERTS:
+                layer = flight.layers[phase.layer]
+                leaf = _leaf(_got(layer.received, "dispatch"), ctx.training)
+                out = blocks[phase.layer].experts_forward(leaf, layer.runs)
+                layer.out = out.detach()
+                leaves, outputs = (leaf,), (out,)
+            else:
+                leaves, h = self._enter(ctx, op, flight, blocks, phase.layer)
+                if phase.part is PhasePart.PRE:
+                    outputs = self._route(flight.layers[phase.layer], blocks[phase.layer], h)
+                else:
+                    tail = getattr(op.unit.module, "moe_tail")(h)
+                    outputs = self._leave(ctx, op, tail)
+        flight.added.extend(added)
+        if ctx.training:
+            flight.records[(phase.part, phase.layer)] = PhaseRecord(leaves, outputs, total(added))
+        if phase.part is PhasePart.POST:
+            record_added(ctx, op, flight.added)
+            flight.added = []
+            if not ctx.training:
+                del self.flights[op.key]
+
+    def _enter(
+        self,
+        ctx: StepContext,
+        op: ComputeStep,
+        flight: Flight,
+        blocks: list[Block],
+        layer: int,
+    ) -> tuple[Tensors, torch.Tensor]:
+        """A pre or post phase's leaves and hidden state: the stage's input through the head
+        (layer 0), else the previous layer's combine."""
+        if layer == 0:
+            value, inputs = self.stage.stage_inputs(ctx, op)
+            self.stage.rng.seed(ctx.step, op.stage, op.mb)
+            head = getattr(op.unit.module, "moe_head")
+            return inputs, head(value, **context_of(ctx, op.mb))
+        prev = flight.layers[layer - 1]
+        assert prev.routed is not None
+        combined = _leaf(_got(prev.combined, "combine"), ctx.training)
+        keep = tuple(_leaf(k, ctx.training and k.dtype.is_floating_point) for k in prev.routed.keep)
+        h = blocks[layer - 1].combine(combined, prev.routed._replace(keep=keep))
+        return (combined, *keep), h
+
+    def _route(self, layer: Layer, block: Block, h: torch.Tensor) -> Tensors:
+        routed = block.route(h)
+        layer.routed = routed._replace(keep=tuple(k.detach() for k in routed.keep))
+        layer.tokens = routed.tokens.detach()
+        return (routed.tokens, *routed.keep)
+
+    def _leave(self, ctx: StepContext, op: ComputeStep, output: object) -> Tensors:
+        """The post phase's output: the loss on a last stage, else handed on."""
+        if op.unit.last:
+            return self.stage.loss(ctx, op.mb, output)
+        return self.stage.hand_on(ctx, op, output)
+
+    def _backward(self, ctx: StepContext, step: PhaseStep) -> None:
+        phase, op = step.phase, step.op
+        flight = self._flight(op.key)
+        record = flight.records.pop((phase.part, phase.layer))
+        outputs, grads = self._roots(ctx, op, flight, phase.part, phase.layer, record)
+        if op.kind is Kind.B:
+            got = full_backward(outputs, grads, record.leaves)
+        else:
+            got, weight = input_backward(outputs, grads, record.leaves, op.unit.weights())
+            flight.weights.append(weight)
+        if phase.part is PhasePart.PRE and phase.layer == 0:
+            self.stage.hand_back(ctx, op, record.leaves, got)
+            if op.kind is Kind.I:
+                ctx.weights[op.key] = _merged(flight.weights)
+            del self.flights[op.key]
+        else:
+            for leaf in record.leaves:
+                leaf.grad = None
+            self._hand_down(flight, phase.part, phase.layer, record.leaves, got)
+        self.stage.drain(ctx, op.unit)
+
+    def _roots(
+        self,
+        ctx: StepContext,
+        op: ComputeStep,
+        flight: Flight,
+        part: PhasePart,
+        index: int,
+        record: PhaseRecord,
+    ) -> tuple[Tensors, Tensors]:
+        """A backward phase's roots and their gradients (the added losses' last)."""
+        if part is PhasePart.POST:
+            return self.stage.output_grads(ctx, op, Saved((), record.outputs, record.added))
+        layer = flight.layers[index]
+        if part is PhasePart.EXPERTS:
+            given: tuple[torch.Tensor | None, ...] = (_got(layer.grad_out, "combine-grad"),)
+        else:
+            given = (_got(layer.grad_tokens, "dispatch-grad"), *layer.grad_keep)
+        live = [(o, g) for o, g in zip(record.outputs, given, strict=True) if o.requires_grad]
+        roots, seeds = scaled_roots(record.added, ctx.scale)
+        outputs = tuple(o for o, _ in live) + roots
+        grads = tuple(g if g is not None else torch.zeros_like(o) for o, g in live) + seeds
+        return outputs, grads
+
+    def _hand_down(
+        self,
+        flight: Flight,
+        part: PhasePart,
+        index: int,
+        leaves: Tensors,
+        got: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        """A backward phase's leaf gradients, left for the all-to-all or phase that takes them."""
+        filled = tuple(g if g is not None else torch.zeros_like(x) for x, g in zip(leaves, got))
+        if part is PhasePart.EXPERTS:
+            flight.layers[index].grad_received = filled[0]
+            return
+        prev = flight.layers[index - 1]  # pre l (l > 0) and post: leaves of layer l-1's combine
+        prev.grad_combined = filled[0]
+        prev.grad_keep = tuple(g if x.requires_grad else None for x, g in zip(leaves[1:], filled[1:]))
+
+    def _flight(self, key: tuple[int, int]) -> Flight:
+        found = self.flights.get(key)
+        if found is None:
+            raise ProgramError(f"no MoE forward of (chunk, mb) {key} is in flight")
+        return found
+
+    # ---- all-to-alls -----------------------------------------------------------------------
+
+    def post(self, ctx: StepContext, step: AllToAllStep) -> list[Timed]:
+        """Post an all-to-all (its result lands where the phase that consumes it looks);
+        the interpreter completes the work: at once, or at the `Wait` that lists it."""
+        layer = self._flight(step.key).layers[step.layer]
+        direction = step.direction
+        if direction == "dispatch":
+            self._counts(layer)
+            layer.received, work = self._exchange(_got(layer.tokens, "route"), layer.recv, layer.send)
+            layer.tokens = None
+        elif direction == "combine":
+            layer.combined, work = self._exchange(_got(layer.out, "experts"), layer.send, layer.recv)
+            layer.out = None
+        elif direction == "combine-grad":
+            grad = _got(layer.grad_combined, "the next phase's backward")
+            layer.grad_out, work = self._exchange(grad, layer.recv, layer.send)
+            layer.grad_combined = None
+        else:
+            grad = _got(layer.grad_received, "the experts' backward")
+            layer.grad_tokens, work = self._exchange(grad, layer.send, layer.recv)
+            layer.grad_received = None
+        return [work]
+
+    def _counts(self, layer: Layer) -> None:
+        """The dispatch's sizes: each expert's rows exchanged first (blocking, small)."""
+        assert layer.routed is not None
+        counts = layer.routed.counts.to(torch.int64)
+        local = counts.numel() // self.size
+        layer.send = counts.view(self.size, local).sum(1).tolist()
+        if self.group is None:
+            got = counts
+        else:
+            got = torch.empty_like(counts)
+            start = time.perf_counter()
+            dist.all_to_all_single(got, counts, group=self.group)
+            self.waited += time.perf_counter() - start
+        runs = got.view(self.size, local)  # rows from each source rank for each local expert
+        layer.runs = runs.flatten().tolist()
+        layer.recv = runs.sum(1).tolist()
+
+    def _exchange(
+        self, tensor: torch.Tensor, out_rows: list[int], in_rows: list[int]
+    ) -> tuple[torch.Tensor, Timed]:
+        source = tensor if tensor.is_contiguous() else tensor.contiguous()
+        out = source.new_empty((sum(out_rows), *source.shape[1:]))
+        if self.group is None:
+            out.copy_(source)
+            return out, Timed(_Done(), (), self)
+        work = dist.all_to_all_single(
+            out, source, out_rows, in_rows, group=self.group, async_op=True
+        )
+        return out, Timed(work, (source, out), self)
+
+
+def moe_ops(
+    instrs: Sequence[Instr],
+    stage: StageOps,
+    modules: Sequence[nn.Module],
+    mesh: Any,
+    device: torch.device,
+) -> MoEOps | None:
+    """This rank's `MoEOps` when its program has phases (None otherwise: the runtime's path
+    is as it was): each MoE block keeps its EP rank's share of the experts, and the EP group
+    is made and warmed at set-up."""
+    if not any(type(instr) is Phase for instr in instrs):
+        return None
+    group, size, index = expert_group(mesh)
+    shard(modules, index, size)
+    if group is not None:
+        warm(group, device)
+    return MoEOps(stage, group, size)
+
+
+class _Done:
+    """A completed work (ep = 1: the all-to-all was a copy)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _blocks(module: nn.Module) -> list[Block]:
+    found = blocks_of(module)
+    if found is None:
+        raise ProgramError(
+            f"the program runs {type(module).__name__} in MoE phases, but it has no "
+            "moe_blocks (runtime/engine/moe_block.py: the MoE stage contract)"
+        )
+    return list(found)
+
+
+def _leaf(tensor: torch.Tensor, grad: bool) -> torch.Tensor:
+    return tensor.detach().requires_grad_(True) if grad else tensor.detach()
+
+
+def _got(tensor: torch.Tensor | None, what: str) -> torch.Tensor:
+    if tensor is None:
+        raise ProgramError(f"the MoE phase needs what {what} leaves, and it has not run")
+    return tensor
+
+
+def _merged(weights: list[WeightGrad]) -> WeightGrad:
+    """One W's work: every phase's, in the order I ran them."""
+    merged = WeightGrad([], {})
+    for weight in weights:
+        merged.groups.extend(weight.groups)
+        merged.recorded.update(weight.recorded)
+        merged.deferred.extend(weight.deferred)
+    return merged
