@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from helpers import run_cli
 from mesh_cases import MeshCase, run_mesh_cases
+from moe_cases import MoECase
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
@@ -26,6 +27,7 @@ from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
 from pipecc.passes.insert_fsdp_actions import FsdpPolicy
 from pipecc.passes.sum_shared import sum_shared
+from pipecc.runtime.tools.moe_program import split_moe
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULES = ("1f1b", "zb_h1", "zbv", "dualpipev")
@@ -72,8 +74,24 @@ def _resident() -> Program:
     return place_mesh(program, MeshOptions("dp_shard=2", policy=policy))
 
 
+# expert parallelism (moe_cases.py): PP=2 x EP=2, every stage 2 MoE layers
+MOE_SCHEDULES = ("dualpipev", "zbv", "dualpipe", "1f1b")
+
+
+def _moe_program(name: str, overlap: bool = True, microbatches: int = 4) -> Program:
+    program = place_mesh(compile_case(name, 2, microbatches), MeshOptions("ep=2"))
+    return split_moe(program, (2,) * program.placement.num_stages(0), overlap=overlap)
+
+
+def _moe_cases() -> list[MoECase]:
+    found = [MoECase(f"moe-{n}", _moe_program(n)) for n in MOE_SCHEDULES]
+    found.append(MoECase("moe-sequential-dualpipev", _moe_program("dualpipev", False)))
+    found.append(MoECase("moe-forward-dualpipev", _moe_program("dualpipev"), forward=True))
+    return found
+
+
 @functools.cache
-def _cases() -> list[MeshCase]:
+def _cases() -> list[MeshCase | MoECase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
     found += [
         MeshCase(f"dp_shard-{n}", _program(n, "dp_shard", False), "dp_shard")
@@ -111,6 +129,7 @@ def _cases() -> list[MeshCase]:
                           recompute=True))  # fmt: skip
     found.append(MeshCase("sp-partial", _program("1f1b", "tp"), "tp", sp=True, partial=True))
     found.append(MeshCase("train-sp-zb_h1", _program("zb_h1", "tp"), "tp", True, sp=True))
+    found += _moe_cases()
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -294,3 +313,37 @@ def test_partial_dtensor_boundaries_are_refused(results: list[dict[str, Any]]) -
             "leaf 0: a DTensor with placement P(sum) at a stage boundary is not supported"
             in message
         ), result
+
+
+@pytest.mark.parametrize("name", [*MOE_SCHEDULES, "sequential-dualpipev"])
+def test_expert_parallel_stages_match_one_process(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """PP=2 x EP=2 (examples/moe_ep.py): the program's MoE phases and all-to-alls, fused
+    F&B interleaved (or in sequence), split backward on ZBV, duplicated stages on DualPipe:
+    the loss and every gradient within 1e-5 of one process on the whole batch; each EP rank
+    holds and compares its own half of every block's experts, by name."""
+    found = _each(results, f"moe-{name}")
+    for result in found:
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+        assert result["added"] > 0
+    held = [set(result["experts"]) for result in found]
+    assert held[0] == held[2] and held[1] == held[3] and not held[0] & held[1]
+    assert {n.split(".experts.")[1].split(".")[0] for n in held[0] | held[1]} == set("0123")
+
+
+def test_expert_ranks_without_tokens_take_part(results: list[dict[str, Any]]) -> None:
+    """Layer 1 of every stage routes nothing to experts 2 and 3: EP rank 1 (global ranks 1
+    and 3) runs its experts on zero rows there, in every all-to-all, and the run matches."""
+    for rank, result in enumerate(_each(results, "moe-dualpipev")):
+        for where, rows in result["received"].items():
+            if where.endswith(".1"):
+                assert rows and (max(rows) == 0) == (rank % 2 == 1), (rank, where, rows)
+
+
+def test_an_expert_parallel_forward_only_step_matches(results: list[dict[str, Any]]) -> None:
+    for result in _each(results, "moe-forward-dualpipev"):
+        got, want = result["eval_loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
