@@ -174,15 +174,21 @@ class Binder:
         if isinstance(instr, StageOp):
             chunk = self.stage.chunks.get(instr.chunk)
             return StageStep(index, instr, chunk.module if chunk is not None else None)
-        if isinstance(instr, Phase):  # a MoE stage's phase (runtime/engine/moe_ops.py)
-            return PhaseStep(index, instr, self._compute(index, instr.op, boundaries))
-        if isinstance(instr, Collective):
-            if instr.kind is CollectiveKind.ALL_TO_ALL:  # expert parallelism's, over ep
-                return AllToAllStep(index, instr, *parse_what(instr))
-            if instr.dims:  # over mesh dimensions: runtime/comm/mesh.py
-                return ReduceStep(index, instr)
-            return CollectiveStep(index, instr)
+        if isinstance(instr, Phase | Collective):
+            return self._collective(index, instr, boundaries)
         raise AssertionError(f"unknown instruction {instr!r}")
+
+    def _collective(
+        self, index: int, instr: Phase | Collective, boundaries: Mapping[int, Boundary]
+    ) -> Step:
+        """A collective's step; a MoE stage's phase and all-to-all (runtime/engine/moe_ops.py)."""
+        if isinstance(instr, Phase):
+            return PhaseStep(index, instr, self._compute(index, instr.op, boundaries))
+        if instr.kind is CollectiveKind.ALL_TO_ALL:  # expert parallelism's, over ep
+            return AllToAllStep(index, instr, *parse_what(instr))
+        if instr.dims:  # over mesh dimensions: runtime/comm/mesh.py
+            return ReduceStep(index, instr)
+        return CollectiveStep(index, instr)
 
     def _compute(self, index: int, op: Compute, boundaries: Mapping[int, Boundary]) -> ComputeStep:
         unit = self.stage.chunks.get(op.chunk)

@@ -88,6 +88,15 @@ def expert_params(modules: Sequence[nn.Module]) -> frozenset[int]:
     return frozenset(found)
 
 
+def runs(tokens: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """`tokens` cut into consecutive runs of `counts` rows (zero-row runs included)."""
+    found, start = [], 0
+    for count in counts:
+        found.append(tokens[start : start + count])
+        start += count
+    return found
+
+
 class Expert(nn.Module):
     """A feed-forward expert: dim -> hidden -> dim."""
 
@@ -107,7 +116,8 @@ class MoEBlock(nn.Module):
     `balance · E · sum_e f_e · P_e` is added with `add_loss` (runtime/engine/aux_loss.py).
 
     `mixer` is the dense sublayer (attention in a transformer; any module h -> h); `bias` a
-    fixed offset of the router's logits (steering tokens away from experts); the experts live in a ModuleDict keyed by their global index, so a parameter keeps its name
+    fixed offset of the router's logits (steering tokens away from experts); the experts
+    live in a ModuleDict keyed by their global index, so a parameter keeps its name
     (`experts.5.up.weight`) on whichever EP rank holds it."""
 
     def __init__(
@@ -160,7 +170,7 @@ class MoEBlock(nn.Module):
 
     def experts_forward(self, tokens: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Runs of rows by source rank, then local expert (`counts`: each run's rows)."""
-        parts = tokens.split(list(counts))
+        parts = runs(tokens, counts)
         outs = [
             self.experts[str(self.first + i % self.local)](part) for i, part in enumerate(parts)
         ]
@@ -174,7 +184,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         routed = self.route(h)
-        parts = routed.tokens.split(routed.counts.tolist())
+        parts = runs(routed.tokens, routed.counts.tolist())
         outs = [
             self.experts[str(e)](part) if str(e) in self.experts else torch.zeros_like(part)
             for e, part in enumerate(parts)

@@ -31,11 +31,13 @@ all-to-all of the program, whatever the routing.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,16 +46,19 @@ from torch import nn
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import Collective, Instr, Kind, Phase, PhasePart
 
+from ..boundaries.placed import local
+from ..boundaries.trees import unwrap
 from ..comm.mesh import expert_group
 from ..comm.shared import warm
-
 from .aux_loss import collecting, scaled_roots, total
 from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
 from .moe_block import Block, Routed, blocks_of, shard
+from .selective import Selected
 from .split_backward import WeightGrad, full_backward, input_backward
 from .steps import AllToAllStep, ComputeStep, PhaseStep
 
+_NOTHING: contextlib.nullcontext[None] = contextlib.nullcontext()
 WHAT = re.compile(r"^(dispatch|combine|combine-grad|dispatch-grad) L(\d+) [FBI](\d+)\.(\d+)$")
 
 
@@ -88,13 +93,20 @@ class Layer:
     grad_tokens: torch.Tensor | None = None
 
 
+Run = Callable[[bool], Tensors]
+
+
 @dataclass
 class PhaseRecord:
-    """A forward phase's graph, for its backward phase."""
+    """A forward phase's graph, for its backward phase: its leaves, outputs and added loss;
+    on a recomputed stage no outputs but `run`, which computes them again; `selected`: the
+    regions of selectively recomputed modules."""
 
     leaves: Tensors
     outputs: Tensors
     added: torch.Tensor | None
+    run: Run | None = None
+    selected: Selected | None = None
 
 
 @dataclass
@@ -137,6 +149,7 @@ class MoEOps:
         self.size = size
         self.flights: dict[tuple[int, int], Flight] = {}
         self.waited = 0.0
+        self.counted = 0.0  # of `waited`: the dispatches' exchanges of token counts
 
     def begin(self) -> None:
         """A new step: nothing of the last one is kept."""
@@ -144,7 +157,9 @@ class MoEOps:
 
     def leftovers(self) -> list[str]:
         """MoE ops of the step that did not finish."""
-        return [f"MoE phases unfinished: (chunk, mb) {sorted(self.flights)}"] if self.flights else []
+        return (
+            [f"MoE phases unfinished: (chunk, mb) {sorted(self.flights)}"] if self.flights else []
+        )
 
     # ---- phases ----------------------------------------------------------------------------
 
@@ -160,69 +175,92 @@ class MoEOps:
         if phase.part is PhasePart.PRE and phase.layer == 0:
             self.flights[op.key] = Flight([Layer() for _ in blocks])
         flight = self._flight(op.key)
+        replay = ctx.training and op.stage in self.stage.recompute  # full recomputation
+        leaves, run = self._prepare(ctx, op, flight, blocks, phase)
         added: list[torch.Tensor] = []
-        graph = torch.enable_grad() if ctx.training else torch.no_grad()
+        graph = torch.enable_grad() if ctx.training and not replay else torch.no_grad()
         with graph, self.stage.autocast(), collecting(added):
-            if phase.part is PhasePart.EXPERTS:
-                layer = flight.layers[phase.layer]
-                leaf = _leaf(_got(layer.received, "dispatch"), ctx.training)
-                out = blocks[phase.layer].experts_forward(leaf, layer.runs)
-                layer.out = out.detach()
-                leaves, outputs = (leaf,), (out,)
-            else:
-                leaves, h = self._enter(ctx, op, flight, blocks, phase.layer)
-                if phase.part is PhasePart.PRE:
-                    outputs = self._route(flight.layers[phase.layer], blocks[phase.layer], h)
-                else:
-                    tail = getattr(op.unit.module, "moe_tail")(h)
-                    outputs = self._leave(ctx, op, tail)
+            with self.stage.recording(ctx, op) if not replay else _NOTHING as selected:
+                outputs = run(True)
         flight.added.extend(added)
         if ctx.training:
-            flight.records[(phase.part, phase.layer)] = PhaseRecord(leaves, outputs, total(added))
+            flight.records[(phase.part, phase.layer)] = PhaseRecord(
+                leaves, () if replay else outputs, total(added), run if replay else None, selected
+            )
         if phase.part is PhasePart.POST:
             record_added(ctx, op, flight.added)
             flight.added = []
             if not ctx.training:
                 del self.flights[op.key]
 
-    def _enter(
+    def _prepare(
         self,
         ctx: StepContext,
         op: ComputeStep,
         flight: Flight,
         blocks: list[Block],
-        layer: int,
-    ) -> tuple[Tensors, torch.Tensor]:
-        """A pre or post phase's leaves and hidden state: the stage's input through the head
-        (layer 0), else the previous layer's combine."""
-        if layer == 0:
-            value, inputs = self.stage.stage_inputs(ctx, op)
+        phase: Phase,
+    ) -> tuple[Tensors, Run]:
+        """A forward phase's leaves, and what computes its outputs from them (`run(first)`:
+        the first run also leaves what the next all-to-all or stage takes; a recomputed
+        stage's backward runs it again)."""
+        index = phase.layer
+        if phase.part is PhasePart.EXPERTS:
+            layer, block = flight.layers[index], blocks[index]
+            leaf = _leaf(_got(layer.received, "dispatch"), ctx.training)
+            return (leaf,), lambda first: self._experts(layer, block, leaf, first)
+        if index == 0:  # the stage's input, through the head
+            value, leaves = self.stage.stage_inputs(ctx, op)
             self.stage.rng.seed(ctx.step, op.stage, op.mb)
-            head = getattr(op.unit.module, "moe_head")
-            return inputs, head(value, **context_of(ctx, op.mb))
-        prev = flight.layers[layer - 1]
-        assert prev.routed is not None
-        combined = _leaf(_got(prev.combined, "combine"), ctx.training)
-        keep = tuple(_leaf(k, ctx.training and k.dtype.is_floating_point) for k in prev.routed.keep)
-        h = blocks[layer - 1].combine(combined, prev.routed._replace(keep=keep))
-        return (combined, *keep), h
+            head = _part(op.unit.module, "moe_head")
+            context = context_of(ctx, op.mb)
+            enter: Callable[[], torch.Tensor] = lambda: head(value, **context)  # noqa: E731
+        else:  # the previous layer's combine
+            prev = flight.layers[index - 1]
+            assert prev.routed is not None
+            combined = _leaf(_got(prev.combined, "combine"), ctx.training)
+            keep = tuple(
+                _leaf(k, ctx.training and k.dtype.is_floating_point) for k in prev.routed.keep
+            )
+            leaves, routed = (combined, *keep), prev.routed._replace(keep=keep)
+            enter = partial(blocks[index - 1].combine, combined, routed)
+        if phase.part is PhasePart.PRE:
+            layer, block = flight.layers[index], blocks[index]
+            return leaves, lambda first: self._route(layer, block, enter(), first)
+        tail = _part(op.unit.module, "moe_tail")
+        return leaves, lambda first: self._leave(ctx, op, tail(enter()), first)
 
-    def _route(self, layer: Layer, block: Block, h: torch.Tensor) -> Tensors:
+    def _experts(self, layer: Layer, block: Block, leaf: torch.Tensor, first: bool) -> Tensors:
+        out = block.experts_forward(leaf, layer.runs)
+        if first:
+            layer.out = out.detach()
+        return (out,)
+
+    def _route(self, layer: Layer, block: Block, h: torch.Tensor, first: bool) -> Tensors:
         routed = block.route(h)
-        layer.routed = routed._replace(keep=tuple(k.detach() for k in routed.keep))
-        layer.tokens = routed.tokens.detach()
+        if first:
+            layer.routed = routed._replace(keep=tuple(k.detach() for k in routed.keep))
+            layer.tokens = routed.tokens.detach()
         return (routed.tokens, *routed.keep)
 
-    def _leave(self, ctx: StepContext, op: ComputeStep, output: object) -> Tensors:
-        """The post phase's output: the loss on a last stage, else handed on."""
+    def _leave(self, ctx: StepContext, op: ComputeStep, output: object, first: bool) -> Tensors:
+        """The post phase's output: the loss on a last stage, else handed on (the first
+        run); the tensors a gradient comes back for (a recomputed stage's second run)."""
         if op.unit.last:
-            return self.stage.loss(ctx, op.mb, output)
-        return self.stage.hand_on(ctx, op, output)
+            if first:
+                return self.stage.loss(ctx, op.mb, output)
+            loss = self.stage.loss_fn(unwrap(output), unwrap(self.stage.target(ctx, op.mb)))
+            return (loss * ctx.scale,)
+        if first:
+            return self.stage.hand_on(ctx, op, output)
+        tensors, _ = self.stage.checked_output(ctx, op, output)
+        carries = op.out_carries or tuple(t.requires_grad for t in tensors)
+        return tuple(local(t) for t, c in zip(tensors, carries, strict=True) if c)
 
     def _backward(self, ctx: StepContext, step: PhaseStep) -> None:
         phase, op = step.phase, step.op
         flight = self._flight(op.key)
-        record = flight.records.pop((phase.part, phase.layer))
+        record = self._again(ctx, flight.records.pop((phase.part, phase.layer)))
         outputs, grads = self._roots(ctx, op, flight, phase.part, phase.layer, record)
         if op.kind is Kind.B:
             got = full_backward(outputs, grads, record.leaves)
@@ -239,6 +277,18 @@ class MoEOps:
                 leaf.grad = None
             self._hand_down(flight, phase.part, phase.layer, record.leaves, got)
         self.stage.drain(ctx, op.unit)
+
+    def _again(self, ctx: StepContext, record: PhaseRecord) -> PhaseRecord:
+        """A recomputed phase run again from its leaves, with its graph (its added losses
+        the roots now); selected modules' regions replayed (runtime/engine/selective.py)."""
+        if record.selected is not None:
+            self.stage.replayed(ctx, Saved((), (), None, None, record.selected))
+        if record.run is None:
+            return record
+        added: list[torch.Tensor] = []
+        with torch.enable_grad(), self.stage.autocast(), collecting(added):
+            outputs = record.run(False)
+        return PhaseRecord(record.leaves, outputs, total(added))
 
     def _roots(
         self,
@@ -272,13 +322,17 @@ class MoEOps:
         got: tuple[torch.Tensor | None, ...],
     ) -> None:
         """A backward phase's leaf gradients, left for the all-to-all or phase that takes them."""
-        filled = tuple(g if g is not None else torch.zeros_like(x) for x, g in zip(leaves, got))
+        filled = tuple(
+            g if g is not None else torch.zeros_like(x) for x, g in zip(leaves, got, strict=True)
+        )
         if part is PhasePart.EXPERTS:
             flight.layers[index].grad_received = filled[0]
             return
         prev = flight.layers[index - 1]  # pre l (l > 0) and post: leaves of layer l-1's combine
         prev.grad_combined = filled[0]
-        prev.grad_keep = tuple(g if x.requires_grad else None for x, g in zip(leaves[1:], filled[1:]))
+        prev.grad_keep = tuple(
+            g if x.requires_grad else None for x, g in zip(leaves[1:], filled[1:], strict=True)
+        )
 
     def _flight(self, key: tuple[int, int]) -> Flight:
         found = self.flights.get(key)
@@ -295,10 +349,14 @@ class MoEOps:
         direction = step.direction
         if direction == "dispatch":
             self._counts(layer)
-            layer.received, work = self._exchange(_got(layer.tokens, "route"), layer.recv, layer.send)
+            layer.received, work = self._exchange(
+                _got(layer.tokens, "route"), layer.recv, layer.send
+            )
             layer.tokens = None
         elif direction == "combine":
-            layer.combined, work = self._exchange(_got(layer.out, "experts"), layer.send, layer.recv)
+            layer.combined, work = self._exchange(
+                _got(layer.out, "experts"), layer.send, layer.recv
+            )
             layer.out = None
         elif direction == "combine-grad":
             grad = _got(layer.grad_combined, "the next phase's backward")
@@ -322,7 +380,9 @@ class MoEOps:
             got = torch.empty_like(counts)
             start = time.perf_counter()
             dist.all_to_all_single(got, counts, group=self.group)
-            self.waited += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.waited += spent
+            self.counted += spent
         runs = got.view(self.size, local)  # rows from each source rank for each local expert
         layer.runs = runs.flatten().tolist()
         layer.recv = runs.sum(1).tolist()
@@ -375,6 +435,14 @@ def _blocks(module: nn.Module) -> list[Block]:
             "moe_blocks (runtime/engine/moe_block.py: the MoE stage contract)"
         )
     return list(found)
+
+
+def _part(module: nn.Module, name: str) -> Callable[..., Any]:
+    """A MoE stage's `moe_head` or `moe_tail` (the contract, runtime/engine/moe_block.py)."""
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise ProgramError(f"the MoE stage {type(module).__name__} has no method {name}")
+    return cast(Callable[..., Any], found)
 
 
 def _leaf(tensor: torch.Tensor, grad: bool) -> torch.Tensor:

@@ -55,10 +55,10 @@ from ..profiling.recorder import (
     worst_spread,
 )
 from . import mesh_job
-from .moe_program import moe_layers, split_moe
 from .checking import check_run
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
+from .moe_program import moe_layers, split_moe
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
 from .training_run import aux_by_stage, reported_aux, stages_of

@@ -145,15 +145,21 @@ def _reduced(
     mesh = program.mesh
     if mesh is None or mesh.ep == 1:
         return ranks
-    if any(type(x) is Collective and "ep" in x.dims and x.kind is not A2A for r in ranks for x in r):
+    if any(
+        type(x) is Collective and "ep" in x.dims and x.kind is not A2A for r in ranks for x in r
+    ):
         return ranks
     out = []
     for rank, instrs in enumerate(ranks):
         stages = sorted(slot.stage for slot in program.placement.chunks(rank))
         added = tuple(
             Collective(
-                CollectiveKind.ALL_REDUCE, (rank,),
-                f"dp-grad {'dense ' if moe[s] else ''}s{s}", False, ("ep",), (s,),
+                CollectiveKind.ALL_REDUCE,
+                (rank,),
+                f"dp-grad {'dense ' if moe[s] else ''}s{s}",
+                False,
+                ("ep",),
+                (s,),
             )  # fmt: skip
             for s in stages
         )

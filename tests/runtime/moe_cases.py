@@ -37,7 +37,7 @@ class MoECase(NamedTuple):
     name: str
     program: Program
     forward: bool = False  # also a forward-only step (evaluation)
-    recompute: bool = False  # every stage recomputed in full
+    recompute: str | None = None  # "full", or the submodules recomputed selectively
 
 
 def _model() -> dict[str, Any]:
@@ -61,8 +61,8 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
     chunks = case.program.placement.chunks(pp)
     modules = {slot.chunk: stages[slot.stage] for slot in chunks}
     received = _counting([stages[slot.stage] for slot in chunks])
-    recompute = "full" if case.recompute else None
-    config = RuntimeConfig(seed=OPTIONS.seed, mesh=mesh, recompute=recompute)
+    calls = _calls([stages[slot.stage] for slot in chunks])
+    config = RuntimeConfig(seed=OPTIONS.seed, mesh=mesh, recompute=case.recompute)
     runtime = PipelineRuntime(case.program, modules, loss_fn=model["loss_fn"], config=config)
     microbatches = case.program.num_microbatches * 2
     data = model["make_batch"](ROWS * microbatches, 0)
@@ -76,7 +76,7 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
         "loss": (breakdown.main, want_loss), "added": breakdown.added,
         "grad_rel": _worst(got, want),
         "experts": sorted(n for (s, n) in got if ".experts." in n and s == min(held)),
-        "received": received,
+        "received": received, "mixer_calls": len(calls),
     }  # fmt: skip
     if case.forward:
         runtime.forward(*share)
@@ -92,6 +92,15 @@ def _counting(stages: list[nn.Module]) -> dict[str, list[int]]:
             assert isinstance(block, MoEBlock)
             rows = found.setdefault(f"{index}.{layer}", [])
             _wrap(block, rows)
+    return found
+
+
+def _calls(stages: list[nn.Module]) -> list[int]:
+    """One entry per call of a block's dense sublayer (`mixer`) on this rank."""
+    found: list[int] = []
+    for stage in stages:
+        for block in getattr(stage, "moe_blocks", ()):
+            block.mixer.register_forward_hook(lambda *_: found.append(1))
     return found
 
 

@@ -19,6 +19,7 @@ import pytest
 from helpers import run_cli
 from mesh_cases import MeshCase, run_mesh_cases
 from moe_cases import MoECase
+from pipecc.runtime.tools.moe_program import split_moe
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
@@ -27,7 +28,6 @@ from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
 from pipecc.passes.insert_fsdp_actions import FsdpPolicy
 from pipecc.passes.sum_shared import sum_shared
-from pipecc.runtime.tools.moe_program import split_moe
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULES = ("1f1b", "zb_h1", "zbv", "dualpipev")
@@ -87,6 +87,11 @@ def _moe_cases() -> list[MoECase]:
     found = [MoECase(f"moe-{n}", _moe_program(n)) for n in MOE_SCHEDULES]
     found.append(MoECase("moe-sequential-dualpipev", _moe_program("dualpipev", False)))
     found.append(MoECase("moe-forward-dualpipev", _moe_program("dualpipev"), forward=True))
+    found += [
+        MoECase(f"moe-recompute-{mode}-{n}", _moe_program(n), recompute=mode)
+        for n in ("zbv", "dualpipev")
+        for mode in ("full", "mixer")
+    ]
     return found
 
 
@@ -315,12 +320,14 @@ def test_partial_dtensor_boundaries_are_refused(results: list[dict[str, Any]]) -
         ), result
 
 
-@pytest.mark.parametrize("name", [*MOE_SCHEDULES, "sequential-dualpipev"])
-def test_expert_parallel_stages_match_one_process(
-    results: list[dict[str, Any]], name: str
-) -> None:
+MOE_RECOMPUTED = [f"recompute-{m}-{n}" for n in ("zbv", "dualpipev") for m in ("full", "mixer")]
+
+
+@pytest.mark.parametrize("name", [*MOE_SCHEDULES, "sequential-dualpipev", *MOE_RECOMPUTED])
+def test_expert_parallel_stages_match_one_process(results: list[dict[str, Any]], name: str) -> None:
     """PP=2 x EP=2 (examples/moe_ep.py): the program's MoE phases and all-to-alls, fused
-    F&B interleaved (or in sequence), split backward on ZBV, duplicated stages on DualPipe:
+    F&B interleaved (or in sequence), split backward on ZBV, duplicated stages on DualPipe,
+    the stages recomputed in full or their dense sublayers (`mixer`) selectively:
     the loss and every gradient within 1e-5 of one process on the whole batch; each EP rank
     holds and compares its own half of every block's experts, by name."""
     found = _each(results, f"moe-{name}")
@@ -332,6 +339,19 @@ def test_expert_parallel_stages_match_one_process(
     held = [set(result["experts"]) for result in found]
     assert held[0] == held[2] and held[1] == held[3] and not held[0] & held[1]
     assert {n.split(".experts.")[1].split(".")[0] for n in held[0] | held[1]} == set("0123")
+
+
+@pytest.mark.parametrize("name", MOE_RECOMPUTED)
+def test_recomputed_expert_parallel_stages_run_their_phases_again(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """Every phase of a stage recomputed in full runs again before its backward (the
+    experts on the rows received, the dense sublayers); selected sublayers alone run again."""
+    plain = _each(results, "moe-" + name.rsplit("-", 1)[1])
+    for result, once in zip(_each(results, f"moe-{name}"), plain, strict=True):
+        assert result["mixer_calls"] > once["mixer_calls"], (result, once)
+        twice = {k: v + v for k, v in once["received"].items()}
+        assert result["received"] == (twice if "-full-" in name else once["received"])
 
 
 def test_expert_ranks_without_tokens_take_part(results: list[dict[str, Any]]) -> None:
