@@ -130,7 +130,7 @@ class PipelineRuntime:
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
         held = [c.module for c in self.chunks.values()]  # MoE stages: this EP rank's experts
-        moe = moe_ops(self.program.ranks[rank], stage, held, config.mesh, self.device)
+        moe = moe_ops(self.program.ranks, rank, stage, held, config.mesh)
         self.mesh = mesh.DataParallel(
             self.program, rank, self.modules, config.mesh, device=self.device,
             experts=expert_params(held),

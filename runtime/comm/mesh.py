@@ -172,14 +172,6 @@ def _expert_params(
 DATA_DIMS = ("dp_replicate", "dp_shard", "ep")
 
 
-def expert_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
-    """The EP group through this rank, its size and this rank's index in it (None, 1, 0
-    without an `ep` dimension)."""
-    if mesh is None or "ep" not in (mesh.mesh_dim_names or ()):
-        return None, 1, 0
-    return mesh.get_group("ep"), mesh["ep"].size(), mesh.get_local_rank("ep")
-
-
 def replica_index(mesh: Any, pp_dim: str) -> int:
     """This process's data-parallel index on the mesh: its coordinates along `DATA_DIMS`,
     row-major (0 without a mesh or without those dimensions; tp and cp ranks share theirs)."""

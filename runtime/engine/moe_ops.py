@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,12 +47,12 @@ from pipecc.ir.ops import Collective, Instr, Kind, Phase, PhasePart
 
 from ..boundaries.placed import local
 from ..boundaries.trees import unwrap
-from ..comm.mesh import expert_group
 from ..comm.shared import warm
 from .aux_loss import collecting, scaled_roots, total
 from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
-from .moe_block import Block, Routed, blocks_of, shard
+from .moe_block import Block, blocks_of, shard
+from .moe_post import Exchange, Layer, Ticket, a2a_group
 from .selective import Selected
 from .split_backward import WeightGrad, full_backward, input_backward
 from .steps import AllToAllStep, ComputeStep, PhaseStep
@@ -72,25 +71,6 @@ def parse_what(instr: Collective) -> tuple[str, int, tuple[int, int]]:
         )
     direction, layer, chunk, mb = found.groups()
     return direction, int(layer), (int(chunk), int(mb))
-
-
-@dataclass
-class Layer:
-    """One MoE layer of one (chunk, mb) in a step: what its phases and all-to-alls hand on."""
-
-    routed: Routed | None = None  # counts and order; `keep` detached (the next phase's leaves)
-    tokens: torch.Tensor | None = None  # the dispatched rows, detached
-    send: list[int] = field(default_factory=list)  # rows sent to each EP rank
-    recv: list[int] = field(default_factory=list)  # rows received from each EP rank
-    runs: list[int] = field(default_factory=list)  # rows by (source rank, local expert)
-    received: torch.Tensor | None = None
-    out: torch.Tensor | None = None  # the experts' outputs, detached
-    combined: torch.Tensor | None = None
-    grad_combined: torch.Tensor | None = None
-    grad_keep: tuple[torch.Tensor | None, ...] = ()
-    grad_out: torch.Tensor | None = None
-    grad_received: torch.Tensor | None = None
-    grad_tokens: torch.Tensor | None = None
 
 
 Run = Callable[[bool], Tensors]
@@ -120,22 +100,6 @@ class Flight:
     weights: list[WeightGrad] = field(default_factory=list)
 
 
-class Timed:
-    """A posted all-to-all's work, the tensors it reads and writes held until it completes;
-    `wait` adds the time it blocked to its owner's `waited`."""
-
-    __slots__ = ("held", "owner", "work")
-
-    def __init__(self, work: Any, held: tuple[torch.Tensor, ...], owner: MoEOps) -> None:
-        self.work, self.held, self.owner = work, held, owner
-
-    def wait(self) -> None:
-        start = time.perf_counter()
-        self.work.wait()
-        self.owner.waited += time.perf_counter() - start
-        self.held = ()
-
-
 class MoEOps:
     """Runs the phases and all-to-alls of this rank's MoE stages (module docstring).
 
@@ -148,8 +112,7 @@ class MoEOps:
         self.group = group
         self.size = size
         self.flights: dict[tuple[int, int], Flight] = {}
-        self.waited = 0.0
-        self.counted = 0.0  # of `waited`: the dispatches' exchanges of token counts
+        self.exchange = Exchange(group, size)
 
     def begin(self) -> None:
         """A new step: nothing of the last one is kept."""
@@ -342,89 +305,41 @@ class MoEOps:
 
     # ---- all-to-alls -----------------------------------------------------------------------
 
-    def post(self, ctx: StepContext, step: AllToAllStep) -> list[Timed]:
+    def post(self, ctx: StepContext, step: AllToAllStep) -> list[Ticket]:
         """Post an all-to-all (its result lands where the phase that consumes it looks);
-        the interpreter completes the work: at once, or at the `Wait` that lists it."""
-        layer = self._flight(step.key).layers[step.layer]
-        direction = step.direction
-        if direction == "dispatch":
-            self._counts(layer)
-            layer.received, work = self._exchange(
-                _got(layer.tokens, "route"), layer.recv, layer.send
-            )
-            layer.tokens = None
-        elif direction == "combine":
-            layer.combined, work = self._exchange(
-                _got(layer.out, "experts"), layer.send, layer.recv
-            )
-            layer.out = None
-        elif direction == "combine-grad":
-            grad = _got(layer.grad_combined, "the next phase's backward")
-            layer.grad_out, work = self._exchange(grad, layer.recv, layer.send)
-            layer.grad_combined = None
-        else:
-            grad = _got(layer.grad_received, "the experts' backward")
-            layer.grad_tokens, work = self._exchange(grad, layer.send, layer.recv)
-            layer.grad_received = None
-        return [work]
+        the interpreter completes it: at once, or at the `Wait` that lists it."""
+        return [self.exchange.post(self._flight(step.key).layers[step.layer], step.direction)]
 
-    def _counts(self, layer: Layer) -> None:
-        """The dispatch's sizes: each expert's rows exchanged first (blocking, small)."""
-        assert layer.routed is not None
-        counts = layer.routed.counts.to(torch.int64)
-        local = counts.numel() // self.size
-        layer.send = counts.view(self.size, local).sum(1).tolist()
-        if self.group is None:
-            got = counts
-        else:
-            got = torch.empty_like(counts)
-            start = time.perf_counter()
-            dist.all_to_all_single(got, counts, group=self.group)
-            spent = time.perf_counter() - start
-            self.waited += spent
-            self.counted += spent
-        runs = got.view(self.size, local)  # rows from each source rank for each local expert
-        layer.runs = runs.flatten().tolist()
-        layer.recv = runs.sum(1).tolist()
+    @property
+    def waited(self) -> float:
+        """Seconds the compute thread blocked on all-to-alls, over the runtime's life."""
+        return self.exchange.waited[0]
 
-    def _exchange(
-        self, tensor: torch.Tensor, out_rows: list[int], in_rows: list[int]
-    ) -> tuple[torch.Tensor, Timed]:
-        source = tensor if tensor.is_contiguous() else tensor.contiguous()
-        out = source.new_empty((sum(out_rows), *source.shape[1:]))
-        if self.group is None:
-            out.copy_(source)
-            return out, Timed(_Done(), (), self)
-        work = dist.all_to_all_single(
-            out, source, out_rows, in_rows, group=self.group, async_op=True
-        )
-        return out, Timed(work, (source, out), self)
+    @property
+    def counted(self) -> float:
+        """Seconds the poster spent exchanging token counts (hidden from compute)."""
+        return self.exchange.counted[0]
 
 
 def moe_ops(
-    instrs: Sequence[Instr],
+    ranks: Sequence[Sequence[Instr]],
+    rank: int,
     stage: StageOps,
     modules: Sequence[nn.Module],
     mesh: Any,
-    device: torch.device,
 ) -> MoEOps | None:
-    """This rank's `MoEOps` when its program has phases (None otherwise: the runtime's path
-    is as it was): each MoE block keeps its EP rank's share of the experts, and the EP group
-    is made and warmed at set-up."""
-    if not any(type(instr) is Phase for instr in instrs):
+    """This rank's `MoEOps` when the program has phases (None otherwise: the runtime's path
+    is as it was). Every rank makes the all-to-alls' groups (`a2a_group`); each MoE block
+    keeps its EP rank's share of the experts; the group is warmed at set-up."""
+    if not any(type(instr) is Phase for instrs in ranks for instr in instrs):
         return None
-    group, size, index = expert_group(mesh)
+    group, size, index = a2a_group(mesh)
+    if not any(type(instr) is Phase for instr in ranks[rank]):
+        return None
     shard(modules, index, size)
     if group is not None:
-        warm(group, device)
+        warm(group, stage.autocast_device)
     return MoEOps(stage, group, size)
-
-
-class _Done:
-    """A completed work (ep = 1: the all-to-all was a copy)."""
-
-    def wait(self) -> None:
-        return None
 
 
 def _blocks(module: nn.Module) -> list[Block]:
