@@ -1,7 +1,7 @@
 """Expert-parallel overlap: how much all-to-all time does DualPipe's interleave hide?
 (target: exposed a2a overlapped / sequential <= 0.3)
 
-    .venv/bin/python benchmarks/ep_overlap.py [--rounds 7] [--microbatches 8]
+    .venv/bin/python benchmarks/ep_overlap.py [--rounds 7] [--microbatches 16]
 
 PP=2 x EP=2 on 4 CPU processes (gloo), `init_device_mesh("cpu", (2, 2), ("pp", "ep"))`.
 Every stage is a `MoEStage` of two `MoEBlock`s (a dense Linear+GELU sublayer standing in
@@ -45,7 +45,7 @@ from pipecc.ir.program import Program
 SCHEDULES = ("dualpipev", "dualpipe")
 # (dim, hidden, tokens per microbatch): candidates for the size at which the all-to-all
 # weighs most in the step here
-SIZES = ((512, 64, 512),)
+SIZES = ((256, 64, 512), (512, 64, 512), (512, 128, 1024))
 EXPERTS, TOP, LAYERS = 4, 2, 2
 
 
@@ -185,7 +185,7 @@ def report(results: list[dict[str, Any]], job: Job) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=16)
     args = parser.parse_args(argv)
     sizes = tuple(Size(*s) for s in SIZES)
     job = Job(args.rounds, args.microbatches, sizes)
