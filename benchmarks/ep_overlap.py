@@ -14,8 +14,9 @@ halves one after the other, every all-to-all blocking). One process group runs b
 runtimes, alternating: a round is one step of each, in turn, after a warm-up step each.
 
 Measured per rank and step: the seconds its compute thread blocked on all-to-alls
-(`MoEOps.waited`: the waits of the async ones, the blocking ones whole, and the dispatch's
-exchange of token counts) and the step's wall time. The sizes: the script first steps the
+(`MoEOps.waited`: the waits of the async ones, the blocking ones whole) and the step's wall
+time; beside them the seconds the poster thread spent exchanging the dispatches' token
+counts (`MoEOps.counted`: not exposed to the compute thread unless a wait covers it). The sizes: the script first steps the
 sequential program of DualPipeV once at each candidate size and keeps the one where the
 all-to-all is the largest part of the step (printed), so that there is something to hide on
 this machine. Statistic: per schedule and form, the median over rounds of the mean over
@@ -158,7 +159,9 @@ def report(results: list[dict[str, Any]], job: Job) -> float:
     print(f"picked dim={size.dim} hidden={size.hidden} tokens/mb={size.tokens}, "
           f"M={job.microbatches}, {job.rounds} rounds; per rank: mean over ranks")  # fmt: skip
     ratios = []
-    print(f"{'schedule':10} {'form':11} {'exposed a2a ms':>15} {'of it counts':>13} {'step ms':>9}")
+    print(
+        f"{'schedule':10} {'form':11} {'exposed a2a ms':>15} {'counts (poster)':>16} {'step ms':>9}"
+    )
     for name in SCHEDULES:
         rounds = {
             form: [
@@ -171,7 +174,7 @@ def report(results: list[dict[str, Any]], job: Job) -> float:
             exposed = statistics.median(v[0] for v in values) * 1e3
             step = statistics.median(v[1] for v in values) * 1e3
             counts = statistics.median(v[2] for v in values) * 1e3
-            print(f"{name:10} {form:11} {exposed:15.1f} {counts:13.1f} {step:9.1f}")
+            print(f"{name:10} {form:11} {exposed:15.1f} {counts:16.1f} {step:9.1f}")
         mine = [
             o[0] / s[0]
             for o, s in zip(rounds["overlapped"], rounds["sequential"], strict=True)

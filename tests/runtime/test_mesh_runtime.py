@@ -367,3 +367,18 @@ def test_an_expert_parallel_forward_only_step_matches(results: list[dict[str, An
     for result in _each(results, "moe-forward-dualpipev"):
         got, want = result["eval_loss"]
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_pipecc_run_checks_an_expert_parallel_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pipecc run dualpipev --mesh pp=2,ep=2` on examples/moe_ep.py: the program split into
+    MoE phases, each EP rank its experts and share of the batch, every gradient (each
+    expert's by name) against one process on the whole batch."""
+    code, out, err = run_cli(
+        capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
+        "--model", str(ROOT / "examples" / "moe_ep.py"), "--check", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    fields = json.loads(out)
+    assert fields["mesh"] == "pp=2,ep=2" and fields["max_rel_grad_diff"] <= 1e-5
+    assert abs(fields["loss"] - fields["reference_loss"]) <= 1e-5 * fields["reference_loss"]
+    assert fields["aux_loss"] > 0
