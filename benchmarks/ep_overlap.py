@@ -16,12 +16,13 @@ runtimes, alternating: a round is one step of each, in turn, after a warm-up ste
 Measured per rank and step: the seconds its compute thread blocked on all-to-alls
 (`MoEOps.waited`: the waits of the async ones, the blocking ones whole) and the step's wall
 time; beside them the seconds the poster thread spent exchanging the dispatches' token
-counts (`MoEOps.counted`: not exposed to the compute thread unless a wait covers it). The sizes: the script first steps the
-sequential program of DualPipeV once at each candidate size and keeps the one where the
-all-to-all is the largest part of the step (printed), so that there is something to hide on
-this machine. Statistic: per schedule and form, the median over rounds of the mean over
-ranks; the ratio is the median over rounds of that round's overlapped / sequential exposed
-time, and the last line gives the median of all rounds of both schedules.
+counts (`MoEOps.counted`: not exposed to the compute thread unless a wait covers it).
+The sizes: the script first steps the sequential program of DualPipeV once at each
+candidate size and keeps the one where the all-to-all is the largest part of the step
+(printed), so that there is something to hide on this machine. Statistic: per schedule and
+form, the median over rounds of the mean over ranks; the ratio is the median over rounds of
+that round's overlapped / sequential exposed time, and the last line gives the median of
+all rounds of both schedules.
 """
 
 from __future__ import annotations
