@@ -71,7 +71,7 @@ def run_mesh_cases(rank: int, world: int, cases: list[MeshCase | MoECase]) -> di
     results: dict[str, Any] = {}
     for case in cases:
         if isinstance(case, MoECase):  # expert parallelism (moe_cases.py)
-            results[case.name] = run_moe_case(meshes["ep"], case)
+            results[case.name] = run_moe_case(meshes["dp_shard" if case.fsdp else "ep"], case)
             continue
         try:
             run = _train if case.train else _check

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import runpy
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from pipecc.runtime import PipelineRuntime, RuntimeConfig
 from pipecc.runtime.engine.moe_block import MoEBlock
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.program import Program
@@ -38,6 +40,7 @@ class MoECase(NamedTuple):
     program: Program
     forward: bool = False  # also a forward-only step (evaluation)
     recompute: str | None = None  # "full", or the submodules recomputed selectively
+    fsdp: bool = False  # on ("pp", "dp_shard"): every held stage under FSDP2, all experts
 
 
 def _model() -> dict[str, Any]:
@@ -62,6 +65,10 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
     modules = {slot.chunk: stages[slot.stage] for slot in chunks}
     received = _counting([stages[slot.stage] for slot in chunks])
     calls = _calls([stages[slot.stage] for slot in chunks])
+    if case.fsdp:
+        for stage in sorted({slot.stage for slot in chunks}):
+            fully_shard(stages[stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
+            cast(Any, stages[stage]).set_requires_gradient_sync(False)
     config = RuntimeConfig(seed=OPTIONS.seed, mesh=mesh, recompute=case.recompute)
     runtime = PipelineRuntime(case.program, modules, loss_fn=model["loss_fn"], config=config)
     microbatches = case.program.num_microbatches * 2
@@ -71,7 +78,7 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
     breakdown = runtime.global_loss(breakdown=True)
     want_loss, want = reference_step(reference, data, microbatches, model["loss_fn"], OPTIONS)
     held = {slot.stage for slot in chunks}
-    got = {k: v for k, v in gradients(stages).items() if k[0] in held}
+    got = {k: _full(v) for k, v in gradients(stages).items() if k[0] in held}
     found = {
         "loss": (breakdown.main, want_loss), "added": breakdown.added,
         "grad_rel": _worst(got, want),
@@ -112,6 +119,10 @@ def _wrap(block: MoEBlock, rows: list[int]) -> None:
         return plain(tokens, counts)
 
     setattr(block, "experts_forward", counted)  # noqa: B010  (an instance attribute)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _worst(got: dict[Any, torch.Tensor], want: dict[Any, torch.Tensor]) -> float:

@@ -76,11 +76,18 @@ def _resident() -> Program:
 
 # expert parallelism (moe_cases.py): PP=2 x EP=2, every stage 2 MoE layers
 MOE_SCHEDULES = ("dualpipev", "zbv", "dualpipe", "1f1b")
+MOE_FSDP = ("zbv", "dualpipev")
 
 
 def _moe_program(name: str, overlap: bool = True, microbatches: int = 4) -> Program:
     program = place_mesh(compile_case(name, 2, microbatches), MeshOptions("ep=2"))
     return split_moe(program, (2,) * program.placement.num_stages(0), overlap=overlap)
+
+
+def _moe_fsdp_program(name: str) -> Program:
+    """PP=2 x dp_shard=2 (FSDP2 stages, every expert on each rank: ep = 1) in MoE phases."""
+    program = place_mesh(compile_case(name, 2, 4), MeshOptions("dp_shard=2"))
+    return split_moe(program, (2,) * program.placement.num_stages(0))
 
 
 def _moe_cases() -> list[MoECase]:
@@ -92,6 +99,7 @@ def _moe_cases() -> list[MoECase]:
         for n in ("zbv", "dualpipev")
         for mode in ("full", "mixer")
     ]
+    found += [MoECase(f"moe-fsdp-{n}", _moe_fsdp_program(n), fsdp=True) for n in MOE_FSDP]
     return found
 
 
@@ -353,6 +361,19 @@ def test_recomputed_expert_parallel_stages_run_their_phases_again(
         got = {k: sorted(v) for k, v in result["received"].items()}
         want = {k: sorted(v + v if "-full-" in name else v) for k, v in once["received"].items()}
         assert got == want, (got, want)
+
+
+@pytest.mark.parametrize("name", MOE_FSDP)
+def test_moe_phases_on_fsdp_stages_match_one_process(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """MoE stages under FSDP2 on dp_shard (PP=2 x dp_shard=2, every expert on each rank):
+    the phases run on the parameters the program's UNSHARD gathered, REDUCE_GRAD reduces;
+    the loss and every (gathered) gradient within 1e-5 of one process."""
+    for result in _each(results, f"moe-fsdp-{name}"):
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
 def test_expert_ranks_without_tokens_take_part(results: list[dict[str, Any]]) -> None:
