@@ -129,8 +129,8 @@ class PipelineRuntime:
         )  # fmt: skip
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
+        moe = moe_ops(self.program.ranks, rank, stage, config.mesh, config.timeout)
         held = [c.module for c in self.chunks.values()]  # MoE stages: this EP rank's experts
-        moe = moe_ops(self.program.ranks, rank, stage, held, config.mesh)
         self.mesh = mesh.DataParallel(
             self.program, rank, self.modules, config.mesh, device=self.device,
             experts=expert_params(held),
@@ -373,7 +373,8 @@ class PipelineRuntime:
         found += stage_actions.fsdp_problems(self.program.ranks[self.rank], held)
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
-        return found + self.sums.problems() + self.mesh.problems()
+        moe = self.interpreter.moe.problems() if self.interpreter.moe is not None else []
+        return found + self.sums.problems() + self.mesh.problems() + moe
 
     def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:
         """Where the boundaries the user declared differ from those found."""

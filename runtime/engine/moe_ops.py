@@ -107,12 +107,24 @@ class MoEOps:
     copies). `waited`: seconds this rank's compute thread blocked on all-to-alls (the count
     exchanges included), summed over the runtime's life (the benchmark reads it)."""
 
-    def __init__(self, stage: StageOps, group: dist.ProcessGroup | None, size: int) -> None:
+    def __init__(
+        self,
+        stage: StageOps,
+        group: dist.ProcessGroup | None,
+        size: int,
+        timeout: float = 300.0,
+        problems: Sequence[str] = (),
+    ) -> None:
         self.stage = stage
         self.group = group
         self.size = size
         self.flights: dict[tuple[int, int], Flight] = {}
-        self.exchange = Exchange(group, size)
+        self.exchange = Exchange(group, size, timeout)
+        self._problems = list(problems)
+
+    def problems(self) -> list[str]:
+        """What this rank's MoE stages cannot run (`stage_problems`, the experts' split)."""
+        return list(self._problems)
 
     def begin(self) -> None:
         """A new step: nothing of the last one is kept."""
@@ -325,21 +337,54 @@ def moe_ops(
     ranks: Sequence[Sequence[Instr]],
     rank: int,
     stage: StageOps,
-    modules: Sequence[nn.Module],
     mesh: Any,
+    timeout: float,
 ) -> MoEOps | None:
     """This rank's `MoEOps` when the program has phases (None otherwise: the runtime's path
     is as it was). Every rank makes the all-to-alls' groups (`a2a_group`); each MoE block
-    keeps its EP rank's share of the experts; the group is warmed at set-up."""
+    keeps its EP rank's share of the experts; the group is warmed at set-up. What cannot
+    run is in `problems()` (reported with every rank's before the first step)."""
     if not any(type(instr) is Phase for instrs in ranks for instr in instrs):
         return None
     group, size, index = a2a_group(mesh)
     if not any(type(instr) is Phase for instr in ranks[rank]):
         return None
-    shard(modules, index, size)
+    found = stage_problems(ranks[rank], stage)
+    if not found:
+        try:
+            shard([chunk.module for chunk in stage.chunks.values()], index, size)
+        except ValueError as err:  # experts that do not split over ep
+            found.append(str(err))
     if group is not None:
         warm(group, stage.autocast_device)
-    return MoEOps(stage, group, size)
+    return MoEOps(stage, group, size, timeout, found)
+
+
+def stage_problems(instrs: Sequence[Instr], stage: StageOps) -> list[str]:
+    """Each chunk the program runs in phases must be a MoE stage with as many blocks as
+    the program has MoE layers there (the layer of its post phase)."""
+    layers = {
+        x.op.chunk: (x.op.stage, x.layer)
+        for x in instrs
+        if type(x) is Phase and x.part is PhasePart.POST
+    }
+    found = []
+    for chunk, (number, k) in sorted(layers.items()):
+        held = stage.chunks.get(chunk)
+        module = held.module if held is not None else None
+        blocks = blocks_of(module) if module is not None else None
+        if module is not None and blocks is None:
+            found.append(
+                f"stage {number} runs in MoE phases, but its module "
+                f"({type(module).__name__}) has no moe_blocks (docs/runtime.md, MoE stages in "
+                "phases)"
+            )
+        elif blocks is not None and len(blocks) != k:
+            found.append(
+                f"stage {number} runs in {k} MoE layer(s), but its module has "
+                f"{len(blocks)} moe_blocks"
+            )
+    return found
 
 
 def _blocks(module: nn.Module) -> list[Block]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import ProgramError
+from pipecc.diagnostics import ProgramError, RankError
 
 from .moe_block import Routed
 
@@ -42,9 +42,10 @@ class Ticket:
     it reads and writes alive until it completes; `wait` adds the seconds it blocked to
     `clock[0]`."""
 
-    __slots__ = ("clock", "done", "error", "held", "work")
+    __slots__ = ("clock", "done", "error", "held", "timeout", "work")
 
-    def __init__(self, clock: list[float], held: tuple[Any, ...]) -> None:
+    def __init__(self, clock: list[float], held: tuple[Any, ...], timeout: float) -> None:
+        self.timeout = timeout
         self.done = threading.Event()
         self.work: Any = None
         self.error: BaseException | None = None
@@ -53,7 +54,11 @@ class Ticket:
 
     def wait(self) -> None:
         start = time.perf_counter()
-        self.done.wait()
+        if not self.done.wait(self.timeout):  # the poster is blocked: a rank did not post
+            raise RankError(
+                f"an all-to-all was not posted within {self.timeout:g} s: its dispatch's "
+                "count exchange is waiting for an EP rank"
+            )
         if self.error is not None:
             raise self.error
         if self.work is not None:
@@ -117,8 +122,8 @@ class Exchange:
     one `Poster`. `waited[0]`: seconds the compute thread blocked on them; `counted[0]`:
     seconds the poster spent exchanging token counts."""
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int) -> None:
-        self.group, self.size = group, size
+    def __init__(self, group: dist.ProcessGroup | None, size: int, timeout: float) -> None:
+        self.group, self.size, self.timeout = group, size, timeout
         self.poster = Poster()
         self.waited = [0.0]
         self.counted = [0.0]
@@ -146,7 +151,7 @@ class Exchange:
         return self._submit(lambda: self._move(out, source, *rows), source, out)
 
     def _submit(self, job: Callable[[], Any], *held: torch.Tensor) -> Ticket:
-        return self.poster.submit(job, Ticket(self.waited, held))
+        return self.poster.submit(job, Ticket(self.waited, held, self.timeout))
 
     def _dispatch(self, layer: Layer, source: torch.Tensor) -> Any:
         """On the poster: the counts exchanged (blocking), then the tokens posted."""

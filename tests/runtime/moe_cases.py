@@ -41,6 +41,7 @@ class MoECase(NamedTuple):
     forward: bool = False  # also a forward-only step (evaluation)
     recompute: str | None = None  # "full", or the submodules recomputed selectively
     fsdp: bool = False  # on ("pp", "dp_shard"): every held stage under FSDP2, all experts
+    short: bool = False  # every stage keeps only its first block: refused
 
 
 def _model() -> dict[str, Any]:
@@ -60,6 +61,9 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
     stages_total = case.program.placement.num_stages(0)
     stages: list[nn.Module] = model["build_stages"](stages_total)
     reference: list[nn.Module] = model["build_stages"](stages_total)
+    if case.short:
+        for stage in stages:
+            stage.moe_blocks = nn.ModuleList(list(stage.moe_blocks)[:1])
     pp, ep = mesh.get_coordinate()
     chunks = case.program.placement.chunks(pp)
     modules = {slot.chunk: stages[slot.stage] for slot in chunks}

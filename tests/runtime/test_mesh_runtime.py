@@ -100,6 +100,7 @@ def _moe_cases() -> list[MoECase]:
         for mode in ("full", "mixer")
     ]
     found += [MoECase(f"moe-fsdp-{n}", _moe_fsdp_program(n), fsdp=True) for n in MOE_FSDP]
+    found.append(MoECase("moe-short", _moe_program("dualpipev"), short=True))
     return found
 
 
@@ -404,3 +405,19 @@ def test_pipecc_run_checks_an_expert_parallel_model(capsys: pytest.CaptureFixtur
     assert fields["mesh"] == "pp=2,ep=2" and fields["max_rel_grad_diff"] <= 1e-5
     assert abs(fields["loss"] - fields["reference_loss"]) <= 1e-5 * fields["reference_loss"]
     assert fields["aux_loss"] > 0
+
+
+def test_moe_stages_with_fewer_blocks_than_the_program_are_refused(
+    results: list[dict[str, Any]],
+) -> None:
+    """Every rank names its stages whose blocks are not the program's MoE layers, before any
+    all-to-all (no rank is left waiting in one)."""
+    for result in (r["moe-short"] for r in results):
+        assert result == {
+            "error": "SetupError",
+            "message": "error: the pipeline cannot start:\n"
+            + "\n".join(
+                f"  rank {r}: stage {s} runs in 2 MoE layer(s), but its module has 1 moe_blocks"
+                for r, s in ((0, 0), (0, 3), (1, 1), (1, 2))
+            ),
+        }

@@ -4,9 +4,14 @@ runtime takes from them (runtime/plan/plan.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+from pipecc.runtime.engine.moe_ops import stage_problems
 from pipecc.runtime.plan.plan import forward_only, mailbox
 from pipecc.runtime.tools.moe_program import split_moe
 from runtime_cases import compile_case
+from torch import nn
 
 from pipecc.driver.mesh import MeshOptions, place_mesh
 from pipecc.ir.ops import Collective, CollectiveKind, Fused, Instr, Kind, Phase, Wait
@@ -89,3 +94,12 @@ def test_the_forward_only_plan_keeps_the_forward_phases_and_their_all_to_alls() 
         1 for x in instrs if type(x) is Phase and x.op.kind is Kind.F and x.is_last
     )
     assert mailbox(instrs)  # every phase's op has its messages' slots
+
+
+def test_a_stage_run_in_phases_must_be_a_moe_stage() -> None:
+    instrs = _split("1f1b", 2).ranks[1]
+    stage: Any = SimpleNamespace(chunks={0: SimpleNamespace(module=nn.Linear(2, 2))})
+    assert stage_problems(instrs, stage) == [
+        "stage 1 runs in MoE phases, but its module (Linear) has no moe_blocks "
+        "(docs/runtime.md, MoE stages in phases)"
+    ]
