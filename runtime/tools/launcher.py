@@ -254,12 +254,13 @@ def _profiled_cut(job: RunJob, model: ModelFile) -> RunJob:
 
 
 def _moe(job: RunJob, model: ModelFile) -> RunJob:
-    """A model of MoE stages run in phases: the program split at their MoE layers, unless
-    the compiler split it (`--moe`; runtime/tools/moe_program.py)."""
-    if job.program.moe is not None:
+    """On a mesh with ep > 1, a model of MoE stages runs in phases: the program split at
+    their MoE layers, unless the compiler split it (`--moe`), and the dense gradients
+    reduced over ep (runtime/tools/moe_program.py)."""
+    if job.program.moe is not None or job.mesh is None or job.mesh.ep == 1:
         return job
     layers = moe_layers(model.all_stages(job.program.placement.num_stages(0)))
-    return replace(job, program=split_moe(job.program, layers)) if any(layers) else job
+    return replace(job, program=split_moe(job.program, layers))
 
 
 def _replicas(job: RunJob) -> int:

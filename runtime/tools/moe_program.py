@@ -44,14 +44,15 @@ def moe_layers(stages: Sequence[torch.nn.Module]) -> tuple[int, ...]:
 
 def split_moe(program: Program, layers: Sequence[int], *, overlap: bool = True) -> Program:
     """`program` with its MoE stages' F, B and I split into phases and all-to-alls, and the
-    dense gradients reduced over `ep` (module docstring). A program with phases: as it is."""
-    if program.moe is not None or not any(layers):
+    dense gradients reduced over `ep` (module docstring; also without MoE layers: an EP rank
+    is a data-parallel replica). A program with phases: as it is."""
+    if program.moe is not None:
         return program
     moe = tuple(layers)
-    ranks = tuple(
-        _Rank(rank, moe, overlap).expand(instrs) for rank, instrs in enumerate(program.ranks)
-    )
-    return replace(program, ranks=_reduced(program, ranks, moe), moe=moe)
+    ranks = program.ranks
+    if any(moe):
+        ranks = tuple(_Rank(rank, moe, overlap).expand(instrs) for rank, instrs in enumerate(ranks))
+    return replace(program, ranks=_reduced(program, ranks, moe), moe=moe if any(moe) else None)
 
 
 def what(op: Compute, layers: int, j: int) -> str:
@@ -156,7 +157,7 @@ def _reduced(
             Collective(
                 CollectiveKind.ALL_REDUCE,
                 (rank,),
-                f"dp-grad {'dense ' if moe[s] else ''}s{s}",
+                f"dp-grad {'dense ' if s < len(moe) and moe[s] else ''}s{s}",
                 False,
                 ("ep",),
                 (s,),

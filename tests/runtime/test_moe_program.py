@@ -103,3 +103,14 @@ def test_a_stage_run_in_phases_must_be_a_moe_stage() -> None:
         "stage 1 runs in MoE phases, but its module (Linear) has no moe_blocks "
         "(docs/runtime.md, MoE stages in phases)"
     ]
+
+
+def test_without_moe_layers_an_ep_rank_is_a_plain_replica() -> None:
+    """A model without MoE stages on ep: no phase, each stage's gradients reduced over ep."""
+    program = place_mesh(compile_case("1f1b", 2, 4), MeshOptions("ep=2"))
+    split = split_moe(program, (0, 0))
+    assert split.moe is None and not any(type(x) is Phase for r in split.ranks for x in r)
+    assert [[(x.what, x.dims) for x in r if type(x) is Collective] for r in split.ranks] == [
+        [("dp-grad s0", ("ep",))],
+        [("dp-grad s1", ("ep",))],
+    ]
