@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= out
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test test-fast lint typecheck bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +31,15 @@ demo: $(STAMP)
 	$(BIN)/pipecc run $(OUT)/zb_h1.json --nproc 4 --model examples/mlp.py --check
 	@echo "wrote $(OUT)/zb_h1.json and $(OUT)/zb_h1.svg"
 
-# What CI gates (.ci/run runs `make test`): lint, format, types, then the tests.
+# What CI gates (.ci/run runs `make test`): lint, format, types, then every test, and the
+# 25 slowest of them.
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
+
+# The inner loop: every test that starts no process and joins no torch process group
+# (`slow` marks the others: tests/conftest.py, docs/architecture.md#tests), on two workers.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipecc runtime tests benchmarks examples

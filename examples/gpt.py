@@ -27,6 +27,7 @@ imported (with `runpy` or as a module) to build the same model with other sizes.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,11 +139,18 @@ class Stage(nn.Module):
     """One pipeline stage: the embedding (first stage), its blocks, the head (last stage)."""
 
     def __init__(
-        self, blocks: list[Block], embed: Embedding | None = None, head: Head | None = None
+        self,
+        blocks: list[Block],
+        embed: Embedding | None = None,
+        head: Head | None = None,
+        first_block: int = 0,
     ) -> None:
         super().__init__()
         self.embed = embed
-        self.blocks = nn.Sequential(*blocks)
+        # keyed by the block's index in the whole model, so every parameter has the whole
+        # model's name on any stage (`blocks.3.attn.qkv.weight`), as a checkpoint needs
+        numbered = OrderedDict((str(first_block + i), block) for i, block in enumerate(blocks))
+        self.blocks = nn.Sequential(numbered)
         self.head = head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +164,9 @@ def build_stages(num_stages: int, config: GPTConfig | None = None) -> list[nn.Mo
     """The whole GPT as `num_stages` consecutive stages with the same number of blocks.
 
     With `tied`, the LM head's weight is the token embedding's Parameter (held by the first
-    and the last stage)."""
+    and the last stage). Every parameter has its name in the whole model (`embed.*`,
+    `blocks.K.*` with K the block's index in the model, `head.*`), whatever the cut, so
+    checkpoints (`pipecc.runtime.save_checkpoint`) load into another number of stages."""
     config = config or GPTConfig()
     layers = config.layers or num_stages
     if layers % num_stages:
@@ -170,7 +180,8 @@ def build_stages(num_stages: int, config: GPTConfig | None = None) -> list[nn.Mo
     for index in range(num_stages):
         blocks = [Block(config) for _ in range(per_stage)]
         first, last = index == 0, index == num_stages - 1
-        stages.append(Stage(blocks, embed if first else None, head if last else None))
+        stage = Stage(blocks, embed if first else None, head if last else None, index * per_stage)
+        stages.append(stage)
     for stage in stages:
         stage.apply(_gpt2_init)
     return stages

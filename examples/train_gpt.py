@@ -13,6 +13,12 @@ parameter counted once over the pipeline), an AdamW step on `runtime.parameters(
 parameter once), and rank 0 logs the step's loss (`runtime.global_loss()`, the mean over all
 microbatches on every rank).
 
+The stages carry the whole model's parameter names (examples/gpt.py numbers the blocks as
+in the whole model), so `--save-every N` writes a checkpoint (stages, AdamW, the runtime's
+step count, the next step) with `pipecc.runtime.save_checkpoint` every N steps into
+`--save-dir/step_K`, and `--resume DIR` continues from one, on the same program bitwise or
+on another schedule, P or cut by parameter name (docs/runtime.md, "Checkpoints").
+
 On a device mesh (docs/parallelism.md), `--pp P --dp-replicate D` with P·D processes:
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --schedule zbv --pp 2 --dp-replicate 2
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +47,13 @@ from gpt import (  # examples/gpt.py, beside this
     make_batch,
     parallelize,
 )
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, shared_parameters
+from pipecc.runtime import (
+    PipelineRuntime,
+    RuntimeConfig,
+    load_checkpoint,
+    save_checkpoint,
+    shared_parameters,
+)
 from pipecc.runtime.tools.reference import Options, reference_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -67,6 +80,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel (each block's MLP)")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="save a checkpoint every N steps, into --save-dir/step_K")  # fmt: skip
+    parser.add_argument("--save-dir", default="checkpoints", help="where --save-every writes")
+    parser.add_argument("--resume", metavar="DIR", help="continue from a checkpoint folder")
     parser.add_argument(
         "--check",
         action="store_true",
@@ -142,7 +159,8 @@ def main() -> None:
     if args.check:  # before any step changes the weights
         batch = make_batch(rows, seed=0, config=config)
         want = whole_batch_loss(config, len(stages), batch, args.microbatches * replicas, device)
-    for step in range(args.steps):
+    first = resume(args.resume, runtime, optimizer, rank)
+    for step in range(first, args.steps):
         optimizer.zero_grad(set_to_none=True)
         tokens, targets = make_batch(rows, seed=step, config=config)
         tokens, targets = (t[replica * share : (replica + 1) * share] for t in (tokens, targets))
@@ -160,7 +178,32 @@ def main() -> None:
             )
         if step == 0 and want is not None:
             check(float(loss), want, rank)
+        save(args, step, runtime, optimizer, rank)
     dist.destroy_process_group()
+
+
+def save(
+    args: argparse.Namespace, step: int, runtime: PipelineRuntime, optimizer: Any, rank: int
+) -> None:
+    """--save-every: after every N-th step, a checkpoint whose `extra` is the next step."""
+    if not args.save_every or (step + 1) % args.save_every:
+        return
+    path = Path(args.save_dir) / f"step_{step + 1}"
+    save_checkpoint(path, runtime, optimizer, extra={"step": step + 1})
+    if rank == 0:
+        print(f"saved {path}", flush=True)
+
+
+def resume(folder: str | None, runtime: PipelineRuntime, optimizer: Any, rank: int) -> int:
+    """--resume: the stages, AdamW's state and the runtime's step count (the dropout masks)
+    from a checkpoint, in any schedule, P or cut (the names are the whole model's); returns
+    the step to continue at (the batches are a function of the step)."""
+    if folder is None:
+        return 0
+    step = int(load_checkpoint(folder, runtime, optimizer)["step"])
+    if rank == 0:
+        print(f"resumed from {folder} at step {step}", flush=True)
+    return step
 
 
 def check(loss: float, want: float, rank: int) -> None:

@@ -128,6 +128,13 @@ class RequirementError(ScheduleError):
         self.requirement = requirement
 
 
+class LoweringViolation(ScheduleError):
+    """A compute order that cannot run, or hand-placed messages that two ranks post in
+    different orders: no correct program exists, and the verifier says why (the cycle, the
+    two messages). Raised by the comm passes; the driver replaces it by the verifier's
+    report of the program as far as it can be built (`ViolatedScheduleError`, exit 1)."""
+
+
 class RefusedProgramError(InputError):
     """A compiled program or torch CSV that fails the verifier's input checks, given to a
     command that needs a well-formed program (`verify` reports the same defects as
@@ -152,6 +159,22 @@ class ProgramError(PipeccError):
     """A compiled program that is wrong: found by the verifier, or by the runtime."""
 
     exit_code = 1
+
+
+class ViolatedScheduleError(ProgramError):
+    """A .sched file that compiles to no correct program at these sizes (a compute order
+    that deadlocks, hand-placed messages that mismatch): shown as the verifier's violations,
+    then one line that names the input (exit 1, as `pipecc verify` of it)."""
+
+    def __init__(self, label: str, violations: tuple[Violation, ...], counts: str) -> None:
+        super().__init__(
+            f"{label}: the schedule is wrong: the verifier finds {counts} ('pipecc verify' "
+            "of it shows every check)"
+        )
+        self.violations = violations
+
+    def __str__(self) -> str:
+        return "\n\n".join([*(str(v) for v in self.violations), f"error: {self.message}"])
 
 
 class SetupError(ProgramError):

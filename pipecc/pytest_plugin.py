@@ -1,12 +1,14 @@
 """pytest plugin: `pytest --pipecc schedules/` verifies every .sched file at every size.
 
-Each (file, P, M) is one test item, `dualpipe.sched::P4-M8`; a size a `require` rejects is
+Each (file, P, M) is one test item, `dualpipe.sched::P4-M8` (with the values of the swept
+parameters the file declares, `vhalf.sched::P4-M8-frac2`); a size a `require` rejects is
 skipped with the requirement as the reason; a failing size shows the verifier's full
 report. A file that cannot be read or parsed is one failing item, `typo.sched::parse`, and
 no size items; a compile error that several sizes share (a misspelt name) fails at the
 first of them, and the others are skipped with a reason naming it. Sizes come from
 `--pipecc-sizes` (the syntax of `pipecc verify --sweep`, default `ranks=2..8
-microbatches=1..16`), the model from `--pipecc-comm` (default nccl, or `all`);
+microbatches=1..16`; `frac=2,3` sweeps a parameter), the model from `--pipecc-comm`
+(default nccl, or `all`);
 `--pipecc-stall-budget 0 --pipecc-cost F=1,B=2,comm=0.1` also fails placement-bound waits.
 
 The plugin is registered through the `pytest11` entry point, so it loads wherever pipecc is
@@ -22,7 +24,7 @@ from typing import Any, NoReturn, cast
 import pytest
 
 from pipecc.diagnostics import InputError, PipeccError
-from pipecc.driver.sweep import Schedule, Skip, check_size, parse_sizes
+from pipecc.driver.sweep import Grid, Schedule, Size, Skip, check_size, parse_sizes
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import parse_cost_flag
 from pipecc.verify import ALL_MODELS, Options, StallBudget
@@ -72,15 +74,17 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Col
     return None
 
 
-def _sizes(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """`ranks=2..8 microbatches=1..16` -> the ranks and microbatch counts to verify."""
+def _sizes(spec: str) -> Grid:
+    """`ranks=2..8 microbatches=1..16 frac=2,3` -> the ranks, microbatch counts and
+    parameter values to verify."""
     try:
         found = parse_sizes(spec.split())
     except InputError as err:
         raise pytest.UsageError(f"--pipecc-sizes: {err.message}") from None
-    if set(found) != {"ranks", "microbatches"}:
+    if not {"ranks", "microbatches"} <= set(found):
         raise pytest.UsageError("--pipecc-sizes needs ranks=A..B and microbatches=A..B")
-    return found["ranks"], found["microbatches"]
+    ranks, microbatches = found.pop("ranks"), found.pop("microbatches")
+    return Grid(ranks, microbatches, tuple(found.items()))
 
 
 def _stall_options(config: pytest.Config) -> dict[str, Any]:
@@ -103,7 +107,7 @@ class ScheduleFile(pytest.File):
     first_errors: dict[tuple[str | None, str], str]
 
     def collect(self) -> Iterator[pytest.Item]:
-        ranks, microbatches = _sizes(self.config.getoption("pipecc_sizes"))
+        grid = _sizes(self.config.getoption("pipecc_sizes"))
         comm = self.config.getoption("pipecc_comm")
         models = ALL_MODELS if comm == "all" else (CommModel(comm),)
         options = Options(models=models, **_stall_options(self.config))
@@ -113,26 +117,25 @@ class ScheduleFile(pytest.File):
             yield UnusableItem.from_parent(self, name="parse", error=err)
             return
         self.first_errors = {}
-        for p in ranks:
-            for m in microbatches:
-                yield SizeItem.from_parent(
-                    self, name=f"P{p}-M{m}", ranks=p, microbatches=m, options=options
-                )
+        for size in grid.declared(self.schedule.params).sizes():
+            yield SizeItem.from_parent(self, name=size.name, size=size, options=options)
 
 
 class SizeItem(pytest.Item):
     """Compile one .sched file at (P, M) and verify it."""
 
-    def __init__(self, *, ranks: int, microbatches: int, options: Options, **kwargs: Any) -> None:
+    def __init__(self, *, size: Size, options: Options, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.ranks = ranks
-        self.microbatches = microbatches
+        self.size = size
         self.options = options
 
     def runtest(self) -> None:
         file = cast("ScheduleFile", self.parent)
         try:
-            found = check_size(file.schedule, self.ranks, self.microbatches, {}, self.options)
+            size = self.size
+            found = check_size(
+                file.schedule, size.ranks, size.microbatches, {}, self.options, params=size.params
+            )
         except InputError as err:
             self._skip_if_reported(file, err)
             raise
@@ -153,9 +156,7 @@ class SizeItem(pytest.Item):
 
     def _skip(self, reason: str) -> NoReturn:
         # reported at the .sched file rather than at this line of the plugin
-        raise pytest.skip.Exception(
-            f"P={self.ranks} M={self.microbatches}: {reason}", _use_item_location=True
-        )
+        raise pytest.skip.Exception(f"{self.size.label}: {reason}", _use_item_location=True)
 
     def repr_failure(
         self, excinfo: pytest.ExceptionInfo[BaseException], style: str | None = None
@@ -165,7 +166,7 @@ class SizeItem(pytest.Item):
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"{self.path.name} P={self.ranks} M={self.microbatches}"
+        return self.path, 0, f"{self.path.name} {self.size.label}"
 
 
 class UnusableItem(pytest.Item):

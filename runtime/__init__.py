@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from .boundaries.discovery import pipeline_boundaries
 from .boundaries.specs import Boundary, TensorSpec, infer_boundaries
+from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.shared import shared_parameters
 from .config import RuntimeConfig, mse_loss
+from .data import broadcast_shapes
 from .engine.aux_loss import LossBreakdown, add_loss
 from .engine.interpreter import InstructionError
 from .engine.moe_block import MoEBlock, MoEStage, Routed
@@ -37,10 +39,13 @@ __all__ = [
     "TensorSpec",
     "WholeCheck",
     "add_loss",
+    "broadcast_shapes",
     "check_against",
     "infer_boundaries",
+    "load_checkpoint",
     "mse_loss",
     "pipeline_boundaries",
+    "save_checkpoint",
     "shared_parameters",
     "split_model",
 ]

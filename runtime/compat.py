@@ -14,7 +14,7 @@ Nothing else in the runtime reaches into torch's private names: it imports them 
 - `grad_hooked`: whether hooks wait for a parameter's gradient (`_backward_hooks`,
   `_post_accumulate_grad_hooks`).
 - `base_of`: the tensor a view was made from (`Tensor._base`).
-- `coalesces`, `post_p2p`: whether a process group's backend coalesces a group of
+- `group_coalesces`, `post_p2p`: whether a process group's backend coalesces a group of
   point-to-point ops (`ProcessGroup._get_backend`), and one op posted on its process group
   with the peer's rank in that group (`P2POp.group_peer`).
 - `storage_shared`: whether anything besides the tensor references its storage
@@ -57,7 +57,6 @@ __all__ = [
     "base_of",
     "buffer_table",
     "child_table",
-    "coalesces",
     "detached_parameters",
     "dtensor_local_shape",
     "fsdp_post_backward",
@@ -132,12 +131,6 @@ def storage_shared(tensor: torch.Tensor) -> bool:
     storage = tensor.untyped_storage()
     count: int = torch._C._storage_Use_Count(storage._cdata)
     return count > 2
-
-
-def coalesces(op: dist.P2POp) -> bool:
-    """Whether the backend of `op`'s group for its tensor's device coalesces a group of
-    point-to-point ops (NCCL does, gloo does not)."""
-    return bool(op.group._get_backend(op.tensor.device).supports_coalescing)
 
 
 def group_coalesces(group: dist.ProcessGroup | None, device: torch.device) -> bool:

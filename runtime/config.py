@@ -52,6 +52,12 @@ class RuntimeConfig:
     `recompute`: "full" (every stage), "none", or {stage: "full" | "none"}: a recomputed
     stage's forward keeps only its input and runs again, with its graph, before its
     backward (runtime/engine/recompute.py).
+    `gloo_poster_thread`: on gloo, post every send and receive from one poster thread, in
+    program order, instead of the calling thread (`pipecc run`: `PIPECC_POST_THREAD=1`).
+    `gloo_direction_groups`: on gloo, a pipeline's messages to a lower rank go over a second
+    gloo group of its ranks, so each socket carries data one way (`pipecc run`:
+    `PIPECC_GLOO_DIRECTIONS=0` turns it off). Neither applies on NCCL, where every post goes
+    through `batch_isend_irecv` on the group's communicator (runtime/comm/channel.py).
     """
 
     group: dist.ProcessGroup | None = None
@@ -70,3 +76,5 @@ class RuntimeConfig:
     pp_dim: str = "pp"
     plans_kept: int = 4
     recompute: str | Mapping[int, str] | None = None
+    gloo_poster_thread: bool = False
+    gloo_direction_groups: bool = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace as dataclass_replace
 from typing import Any, Literal, cast, overload
 
 import torch
@@ -95,7 +96,11 @@ class PipelineRuntime:
             program, world, self.rank_map, dist.get_rank()
         ) or binding.backend_problem(program, nccl=nccl)
         self.rank = self.rank_map.index(dist.get_rank()) if self._problem is None else -1
-        self.channel = Channel(self.group, self.rank_map, timeout=config.timeout, nccl=nccl)
+        self.channel = Channel(
+            self.group, self.rank_map, timeout=config.timeout, nccl=nccl,
+            poster_thread=config.gloo_poster_thread,
+            direction_groups=config.gloo_direction_groups,
+        )  # fmt: skip
         self.losses: dict[int, torch.Tensor] = {}
         self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
@@ -164,6 +169,7 @@ class PipelineRuntime:
         *,
         context: object = None,
         recorder: Recorder | None = None,
+        loss_scale: float = 1.0,
         through: Callable[[Interpreter], Interpreter] | None = None,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of all M microbatches.
@@ -175,10 +181,13 @@ class PipelineRuntime:
         (`add_loss`), by stage. `context`: a dict of every stage's keyword inputs, split
         into microbatches like the inputs (runtime/boundaries/context.py); every rank
         passes the same one. `recorder`: time every instruction into it
-        (runtime/profiling/profiler.py). `through`: run this step through the interpreter it
-        makes of the runtime's own (a subclass that wraps it: runtime/engine/interpreter.py).
+        (runtime/profiling/profiler.py). `loss_scale`: each microbatch's loss (and added
+        loss) is multiplied by it before its backward, so `.grad` gets `loss_scale` times the
+        mean; `1/K` for K accumulated steps leaves the mean over their K·M microbatches
+        (the reported losses are unscaled). `through`: run this step through the interpreter
+        it makes of the runtime's own (a subclass that wraps it: runtime/engine/interpreter.py).
         """
-        ctx = self._context(inputs, targets, training=True, context=context)
+        ctx = self._context(inputs, targets, training=True, context=context, loss_scale=loss_scale)
         interpreter = self.interpreter
         if recorder is not None:
             interpreter = ProfilingInterpreter(interpreter, recorder)
@@ -228,6 +237,37 @@ class PipelineRuntime:
         tied weight, is listed once): what an optimizer on this rank should step."""
         return shared.distinct(self.groups)
 
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank consumes the step's inputs: it holds stage 0 of a pipe (DualPipe:
+        both end ranks; a V shape: rank 0). Under `static_shapes` only these ranks need to
+        load the batch's inputs (docs/recipes.md, "Data where it is needed")."""
+        return any(slot.stage == 0 for slot in self._slots())
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank consumes the step's targets: it holds the last stage of a pipe."""
+        placement = self.program.placement
+        return any(placement.is_last_stage(s.pipe, s.stage) for s in self._slots())
+
+    def _slots(self) -> list[Any]:
+        if self._problem is not None:
+            raise SetupError(self._problem)
+        return list(self.program.placement.chunks(self.rank))
+
+    def state_dict(self) -> dict[str, int]:
+        """The runtime's own state, for a checkpoint (runtime/checkpoint.py): the completed
+        steps (the step index of the dropout masks' derivation) and the seed."""
+        return {"steps": self.steps, "seed": self.config.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a `state_dict()`: the next step is step `steps` of the run that
+        saved it, its dropout masks derived from the saved seed."""
+        self.steps = int(state["steps"])
+        self.config = dataclass_replace(self.config, seed=int(state["seed"]))
+        if self._problem is None:
+            self.rng.seed_value = self.config.seed
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that the norm over the whole pipeline's parameters (each
         parameter held by several ranks counted once) is at most `max_norm`; returns the
@@ -270,12 +310,23 @@ class PipelineRuntime:
     # ---- the step --------------------------------------------------------------------------
 
     def _context(
-        self, inputs: object, targets: object, *, training: bool, context: object = None
+        self,
+        inputs: object,
+        targets: object,
+        *,
+        training: bool,
+        context: object = None,
+        loss_scale: float = 1.0,
     ) -> StepContext:
-        """Split the batch and learn the step's signature; a new one is discovered."""
+        """Split the batch and learn the step's signature; a new one is discovered. Each
+        microbatch's loss is scaled by `loss_scale` / M."""
         if self._problem is not None:
             raise SetupError(self._problem)
         found: list[str] = []
+        where, microbatches = f"rank {self.rank}, step {self.steps}", self.program.num_microbatches
+        binding.check_rows(inputs, "inputs", microbatches, where)
+        if self.needs_targets:
+            binding.check_rows(targets, "targets", microbatches, where)
         contexts = split_context(context, self.program.num_microbatches, self.device, found)
         signature = self._signature(inputs, found, context if contexts else None)
         holds_first = any(c.first for c in self.chunks.values())
@@ -293,7 +344,7 @@ class PipelineRuntime:
             raise SetupError(f"rank {self.rank}, step {self.steps}: " + "; ".join(found))
         elif signature.code != self.plans.code:  # seen before: switched to locally
             self.plans.use(signature.code)
-        scale = 1.0 / self.program.num_microbatches
+        scale = loss_scale / self.program.num_microbatches
         mail = Mailbox(self.plans.bound(training).messages)
         return StepContext(
             split_inputs, split_targets, scale, training, step=self.steps, mail=mail,

@@ -183,7 +183,7 @@ def test_the_stall_budget_replays_what_simulate_does(
 ) -> None:
     for costs in _cost_sources(tmp_path):
         for name in ("zbv", "zb_h1"):
-            sizes = ["-P", "4", "-M", "8", *costs]
+            sizes = ["-P", "4", "-M", "8", "--comm", "nccl-single", *costs]
             one = _json(capsys, "simulate", name, *sizes, "--json")
             report = _json(capsys, "verify", name, *sizes, "--stall-budget", "100%",
                            "--format", "json")  # fmt: skip

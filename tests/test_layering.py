@@ -30,8 +30,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "pipecc.frontend": ("pipecc.diagnostics", "pipecc.ir", "lark"),
     "pipecc.semantics": ("pipecc.ir",),
     "pipecc.semantics.costs": ("pipecc.diagnostics", "pipecc.ir"),
+    "pipecc.semantics.costs.keys": (),  # the cost key table: the standard library only
     "pipecc.analysis": ("pipecc.ir", "pipecc.semantics"),
-    "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir"),
+    # the comm lowering pauses the collector over its 10⁶ objects, as align_comms does
+    "pipecc.passes": ("pipecc.diagnostics", "pipecc.ir", "pipecc.perf"),
     # the alignment pass asks the replay engine how its candidates run (DESIGN §1)
     "pipecc.passes.align_comms": (
         "pipecc.ir",
@@ -136,7 +138,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "torch",
         "pipecc.runtime.compat",  # profiling.memory: a dispatch mode, weak storage references
         "pipecc.runtime.engine",
+        # the cost file's writer names its keys from the readers' own table, so the two agree
+        # by construction; that module imports the standard library only (its own layer)
+        "pipecc.semantics.costs.keys",
     ),
+    # checkpoints: the runtime's stages, optimizer and own state through torch's DCP
+    # the step's shapes from the loading ranks (a stand-in of meta tensors elsewhere)
+    "pipecc.runtime.data": ("torch", "pipecc.runtime.compat", "pipecc.runtime.pipeline"),
+    "pipecc.runtime.checkpoint": ("pipecc.diagnostics", "torch", "pipecc.runtime.pipeline"),
     "pipecc.runtime.tools": (
         "pipecc.diagnostics",
         "pipecc.ir",
@@ -289,3 +298,38 @@ def test_compiler_verifier_simulator_run_without_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+ENVIRONMENT = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def _environment_reads(path: Path) -> list[int]:
+    """The lines of `path` that touch the process environment (`os.environ`, `os.getenv`,
+    or those names imported from os)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ENVIRONMENT:
+            found.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            found += [node.lineno for alias in node.names if alias.name in ENVIRONMENT]
+    return sorted(found)
+
+
+def test_the_runtime_reads_no_environment_below_its_tools() -> None:
+    """A runtime setting is a `RuntimeConfig` field; only runtime/tools/ (what `pipecc run`
+    starts) maps `PIPECC_*` variables onto fields (runtime/tools/environment.py)."""
+    found = [
+        f"{module}:{line}"
+        for module, path in MODULES
+        if _within(module, "pipecc.runtime") and not _within(module, "pipecc.runtime.tools")
+        for line in _environment_reads(path)
+    ]
+    assert found == []
+
+
+def test_the_environment_rule_sees_every_form(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import os\nfrom os import getenv\na = os.environ.get('X')\nb = os.getenv('Y')\n"
+    )
+    assert _environment_reads(source) == [2, 3, 4]

@@ -36,6 +36,7 @@ from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 from pipecc.semantics import CauseKind, Replay
 from pipecc.semantics.costs import CostModel
+from pipecc.semantics.wiring import inputs
 
 _EPSILON = 1e-9
 
@@ -138,10 +139,10 @@ def _data_ready(program: Program, run: Replay, costs: CostModel) -> dict[int, fl
     stride, inputs_of, offsets = flow.mb_stride, flow.inputs, run.wiring.offsets
     ready: dict[int, float] = {}
     for rank, ops in enumerate(computes):
-        base = offsets[rank]
-        for index, parts in ops:
+        base, instrs = offsets[rank], program.ranks[rank]
+        for index, _ in ops:
             latest = 0.0
-            for op in parts:
+            for op in inputs(instrs[index]):  # a MoE op's input: at its first phase
                 needed = inputs_of[op.kind][op.pipe][op.stage]
                 if needed is None:
                     continue

@@ -25,6 +25,7 @@ from pipecc.ir.ops import (
     Fused,
     Instr,
     Kind,
+    Phase,
     Recv,
     Send,
     Sequential,
@@ -53,6 +54,15 @@ def activation_delta(kind: Kind) -> int:
     return 1 if kind is _F else 0 if kind is _I else -1
 
 
+def phase_ops(phase: Phase) -> tuple[Compute, ...]:
+    """Where a MoE op's activations count: a forward allocates at its first phase, a
+    backward frees (or, an I, keeps) at its last; its other phases change nothing."""
+    op = phase.op
+    if phase.is_first if op.kind is _F else phase.is_last:
+        return (op,)
+    return ()
+
+
 def peak_activations(instrs: Sequence[Instr]) -> RankPeak:
     """The peak of one rank's instruction list, in units."""
     live, top, at = 0, 0, -1
@@ -64,6 +74,8 @@ def peak_activations(instrs: Sequence[Instr]) -> RankPeak:
             if live > top:  # the forward allocates before the backward frees
                 top, at = live, index
             live += activation_delta(instr.backward.kind)
+        elif type(instr) is Phase:
+            live += sum(activation_delta(op.kind) for op in phase_ops(instr))
         elif type(instr) is Sequential:  # torch's OVERLAP_F_B: its parts in the order written
             for op in instr.parts:
                 live += activation_delta(op.kind)
@@ -118,6 +130,8 @@ def activation_peak_bytes(instrs: Sequence[Instr], size: Callable[[int], float])
             parts: tuple[Compute, ...] = (instr,)
         elif type(instr) is Fused or type(instr) is Sequential:
             parts = computations(instr)
+        elif type(instr) is Phase:
+            parts = phase_ops(instr)
         else:
             continue
         for op in parts:
@@ -255,8 +269,9 @@ class _ByteSweep:
         kind = type(instr)
         if kind is Compute:
             self._compute(index, cast(Compute, instr))
-        elif kind is Fused or kind is Sequential:
-            for op in computations(instr):
+        elif kind is Fused or kind is Sequential or kind is Phase:
+            parts = phase_ops(cast(Phase, instr)) if kind is Phase else computations(instr)
+            for op in parts:
                 self._compute(index, op)
         elif kind is Send:
             self._send(index, cast(Send, instr))

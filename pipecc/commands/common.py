@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, NoReturn
 from pipecc.diagnostics import CostModelError, InputError
 from pipecc.driver.compile import Alignment, Lowering
 from pipecc.driver.load import DEFAULT_BACKEND, Request, RunBackend, resolve
-from pipecc.driver.lowering import requested_style
-from pipecc.driver.mesh import MeshOptions
+from pipecc.driver.mesh import MeshOptions, MoeOptions
 from pipecc.ir.mesh import parse_mesh
 from pipecc.ir.program import Program
 from pipecc.passes.insert_comms import POLICIES
@@ -137,6 +136,38 @@ def print_notes(notes: tuple[str, ...]) -> None:
         print(f"note: {note}", file=sys.stderr)
 
 
+LOWERING_CHOICES = tuple(item.value for item in LoweringStyle)
+
+
+def add_lowering_arg(parser: argparse.ArgumentParser) -> None:
+    """`--lowering pipecc|torch|torch-defer`: whose rules place the comm ops of a compute
+    order (docs/interop.md); one option of the one resolution (`Lowering.style`)."""
+    parser.add_argument(
+        "--lowering",
+        choices=LOWERING_CHOICES,
+        default=LoweringStyle.PIPECC.value,
+        help="whose rules place the comm ops of a compute-only input: pipecc (default: "
+        "pipecc's comm policy), torch (as torch 2.13's runtime lowers a compute-only "
+        "schedule) or torch-defer (the same with defer_pp_recv=True); docs/interop.md",
+    )
+
+
+def requested_style(args: argparse.Namespace) -> LoweringStyle:
+    """The command's --lowering (pipecc where it has no such flag), refusing a torch
+    lowering together with --align or --comm-policy (both place the comm ops)."""
+    style = LoweringStyle(getattr(args, "lowering", LoweringStyle.PIPECC.value))
+    if style is not LoweringStyle.PIPECC:
+        for flag, given in (
+            ("--align", getattr(args, "align", False)),
+            ("--comm-policy", getattr(args, "comm_policy", None) is not None),
+        ):
+            if given:
+                raise InputError(
+                    f"--lowering {style.value} and {flag} both place the comm ops: give one"
+                )
+    return style
+
+
 def lowering(args: argparse.Namespace, backend: RunBackend = DEFAULT_BACKEND) -> Lowering:
     """How the command's flags ask for the comm ops to be placed (an alignment under
     --comm, else the backend's comm model)."""
@@ -160,10 +191,55 @@ def mesh_options(args: argparse.Namespace) -> MeshOptions | None:
     fsdp = bool(getattr(args, "fsdp", False))
     active = getattr(args, "max_active_stages", None)
     prefetch = getattr(args, "prefetch", None)
-    if not (text or fsdp or active is not None or prefetch is not None):
+    moe = moe_options(args)
+    if not (text or fsdp or active is not None or prefetch is not None or moe is not None):
         return None
     policy = FsdpPolicy(active, DEFAULT_POLICY.prefetch if prefetch is None else prefetch)
-    return MeshOptions(text, fsdp, policy)
+    return MeshOptions(text, fsdp, policy, moe)
+
+
+def moe_options(args: argparse.Namespace) -> MoeOptions | None:
+    """--moe K and --moe-overlap, with a cost file's per-stage `moe_layers` over K (None:
+    no --moe)."""
+    layers = getattr(args, "moe", None)
+    if layers is None:
+        if getattr(args, "moe_overlap", None) is not None:
+            raise InputError("--moe-overlap is for --moe K (the MoE layers of every stage)")
+        return None
+    stages: tuple[tuple[int, int], ...] = ()
+    if getattr(args, "cost_file", None) or getattr(args, "cost", None):
+        costs = load_costs(args)
+        if costs.base.moe_layers is not None:  # [cost] moe_layers: every stage's
+            layers = _layers(costs.base.moe_layers)
+        stages = tuple(
+            (s, _layers(c.moe_layers)) for s, c in costs.stages if c.moe_layers is not None
+        )
+    return MoeOptions(layers, stages, getattr(args, "moe_overlap", None) != "off")
+
+
+def _layers(value: float) -> int:
+    """A cost file's `moe_layers`: a whole, non-negative number of layers."""
+    if value != int(value) or value < 0:
+        raise CostModelError(f"moe_layers={value:g} must be a whole number of layers")
+    return int(value)
+
+
+def add_moe_args(parser: argparse.ArgumentParser) -> None:
+    """--moe, --moe-overlap (docs/parallelism.md, Expert parallelism)."""
+    parser.add_argument(
+        "--moe",
+        type=non_negative,
+        metavar="K",
+        help="K MoE layers in every stage (a cost file's moe_layers overrides it per stage): "
+        "each stage's F, B and I run as the layers' phases with an all_to_all over ep for "
+        "every dispatch and combine (docs/parallelism.md)",
+    )
+    parser.add_argument(
+        "--moe-overlap",
+        choices=("on", "off"),
+        help="on (default): a fused F&B of MoE stages interleaves its halves' phases, each "
+        "all_to_all hidden behind the other half (DualPipe); off: its halves in sequence",
+    )
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:
@@ -173,8 +249,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIM=N,...",
         type=mesh_text,
         help="the device mesh: dp_shard=2,dp_replicate=2,tp=2 (pp is -P; torchtitan's names "
-        "pp, dp_replicate, dp_shard, cp, tp): dp_shard > 1 adds FSDP's UNSHARD, RESHARD and "
-        "REDUCE_GRAD, dp_replicate > 1 each stage's data-parallel all_reduce; verify and "
+        "pp, dp_replicate, dp_shard, ep, cp, tp): dp_shard > 1 adds FSDP's UNSHARD, RESHARD and "
+        "REDUCE_GRAD, dp_replicate or ep > 1 each stage's data-parallel all_reduce; verify and "
         "simulate replay the whole mesh (docs/parallelism.md)",
     )
     parser.add_argument(
@@ -223,8 +299,8 @@ def add_backend_arg(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BACKEND.value,
         help="resolve the program as 'pipecc run' does on this backend (default: nccl): a "
         "compute-only input gets its comm policy (gloo: early-recv, nccl: default), and "
-        "--comm defaults to its comm model (gloo: rendezvous, nccl: nccl); hand-placed comm "
-        "ops and a .json's are kept (docs/runtime.md)",
+        "--comm defaults to its comm model (gloo: rendezvous, nccl: nccl-single; simulate "
+        "and compare: nccl); hand-placed comm ops and a .json's are kept (docs/runtime.md)",
     )
 
 
@@ -234,11 +310,22 @@ def backend_of(args: argparse.Namespace) -> RunBackend:
 
 
 def comm_model(args: argparse.Namespace, backend: RunBackend | None = None) -> CommModel:
-    """The command's --comm, else the comm model of `backend` (default: its --backend)."""
+    """The command's --comm, else the comm model of `backend` (default: its --backend): the
+    one its runtime follows (nccl-single on nccl), which verify, run, --align and search use."""
     given = getattr(args, "comm", None)
     if given is not None and given != "all":
         return CommModel(given)
     return (backend or backend_of(args)).comm_model
+
+
+def simulated_model(args: argparse.Namespace) -> CommModel:
+    """What `simulate` and `compare` replay under: the command's --comm, else its backend's
+    comm model, except on nccl, where they still predict under `nccl` (per-peer streams), as
+    their documented outputs were made; --comm nccl-single predicts what the runtime posts."""
+    backend = backend_of(args)
+    if getattr(args, "comm", None) is None and backend is RunBackend.NCCL:
+        return CommModel.NCCL
+    return comm_model(args, backend)
 
 
 def shared_groups(text: str) -> tuple[tuple[int, ...], ...]:
@@ -293,8 +380,10 @@ COMM_MODELS = tuple(model.value for model in CommModel)
 def add_cost_args(parser: argparse.ArgumentParser, *, backend: bool = False) -> None:
     """--cost, --cost-file and --comm: the simulator's inputs (DESIGN §6). With `backend`,
     also --backend, and --comm defaults to the backend's comm model."""
+    default = "nccl)"
     if backend:
         add_backend_arg(parser)
+        default = "the backend's: nccl (--align: nccl-single), rendezvous on gloo)"
     parser.add_argument(
         "--cost",
         metavar="K=V,...",
@@ -313,8 +402,7 @@ def add_cost_args(parser: argparse.ArgumentParser, *, backend: bool = False) -> 
         "--comm",
         choices=COMM_MODELS,
         default=None if backend else "nccl",
-        help="how sends and receives complete (DESIGN §5; default: "
-        + ("the backend's, nccl or rendezvous with --backend gloo)" if backend else "nccl)"),
+        help=f"how sends and receives complete (DESIGN §5; default: {default})",
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -14,9 +15,10 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_size_args,
-    comm_model,
+    define,
     load_costs,
     load_input,
+    simulated_model,
 )
 from pipecc.diagnostics import InputError, RequirementError
 from pipecc.semantics import CommModel
@@ -31,15 +33,47 @@ row's makespan is `pipecc simulate`'s. --per-stage uses the global costs as give
 stage instead. `peak act` counts one stage's activations for one microbatch (DESIGN §2, as
 simulate's); `peak shares` is the same peak in shares of the model (a V-shape stage is half
 a share), the column that compares memory across rows.
--D values apply to the schedules that declare that parameter. A schedule whose `require`
-rejects the sizes is listed as skipped, with the reason.
+`span bubble` is the zero-bubble papers' rate: 1 - busy / (last end - first start) of the
+rank whose span is longest (fill and drain left out; `bubble` counts them).
+-D values apply to the schedules that declare that parameter. FILE:NAME=VALUE,... gives
+options to one row (they override -D there), so one schedule can be several rows:
+vhalf.sched:frac=2 vhalf.sched:frac=3. A schedule whose `require` rejects the sizes is
+listed as skipped, with the reason.
 
-example:
+examples:
   pipecc compare schedules/{1f1b,zb_h1,zb_h2,zbv}.sched -P 8 -M 32 --cost F=1,B=2,I=1,W=1
+  pipecc compare interleaved_1f1b:V=2 interleaved_1f1b:V=4 1f1b -P 4 -M 16
 """
 
 
 PROGRAM_SUFFIXES = (".json", ".csv")
+_ROW_OPTIONS = re.compile(r"[A-Za-z_]\w*=[^,]*(,[A-Za-z_]\w*=[^,]*)*")
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    """One FILE argument: the input, and the options given to its row (`FILE:V=2,X=1`)."""
+
+    name: str
+    options: tuple[tuple[str, int], ...] = ()
+    written: str = ""  # the options as written, for the label
+
+    @classmethod
+    def parse(cls, text: str) -> Input:
+        """`zbv`, `my.sched:frac=2` or `my.sched:frac=2,V=3` (the options after the last `:`)."""
+        name, sep, written = text.rpartition(":")
+        if not sep or not name or _ROW_OPTIONS.fullmatch(written) is None:
+            return cls(text)
+        try:
+            options = tuple(define(part) for part in written.split(","))
+        except argparse.ArgumentTypeError as err:
+            raise InputError(f"{text}: {err}") from None
+        if name.endswith(PROGRAM_SUFFIXES):
+            raise InputError(
+                f"{text}: a compiled program has its parameters already; row options are "
+                "for .sched files and bundled schedules"
+            )
+        return cls(name, options, written)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +114,13 @@ def register(commands: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    args = argparse.Namespace(**{**vars(args), "comm": comm_model(args).value})
+    args = argparse.Namespace(**{**vars(args), "comm": simulated_model(args).value})
     if args.ranks is None or args.microbatches is None:
         args = _sizes_of_programs(args)
     costs = load_costs(args)
+    inputs = [Input.parse(text) for text in args.files]
     labels = input_labels(args.files, args.defines)
-    rows = [_row(name, label, args, costs) for name, label in zip(args.files, labels, strict=True)]
+    rows = [_row(found, label, args, costs) for found, label in zip(inputs, labels, strict=True)]
     for note in dict.fromkeys(row.note for row in rows if row.note):  # each once, in order
         print(f"note: {note}", file=sys.stderr)
     rows.sort(
@@ -105,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
 def _sizes_of_programs(args: argparse.Namespace) -> argparse.Namespace:
     """The sizes of the first file when every file is a program (.json, .csv) and -P or -M
     is missing: a program knows them; a .sched needs them to compile."""
-    schedules = [name for name in args.files if not name.endswith(PROGRAM_SUFFIXES)]
+    schedules = [
+        found.name for found in map(Input.parse, args.files) if not _is_program(found.name)
+    ]
     if schedules:
         raise InputError(
             f"compare needs -P/--ranks and -M/--microbatches to compile {schedules[0]}"
@@ -116,15 +153,24 @@ def _sizes_of_programs(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "ranks": ranks, "microbatches": microbatches})
 
 
+def _is_program(name: str) -> bool:
+    return name.endswith(PROGRAM_SUFFIXES)
+
+
 def input_labels(files: list[str], defines: list[tuple[str, int]]) -> list[str]:
     """A label per input, unique in the table: a file by its name (`zbv_aligned.json`,
     `zbv.csv`, `my.sched`; by the path as written when two names are alike), a bundled
-    schedule by its name; a schedule with the -D values it declares (`interleaved_1f1b -D
-    V=3`); an input given twice is numbered (`zbv #2`)."""
-    bases = [PurePath(name).name for name in files]  # a bundled name is its own
+    schedule by its name; its row's options as written (`vhalf.sched:frac=2`); a schedule
+    with the -D values it declares and its row does not set (`interleaved_1f1b -D V=3`); an
+    input given twice is numbered (`zbv #2`)."""
+    inputs = [Input.parse(text) for text in files]
+    names = [found.name for found in inputs]
+    bases = [PurePath(name).name for name in names]  # a bundled name is its own
     labels = [
-        (base if bases.count(base) == 1 else name) + _options(name, defines)
-        for name, base in zip(files, bases, strict=True)
+        (base if bases.count(base) == 1 else found.name)
+        + (f":{found.written}" if found.written else "")
+        + _options(found, defines)
+        for found, base in zip(inputs, bases, strict=True)
     ]
     seen: dict[str, int] = {}
     unique = []
@@ -134,16 +180,21 @@ def input_labels(files: list[str], defines: list[tuple[str, int]]) -> list[str]:
     return unique
 
 
-def _options(name: str, defines: list[tuple[str, int]]) -> str:
-    """` -D V=3`: the -D values a schedule declares (a program was compiled already)."""
-    if name.endswith(PROGRAM_SUFFIXES) or not defines:
+def _options(found: Input, defines: list[tuple[str, int]]) -> str:
+    """` -D V=3`: the -D values a schedule declares and its row does not set (a program was
+    compiled already)."""
+    if _is_program(found.name) or not defines:
         return ""
-    declared = schedule_parameters(resolve_schedule(name))
-    return "".join(f" -D {key}={value}" for key, value in defines if key in declared)
+    declared = schedule_parameters(resolve_schedule(found.name))
+    own = {key for key, _ in found.options}
+    return "".join(
+        f" -D {key}={value}" for key, value in defines if key in declared and key not in own
+    )
 
 
-def _row(name: str, label: str, args: argparse.Namespace, costs: CostModel) -> Row:
-    if name.endswith(PROGRAM_SUFFIXES):
+def _row(found: Input, label: str, args: argparse.Namespace, costs: CostModel) -> Row:
+    name = found.name
+    if _is_program(name):
         program = load_input(name, args)  # checked and lowered as every command does
         if (program.num_ranks, program.num_microbatches) != (args.ranks, args.microbatches):
             raise InputError(
@@ -153,7 +204,7 @@ def _row(name: str, label: str, args: argparse.Namespace, costs: CostModel) -> R
     else:
         path = resolve_schedule(name)
         declared = schedule_parameters(path)
-        defines = {k: v for k, v in args.defines if k in declared}
+        defines = {k: v for k, v in args.defines if k in declared} | dict(found.options)
         given = argparse.Namespace(**{**vars(args), "defines": list(defines.items())})
         try:  # resolved for --backend as `pipecc run` resolves it there
             program = load_input(str(path), given)
@@ -173,9 +224,9 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
     width = max(18, *(len(row.label) + 1 for row in rows))
     lines = [
         f"# P={args.ranks} M={args.microbatches}  comm {args.comm}  costs {share}: "
-        f"{costs.describe()}",
+        f"{costs.describe()}  (peak act in stage units, peak shares in 1/P of the model)",
         f"{'input':{width}s} {'makespan':>9s} {'vs best':>8s} {'bubble':>7s} "
-        f"{'peak act':>9s} {'peak shares':>12s} {'stall total':>12s}"
+        f"{'span bubble':>12s} {'peak act':>9s} {'peak shares':>12s} {'stall total':>12s}"
         + (f" {'peak bytes':>11s}" if costs.has_bytes() else ""),
     ]
     for row in rows:
@@ -188,7 +239,8 @@ def format_table(rows: list[Row], args: argparse.Namespace, costs: CostModel) ->
         ratio = t.makespan / best if best else 1.0
         lines.append(
             f"{row.label:{width}s} {t.makespan:>9g} {ratio:>7.3f}× {t.bubble_ratio:>7.1%} "
-            f"{peak:>9} {peak_shares(t):>12g} {stalls:>12g}" + _byte_cell(t)
+            f"{t.span_bubble_ratio:>12.1%} {peak:>9} {peak_shares(t):>12g} {stalls:>12g}"
+            + _byte_cell(t)
         )
     return "\n".join(lines) + "\n"
 
@@ -209,6 +261,7 @@ def _json(row: Row) -> dict[str, object]:
         "schedule": row.name,
         "makespan": t.makespan,
         "bubble_ratio": t.bubble_ratio,
+        "span_bubble_ratio": t.span_bubble_ratio,
         "peak_activations": max(s.peak_activations for s in t.ranks),
         "peak_shares": peak_shares(t),
         "stall_total": sum(s.length for r in t.ranks for s in r.stalls),

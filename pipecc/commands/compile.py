@@ -9,14 +9,16 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_lowering_arg,
     add_mesh_args,
+    add_moe_args,
     add_policy_arg,
     add_shared_arg,
     load_input,
     write_output,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.lowering import add_lowering_arg
+from pipecc.driver.mesh import whole_mesh
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.printer import format_grid, format_listing
 from pipecc.ir.program import Program
@@ -83,14 +85,26 @@ def register(commands: SubParsers) -> None:
     add_policy_arg(cmd)
     add_shared_arg(cmd)
     add_mesh_args(cmd)
+    add_moe_args(cmd)
+    cmd.add_argument(
+        "--expand",
+        action="store_true",
+        help="write a pipeline's program on a mesh for the whole mesh: one list per global "
+        "rank, as verify and simulate replay it (for inspection and hand edits; verify reads "
+        "it back)",
+    )
     add_cost_args(cmd, backend=True)
     cmd.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.align and (args.cost or args.cost_file):
+    if not args.align and args.moe is None and (args.cost or args.cost_file):
         raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     program = load_input(args.file, args)
+    if args.expand:
+        if program.mesh is None:
+            raise InputError("--expand writes a program on a mesh for every rank: give --mesh")
+        program = whole_mesh(program)[0]
     match args.format:
         case "json":
             text = json_program.dumps(program)

@@ -17,6 +17,8 @@ from pipecc.analysis.memory import format_bytes, measured_sizes, predict_run
 from pipecc.commands.common import (
     SubParsers,
     add_input_args,
+    add_lowering_arg,
+    add_moe_args,
     add_policy_arg,
     lowering,
     mesh_text,
@@ -27,7 +29,6 @@ from pipecc.commands.common import (
 from pipecc.diagnostics import InputError, ProgramError
 from pipecc.driver.check import Resolution, verify_source
 from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
-from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
 from pipecc.search.layers import load_cut
@@ -60,8 +61,9 @@ on NCCL); a .sched file's hand-placed sends, receives and waits are kept; a .jso
 with comm ops runs as it is; --comm-policy, --align or --lowering place every comm op
 afresh, and a note says how many of the input's they replaced. Before any process starts,
 that exact program is verified under the backend's comm model (gloo: rendezvous, NCCL:
-nccl) with verify's checks; a program that fails is refused (exit 1, with verify's report)
-unless --unverified. The first line says which program runs and that it verified.
+nccl-single, as every op goes through one communicator there) with verify's checks; a
+program that fails is refused (exit 1, with verify's report) unless --unverified. The
+first line says which program runs and that it verified.
 """
 
 EPILOG = """\
@@ -133,11 +135,12 @@ def register(commands: SubParsers) -> None:
     )
     cmd.add_argument(
         "--reference",
-        choices=("stages", "whole"),
-        default="stages",
+        choices=("auto", "stages", "whole"),
+        default="auto",
         help="what --check compares with: the model file's stages run one after another in "
-        "one process (default), or the whole unsplit model of its build_model(), parameter "
-        "by parameter name (checks the split too: a forgotten layer, a dropped norm)",
+        "one process, or the whole unsplit model of its build_model(), parameter by "
+        "parameter name, dropout off (checks the split too: a forgotten layer, a dropped "
+        "norm, an undeclared tie); auto (default): whole where the file defines build_model",
     )
     cmd.add_argument(
         "--tolerance",
@@ -224,6 +227,7 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument("--cost", metavar="K=V,...", help="durations and latency for --align")
     cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --align")
     add_lowering_arg(cmd)
+    add_moe_args(cmd)  # the MoE phases and all-to-alls, placed and verified like any op
     cmd.add_argument(
         "--unverified",
         action="store_true",
@@ -287,24 +291,33 @@ class Verified(NamedTuple):
         return f"{self.backend.comm_model.value} ({self.backend.value})"
 
 
-def _program(
-    args: argparse.Namespace, backend_for: Callable[[int], str], world: int | None = None
-) -> Verified:
-    """The program to run on the backend `backend_for` picks for its ranks, resolved as
-    `pipecc verify --backend` resolves it, verified once under that backend's comm model
-    with verify's checks, and refused (exit 1, verify's report on stderr) when it fails,
-    unless --unverified."""
+def program_to_run(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Verified:
+    """The program to run on the backend `backend_for` picks for its processes (`--nproc`,
+    the mesh's world with --mesh, whose pp is the program's P), resolved as `pipecc verify
+    --backend` resolves it, verified once under that backend's comm model with verify's
+    checks, and refused (exit 1, verify's report on stderr) when it fails, unless
+    --unverified."""
+    mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
+    ranks = mesh.pp if mesh is not None else args.ranks  # the program is one pipeline's
+    world = mesh.world if mesh is not None else None
     source = read_source(
-        args.file, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
+        args.file, ranks=ranks, microbatches=args.microbatches, defines=dict(args.defines)
     )
-    _check_sizes(args, source.program)
+    _check_sizes(args, source.program, ranks)
     backend = RunBackend(backend_for(world or source.program.num_ranks))
     resolution = Resolution(backend, lowering(args, backend))
     outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
     ok = outcome.report.ok
     if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
-        refuse_invalid(source.label, source.program if resolved is None else resolved.program)
-    assert resolved is not None, "a compute order that cannot run fails check_order"
+        if resolved is None:
+            refuse_invalid(source.label, source.program, compute_only=source.compute_only)
+        else:
+            refuse_invalid(source.label, resolved.program, compute_only=False)
+    if resolved is None:  # a .sched file with no correct program (an order that cannot run)
+        print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
+        raise ProgramError(
+            f"{outcome.label}: refused: it has no correct program to run, as reported above"
+        )
     print_notes((*resolved.notes, *filter(None, (resolved.placed_for,))))
     if not ok:
         print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
@@ -317,7 +330,7 @@ def _program(
     return Verified(resolved, backend, ok)
 
 
-def _check_sizes(args: argparse.Namespace, program: Program) -> None:
+def _check_sizes(args: argparse.Namespace, program: Program, ranks: int | None) -> None:
     """--nproc and -M, where given, agree with a compiled program's sizes; a program for a
     mesh of several pipelines is not run on one pipeline (docs/parallelism.md)."""
     if program.mesh is not None and program.mesh.pipelines > 1 and not args.mesh:
@@ -325,9 +338,9 @@ def _check_sizes(args: argparse.Namespace, program: Program) -> None:
             f"{args.file}: the program is for the mesh {program.mesh.describe()}; "
             "run it with --mesh (pipecc run --mesh: docs/parallelism.md)"
         )
-    if args.ranks is not None and program.num_ranks != args.ranks:
+    if ranks is not None and program.num_ranks != ranks:
         raise InputError(
-            f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {args.ranks}"
+            f"{args.file}: the program is for {program.num_ranks} ranks, not --nproc {ranks}"
         )
     if args.microbatches is not None and program.num_microbatches != args.microbatches:
         raise InputError(
@@ -356,9 +369,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(_import_failure(err)) from None
     steps, warmup = _timing(args)
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
-    if mesh is not None:
-        args.ranks = mesh.pp  # the program is one pipeline's
-    verified = _program(args, backend_for, mesh.world if mesh is not None else None)
+    verified = program_to_run(args, backend_for)
     program = verified.resolved.program
     if not args.json:
         print(verified.line(), flush=True)

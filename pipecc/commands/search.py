@@ -10,10 +10,20 @@ import sys
 import time
 from pathlib import Path
 
+from pipecc.api import read_text
 from pipecc.commands.common import SubParsers, positive, write_output
 from pipecc.commands.search_layers import add_layer_flags, run_layers
 from pipecc.diagnostics import InputError
+from pipecc.driver.load import RunBackend
+from pipecc.frontend.expand import expand
+from pipecc.frontend.parser import parse
 from pipecc.interop import json_program
+from pipecc.ir.placement import (
+    Placement,
+    bidirectional_placement,
+    loop_placement,
+    vshape_placement,
+)
 from pipecc.ir.program import Backend
 from pipecc.passes.insert_comms import POLICIES
 from pipecc.render.grid import format_timeline
@@ -40,7 +50,8 @@ two stages of half the cost; a [cost.stage.N] table is stage N of the placement'
 profile ('pipecc run --profile') measured on another cut is converted.
 
 The placement is the one 'pipecc run' gives a compute-only program on that backend: on
-nccl the alignment for NCCL's ordered streams, verified under every comm model; on gloo the
+nccl the alignment for the one stream the runtime posts on there (nccl-single), verified
+under every comm model; on gloo the
 early-recv policy (every receive posted at the start of the step), verified under
 rendezvous and eager. The makespan and baseline lines are simulated as 'pipecc compare
 --backend' simulates the written program and the bundled one on that backend, under --comm.
@@ -49,7 +60,9 @@ rendezvous and eager. The makespan and baseline lines are simulated as 'pipecc c
 EPILOG = """\
 output (--json: one object): makespan (of the written program under --comm; with
 --comm eager, the latency model the search optimises), lower_bound, gap, peak (per rank, in
---mem units), placement, seconds (search time, from the parsed input to the chosen order),
+--mem units: per share of the model, 1/P of it, with the default --mem one share's
+activations for one microbatch; simulate's peak act counts stages), placement, seconds
+(search time, from the parsed input to the chosen order),
 baseline ({name, makespan} of the best bundled schedule that fits the cap, placed like the
 result, or null), backend, comm (the written program's placement: aligned, early-recv, ...).
 
@@ -66,10 +79,11 @@ smallest cap that has one); 2 input pipecc cannot use.
 
 # how `pipecc run` places a compute-only program on each backend, for the search: gloo's
 # early-recv (every receive posted at the start; faster on gloo than an alignment,
-# docs/performance.md run 4), the alignment for NCCL's ordered streams on nccl
+# docs/changelog.md, run 4), on nccl the alignment for the one stream the runtime posts
+# every op on there (nccl-single: runtime/comm/channel.py)
 BACKEND_PLACING = {
     "gloo": Placing("early-recv", CommModel.RENDEZVOUS),
-    "nccl": Placing(ALIGNED, CommModel.NCCL),
+    "nccl": Placing(ALIGNED, RunBackend.NCCL.comm_model),
 }
 
 
@@ -115,11 +129,23 @@ def _add_choices(cmd: argparse.ArgumentParser) -> None:
     """The search's options: placement, objective, comm model, time limit, seed."""
     cmd.add_argument(
         "--placement",
-        choices=("loop", "vshape", "v", "auto"),
+        choices=("loop", "vshape", "v", "auto", "bidirectional"),
         default="loop",
-        help="loop (default), vshape (or v), or auto: both, the faster wins",
+        help="loop (default), vshape (or v), auto: both, the faster wins; bidirectional: "
+        "DualPipe's and Chimera's two pipes",
+    )
+    cmd.add_argument(
+        "--placement-from",
+        metavar="FILE.sched",
+        help="search the placement this .sched file declares (for -P and -M)",
     )
     cmd.add_argument("--objective", choices=("makespan", "span"), default="makespan")
+    cmd.add_argument(
+        "--no-split",
+        dest="split",
+        action="store_false",
+        help="full backwards B only, no I/W split (docs/search.md)",
+    )
     _add_backend(cmd)
     cmd.add_argument(
         "--time-limit",
@@ -138,7 +164,7 @@ def _add_backend(cmd: argparse.ArgumentParser) -> None:
         choices=tuple(BACKEND_PLACING),
         default="nccl",
         help="the backend the program is placed for, as 'pipecc run' places a compute-only "
-        "program there (default nccl: aligned for nccl; gloo: early-recv, run under "
+        "program there (default nccl: aligned for nccl-single; gloo: early-recv, run under "
         "rendezvous)",
     )
     cmd.add_argument(
@@ -151,7 +177,7 @@ def _add_backend(cmd: argparse.ArgumentParser) -> None:
         "--comm",
         choices=[model.value for model in CommModel],
         help="the comm model the program is aligned for and reported under (default: the "
-        "backend's: nccl, or rendezvous on gloo)",
+        "backend's: nccl-single, or rendezvous on gloo)",
     )
 
 
@@ -200,6 +226,7 @@ def _memory(args: argparse.Namespace) -> float:
 
 def _request(args: argparse.Namespace) -> Request:
     cap = _memory(args)
+    layout = _layout(args)
     if args.time_limit is not None and not (0 < args.time_limit < math.inf):
         raise InputError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}"
@@ -218,13 +245,42 @@ def _request(args: argparse.Namespace) -> Request:
         seed=args.seed,
         policy=placing.policy,
         backend=args.backend,
+        split=args.split,
+        layout=layout,
     )
+
+
+def _layout(args: argparse.Namespace) -> Placement | None:
+    """`--placement-from FILE.sched`: the file's placement for -P and -M (None: a loop or V
+    placement, searched as `--placement` names it)."""
+    if args.placement_from is None:
+        return None
+    path = args.placement_from
+    placement = expand(
+        parse(read_text(Path(path)), path), ranks=args.ranks, microbatches=args.microbatches
+    ).placement
+    named = {
+        "loop": loop_placement(args.ranks, 1),
+        "vshape": vshape_placement(args.ranks),
+        "bidirectional": bidirectional_placement(args.ranks),
+    }
+    for name, known in named.items():
+        if placement == known:
+            args.placement = name
+            return None
+    args.placement = "table"  # any other: its slots, written back as a table
+    return placement
 
 
 def run(args: argparse.Namespace) -> int:
     if args.placement == "v":
         args.placement = "vshape"
     if args.layers is not None:
+        if args.placement_from is not None or not args.split or args.placement == "bidirectional":
+            raise InputError(
+                "--placement bidirectional, --placement-from and --no-split search orders on a "
+                "given cut: not with --layers"
+            )
         return run_layers(args, _placing(args))
     if args.partition is not None:
         raise InputError("--partition writes the cut of a layer search: give --layers")
@@ -294,7 +350,8 @@ def _table(outcome: Outcome, total: float) -> str:
         + ", ".join(model.value for model in outcome.placing.verified_under),
         f"lower bound  {outcome.lower_bound:g}   gap {outcome.gap:.2%}",
         *([f"span         {outcome.span:g} (the objective, latency model)"] if span else []),
-        f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g})",
+        f"peak         {' '.join(f'{p:g}' for p in outcome.peak)}   (cap {problem.cap:g}; "
+        "in --mem units of one share of the model, where simulate's peak act counts stages)",
         f"baseline     {baseline}",
         f"placement    {problem.placement}   chosen by {outcome.chosen_by}",
         f"seconds      {outcome.seconds:.3f} search, {total:.3f} in all",

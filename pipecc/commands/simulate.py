@@ -11,23 +11,25 @@ from pipecc.commands.common import (
     SubParsers,
     add_cost_args,
     add_input_args,
+    add_lowering_arg,
     add_mesh_args,
-    comm_model,
+    add_moe_args,
     load_costs,
     load_input,
     positive,
     print_notes,
     program_costs,
+    simulated_model,
     write_output,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.lowering import add_lowering_arg
 from pipecc.driver.mesh import whole_mesh
 from pipecc.interop.torch_csv import has_stage_ops
 from pipecc.render.grid import format_timeline
 from pipecc.render.png import MissingDependencyError, render_png
 from pipecc.render.svg import render_svg
 from pipecc.render.trace import render_trace
+from pipecc.semantics.costs import Cut
 from pipecc.simulate.timeline import Timeline, op_name, simulate
 
 DESCRIPTION = """\
@@ -60,6 +62,7 @@ def register(commands: SubParsers) -> None:
     add_input_args(cmd)
     add_lowering_arg(cmd)
     add_mesh_args(cmd)
+    add_moe_args(cmd)
     add_cost_args(cmd, backend=True)
     cmd.add_argument(
         "--stall-threshold",
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     timeline = simulate(
-        program, costs, model=comm_model(args), stall_threshold=args.stall_threshold
+        program, costs, model=simulated_model(args), stall_threshold=args.stall_threshold
     )
     if args.svg:
         write_output(render_svg(timeline, arrows=args.arrows), args.svg)
@@ -106,8 +109,39 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(timeline.to_json()))
     else:
         print(summary(timeline), end="")
+        if args.moe is not None:
+            off = args.moe_overlap == "off"
+            print(moe_lines(timeline, _other_form(args, timeline), sequential=off), end="")
+        elif any(stats.a2a_exposed for stats in timeline.ranks):  # a MoE program as given
+            exposed = ", ".join(f"rank {s.rank} {s.a2a_exposed:g}" for s in timeline.ranks)
+            print(f"exposed a2a (blocked on all-to-alls): {exposed}")
         print(format_timeline(timeline, width=args.width), end="")
     return 0
+
+
+def _other_form(args: argparse.Namespace, timeline: Timeline) -> Timeline:
+    """The same step with --moe-overlap the other way (its fused MoE ops interleaved or in
+    sequence), for the side-by-side prediction."""
+    other = argparse.Namespace(**vars(args))
+    other.moe_overlap = "on" if args.moe_overlap == "off" else "off"
+    program, _ = whole_mesh(load_input(args.file, other))
+    costs = timeline.costs
+    return simulate(program, costs, model=timeline.model, stall_threshold=args.stall_threshold)
+
+
+def moe_lines(timeline: Timeline, other: Timeline, *, sequential: bool) -> str:
+    """The overlapped and the sequential step of a MoE program side by side (`timeline` is
+    the sequential one when `sequential`), and per rank the all-to-all time each leaves
+    exposed (the rank blocked on it)."""
+    overlapped, plain = (other, timeline) if sequential else (timeline, other)
+    lines = [
+        f"moe: step overlapped {overlapped.step:g}, sequential {plain.step:g} "
+        f"(--moe-overlap {'off' if sequential else 'on'} is the one shown)",
+        "rank  exposed a2a overlapped  sequential",
+    ]
+    for a, b in zip(overlapped.ranks, plain.ranks, strict=True):
+        lines.append(f"{a.rank:>4}  {a.a2a_exposed:>20g}  {b.a2a_exposed:>10g}")
+    return "\n".join(lines) + "\n"
 
 
 def summary(timeline: Timeline) -> str:
@@ -123,7 +157,9 @@ def summary(timeline: Timeline) -> str:
     lines = [
         f"# {program.schedule}  {sizes}  comm {timeline.model.value}  "
         f"costs {timeline.costs.describe()}",
-        f"makespan {timeline.makespan:g}{step}   bubble ratio {timeline.bubble_ratio:.4f}",
+        f"makespan {timeline.makespan:g}{step}   bubble ratio {timeline.bubble_ratio:.4f}   "
+        f"span bubble ratio {timeline.span_bubble_ratio:.4f} "
+        f"(rank {timeline.longest_rank.rank})",
         "rank   busy     idle  in-bubble  peak act  stalls (count, total)  "
         "dependency-bound  placement-bound",
     ]
@@ -135,6 +171,11 @@ def summary(timeline: Timeline) -> str:
             f"{stats.peak_activations:>9}  {stalls:<20s} {stats.dependency_bound:>16g} "
             f"{stats.placement_bound:>16g}"
         )
+    shares = Cut.of(program).shares
+    lines.append(
+        "peak act: in stage units (one stage's activations for one microbatch; a stage of "
+        f"this program is {shares:g} {'share' if shares <= 1 else 'shares'} of the model)"
+    )
     lines += _byte_lines(timeline)
     if any(stats.host for stats in timeline.ranks):
         hosts = ", ".join(f"rank {stats.rank} {stats.host:g}" for stats in timeline.ranks)

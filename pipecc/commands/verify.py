@@ -11,7 +11,9 @@ import sys
 from pipecc.commands.common import (
     SubParsers,
     add_backend_arg,
+    add_lowering_arg,
     add_mesh_args,
+    add_moe_args,
     add_policy_arg,
     add_size_args,
     backend_of,
@@ -22,9 +24,17 @@ from pipecc.commands.common import (
     positive,
 )
 from pipecc.diagnostics import InputError
-from pipecc.driver.check import Outcome, Resolution, Unusable, input_label, verify_file
-from pipecc.driver.lowering import add_lowering_arg, requested_style
-from pipecc.driver.sweep import CompileFailure, SweepResult, parse_sizes, sweep_files
+from pipecc.driver.check import Outcome, Resolution, Unusable, input_label, verify_source
+from pipecc.driver.load import Resolved, read_source
+from pipecc.driver.sweep import (
+    CompileFailure,
+    Distinct,
+    Size,
+    Skip,
+    SweepResult,
+    parse_sizes,
+    sweep_files,
+)
 from pipecc.passes.torch_program import LoweringStyle
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
@@ -47,9 +57,11 @@ The program verified is the one `pipecc run` runs on --backend (default nccl), w
 
 EPILOG = """\
 comm models (--comm):
-  nccl         (default) rendezvous, plus per-peer FIFO streams: ops toward one peer run in
-               posting order; a group is one unit on every stream it touches
-  nccl-single  one FIFO stream per rank for all peers
+  nccl         rendezvous, plus per-peer FIFO streams: ops toward one peer run in posting
+               order; a group is one unit on every stream it touches (a runtime that posts
+               each peer's ops on a communicator of their own)
+  nccl-single  (default, --backend nccl) one FIFO stream per rank for all peers: what
+               pipecc's runtime runs on NCCL, every op through one communicator
   rendezvous   a send and its receive complete together once both are posted (gloo)
   eager        sends complete when posted (unbounded buffering); a program that passes
                only here passes eager but fails with a "needs-buffering" violation
@@ -58,6 +70,7 @@ comm models (--comm):
 examples:
   pipecc verify schedules/dualpipe.sched -P 8 -M 20
   pipecc verify schedules/*.sched --sweep ranks=2..8 microbatches=1..40
+  pipecc verify my.sched --sweep ranks=4,8 microbatches=8..32 frac=2,3   # and a -D parameter
   pipecc verify prog.json --comm all
   pipecc verify actions.csv --format github
   pipecc verify dualpipe -P 8 -M 20 --cost F=1,B=2,I=1,W=1,comm=0.1 --stall-budget 0
@@ -90,8 +103,8 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument(
         "--comm",
         choices=COMMS,
-        help="comm model to verify under (default: the backend's, nccl or rendezvous with "
-        "--backend gloo)",
+        help="comm model to verify under (default: the backend's, nccl-single or rendezvous "
+        "with --backend gloo)",
     )
     add_policy_arg(cmd)
     cmd.add_argument(
@@ -132,8 +145,9 @@ def register(commands: SubParsers) -> None:
         "--sweep",
         nargs="+",
         metavar="DIM=RANGE",
-        help="verify every size: ranks=2..8 microbatches=1..40 (ranges a..b, "
-        "lists a,b,c, or both: 1..4,8)",
+        help="verify every size: ranks=2..8 microbatches=1..40, and every value of a -D "
+        "parameter: frac=2,3 (ranges a..b, lists a,b,c, or both: 1..4,8); every failing "
+        "size is reported",
     )
     cmd.add_argument(
         "--jobs", type=positive, metavar="N", help="processes for --sweep (default: one per CPU)"
@@ -143,6 +157,7 @@ def register(commands: SubParsers) -> None:
     )
     add_lowering_arg(cmd)
     add_mesh_args(cmd)
+    add_moe_args(cmd)
     cmd.add_argument(
         "--limit",
         type=positive,
@@ -166,13 +181,12 @@ def run(args: argparse.Namespace) -> int:
         memory_budget=memory,
     )
     defines = dict(args.defines)
-    style = requested_style(args)
-    if args.sweep and style is not LoweringStyle.PIPECC:
-        raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
     backend = backend_of(args)
     resolution = Resolution(backend, lowering(args, backend))
+    if args.sweep and resolution.lowering.style is not LoweringStyle.PIPECC:
+        raise InputError("--sweep verifies pipecc's lowering; give --lowering without --sweep")
     if args.sweep:
-        ranks, microbatches = parse_sweep(args.sweep, args)
+        ranks, microbatches, params = parse_sweep(args.sweep, args)
         jobs = args.jobs or os.cpu_count() or 1
         results = sweep_files(
             _sched_files(args.files),
@@ -182,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
             options=options,
             jobs=jobs,
             resolution=resolution,
+            params=params,
         )
         _print_errors(results)
         print(_render_sweeps(results, args.format), end="")
@@ -189,22 +204,23 @@ def run(args: argparse.Namespace) -> int:
     outcomes: list[Outcome | Unusable] = []
     for path in args.files:
         try:
-            outcomes.append(
-                verify_file(
-                    path,
-                    ranks=args.ranks,
-                    microbatches=args.microbatches,
-                    defines=defines,
-                    options=options,
-                    style=style,
-                    resolution=resolution,
-                )
-            )
+            outcomes.append(verified(path, args, options, resolution)[0])
         except InputError as err:  # reported with the others' verdicts
             outcomes.append(Unusable(path, input_label(path, args.ranks, args.microbatches), err))
     _print_errors(outcomes)
     print(_render_outcomes(outcomes, args.format), end="")
     return _exit_code(outcomes)
+
+
+def verified(
+    path: str, args: argparse.Namespace, options: Options, resolution: Resolution
+) -> tuple[Outcome, Resolved | None]:
+    """One input verified: read, resolved as `pipecc run` resolves it on the backend (the
+    one resolution, `driver/load.resolve_source`), verified; its resolved program too."""
+    source = read_source(
+        path, ranks=args.ranks, microbatches=args.microbatches, defines=dict(args.defines)
+    )
+    return verify_source(source, options, resolution)
 
 
 def _print_errors(results: list[Outcome | Unusable] | list[SweepResult | Unusable]) -> None:
@@ -229,14 +245,15 @@ def _verdict(found: Outcome | SweepResult | Unusable) -> bool | None:
         return None
     if isinstance(found, Outcome):
         return found.report.ok
-    return None if isinstance(found.failed, CompileFailure) else found.ok
+    return None if found.compile_failed else found.ok
 
 
 def _stall_options(args: argparse.Namespace) -> tuple[CostModel | None, StallBudget | None]:
     """--stall-budget with its cost model; a cost model alone is an error (simulate shows the
     waits without a budget)."""
     if args.stall_budget is None:
-        if (args.cost or args.cost_file) and not args.align and args.memory_budget is None:
+        moe = args.moe is not None  # a cost file's moe_layers
+        if _has_costs(args) and not (args.align or moe) and args.memory_budget is None:
             raise InputError(
                 "--cost/--cost-file are for --stall-budget or --memory-budget (to see the "
                 "waits without a budget, use 'pipecc simulate')"
@@ -276,9 +293,12 @@ def _sched_files(files: list[str]) -> list[str]:
     return files
 
 
-def parse_sweep(specs: list[str], args: argparse.Namespace) -> tuple[tuple[int, ...], ...]:
-    """`ranks=2..8 microbatches=1..40` (P= and M= also accepted; lists a,b,c); a missing
-    dimension takes -P/-M."""
+def parse_sweep(
+    specs: list[str], args: argparse.Namespace
+) -> tuple[tuple[int, ...], tuple[int, ...], dict[str, tuple[int, ...]]]:
+    """`ranks=2..8 microbatches=1..40 frac=2,3` (P= and M= also accepted; lists a,b,c): the
+    ranks, the microbatch counts and each swept -D parameter's values; a missing dimension
+    takes -P/-M. A parameter both swept and set with -D is an error."""
     try:
         found = parse_sizes(specs)
     except InputError as err:
@@ -288,7 +308,11 @@ def parse_sweep(specs: list[str], args: argparse.Namespace) -> tuple[tuple[int, 
             if given is None:
                 raise InputError(f"--sweep needs {key}=A..B (or -P/-M for a fixed size)")
             found[key] = (given,)
-    return found["ranks"], found["microbatches"]
+    ranks, microbatches = found.pop("ranks"), found.pop("microbatches")
+    for name, _ in args.defines:
+        if name in found:
+            raise InputError(f"-D {name}: {name} is also swept (--sweep {name}=...); give one")
+    return ranks, microbatches, found
 
 
 def _render_outcomes(outcomes: list[Outcome | Unusable], fmt: str) -> str:
@@ -320,14 +344,19 @@ def _skips(result: SweepResult) -> list[str]:
     lines = []
     reasons = sorted({s.reason for s in result.skipped})
     for reason in reasons:
-        per_rank: dict[int, list[int]] = {}
+        per_rank: dict[str, list[int]] = {}
         for s in result.skipped:
             if s.reason == reason:
-                per_rank.setdefault(s.ranks, []).append(s.microbatches)
-        sizes = "; ".join(f"P={p}: M={_spans(ms)}" for p, ms in per_rank.items())
+                per_rank.setdefault(_skip_head(s), []).append(s.microbatches)
+        sizes = "; ".join(f"{head}: M={_spans(ms)}" for head, ms in per_rank.items())
         count = sum(len(ms) for ms in per_rank.values())
         lines.append(f"  skipped {count} size(s), {reason}: {sizes}")
     return lines
+
+
+def _skip_head(skip: Skip) -> str:
+    """`P=4`, or `P=4 frac=2` in a sweep over a parameter: the M ranges' group."""
+    return " ".join([f"P={skip.ranks}", *(f"{key}={value}" for key, value in skip.params)])
 
 
 def _spans(values: list[int]) -> str:
@@ -357,24 +386,50 @@ def _sweep_json(result: SweepResult | Unusable) -> dict[str, object]:
         "ok": result.ok,
         "verified": result.verified,
         "skipped": [
-            {"ranks": s.ranks, "microbatches": s.microbatches, "reason": s.reason}
+            {"ranks": s.ranks, "microbatches": s.microbatches, **dict(s.params), "reason": s.reason}
             for s in result.skipped
         ],
         "failed": _failure_json(result.failed),
+        "failures": [_distinct_json(found) for found in result.distinct()],
+        "sizes": [{**_size_json(size), "verdict": verdict} for size, verdict in result.ran],
+    }
+
+
+def _size_json(size: Size) -> dict[str, object]:
+    """`{"ranks": 4, "microbatches": 8, "frac": 2}`: a size and its swept parameters."""
+    return {"ranks": size.ranks, "microbatches": size.microbatches, **dict(size.params)}
+
+
+def _distinct_json(found: Distinct) -> dict[str, object]:
+    """One distinct failure: what it is, every size it occurs at, its first size's report."""
+    return {
+        "failure": found.signature,
+        "sizes": [_size_json(size) for size in found.sizes],
+        "first": _failure_json(found.found),
     }
 
 
 def _render_sweep(r: SweepResult, fmt: str) -> str:
-    """One file's sweep: its failure in full (if any), then its verdict line and skips."""
+    """One file's sweep: the first size of each distinct failure in full, then its verdict
+    line, a line per distinct failure with every size it occurs at, and the skips."""
     out = []
-    if isinstance(r.failed, CompileFailure):
-        out.append(_compile_failure(r.failed, fmt))
-    elif r.failed is not None:
-        body = (report.github if fmt == "github" else report.text)(r.failed.report, r.failed.label)
-        out.append(body)
-    status = "ok" if r.failed is None else f"FAILED at {r.failed.label}"
+    distinct = r.distinct()
+    for found in distinct:
+        failed = found.found
+        if isinstance(failed, CompileFailure):
+            out.append(_compile_failure(failed, fmt))
+        else:
+            out.append(
+                (report.github if fmt == "github" else report.text)(failed.report, failed.label)
+            )
+    status = (
+        "ok"
+        if r.ok
+        else f"FAILED at {len(r.failures)} size(s), {len(distinct)} distinct failure(s)"
+    )
     lines = [
         f"{r.path}: {status}: {r.verified} size(s) verified, {len(r.skipped)} skipped",
+        *(_distinct_line(found) for found in distinct),
         *_skips(r),
     ]
     text = "\n".join(lines)
@@ -382,6 +437,12 @@ def _render_sweep(r: SweepResult, fmt: str) -> str:
         text + "\n" if fmt == "text" else "".join(f"::notice::{line.strip()}\n" for line in lines)
     )
     return "".join(out)
+
+
+def _distinct_line(found: Distinct) -> str:
+    """`  error[mismatch] at x.sched:3:22: 2 size(s): P=2 M=3, P=4 M=8 frac=2`."""
+    sizes = ", ".join(size.label for size in found.sizes)
+    return f"  {found.signature}: {len(found.sizes)} size(s): {sizes}"
 
 
 def _compile_failure(failure: CompileFailure, fmt: str) -> str:

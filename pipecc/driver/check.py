@@ -15,23 +15,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipecc.diagnostics import InputError
-from pipecc.driver.compile import DEFAULT_LOWERING, Lowering, lower_program
+from pipecc.diagnostics import InputError, LoweringViolation
+from pipecc.driver.compile import DEFAULT_LOWERING, Lowering, violation_report
 from pipecc.driver.load import (
     DEFAULT_BACKEND,
     Choice,
     Resolved,
     RunBackend,
     Source,
-    needs_lowering,
     read_source,
+    refuse_torch_lowering,
     resolve_source,
 )
-from pipecc.driver.lowering import compute_order, lower_torch
 from pipecc.driver.mesh import whole_mesh
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.torch_lowering import MalformedSchedule
-from pipecc.passes.torch_program import LoweringStyle
+from pipecc.passes.torch_program import LoweringStyle, compute_only
 from pipecc.verify import DEFAULT_OPTIONS, Options, Report, check_order, verify
 
 
@@ -65,27 +64,21 @@ UNRUNNABLE = "unrunnable-order"  # the compute order's own dependency cycle
 
 
 def verify_program(
-    program: Program,
-    options: Options = DEFAULT_OPTIONS,
-    notes: tuple[str, ...] = (),
-    style: LoweringStyle = LoweringStyle.PIPECC,
-    path: str = "",
+    program: Program, options: Options = DEFAULT_OPTIONS, notes: tuple[str, ...] = ()
 ) -> tuple[Report, tuple[str, ...]]:
-    """Verify a program; a compute-only one is first checked for a runnable compute order,
-    then lowered with the default comm policy (DESIGN §5), or with torch's rules (`style`,
-    where a .sched file's program is first reduced to its compute order)."""
-    if style is not LoweringStyle.PIPECC:
-        return _verify_torch_lowering(compute_order(program, path, style), options, notes, style)
-    if needs_lowering(program):
-        refused = check_order(program, options)
-        if refused is not None:
-            return refused, notes
-        program = lower_program(program)
-        notes = (
-            *notes,
-            "compute-only input: sends, receives and waits placed by the "
-            "default comm policy (docs/compile.md), then verified",
-        )
+    """Verify a program as any input is verified (`verify_source`, read as a .json is): a
+    compute-only one is checked for a runnable order, then its comm ops placed by the
+    default backend's policy."""
+    source = Source.of(program.schedule, program, notes, compiled=False)
+    outcome, _ = verify_source(source, options)
+    return outcome.report, outcome.notes
+
+
+def _verify_resolved(
+    program: Program, options: Options, notes: tuple[str, ...]
+) -> tuple[Report, tuple[str, ...]]:
+    """Verify a resolved program (its comm ops placed): a pipeline's program on a mesh is
+    replayed as the whole mesh."""
     program, whole = whole_mesh(program)  # a pipeline's program on a mesh: every rank of it
     notes = (*notes, *whole)
     if program.backend is Backend.INDEPENDENT_PROGRESS and any(
@@ -97,25 +90,6 @@ def verify_program(
             "ordered streams deadlock on it by design (verify it with --comm rendezvous)",
         )
     return verify(program, options), notes
-
-
-def _verify_torch_lowering(
-    compute: Program, options: Options, notes: tuple[str, ...], style: LoweringStyle
-) -> tuple[Report, tuple[str, ...]]:
-    """--lowering torch|torch-defer: the compute order's own checks, then torch's lowering
-    (a violation where torch raises), then every check on what torch would run."""
-    refused = check_order(compute, options)
-    if refused is not None and any(v.code != UNRUNNABLE for v in refused.violations):
-        return refused, notes  # coverage or placement: nothing to lower
-    try:
-        lowered, note = lower_torch(compute, style)
-    except MalformedSchedule as err:  # with pipecc's witness of the cycle, if it found one
-        found = (err, *(refused.violations if refused else ()))
-        peaks = refused.peaks if refused is not None else ()
-        return Report(compute, options, found, (), peaks, ()), notes
-    if refused is not None:
-        return refused, notes
-    return verify(lowered, options), (*notes, note)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,35 +110,64 @@ def verify_file(
     microbatches: int | None = None,
     defines: Mapping[str, int] | None = None,
     options: Options = DEFAULT_OPTIONS,
-    style: LoweringStyle = LoweringStyle.PIPECC,
     resolution: Resolution = DEFAULT_RESOLUTION,
 ) -> Outcome:
     """Load and verify one input (module docstring): the program `pipecc run` runs on
-    `resolution.backend` with the same flags (`pipecc.driver.load.resolve`). A .sched file
-    verified with torch's lowering is compiled to its compute order only, which torch's
-    rules then lower."""
+    `resolution.backend` with the same flags (`pipecc.driver.load.resolve`)."""
     source = read_source(path, ranks=ranks, microbatches=microbatches, defines=defines)
-    if style is not LoweringStyle.PIPECC:
-        report, notes = verify_program(source.program, options, source.notes, style, path)
-        return Outcome(source.label, report, notes)
     return verify_source(source, options, resolution)[0]
 
 
 def verify_source(
     source: Source, options: Options, resolution: Resolution = DEFAULT_RESOLUTION
 ) -> tuple[Outcome, Resolved | None]:
-    """Resolve an input as `pipecc run` does on `resolution.backend` and verify that program
-    once; the resolved program too, None when its compute order cannot run (a violation)."""
-    # a compute order that cannot run is a violation of a .json or .csv; a .sched file's
-    # compilation stops on it (exit 2)
-    if not source.compiled and needs_lowering(source.program):
-        refused = check_order(source.program, options)
-        if refused is not None:
-            return Outcome(source.label, refused, source.notes), None
-    resolved = resolve_source(source, resolution.backend, resolution.lowering, checked=False)
+    """Resolve an input as `pipecc run` does on `resolution.backend` (the one resolution,
+    `driver/load.resolve_source`, torch's lowering one of its branches) and verify that
+    program once; the resolved program too, None when none could be placed (a violation:
+    a compute order that cannot run, hand-placed messages that mismatch, a torch lowering
+    that fails where torch's raises)."""
+    lowering = resolution.lowering
+    refused = _order_refused(source, lowering, options)
+    if refused is not None and _stops(refused, lowering):
+        return Outcome(source.label, refused, source.notes), None
+    try:
+        resolved = resolve_source(source, resolution.backend, lowering, checked=False)
+    except LoweringViolation:
+        report = violation_report(source.program, options) if source.compiled else None
+        if report is None:
+            raise
+        return Outcome(source.label, report, source.notes), None
+    except MalformedSchedule as err:  # with pipecc's witness of the cycle, if it found one
+        found = (err, *(refused.violations if refused else ()))
+        peaks = refused.peaks if refused is not None else ()
+        report = Report(compute_only(source.program), options, found, (), peaks, ())
+        return Outcome(source.label, report, source.notes), None
+    if refused is not None:  # torch lowered an order pipecc finds unrunnable
+        return Outcome(source.label, refused, source.notes), None
     notes = (*resolved.notes, *_lowered_note(source, resolved))
-    report, notes = verify_program(resolved.program, options, notes)
+    report, notes = _verify_resolved(resolved.program, options, notes)
     return Outcome(source.label, report, notes), resolved
+
+
+def _order_refused(source: Source, lowering: Lowering, options: Options) -> Report | None:
+    """The compute order's own checks, where the comm ops are still to be placed: a
+    compute-only .json or .csv, and any input a torch lowering places afresh (a .json or
+    .csv with comm ops is refused there: torch's rules lower a compute order)."""
+    if lowering.style is not LoweringStyle.PIPECC:
+        refuse_torch_lowering(source, lowering.style)
+        return check_order(compute_only(source.program), options)
+    if not source.compiled and source.needs_placement:
+        return check_order(source.program, options)
+    return None
+
+
+def _stops(refused: Report, lowering: Lowering) -> bool:
+    """Whether the order's violations end the check before any lowering: always for
+    pipecc's own; for torch's only coverage or placement (an order pipecc finds unrunnable
+    is lowered anyway, to report where torch's own lowering raises)."""
+    if lowering.style is LoweringStyle.PIPECC:
+        return True
+    return any(v.code != UNRUNNABLE for v in refused.violations)
 
 
 def _lowered_note(source: Source, resolved: Resolved) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipecc.diagnostics import LoweringViolation, PipeccError, ViolatedScheduleError
 from pipecc.driver.files import read_text, resolve_schedule
 from pipecc.driver.mesh import MeshOptions
 from pipecc.frontend.ast import Param, ScheduleFile
@@ -26,14 +27,16 @@ from pipecc.passes.torch_program import LoweringStyle, compute_only, lower_in_st
 from pipecc.perf import paused_gc
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import CostModel
+from pipecc.verify import DEFAULT_OPTIONS, Options, Report, check_order, verify
 
 
 @dataclass(frozen=True, slots=True)
 class Alignment:
-    """`--align`: place every comm op for these costs under this comm model (docs/align.md)."""
+    """`--align`: place every comm op for these costs under this comm model (docs/align.md);
+    by default nccl-single, what pipecc's runtime runs on NCCL (one communicator)."""
 
     costs: CostModel
-    model: CommModel = CommModel.NCCL
+    model: CommModel = CommModel.NCCL_SINGLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +104,16 @@ def compile_source(
     defines: Mapping[str, int] | None = None,
     lowering: Lowering = DEFAULT_LOWERING,
 ) -> Program:
-    """Compile .sched text: parse, expand for (P, M, -D), assign microbatches, lower."""
+    """Compile .sched text: parse, expand for (P, M, -D), assign microbatches, lower. A
+    compute order that cannot run, or hand-placed messages that mismatch, raise the
+    verifier's report (`ViolatedScheduleError`, exit 1)."""
     tree = parse(text, path)
-    return compile_tree(
-        tree, ranks=ranks, microbatches=microbatches, defines=defines, lowering=lowering
-    )
+    order = order_tree(tree, ranks=ranks, microbatches=microbatches, defines=defines)
+    try:
+        with paused_gc():
+            return lower_program(order, lowering)
+    except LoweringViolation as err:
+        raise violated(f"{path} P={ranks} M={microbatches}", order, err) from None
 
 
 def compile_tree(
@@ -172,3 +180,28 @@ def schedule_parameters(path: str | Path) -> tuple[str, ...]:
     path = Path(path)
     tree = parse(read_text(path), str(path))
     return tuple(decl.name for decl in tree.decls if isinstance(decl, Param))
+
+
+def violation_report(order: Program, options: Options = DEFAULT_OPTIONS) -> Report | None:
+    """The verifier's report of a .sched file's program as far as it can be built, for an
+    order whose lowering raised `LoweringViolation`: the compute order's own (the cycle of
+    `unrunnable-order`, as for the same order in a .json or .csv), else the program with its
+    hand-placed comm ops as placed (the two messages of `mismatch`); None when the verifier
+    finds nothing (the lowering's own error then stands)."""
+    found = check_order(strip_comms(order), options)
+    if found is not None:
+        return found
+    with paused_gc():
+        program = insert_comms(order, check_hand_placed=False)
+    report = verify(program, options)
+    return None if report.ok else report
+
+
+def violated(label: str, order: Program, err: LoweringViolation) -> PipeccError:
+    """The error a command raises for `err`: the verifier's violations (exit 1), or `err`
+    itself when the verifier finds none."""
+    report = violation_report(order)
+    if report is None:
+        return err
+    counts = ", ".join(f"{code} {n}" for code, n in report.counts().items())
+    return ViolatedScheduleError(label, report.violations, counts)

@@ -23,15 +23,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from pipecc.diagnostics import InputError, RefusedProgramError
+from pipecc.diagnostics import InputError, LoweringViolation, RefusedProgramError
 from pipecc.driver.compile import (
     DEFAULT_LOWERING,
     Lowering,
     compile_order,
     lower_program,
+    violated,
 )
 from pipecc.driver.files import read_program, read_text
-from pipecc.driver.mesh import place_mesh
+from pipecc.driver.mesh import place_mesh, place_moe
 from pipecc.interop import torch_csv
 from pipecc.ir.ops import Recv, Send, Wait
 from pipecc.ir.program import Backend, Program
@@ -52,8 +53,10 @@ class RunBackend(enum.Enum):
     @property
     def comm_model(self) -> CommModel:
         """How its sends and receives complete (DESIGN §5): gloo progresses every posted op on
-        its own (rendezvous), nccl runs a pair's ops in order on one stream."""
-        return CommModel.RENDEZVOUS if self is RunBackend.GLOO else CommModel.NCCL
+        its own (rendezvous); on nccl the runtime posts every op of a rank through
+        `batch_isend_irecv` on the group's one communicator, so they run in order on one
+        stream (nccl-single; runtime/comm/channel.py)."""
+        return CommModel.RENDEZVOUS if self is RunBackend.GLOO else CommModel.NCCL_SINGLE
 
     @property
     def policy(self) -> str:
@@ -66,19 +69,9 @@ DEFAULT_BACKEND = RunBackend.NCCL
 
 
 def comm_ops(program: Program) -> int:
-    """The number of sends, receives and waits in `program`."""
+    """The number of sends, receives and waits in `program` (0: it is compute-only, its
+    comm ops still to be placed; the one test of that, made once per input: `Source`)."""
     return sum(type(x) in (Send, Recv, Wait) for instrs in program.ranks for x in instrs)
-
-
-def is_compute_only(program: Program) -> bool:
-    """No Send, Recv or Wait anywhere: the comm ops are still to be placed."""
-    return not any(type(x) in (Send, Recv, Wait) for instrs in program.ranks for x in instrs)
-
-
-def needs_lowering(program: Program) -> bool:
-    """A compute-only program of several ranks (a torch CSV without comm actions): its sends,
-    receives and waits are placed before anything runs it (DESIGN §1, §5)."""
-    return program.num_ranks > 1 and is_compute_only(program)
 
 
 class Loaded(NamedTuple):
@@ -98,6 +91,23 @@ class Source:
     program: Program
     notes: tuple[str, ...]  # what the reader ignored (CSV cells, unknown JSON fields)
     compiled: bool
+    placed: int  # its sends, receives and waits (0: compute-only), counted once: `of`
+
+    @classmethod
+    def of(cls, label: str, program: Program, notes: tuple[str, ...], *, compiled: bool) -> Source:
+        """A source, its comm ops counted once."""
+        return cls(label, program, notes, compiled, comm_ops(program))
+
+    @property
+    def compute_only(self) -> bool:
+        """No send, receive or wait: the comm ops are still to be placed."""
+        return self.placed == 0
+
+    @property
+    def needs_placement(self) -> bool:
+        """A compute-only program of several ranks (a torch CSV without comm actions): its
+        sends, receives and waits are placed before anything runs it (DESIGN §1, §5)."""
+        return self.compute_only and self.program.num_ranks > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,13 +159,13 @@ def read_source(
     """Read an input by extension; a .sched file is expanded for the sizes, not lowered."""
     if path.endswith(".csv"):
         program, notes = _read_csv(path)
-        return Source(path, program, notes, compiled=False)
+        return Source.of(path, program, notes, compiled=False)
     if path.endswith(".json"):
         program, notes = read_program(path)
-        return Source(path, program, notes, compiled=False)
+        return Source.of(path, program, notes, compiled=False)
     p, m = _sizes(path, ranks, microbatches)
     order = compile_order(path, ranks=p, microbatches=m, defines=defines)
-    return Source(f"{path} P={p} M={m}", order, (), compiled=True)
+    return Source.of(f"{path} P={p} M={m}", order, (), compiled=True)
 
 
 def resolve(request: Request, *, checked: bool = True) -> Resolved:
@@ -171,7 +181,10 @@ def resolve(request: Request, *, checked: bool = True) -> Resolved:
         microbatches=request.microbatches,
         defines=request.defines,
     )
-    return resolve_source(source, request.backend, request.lowering, checked=checked)
+    try:
+        return resolve_source(source, request.backend, request.lowering, checked=checked)
+    except LoweringViolation as err:  # the verifier's report instead (exit 1)
+        raise violated(source.label, source.program, err) from None
 
 
 def resolve_source(
@@ -181,27 +194,30 @@ def resolve_source(
     the program resolved without it gets the gradient sums of those stages (`sum_shared`,
     idempotent, so a .json that holds them already is unchanged). `lowering.mesh` (`--mesh`,
     `--fsdp`) neither: the program resolved without it gets FSDP's stage actions and the
-    data-parallel reductions (`place_mesh`), before those sums."""
+    data-parallel reductions (`place_mesh`), before those sums, and then (`--moe`, carried
+    in the mesh options) its MoE stages' phases and all-to-alls (`place_moe`)."""
     if lowering.shared:
         found = resolve_source(source, backend, replace(lowering, shared=()), checked=checked)
         return replace(found, program=sum_shared(found.program, shared=lowering.shared))
     if lowering.mesh is not None:  # FSDP's actions and the DP reductions (driver/mesh.py)
         found = resolve_source(source, backend, replace(lowering, mesh=None), checked=checked)
-        return replace(found, program=place_mesh(found.program, lowering.mesh))
+        placed = place_mesh(found.program, lowering.mesh)
+        # the --moe step: MoE stages split into phases and all-to-alls over ep
+        return replace(found, program=place_moe(placed, lowering.mesh))
     program = source.program
     if lowering != DEFAULT_LOWERING:
-        resolved = _replaced(source, lowering)
-    elif source.compiled and not is_compute_only(program):
+        resolved = _replaced(source, lowering, checked=checked)
+    elif source.compiled and not source.compute_only:
         resolved = _hand_placed(source)
-    elif source.compiled or needs_lowering(program):
+    elif source.compiled or source.needs_placement:
         if checked and not source.compiled:
-            refuse_invalid(source.label, program)
+            refuse_invalid(source.label, program, compute_only=True)
         lowered = lower_program(program, Lowering(policy=backend.policy))
         how = f"comm ops placed by {backend.policy} ({backend.value}'s default)"
         resolved = Resolved(lowered, source.label, how, Choice.BACKEND, source.notes)
     else:
         if checked:
-            refuse_invalid(source.label, program)
+            refuse_invalid(source.label, program, compute_only=source.compute_only)
         how = f"comm ops as in the input ({program.comm})"
         resolved = Resolved(program, source.label, how, Choice.PROGRAM, source.notes)
     return replace(resolved, placed_for=placed_for_note(resolved, backend))
@@ -209,7 +225,7 @@ def resolve_source(
 
 def _hand_placed(source: Source) -> Resolved:
     """A .sched file's hand-placed comm ops, kept; the default policy places the rest."""
-    hand = comm_ops(source.program)
+    hand = source.placed
     program = lower_program(source.program)
     more = comm_ops(program) - hand
     rest = f", {more} more placed by the default policy" if more else ""
@@ -217,23 +233,40 @@ def _hand_placed(source: Source) -> Resolved:
     return Resolved(program, source.label, how, Choice.HAND, source.notes)
 
 
-def _replaced(source: Source, lowering: Lowering) -> Resolved:
+def _replaced(source: Source, lowering: Lowering, *, checked: bool) -> Resolved:
     """An explicit --comm-policy, --align or --lowering: every comm op placed afresh from the
-    compute order, and a note naming how many of the input's it replaced."""
+    compute order, and a note naming how many of the input's it replaced. The order of a
+    .json or .csv is checked first, except unchecked under torch's rules (`verify` reports
+    where torch's own lowering fails: driver/check.py)."""
     program, flag = source.program, _flag(lowering)
-    if lowering.style is not LoweringStyle.PIPECC:
-        refuse_torch_lowering(source.label, program, lowering.style, compiled=source.compiled)
-    if not source.compiled:
-        refuse_invalid(source.label, strip_comms(program))
-    placed = comm_ops(program)
+    torch_rules = lowering.style is not LoweringStyle.PIPECC
+    if torch_rules:
+        refuse_torch_lowering(source, lowering.style)
+    if not source.compiled and (checked or not torch_rules):
+        refuse_invalid(source.label, strip_comms(program), compute_only=True)
+    placed = source.placed
     lowered = lower_program(strip_comms(program), lowering)
-    notes = source.notes
+    notes = (*source.notes, *_torch_note(lowering.style))
     how = f"comm ops placed by {flag}"
     if placed:
         what = "hand-placed sends, receives and waits" if source.compiled else "comm ops"
         notes = (*notes, f"{flag} replaced the {placed} {what} of {source.label}")
         how = f"{how}, replacing the input's {placed}"
     return Resolved(lowered, source.label, how, Choice.FLAG, notes)
+
+
+TORCH_NOTES = {
+    LoweringStyle.TORCH: "sends and receives placed as torch 2.13 places them (_add_send_recv)",
+    LoweringStyle.TORCH_DEFER: "sends and receives placed as torch 2.13 places them with "
+    "defer_pp_recv=True (_add_send_recv, then _defer_recv_ops)",
+}
+
+
+def _torch_note(style: LoweringStyle) -> tuple[str, ...]:
+    """The note of an order lowered by torch's rules (--lowering torch|torch-defer)."""
+    if style is LoweringStyle.PIPECC:
+        return ()
+    return (f"compute-only input: {TORCH_NOTES[style]}, then checked",)
 
 
 def _flag(lowering: Lowering) -> str:
@@ -305,10 +338,10 @@ def load(
     return Loaded(resolved.program, resolved.notes)
 
 
-def refuse_invalid(label: str, program: Program) -> None:
+def refuse_invalid(label: str, program: Program, *, compute_only: bool) -> None:
     """Raise `RefusedProgramError` when `program` fails the verifier's input checks: those of
     a compute order (`check_order`) for a compute-only program, else `check_input`."""
-    check = check_order if is_compute_only(program) else check_input
+    check = check_order if compute_only else check_input
     report = check(program)
     if report is None:
         return
@@ -316,16 +349,14 @@ def refuse_invalid(label: str, program: Program) -> None:
     raise RefusedProgramError(label, report.violations, found)
 
 
-def refuse_torch_lowering(
-    path: str, program: Program, style: LoweringStyle, *, compiled: bool = False
-) -> None:
+def refuse_torch_lowering(source: Source, style: LoweringStyle) -> None:
     """--lowering torch* lowers a compute order: a .json or .csv with comm ops is bad input
     (a .sched file's hand-placed ones are replaced, as another --comm-policy replaces them)."""
-    if style is not LoweringStyle.PIPECC and not compiled and not is_compute_only(program):
+    if style is not LoweringStyle.PIPECC and not source.compiled and not source.compute_only:
         raise InputError(
-            f"{path}: --lowering {style.value} lowers a compute-only schedule, and this input "
-            "already has its sends and receives (torch runs them as written: check it without "
-            "--lowering)"
+            f"{source.label}: --lowering {style.value} lowers a compute-only schedule, and this "
+            "input already has its sends and receives (torch runs them as written: check it "
+            "without --lowering)"
         )
 
 

@@ -5,7 +5,12 @@ resolved without the mesh gets FSDP's stage actions (`passes/insert_fsdp_actions
 `--fsdp`, or whenever dp_shard > 1), then each stage's data-parallel all_reduce
 (`passes/insert_dp_reduction`: when dp_replicate > 1), and carries the mesh
 (`Program.mesh`), so that compile writes it, verify and simulate replay the whole mesh
-(`expand_mesh`) and the runtime runs it. docs/parallelism.md.
+(`expand_mesh`) and the runtime runs it. With `ep` > 1 the dense parameters' reductions
+span `ep` too, and a MoE stage's experts get their own (`insert_dp_reduction`).
+
+`place_moe` is the step after it (`--moe K`, `--moe-overlap`): each MoE stage's F, B and I
+split into phases with the expert-parallel all-to-alls (`passes/expand_moe`).
+docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -17,18 +22,41 @@ from pipecc.ir.mesh import Mesh, parse_mesh
 from pipecc.ir.ops import Collective
 from pipecc.ir.program import Program
 from pipecc.passes.expand_mesh import expand_mesh
+from pipecc.passes.expand_moe import expand_moe
 from pipecc.passes.insert_dp_reduction import insert_dp_reduction
 from pipecc.passes.insert_fsdp_actions import DEFAULT_POLICY, FsdpPolicy, insert_fsdp_actions
 
 
 @dataclass(frozen=True, slots=True)
+class MoeOptions:
+    """`--moe K`: K MoE layers in every stage, `stages` a cost file's per-stage `moe_layers`
+    over it ((stage, K) pairs); `--moe-overlap on|off`: a fused F&B of MoE stages
+    interleaved (DualPipe's overlap) or its halves in sequence."""
+
+    layers: int
+    stages: tuple[tuple[int, int], ...] = ()
+    overlap: bool = True
+
+    def per_stage(self, stages: int) -> tuple[int, ...]:
+        """The MoE layers of each of `stages` stages; InputError for a stage it lacks."""
+        given = dict(self.stages)
+        for stage in given:
+            if stage >= stages:
+                raise InputError(
+                    f"moe_layers of stage {stage}: the program has stages 0..{stages - 1}"
+                )
+        return tuple(given.get(s, self.layers) for s in range(stages))
+
+
+@dataclass(frozen=True, slots=True)
 class MeshOptions:
     """The mesh flags: `--mesh` as written (pp may be left out: the program's P), `--fsdp`
-    and its residency policy."""
+    and its residency policy, and the MoE layers (`--moe`, None: none)."""
 
     mesh: str = ""
     fsdp: bool = False
     policy: FsdpPolicy = DEFAULT_POLICY
+    moe: MoeOptions | None = None
 
 
 def place_mesh(program: Program, options: MeshOptions) -> Program:
@@ -51,10 +79,28 @@ def place_mesh(program: Program, options: MeshOptions) -> Program:
         )
     if fsdp:
         program = insert_fsdp_actions(program, policy=options.policy)
-    if mesh is not None and mesh.dp_replicate > 1:
-        shards = mesh.dp_shard if fsdp else 1
-        program = insert_dp_reduction(program, shards=shards)
+    if mesh is None and options.moe is not None:  # --moe without --mesh: pp alone, ep=1
+        mesh = Mesh(pp=program.num_ranks)
+    dims = tuple(d for d in ("dp_replicate", "ep") if mesh is not None and mesh.size(d) > 1)
+    if dims:
+        shards = mesh.dp_shard if mesh is not None and fsdp else 1
+        moe = _moe(program, options.moe)
+        program = insert_dp_reduction(program, shards=shards, dims=dims, moe=moe)
     return replace(program, mesh=mesh)
+
+
+def place_moe(program: Program, options: MeshOptions) -> Program:
+    """The --moe step of the resolution: `program` (placed for its mesh by `place_mesh`)
+    with its MoE stages split into phases and all-to-alls over `ep` (`expand_moe`); as it
+    is without --moe."""
+    moe = _moe(program, options.moe)
+    if moe is None or options.moe is None:
+        return program
+    return expand_moe(program, moe, overlap=options.moe.overlap)
+
+
+def _moe(program: Program, options: MoeOptions | None) -> tuple[int, ...] | None:
+    return None if options is None else options.per_stage(program.placement.num_stages(0))
 
 
 def _mesh(program: Program, text: str) -> Mesh | None:

@@ -160,7 +160,19 @@ class If:
     span: Span | None = field(default=None, compare=False, repr=False)
 
 
-Stmt = OpStmt | CommStmt | GroupStmt | WaitStmt | Let | Repeat | For | If
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """`fill F I W cap N { ... }`: where the rank would idle inside the block (in the unit-cost
+    timing), it runs a later written op of one of `kinds` that is ready (F, B, I), or its oldest
+    pending W (docs/dsl.md 4.7)."""
+
+    kinds: tuple[Kind, ...]
+    cap: Expr | None
+    body: tuple[Stmt, ...]
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+
+Stmt = OpStmt | CommStmt | GroupStmt | WaitStmt | Let | Repeat | For | If | Fill
 
 
 # ---- top-level declarations ----------------------------------------------------------------

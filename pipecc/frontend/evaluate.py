@@ -6,8 +6,7 @@ comparison used as a number or a number used as a condition is caught without ru
 anything. The result is a tree of Python closures over a flat environment (a list of slot
 values), which is what makes expanding 10⁵–10⁶ ops per schedule fast.
 
-Integer semantics: `/` is exact division (an inexact `/` is an error at its location), `//`
-floors and `%` takes the sign of the divisor, as in Python.
+Integers: `/` is exact (an inexact one is an error there), `//` floors, `%` as in Python.
 """
 
 from __future__ import annotations
@@ -21,7 +20,15 @@ from dataclasses import dataclass, field
 from pipecc.diagnostics import ScheduleError, Span
 from pipecc.frontend import ast
 from pipecc.ir.ops import Kind
-from pipecc.ir.streams import CommSpec, FusedSpec, OpSpec, StreamItem, WaitSpec
+from pipecc.ir.streams import (
+    CommSpec,
+    FillEndSpec,
+    FillSpec,
+    FusedSpec,
+    OpSpec,
+    StreamItem,
+    WaitSpec,
+)
 
 Env = list[int]
 ExprFn = Callable[[Env], int]
@@ -312,8 +319,47 @@ def _compile_stmt(stmt: ast.Stmt, scope: Scope) -> StmtFn:
             return _compile_if(branches, orelse, scope)
         case ast.CommStmt() | ast.GroupStmt() | ast.WaitStmt():
             return _compile_comm(stmt)
+        case ast.Fill():
+            return _compile_fill(stmt, scope)
         case _:
             raise AssertionError(f"unknown statement {stmt!r}")
+
+
+def _compile_fill(stmt: ast.Fill, scope: Scope) -> StmtFn:
+    """`fill KINDS [cap N] { ... }`: the body between a `FillSpec` and a `FillEndSpec`."""
+    _check_fill_body(stmt.body)
+    cap = expect(stmt.cap, scope, Type.INT).fn if stmt.cap is not None else None
+    inner = compile_body(stmt.body, scope.child()) if stmt.body else None
+    kinds, span, end = frozenset(stmt.kinds), stmt.span, FillEndSpec(stmt.span)
+
+    def fill(env: Env, out: list[StreamItem]) -> None:
+        out.append(FillSpec(kinds, cap(env) if cap is not None else None, span))
+        if inner is not None:
+            inner(env, out)
+        out.append(end)
+
+    return fill
+
+
+def _check_fill_body(body: tuple[ast.Stmt, ...]) -> None:
+    """A fill block holds no other fill block and no hand-placed comm op: the fill decides
+    where the ops around them run."""
+    for stmt in body:
+        match stmt:
+            case ast.Fill():
+                raise ScheduleError("fill blocks do not nest", stmt.span)
+            case ast.CommStmt() | ast.GroupStmt() | ast.WaitStmt():
+                raise ScheduleError(
+                    "a fill block cannot hold hand-placed sends, receives or waits (the fill "
+                    "decides where its ops run)",
+                    stmt.span,
+                )
+            case ast.Repeat(body=inner) | ast.For(body=inner):
+                _check_fill_body(inner)
+            case ast.If(branches=branches, orelse=orelse):
+                for _, inner in branches:
+                    _check_fill_body(inner)
+                _check_fill_body(orelse)
 
 
 def _compile_let(name: str, value: ast.Expr, span: Span | None, scope: Scope) -> StmtFn:

@@ -106,7 +106,10 @@ _TOKEN_WORDS = {
 
 
 def _describe_expected(expected: set[str]) -> str:
-    names = sorted(expected, key=lambda name: (name not in _FIRST, _FIRST.get(name, 0), name))
+    names = sorted(
+        expected,
+        key=lambda name: (name not in _FIRST, _FIRST.get(name, 0), name in _LAST, name),
+    )
     words = list(dict.fromkeys(_TOKEN_WORDS.get(name, _keyword(name)) for name in names))
     if len(words) > 8:
         words = words[:8] + ["..."]
@@ -115,6 +118,7 @@ def _describe_expected(expected: set[str]) -> str:
 
 # What a reader most needs to see first in "expected ..." lists.
 _FIRST = {"OPCODE": 0, "RBRACE": 1, "NAME": 2, "INT": 3, "LBRACE": 4}
+_LAST = {"FILL"}  # after the other keywords: the everyday ones are named first
 _TOP_LEVEL = {"phase", "placement", "schedule", "param", "require", "pad"}
 
 
@@ -399,6 +403,21 @@ class _Builder(Transformer[Token, list[ast.Decl]]):
 
     def group_stmt(self, meta: Meta, *ops: ast.CommStmt) -> ast.GroupStmt:
         return ast.GroupStmt(tuple(ops), self._span(meta))
+
+    def fill_stmt(self, meta: Meta, *parts: Any) -> ast.Fill:
+        *codes, cap, body = parts
+        kinds: list[Kind] = []
+        for code in codes:
+            text = str(code)
+            if len(text) > 1:
+                raise ParseError(
+                    f"fill takes op letters without a chunk (F, B, I, W), got '{text}'",
+                    self._token_span(code),
+                )
+            if Kind(text) in kinds:
+                raise ParseError(f"fill names '{text}' twice", self._token_span(code))
+            kinds.append(Kind(text))
+        return ast.Fill(tuple(kinds), cap, body, self._span(meta))
 
     # expressions
     def number(self, meta: Meta, token: Token) -> ast.Num:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.diagnostics import InputError, SourceFile, Span
+from pipecc.interop.json_write import FORMAT, RECOMPUTE, dumps, instr_to_dict, instr_to_json
 from pipecc.ir.mesh import DIMS, Mesh
 from pipecc.ir.ops import (
     Collective,
@@ -38,110 +39,7 @@ from pipecc.ir.placement import Placement, PlacementError, StageSlot
 from pipecc.ir.program import Program
 from pipecc.passes.comm.placement import backend_of
 
-FORMAT = "pipecc.program/1"
-
-
-# ---- writing -------------------------------------------------------------------------------
-
-
-def dumps(program: Program) -> str:
-    """The program as JSON text (deterministic)."""
-    header: dict[str, Any] = {
-        "format": FORMAT,
-        "schedule": program.schedule,
-        "source": program.source,
-        "ranks": program.num_ranks,
-        "microbatches": program.num_microbatches,
-        "params": dict(program.params),
-        "comm": program.comm,
-        "placement_name": program.placement.name,
-        "placement": [
-            {"rank": s.rank, "chunk": s.chunk, "pipe": s.pipe, "stage": s.stage}
-            for s in program.placement.slots
-        ],
-    }
-    if program.mesh is not None:  # absent: a pipeline on its own
-        header["mesh"] = program.mesh.to_dict()
-    if program.moe is not None:  # absent: no MoE layers (pipecc/passes/expand_moe.py)
-        header["moe"] = list(program.moe)
-    if program.recompute:  # absent: no stage recomputed
-        header["recompute"] = [{"stage": s, "mode": RECOMPUTE} for s in program.recompute]
-    lines = ["{"]
-    for key, value in header.items():
-        lines.append(f"  {json.dumps(key)}: {json.dumps(value)},")
-    lines.append('  "programs": [')
-    for rank, instrs in enumerate(program.ranks):
-        lines.append("    [")
-        body = [f"      {json.dumps(instr_to_dict(instr))}" for instr in instrs]
-        lines.append(",\n".join(body))
-        lines.append("    ]" + ("," if rank + 1 < program.num_ranks else ""))
-    lines.append("  ]")
-    lines.append("}")
-    return "\n".join(line for line in lines if line) + "\n"
-
-
-def _compute_dict(op: Compute) -> dict[str, Any]:
-    return {"op": op.kind.value, "chunk": op.chunk, "pipe": op.pipe, "stage": op.stage, "mb": op.mb}
-
-
-def _with_span(entry: dict[str, Any], span: Span | None) -> dict[str, Any]:
-    if span is not None:
-        entry["line"] = span.line
-        entry["col"] = span.col
-    return entry
-
-
-def _collective_dict(op: Collective) -> dict[str, Any]:
-    entry: dict[str, Any] = {"op": "collective", "kind": op.kind.value, "ranks": list(op.ranks)}
-    entry["what"] = op.what
-    if op.asynchronous:  # absent: blocking (DESIGN §4)
-        entry["async"] = True
-    if op.dims:  # absent: `ranks` are the members (docs/parallelism.md)
-        entry["dims"] = list(op.dims)
-    if op.stages:
-        entry["stages"] = list(op.stages)
-    if op.shards != 1:
-        entry["shards"] = op.shards
-    return entry
-
-
-def instr_to_dict(instr: Instr) -> dict[str, Any]:
-    """One instruction in its JSON form."""
-    match instr:
-        case Compute():
-            return _with_span(_compute_dict(instr), instr.span)
-        case Fused(forward=f, backward=b):
-            name = f"F&{b.kind.value}"
-            return _with_span(
-                {"op": name, "f": _compute_dict(f), "b": _compute_dict(b)}, instr.span
-            )
-        case Phase(op=op, layer=layer, part=part):  # one part of a MoE stage's F, B or I
-            entry = {"op": "phase", "of": _compute_dict(op), "layer": layer, "part": part.value}
-            return _with_span(entry, instr.span)
-        case Sequential(parts=parts):  # torch's OVERLAP_F_B: the parts run in this order
-            ops = [_compute_dict(op) for op in parts]
-            return _with_span({"op": "OVERLAP_F_B", "sequential": True, "ops": ops}, instr.span)
-        case Send() | Recv():
-            entry = {
-                "op": "send" if type(instr) is Send else "recv",
-                "what": instr.what.value,
-                "peer": instr.peer,
-                "pipe": instr.pipe,
-                "stage": instr.stage,
-                "mb": instr.mb,
-                "group": instr.group,
-            }
-            return _with_span(entry, instr.span)
-        case Wait():
-            return _with_span({"op": "wait", "ops": list(instr.ops)}, instr.span)
-        case StageOp(kind=kind, chunk=chunk, pipe=pipe, stage=stage):
-            entry = {"op": kind.value, "chunk": chunk, "pipe": pipe, "stage": stage}
-            return _with_span(entry, instr.span)
-        case Collective():
-            return _with_span(_collective_dict(instr), instr.span)
-        case _:
-            raise AssertionError(f"unknown instruction {instr!r}")
-
+__all__ = ["FORMAT", "dumps", "instr_to_dict", "instr_to_json", "loads", "read"]
 
 # ---- reading -------------------------------------------------------------------------------
 
@@ -154,7 +52,6 @@ HEADER_FIELDS = frozenset(
      "placement_name", "placement", "programs", "mesh", "recompute", "moe")
 )  # fmt: skip
 RECOMPUTE_FIELDS = frozenset(("stage", "mode"))
-RECOMPUTE = "full"  # the one mode a program names: the stage's whole forward again
 PLACEMENT_FIELDS = frozenset(("rank", "chunk", "pipe", "stage"))
 COMPUTE_FIELDS = frozenset(("op", "chunk", "pipe", "stage", "mb", *SPAN))
 FUSED_FIELDS = frozenset(("op", "f", "b", *SPAN))

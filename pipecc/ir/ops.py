@@ -340,16 +340,27 @@ def is_compute(instr: Instr) -> bool:
 def phases(op: Compute, layers: int) -> tuple[Phase, ...]:
     """The phases of a MoE stage's F, B or I with `layers` MoE layers, in the order they run:
     pre0, experts0, pre1, ..., experts(K-1), post for a forward; the reverse for a backward
-    (the all-to-alls sit between them). A W is not split: ()."""
+    (the all-to-alls sit between them), each with the op's span. A W is not split: ()."""
     if op.kind is Kind.W or layers < 1:
         return ()
     found = [
-        Phase(op, layer, part)
+        Phase(op, layer, part, op.span)
         for layer in range(layers)
         for part in (PhasePart.PRE, PhasePart.EXPERTS)
     ]
-    found.append(Phase(op, layers, PhasePart.POST))
+    found.append(Phase(op, layers, PhasePart.POST, op.span))
     return tuple(found) if op.kind is Kind.F else tuple(reversed(found))
+
+
+def all_to_all_what(op: Compute, layers: int, j: int) -> str:
+    """The `what` of the j-th all-to-all of `op` (after its j-th phase) on a stage of
+    `layers` MoE layers: `dispatch L0 F1.3`, `combine L0 F1.3` forward; `combine-grad L1
+    B1.3`, `dispatch-grad L1 B1.3` backward (an I's are a B's: the same gradients cross)."""
+    if op.kind is Kind.F:
+        verb = "dispatch" if j % 2 == 0 else "combine"
+        return f"{verb} L{j // 2} {op.label()}"
+    verb = "combine-grad" if j % 2 == 0 else "dispatch-grad"
+    return f"{verb} L{layers - 1 - j // 2} B{op.chunk}.{op.mb}"
 
 
 def computations(instr: Instr) -> tuple[Compute, ...]:
@@ -368,3 +379,11 @@ def computations(instr: Instr) -> tuple[Compute, ...]:
             return ()
         case _:
             raise AssertionError(f"unknown instruction {instr!r}")
+
+
+def works_on(instr: Instr) -> tuple[Compute, ...]:
+    """The computations an instruction works on: `computations`, and a Phase's op at every
+    phase (what needs the stage's parameters there, e.g. FSDP's unsharded ones)."""
+    if type(instr) is Phase:
+        return (instr.op,)
+    return computations(instr)

@@ -2,8 +2,9 @@
 
 A stream lists, for one rank, the ops in the order the schedule wrote them, with chunk and
 microbatch left open where the DSL leaves them to the compiler (`W` without a chunk, ops
-without an explicit microbatch), and any hand-placed comm ops. `passes.assign_microbatches`
-turns streams into a compute-only `Program`.
+without an explicit microbatch), any hand-placed comm ops, and the bounds of `fill` blocks.
+`passes.fill_idle` resolves the fills; `passes.assign_microbatches` turns streams into a
+compute-only `Program`.
 """
 
 from __future__ import annotations
@@ -52,7 +53,24 @@ class WaitSpec(NamedTuple):
     span: Span | None = None
 
 
-StreamItem = OpSpec | FusedSpec | CommSpec | WaitSpec
+class FillSpec(NamedTuple):
+    """The start of a `fill` block: until its `FillEndSpec`, the rank's idle slots in the
+    unit-cost timing run a later op of `kinds` (F, B, I) that is ready, or its oldest pending W;
+    with `cap`, a forward that would hold more activations first runs pending Ws
+    (`passes.fill_idle` resolves it; docs/dsl.md 4.7)."""
+
+    kinds: frozenset[Kind]
+    cap: int | None
+    span: Span | None = None
+
+
+class FillEndSpec(NamedTuple):
+    """The end of a `fill` block: every W it left pending runs here."""
+
+    span: Span | None = None
+
+
+StreamItem = OpSpec | FusedSpec | CommSpec | WaitSpec | FillSpec | FillEndSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,9 @@ POLICY = "aligned"
 CANDIDATES = (Grouping.BY_TIME, Grouping.NONE, Grouping.PER_GAP)
 
 
-def align_comms(prog: Program, *, costs: CostModel, model: CommModel = CommModel.NCCL) -> Program:
+def align_comms(
+    prog: Program, *, costs: CostModel, model: CommModel = CommModel.NCCL_SINGLE
+) -> Program:
     """Re-place every comm op of `prog` for `costs` under `model` (module docstring)."""
     with paused_gc():
         return _align(prog, costs, model)

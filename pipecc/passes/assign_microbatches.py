@@ -10,7 +10,8 @@ microbatches (mb ≥ M) are dropped; hand-placed sends, recvs and waits name con
 Numbering (DESIGN §2): each chunk has a forward counter and a backward counter (shared by B,
 I and the backward half of a fused op) that start at the first microbatch of the chunk's pipe;
 an op takes the next value of its counter unless it names its microbatch. A plain `W` takes
-the rank's oldest pending I, `W1` the oldest pending I of chunk 1 (FIFO).
+the rank's oldest pending I, `W1` the oldest pending I of chunk 1 (FIFO). `fill` blocks are
+resolved first (`passes.fill_idle`: the order they decide is then checked like a written one).
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from pipecc.ir.keys import Message, MessageKeys
 from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Wait, computations
 from pipecc.ir.program import Program
 from pipecc.ir.streams import CommSpec, FusedSpec, OpSpec, StreamItem, Streams, WaitSpec
+from pipecc.passes.fill_idle import fill_idle
 
 _new = tuple.__new__
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 
 
 def assign_microbatches(streams: Streams) -> Program:
-    """Resolve microbatches and W targets; check that the program is complete."""
+    """Resolve fill blocks, microbatches and W targets; check that the program is complete."""
+    streams = fill_idle(streams)
     placement = streams.placement
     ranks = tuple(
         _RankAssigner(streams, rank).run(stream) for rank, stream in enumerate(streams.ranks)

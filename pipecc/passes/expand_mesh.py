@@ -10,7 +10,9 @@ simulator's one replay checks all of them together:
   (each replica takes its contiguous share), for tensor- or context-parallel ones only a name;
 - a send's or receive's peer is the peer's global rank in the same pipeline;
 - a collective's members are its pipeline ranks times every coordinate along its `dims`
-  (the rank's own along the others), global ranks;
+  (the rank's own along the others), global ranks; its `what` is kept, so the members of an
+  all-to-all over `ep` (pipelines of their own, each with its microbatches) name it alike;
+- a MoE phase is its op's, renamed as the op;
 - with dp_shard > 1 a stage's UNSHARD is followed by the all_gather FSDP issues in it, over
   the rank's dp_shard group (async, waited just before the stage's next computation), and its
   REDUCE_GRAD by the reduce_scatter (async, waited before the next collective carrying that
@@ -34,13 +36,14 @@ from pipecc.ir.ops import (
     Compute,
     Fused,
     Instr,
+    Phase,
     Recv,
     Send,
     Sequential,
     StageAction,
     StageOp,
     Wait,
-    computations,
+    works_on,
 )
 from pipecc.ir.placement import Placement, StageSlot
 from pipecc.ir.program import Program
@@ -129,6 +132,8 @@ class _Renamer:
                 )
             case Sequential():
                 return x._replace(parts=tuple(self.compute(op) for op in x.parts))
+            case Phase():
+                return x._replace(op=self.compute(x.op))
             case Send() | Recv():
                 peer = (
                     self.mesh.global_rank(x.peer, self.pipeline)
@@ -182,7 +187,7 @@ def _due(instrs: Sequence[Instr], i: int, op: StageOp) -> int:
     for j in range(i + 1, len(instrs)):
         x = instrs[j]
         if op.kind is StageAction.UNSHARD:
-            if any(c.chunk == op.chunk for c in computations(x)):
+            if any(c.chunk == op.chunk for c in works_on(x)):
                 return j
         elif type(x) is Collective and (op.stage in x.stages or not x.asynchronous):
             return j

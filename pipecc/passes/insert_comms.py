@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipecc.diagnostics import ScheduleError
+from pipecc.diagnostics import LoweringViolation
 from pipecc.ir.keys import MessageKeys
 from pipecc.ir.ops import Instr, Msg, Recv, Send, StageOp, is_compute
 from pipecc.ir.printer import message
@@ -84,6 +84,7 @@ from pipecc.passes.comm.placement import (
     SendWait,
 )
 from pipecc.passes.comm.refine import refine
+from pipecc.perf import paused_gc
 
 __all__ = [
     "DEFAULT",
@@ -103,10 +104,14 @@ __all__ = [
 ]
 
 
-def insert_comms(prog: Program, *, placement: CommPlacement = DEFAULT) -> Program:
+def insert_comms(
+    prog: Program, *, placement: CommPlacement = DEFAULT, check_hand_placed: bool = True
+) -> Program:
     """Lower a compute-only program with the default policy, or another of `POLICIES`
-    (module docstring)."""
-    return lower(prog, placement)
+    (module docstring). Hand-placed messages that two ranks post in different orders raise
+    `LoweringViolation`, unless `check_hand_placed` is False: then the program is returned
+    as placed, for the verifier to report (pipecc.driver.compile.violation_report)."""
+    return lower(prog, placement, check_hand_placed=check_hand_placed)
 
 
 def strip_comms(prog: Program) -> Program:
@@ -118,9 +123,15 @@ def strip_comms(prog: Program) -> Program:
     return replace(prog, ranks=ranks, comm="none", backend=Backend.ANY)
 
 
-def lower(prog: Program, placement: CommPlacement) -> Program:
+def lower(prog: Program, placement: CommPlacement, *, check_hand_placed: bool = True) -> Program:
     """Place the comm ops of `prog` as `placement` says (the module docstring describes the
-    default; `align_comms` passes the real costs)."""
+    default; `align_comms` passes the real costs). The collector is paused: the pass makes
+    10⁶ objects for a large program, acyclic (`pipecc.perf.paused_gc`), whoever calls it."""
+    with paused_gc():
+        return _lower(prog, placement, check_hand_placed)
+
+
+def _lower(prog: Program, placement: CommPlacement, check_hand_placed: bool) -> Program:
     keys = MessageKeys(prog.placement).by_stage(prog.num_microbatches)
     table = op_table(keys, placement)
     ranks = [collect(instrs, keys, placement, table) for instrs in prog.ranks]
@@ -155,7 +166,7 @@ def lower(prog: Program, placement: CommPlacement) -> Program:
         )
         lowered.append(emit_rank(instrs, ranks[rank], events[rank], emitter))
         events[rank] = []
-    if any(manual):  # hand-placed sends, recvs or waits
+    if any(manual) and check_hand_placed:  # hand-placed sends, recvs or waits
         _check_hand_placed_order(tuple(lowered))
     return Program(
         schedule=prog.schedule,
@@ -192,11 +203,11 @@ def _name(op: Send | Recv) -> tuple[Msg, int, int, int]:
     return (op.what, op.pipe, op.stage, op.mb)
 
 
-def _mismatch(src: int, dst: int, k: int, send: Send, recv: Recv) -> ScheduleError:
-    return ScheduleError(
-        f"rank {src}'s send #{k} to rank {dst} carries {message(send, pipes=False)} but rank "
-        f"{dst}'s receive #{k} from rank {src} expects {message(recv, pipes=False)}: messages "
-        "between two ranks match in posting order, so this would deliver the "
+def _mismatch(src: int, dst: int, k: int, send: Send, recv: Recv) -> LoweringViolation:
+    return LoweringViolation(
+        f"rank {src}'s send #{k + 1} to rank {dst} carries {message(send, pipes=False)} but "
+        f"rank {dst}'s receive #{k + 1} from rank {src} expects {message(recv, pipes=False)}: "
+        "messages between two ranks match in posting order, so this would deliver the "
         "wrong tensor (check the order of the hand-placed sends and recvs)",
         send.span or recv.span,
         notes=((recv.span, "the receive"),) if send.span and recv.span else (),

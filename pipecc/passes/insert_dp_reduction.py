@@ -14,6 +14,12 @@ In a pipeline's program the collective names its own pipeline rank and the mesh 
 (`ranks=[r]`, `dims=["dp_replicate"]`): every pipeline runs the same list, and on the
 whole mesh it is an all_reduce over the ranks that hold the same stage in every replica
 (`passes/expand_mesh.py`).
+
+With expert parallelism (`ep` among the reduced dims) an EP rank is a data-parallel replica
+for the dense parameters only: a stage with MoE layers gets two reductions, its dense
+parameters' over all the dims (`dp-grad dense s3`) and its experts' over the dims other
+than `ep` (`dp-grad experts s3`, none when `ep` is the only one: each expert lives on one
+EP rank); a stage without MoE layers is all dense and keeps its one `dp-grad s3`.
 """
 
 from __future__ import annotations
@@ -39,9 +45,16 @@ from pipecc.passes.splice import positions, splice
 
 WHAT = "dp-grad"  # the `what` of a data-parallel reduction: "dp-grad s3"
 DIM = "dp_replicate"
+EP = "ep"
 
 
-def insert_dp_reduction(prog: Program, *, shards: int = 1) -> Program:
+def insert_dp_reduction(
+    prog: Program,
+    *,
+    shards: int = 1,
+    dims: tuple[str, ...] = (DIM,),
+    moe: tuple[int, ...] | None = None,
+) -> Program:
     """One async all_reduce per stage of each rank over the replicas, and its Wait.
 
     Requires: a program with its comm ops placed; `shards` is the mesh's dp_shard when the
@@ -52,12 +65,37 @@ def insert_dp_reduction(prog: Program, *, shards: int = 1) -> Program:
     just after its last B, W or REDUCE_GRAD and the sends, receives and stage actions that
     directly follow it, in stage order where several end together, and
     one Wait listing them all sits at the end of the rank's list, before any trailing
-    blocking collectives; every other Wait keeps its ops.
+    blocking collectives; every other Wait keeps its ops. `dims`: the dimensions reduced
+    over (`ep` among them: the module docstring's split, by `moe`, the MoE layers per stage).
     """
     ranks = tuple(
-        _rank(prog.placement, rank, instrs, shards) for rank, instrs in enumerate(prog.ranks)
+        _rank(prog.placement, rank, instrs, _Reduce(shards, dims, moe))
+        for rank, instrs in enumerate(prog.ranks)
     )
     return replace(prog, ranks=ranks)
+
+
+class _Reduce:
+    """What one stage's reductions are: over which dims, with which `what`."""
+
+    def __init__(self, shards: int, dims: tuple[str, ...], moe: tuple[int, ...] | None) -> None:
+        self.shards = shards
+        self.dims = dims
+        self.moe = moe or ()
+
+    def collectives(self, rank: int, stage: int) -> list[Collective]:
+        experts = EP in self.dims and stage < len(self.moe) and self.moe[stage] > 0
+        if not experts:
+            return [self._op(rank, f"{WHAT} s{stage}", self.dims, stage)]
+        found = [self._op(rank, f"{WHAT} dense s{stage}", self.dims, stage)]
+        others = tuple(d for d in self.dims if d != EP)
+        if others:
+            found.append(self._op(rank, f"{WHAT} experts s{stage}", others, stage))
+        return found
+
+    def _op(self, rank: int, what: str, dims: tuple[str, ...], stage: int) -> Collective:
+        kind = CollectiveKind.ALL_REDUCE
+        return Collective(kind, (rank,), what, True, dims, (stage,), self.shards)
 
 
 def is_dp_reduction(instr: Instr) -> bool:
@@ -66,7 +104,7 @@ def is_dp_reduction(instr: Instr) -> bool:
 
 
 def _rank(
-    placement: Placement, rank: int, instrs: Sequence[Instr], shards: int
+    placement: Placement, rank: int, instrs: Sequence[Instr], reduce: _Reduce
 ) -> tuple[Instr, ...]:
     bare = splice(instrs, drop=is_dp_reduction)
     ends = {chunk: _past_posts(bare, i) for chunk, i in _last_grad_ops(bare).items()}
@@ -75,18 +113,9 @@ def _rank(
     for chunk, i in sorted(
         ends.items(), key=lambda item: (item[1], _stage(placement, rank, item[0]))
     ):
-        stage = _stage(placement, rank, chunk)
-        op = Collective(
-            CollectiveKind.ALL_REDUCE,
-            (rank,),
-            f"{WHAT} s{stage}",
-            True,
-            (DIM,),
-            (stage,),
-            shards,
-        )
-        after.setdefault(i, []).append(op)
-        made.append(op)
+        ops = reduce.collectives(rank, _stage(placement, rank, chunk))
+        after.setdefault(i, []).extend(ops)
+        made.extend(ops)
     if not made:
         return bare
     placed = splice(bare, after=after)

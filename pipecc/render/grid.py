@@ -15,8 +15,9 @@ from pipecc.simulate.timeline import Timeline
 def format_timeline(timeline: Timeline, *, width: int = 120) -> str:
     """One row per rank on a time axis, `width` characters wide at most.
 
-    Each op is drawn over the characters its time covers, labelled with as much of
-    `F0.3` (kind, chunk, microbatch) as fits; `.` is idle time. With integer costs and room
+    Each op is drawn over the characters its time covers, labelled `F0.3` (kind, chunk,
+    microbatch, as the language writes it) where that fits, else with its kind; `.` is idle
+    time. With integer costs and room
     enough, one character row cell is one time unit times a whole scale.
     """
     span = timeline.makespan or 1.0
@@ -39,14 +40,14 @@ def format_timeline(timeline: Timeline, *, width: int = 120) -> str:
 
 
 def _scale(timeline: Timeline, span: float, width: int) -> float:
-    """Characters per time unit: the largest whole number that fits (at least 4 characters
-    for the shortest op when possible), else a fraction."""
+    """Characters per time unit: the largest whole number that fits (at least 6 characters
+    for the shortest op when possible: `F0.3|` and one for rounding), else a fraction."""
     shortest = min(
         (end - start for _, _, i, start, end in timeline.ops() if is_compute(i) and end > start),
         default=1.0,
     )
     fit = width / span
-    wanted = 4 / shortest
+    wanted = 6 / shortest
     scale = min(fit, wanted)
     return math.floor(scale) if scale >= 1 else scale
 
@@ -64,17 +65,15 @@ def _paint(row: list[str], first: int, last: int, label: str) -> None:
 
 def _fit(label: str, room: int) -> str:
     """The label in `room` characters, ending with a `|` edge when there is room for one:
-    `F0.3` → `F3` → `F` as room shrinks (a fused `F0.4&B1.1` → `F4&B1` → `F&B`)."""
+    the op as the language writes it, chunk and microbatch both (`F1.2`, a fused
+    `F0.4&B1.1`), or only its kind (`F`, `F&B`) where that does not fit. Never a shorter
+    form such as `F2`, which the language reads as chunk 2."""
     if room <= 1:
         return label[0]
-    for text in (label, _short(label), _shortest(label)):
+    for text in (label, _shortest(label)):
         if len(text) <= room - 1:
             return text.ljust(room - 1) + "|"
     return _shortest(label)[: room - 1] + "|"
-
-
-def _short(label: str) -> str:
-    return "&".join(part[0] + part.split(".")[-1] for part in label.split("&"))
 
 
 def _shortest(label: str) -> str:

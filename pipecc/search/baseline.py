@@ -42,10 +42,12 @@ class Bundled(NamedTuple):
 @functools.lru_cache(maxsize=8)
 def bundled_orders(problem: Problem) -> tuple[Bundled, ...]:
     """The bundled schedules of the problem's placement that compile, as orders that fit the
-    cap, best first."""
+    cap, best first (without the split, only those that run full backwards)."""
     found = []
     for name, order, program in compiled_orders(problem.ranks, problem.microbatches,
                                                 problem.placement):  # fmt: skip
+        if not problem.split and _splits(program):
+            continue  # `--no-split`: only schedules of full backwards
         evaluation = evaluate(problem, order)
         if evaluation is not None and fits(problem, evaluation):
             found.append(Bundled(name, order, evaluation.score(problem.objective), program))
@@ -66,6 +68,11 @@ def compiled_orders(
     return tuple(found)
 
 
+def _splits(program: Program) -> bool:
+    """The program runs an I (the zero-bubble split)."""
+    return any(type(i) is Compute and i.kind is Kind.I for instrs in program.ranks for i in instrs)
+
+
 def _placement_line(path: Path) -> str | None:
     """The `placement` declaration's value of a schedule file (`loop` without one)."""
     found = re.search(r"^placement\s+(\S+)", read_text(path), re.MULTILINE)
@@ -81,8 +88,8 @@ def _order(
         program = compile_schedule(path, ranks=ranks, microbatches=microbatches)
     except PipeccError:  # the schedule does not support this size
         return None
-    if program.placement.name != placement:
-        return None
+    if program.placement.name != placement or program.placement.num_pipes > 1:
+        return None  # (two pipes: their stages are not the search's numbering)
     order = []
     for instrs in program.ranks:
         ops: list[SearchOp] = []

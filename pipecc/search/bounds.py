@@ -117,15 +117,14 @@ def _latency(problem: Problem, a: int, b: int) -> float:
 
 def _data_preds(problem: Problem, kind: int, stage: int, mb: int) -> list[tuple[int, float]]:
     """Data and FIFO predecessors of one op (kinds 0, 1, 2 = F, I, W)."""
-    last = problem.num_stages - 1
     preds: list[tuple[int, float]] = []
     if mb > 0:
         preds.append((_op_id(problem, kind, stage, mb - 1), 0.0))
-    if kind == 0 and stage > 0:
+    if kind == 0 and not problem.is_first(stage):
         preds.append((_op_id(problem, 0, stage - 1, mb), _latency(problem, stage - 1, stage)))
     if kind == 1:
         preds.append((_op_id(problem, 0, stage, mb), 0.0))
-        if stage < last:
+        if not problem.is_last(stage):
             lat = _latency(problem, stage + 1, stage)
             preds.append((_op_id(problem, 1, stage + 1, mb), lat))
     if kind == 2:
@@ -173,7 +172,9 @@ def _memory_constraints(
         return []
     found = [(2, stage, (m + 1) * a + m * b, -d), (1, stage, (m + 1) * a, -(b + d))]
     lower = problem.stages_of(problem.rank_of(stage))[0]
-    if lower == stage or not _memory_model_applies(*deltas[lower]):
+    if lower == stage or not _feeds(problem, lower, stage):
+        return found
+    if not _memory_model_applies(*deltas[lower]):
         return found
     al, bl, dl = deltas[lower]
     both = (m + 1) * (a + al)
@@ -184,6 +185,12 @@ def _memory_constraints(
         (2, stage, both + m * (bl + dl + b), -d),
     ]
     return found
+
+
+def _feeds(problem: Problem, lower: int, upper: int) -> bool:
+    """The forwards of `lower` feed those of `upper` (one pipe, lower before upper): not the
+    two pipes of a bidirectional rank, whose stages hold unrelated microbatches."""
+    return problem.ir_stage(lower)[0] == problem.ir_stage(upper)[0]
 
 
 def _memory_model_applies(a: float, b: float, d: float) -> bool:
@@ -359,7 +366,9 @@ def _memory_time(problem: Problem, heads: list[float], rank: int) -> float:
 def _round_trip(problem: Problem, stage: int) -> float:
     """Least time from the end of F(stage, m) to the start of I(stage, m)."""
     total = 0.0
-    for above in range(stage + 1, problem.num_stages):
+    above = stage + 1
+    while not problem.is_last(above - 1):
         link = _latency(problem, above - 1, above)
         total += 2 * link + problem.f[above] + problem.i[above]
+        above += 1
     return total

@@ -112,7 +112,8 @@ class _Decoder:
         self.over = False  # an op ended past the cutoff
         stages, m = problem.num_stages, problem.microbatches
         self.m = m
-        self.last = stages - 1
+        self.first = [problem.is_first(s) for s in range(stages)]
+        self.final = [problem.is_last(s) for s in range(stages)]
         self.rank_of = [problem.rank_of(s) for s in range(stages)]
         self.fend = [-1.0] * (stages * m)  # end time of F(s, mb) at s·M + mb; -1: not yet
         self.iend = [-1.0] * (stages * m)
@@ -149,7 +150,7 @@ class _Decoder:
         stage, mb = rank.stages[c], rank.nf[c]
         if mb >= self.m:
             return False
-        if stage > 0:
+        if not self.first[stage]:
             end = self.fend[(stage - 1) * self.m + mb]
             if end < 0 or end + self.lat_f[stage] > now + EPS:
                 return False
@@ -166,7 +167,7 @@ class _Decoder:
         stage, mb = rank.stages[c], rank.ni[c]
         if mb >= rank.nf[c]:
             return False
-        if stage < self.last:
+        if not self.final[stage]:
             end = self.iend[(stage + 1) * self.m + mb]
             if end < 0 or end + self.lat_i[stage] > now + EPS:
                 return False
@@ -217,14 +218,14 @@ class _Decoder:
             end = now + p.f[stage]
             rank.mem += p.mem_f[stage]
             self.fend[stage * m + mb] = end
-            consumer = self.rank_of[stage + 1] if stage < self.last else r
+            consumer = r if self.final[stage] else self.rank_of[stage + 1]
         elif kind is Kind.I:
             mb, rank.ni[c] = rank.ni[c], rank.ni[c] + 1
             rank.pending += 1
             end = now + p.i[stage]
             rank.mem += p.mem_i[stage]
             self.iend[stage * m + mb] = end
-            consumer = self.rank_of[stage - 1] if stage > 0 else r
+            consumer = r if self.first[stage] else self.rank_of[stage - 1]
         else:
             mb, rank.nw[c] = rank.nw[c], rank.nw[c] + 1
             rank.pending -= 1

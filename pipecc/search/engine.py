@@ -361,13 +361,29 @@ def smallest_cap(problem: Problem) -> float:
     one = problem.ranks * (RankPolicy(1, 0, False, True),)
     decoded = decode(replace(problem, cap=math.inf), one)
     assert decoded is not None  # one microbatch at a time always runs
-    return max(decoded.evaluation.peak)
+    most = max(decoded.evaluation.peak)
+    if problem.pipes == 1:
+        return most
+    # several pipes: the policy above keeps one microbatch of each pipe in flight; the
+    # smallest cap is the least whole number of forwards under which it still runs
+    step = max(problem.mem_f)
+    cap = step
+    while cap < most - 1e-9:
+        if decode(replace(problem, cap=cap), one) is not None:
+            return cap
+        cap += step
+    return most
 
 
 def placements(choice: str) -> tuple[str, ...]:
     """`--placement`'s value → the placements to search."""
     if choice == "auto":
         return SHAPES
-    if choice not in SHAPES:
-        raise ValueError(f"unknown placement {choice!r}: {SHAPES}")
+    if choice not in (*SHAPES, *LAYOUTS):
+        raise ValueError(f"unknown placement {choice!r}: {SHAPES + LAYOUTS}")
     return (choice,)
+
+
+LAYOUTS = ("bidirectional", "table")
+"""The placements the search takes as an IR placement (`Problem.layout`): DualPipe's and
+Chimera's two pipes, and a `.sched` file's table (`--placement-from`)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pipecc.diagnostics import PipeccError
-from pipecc.ir.ops import Compute
+from pipecc.ir.ops import Compute, Kind
 from pipecc.ir.program import Backend, Program
 from pipecc.passes.align_comms import POLICY, align_comms
 from pipecc.passes.comm.placement import backend_of
@@ -74,7 +74,7 @@ class Placing(NamedTuple):
         return f"{ALIGNED} for {self.model.value}" if self.policy == ALIGNED else self.policy
 
 
-NCCL_ALIGNED = Placing(ALIGNED, CommModel.NCCL)
+NCCL_ALIGNED = Placing(ALIGNED, CommModel.NCCL_SINGLE)  # what the runtime posts on NCCL
 
 
 class Lowered(NamedTuple):
@@ -88,26 +88,55 @@ class Lowered(NamedTuple):
 
 def chunk_of(problem: Problem, stage: int) -> int:
     """The chunk index of `stage` on its rank."""
-    return 0 if problem.placement == "loop" or stage < problem.ranks else 1
+    return problem.ir_placement().holder(*problem.ir_stage(stage)).chunk
+
+
+def _compute(problem: Problem, op: SearchOp) -> Compute:
+    """The IR op of a search op: its pipe, its stage in the pipe, its global microbatch."""
+    pipe, stage = problem.ir_stage(op.stage)
+    mb = problem.first_mb(op.stage) + op.mb
+    return Compute(op.kind, chunk_of(problem, op.stage), pipe, stage, mb)
+
+
+def program_order(problem: Problem, order: Order) -> Order:
+    """`order` as its program runs it: without the split (`--no-split`) each I is a full B
+    and the W placeholders are gone."""
+    if problem.split:
+        return order
+    return tuple(
+        tuple(
+            SearchOp(Kind.B, op.stage, op.mb) if op.kind is Kind.I else op
+            for op in ops
+            if op.kind is not Kind.W
+        )
+        for ops in order
+    )
 
 
 def to_program(problem: Problem, order: Order, name: str = "search") -> Program:
     """The compute-only Program of `order`."""
     placement = problem.ir_placement()
     ranks = tuple(
-        tuple(Compute(op.kind, chunk_of(problem, op.stage), 0, op.stage, op.mb) for op in ops)
-        for ops in order
+        tuple(_compute(problem, op) for op in ops) for ops in program_order(problem, order)
     )
     return Program(
         schedule=name,
         source=SOURCE,
         num_ranks=problem.ranks,
-        num_microbatches=problem.microbatches,
+        num_microbatches=problem.total_microbatches,
         params=(),
         comm="none",
         placement=placement,
         ranks=ranks,
     )
+
+
+def _computes(program: Program) -> list[list[tuple[Kind, int, int, int]]]:
+    """Each rank's computations as (kind, pipe, stage, microbatch)."""
+    return [
+        [(i.kind, i.pipe, i.stage, i.mb) for i in instrs if isinstance(i, Compute)]
+        for instrs in program.ranks
+    ]
 
 
 def compute_order(program: Program) -> Order:
@@ -123,19 +152,21 @@ def compute_order(program: Program) -> Order:
 
 
 def stage_costs(problem: Problem, unit: str = "") -> CostModel:
-    """The cut's per-stage costs: every stage's F, I, W (B = I + W) and the latency."""
+    """The cut's per-stage costs: every stage's F, I, W (B = I + W) and the latency (the
+    stages of one pipe: every pipe holds the same ones)."""
     stages = tuple(
         (s, StageCost(F=problem.f[s], I=problem.i[s], W=problem.w[s]))
-        for s in range(problem.num_stages)
+        for s in range(problem.num_stages // problem.pipes)
     )
     return CostModel(base=StageCost(comm=problem.comm), stages=stages, unit=unit)
 
 
 def costs_toml(problem: Problem, unit: str = "") -> str:
     """`stage_costs` as a cost file (`pipecc simulate --cost-file`)."""
+    per_pipe = problem.num_stages // problem.pipes
     lines = [
         f"# per-stage costs of the {problem.placement} cut chosen by pipecc search",
-        f"# (P={problem.ranks}, M={problem.microbatches}, {problem.num_stages} stages)",
+        f"# (P={problem.ranks}, M={problem.total_microbatches}, {per_pipe} stages)",
         "",
         "[cost]",
     ]
@@ -143,9 +174,9 @@ def costs_toml(problem: Problem, unit: str = "") -> str:
         lines.append(f'unit = "{unit}"')
     # the cut the tables name (docs/simulate.md): another program converts them
     lines.append(f'placement = "{problem.placement}"')
-    lines += [f"ranks = {problem.ranks}", f"stages = {problem.num_stages}"]
+    lines += [f"ranks = {problem.ranks}", f"stages = {per_pipe}"]
     lines.append(f"comm = {problem.comm!r}")
-    for s in range(problem.num_stages):
+    for s in range(per_pipe):
         lines += ["", f"[cost.stage.{s}]", f"F = {problem.f[s]!r}", f"I = {problem.i[s]!r}"]
         lines.append(f"W = {problem.w[s]!r}")
     return "\n".join(lines) + "\n"
@@ -206,11 +237,12 @@ def lower(
     """Place `order` as `placing` says, verify it under the comm models it is meant for and
     check it (module docstring); raises LoweringError if any check fails."""
     costs = stage_costs(problem, unit)
-    program = place(to_program(problem, order, name), costs, placing)
+    compute_only = to_program(problem, order, name)
+    program = place(compute_only, costs, placing)
     report = verify(program, Options(models=placing.verified_under))
     if not report.ok:
         raise LoweringError(f"the searched program fails verification: {report.violations[0]}")
-    if compute_order(program) != order:
+    if _computes(program) != _computes(compute_only):
         raise LoweringError("alignment changed the searched compute order")
     evaluation = evaluate(problem, order)
     if evaluation is None or not fits(problem, evaluation):

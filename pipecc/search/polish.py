@@ -50,12 +50,12 @@ class Timer:
         p = self.problem
         kind, stage, mb = op
         if kind is Kind.F:
-            needs = [SearchOp(Kind.F, stage - 1, mb)] if stage > 0 else []
+            needs = [] if p.is_first(stage) else [SearchOp(Kind.F, stage - 1, mb)]
         elif kind is Kind.W:
             needs = [SearchOp(Kind.I, stage, mb)]
         else:
             needs = [SearchOp(Kind.F, stage, mb)]
-            if stage < self.stages - 1:
+            if not p.is_last(stage):
                 needs.append(SearchOp(Kind.I, stage + 1, mb))
         return tuple(
             (self.op_id(n), 0.0 if p.rank_of(n.stage) == p.rank_of(stage) else p.comm)

@@ -27,7 +27,7 @@ the same memory.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipecc.diagnostics import CostModelError
@@ -58,9 +58,13 @@ SPLIT = (Kind.F, Kind.I, Kind.W)
 """The three ops of the zero-bubble split (the IR's kinds; a full backward B is not one)."""
 
 SHAPES = ("loop", "vshape")
-"""The placements the search takes, by the IR's names (`pipecc.ir.placement`): loop, S = P
-stages, stage s on rank s; vshape, S = 2P stages, stage s on rank s for s < P, on rank
-2P-1-s otherwise."""
+"""The placements the search takes by formula, by the IR's names (`pipecc.ir.placement`):
+loop, S = P stages, stage s on rank s; vshape, S = 2P stages, stage s on rank s for s < P, on
+rank 2P-1-s otherwise. Any other placement (`bidirectional`, a `.sched` file's table) comes
+as its IR form, `Problem.layout`: its pipes' stages are numbered one after the other
+(stage s of pipe p is search stage Σ_{q<p} S_q + s), each pipe carries M / pipes
+microbatches (`Problem.microbatches` counts those of one pipe), and no data flows from one
+pipe's last stage to the next pipe's first."""
 
 Order = tuple[tuple[SearchOp, ...], ...]
 """One tuple of ops per rank, in the order the rank runs them."""
@@ -93,8 +97,15 @@ class Problem:
     mem_w: tuple[float, ...]
     cap: float
     objective: Objective = Objective.MAKESPAN
+    split: bool = True  # False (`--no-split`): each I is a full B (W lasts 0 and frees nothing)
+    layout: Placement | None = None  # a placement other than loop and vshape (SHAPES)
+    _holder: tuple[int, ...] = field(init=False, repr=False, compare=False)  # stage -> rank
+    _held: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _pipe: tuple[int, ...] = field(init=False, repr=False, compare=False)  # stage -> pipe
+    _offset: tuple[int, ...] = field(init=False, repr=False, compare=False)  # pipe -> stage 0
 
     def __post_init__(self) -> None:
+        self._tables()
         if self.ranks < 1 or self.microbatches < 1:
             raise ValueError(f"need P ≥ 1 and M ≥ 1, got P={self.ranks} M={self.microbatches}")
         stages = self.num_stages
@@ -103,31 +114,78 @@ class Problem:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values, need {stages}")
         if self.comm < 0:
             raise ValueError(f"comm must be ≥ 0, got {self.comm}")
-        if self.placement not in SHAPES:
+        if self.placement not in SHAPES and self.layout is None:
             raise ValueError(f"placement {self.placement!r}: the search takes {SHAPES}")
 
+    def _tables(self) -> None:
+        layout = self.ir_placement()
+        offsets: list[int] = []
+        holder: list[int] = []
+        pipes: list[int] = []
+        for pipe in range(layout.num_pipes):
+            offsets.append(len(holder))
+            for stage in range(layout.num_stages(pipe)):
+                holder.append(layout.holder(pipe, stage).rank)
+                pipes.append(pipe)
+        held = tuple(
+            tuple(s for s, rank in enumerate(holder) if rank == r) for r in range(self.ranks)
+        )
+        object.__setattr__(self, "_holder", tuple(holder))
+        object.__setattr__(self, "_held", held)
+        object.__setattr__(self, "_pipe", tuple(pipes))
+        object.__setattr__(self, "_offset", tuple(offsets))
+
     def ir_placement(self) -> Placement:
-        """The IR's placement of that name for P ranks (what the lowered program carries)."""
+        """The IR's placement for P ranks (what the lowered program carries)."""
+        if self.layout is not None:
+            return self.layout
         if self.placement == "loop":
             return loop_placement(self.ranks, 1)
         return vshape_placement(self.ranks)
 
     @property
     def num_stages(self) -> int:
-        """S: P for the loop placement, 2P for the V shape."""
-        return self.ranks if self.placement == "loop" else 2 * self.ranks
+        """S: P for the loop placement, 2P for the V shape, every pipe's for a layout."""
+        return len(self._holder)
+
+    @property
+    def pipes(self) -> int:
+        """How many pipes the placement has (each carries `microbatches` microbatches)."""
+        return len(self._offset)
+
+    @property
+    def total_microbatches(self) -> int:
+        """M: the microbatches of every pipe."""
+        return self.microbatches * self.pipes
 
     def rank_of(self, stage: int) -> int:
         """The rank that runs `stage`."""
-        if self.placement == "loop" or stage < self.ranks:
-            return stage
-        return 2 * self.ranks - 1 - stage
+        return self._holder[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs, in increasing order."""
-        if self.placement == "loop":
-            return (rank,)
-        return (rank, 2 * self.ranks - 1 - rank)
+        return self._held[rank]
+
+    def is_first(self, stage: int) -> bool:
+        """`stage` is the first of its pipe (its F needs no input)."""
+        return self._offset[self._pipe[stage]] == stage
+
+    def is_last(self, stage: int) -> bool:
+        """`stage` is the last of its pipe (its I needs only its own F)."""
+        return stage + 1 == len(self._holder) or self._pipe[stage + 1] != self._pipe[stage]
+
+    def ir_stage(self, stage: int) -> tuple[int, int]:
+        """(pipe, stage within the pipe) of a search stage."""
+        pipe = self._pipe[stage]
+        return pipe, stage - self._offset[pipe]
+
+    def search_stage(self, pipe: int, stage: int) -> int:
+        """The search stage of `stage` of `pipe` (inverse of `ir_stage`)."""
+        return self._offset[pipe] + stage
+
+    def first_mb(self, stage: int) -> int:
+        """The global number of the first microbatch of `stage`'s pipe."""
+        return self._pipe[stage] * self.microbatches
 
     def duration(self, op: SearchOp) -> float:
         """How long `op` runs."""
@@ -160,28 +218,60 @@ class Problem:
         cap: float,
         mem: MemDeltas = DEFAULT_MEM,
         objective: Objective = Objective.MAKESPAN,
+        split: bool = True,
+        layout: Placement | None = None,
     ) -> Problem:
-        """The problem for costs as given (per share, `CostModel.for_cut`).
+        """The problem for costs as given (per share, `CostModel.for_cut`). Without `split`,
+        each I is a full backward B: B's duration (I + W) and memory change (I's plus W's),
+        its W a placeholder of no time and no memory that `lower` drops. With a `layout`
+        (`placement` its name), `microbatches` is M, split evenly over its pipes, and every
+        pipe must have the same number of stages (each pipe's stage s costs the cut's s).
 
         Raises CostModelError for a stage table the cut does not have or message latencies
-        that differ between stages (the search's latency model has one `comm`)."""
-        stages = ranks if placement == "loop" else 2 * ranks
-        cost = stage_costs(costs.for_cut(Cut(ranks, stages, placement)), stages)
-        scale = ranks / stages
+        that differ between stages (the search's latency model has one `comm`), ValueError
+        for a layout whose pipes differ or do not divide M."""
+        pipes = 1 if layout is None else layout.num_pipes
+        per_pipe = ranks if placement == "loop" else 2 * ranks
+        if layout is not None:
+            per_pipe = _pipe_stages(layout, microbatches)
+        cost = stage_costs(costs.for_cut(Cut(ranks, per_pipe, placement)), per_pipe)
+        stages, scale = per_pipe * pipes, ranks / per_pipe
+        i, w, mem_i, mem_w = cost.i, cost.w, mem.I, mem.W
+        if not split:
+            i = tuple(a + b for a, b in zip(cost.i, cost.w, strict=True))
+            w, mem_i, mem_w = (0.0,) * per_pipe, mem.I + mem.W, 0.0
         return cls(
             ranks=ranks,
-            microbatches=microbatches,
+            microbatches=microbatches // pipes,
             placement=placement,
-            f=cost.f,
-            i=cost.i,
-            w=cost.w,
+            f=cost.f * pipes,
+            i=i * pipes,
+            w=w * pipes,
             comm=cost.comm,
             mem_f=(mem.F * scale,) * stages,
-            mem_i=(mem.I * scale,) * stages,
-            mem_w=(mem.W * scale,) * stages,
+            mem_i=(mem_i * scale,) * stages,
+            mem_w=(mem_w * scale,) * stages,
             cap=cap,
             objective=objective,
+            split=split,
+            layout=layout,
         )
+
+
+def _pipe_stages(layout: Placement, microbatches: int) -> int:
+    """The stages of each of the layout's pipes (the same for all); M must split evenly."""
+    counts = {layout.num_stages(pipe) for pipe in range(layout.num_pipes)}
+    if len(counts) > 1:
+        raise ValueError(
+            f"placement {layout.name}: its pipes have {sorted(counts)} stages; the search "
+            "takes pipes of one length"
+        )
+    if microbatches % layout.num_pipes:
+        raise ValueError(
+            f"placement {layout.name} splits M over {layout.num_pipes} pipes: M must be a "
+            f"multiple of {layout.num_pipes}, got {microbatches}"
+        )
+    return counts.pop()
 
 
 class StageCosts(NamedTuple):
@@ -247,10 +337,10 @@ def check_order(problem: Problem, order: Order) -> None:
 def _inputs(problem: Problem, op: SearchOp) -> tuple[SearchOp, ...]:
     kind, stage, mb = op
     if kind is Kind.F:
-        return (SearchOp(Kind.F, stage - 1, mb),) if stage > 0 else ()
+        return () if problem.is_first(stage) else (SearchOp(Kind.F, stage - 1, mb),)
     if kind is Kind.W:
         return (SearchOp(Kind.I, stage, mb),)
-    if stage == problem.num_stages - 1:
+    if problem.is_last(stage):
         return (SearchOp(Kind.F, stage, mb),)
     return (SearchOp(Kind.F, stage, mb), SearchOp(Kind.I, stage + 1, mb))
 

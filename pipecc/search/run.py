@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from pipecc.diagnostics import InputError, PipeccError
+from pipecc.ir.placement import Placement, bidirectional_placement
 from pipecc.ir.program import Program
 from pipecc.search.baseline import Bundled, bundled_orders
 from pipecc.search.bounds import lower_bound
@@ -62,6 +63,8 @@ class Request(NamedTuple):
     seed: int = 0
     policy: str = ALIGNED  # how its comm ops are placed (lower.Placing)
     backend: str = "nccl"  # the backend it is placed for: gloo or nccl
+    split: bool = True  # False: full backwards only (`--no-split`)
+    layout: Placement | None = None  # `--placement-from`: a .sched file's placement
 
     @property
     def placing(self) -> Placing:
@@ -145,7 +148,7 @@ class Outcome(NamedTuple):
         """A comment header for the written files."""
         p = self.problem
         return (
-            f"pipecc search  P={p.ranks} M={p.microbatches}  placement {p.placement}  "
+            f"pipecc search  P={p.ranks} M={p.total_microbatches}  placement {p.placement}  "
             f"objective {p.objective.value}  comm {self.comm.value}  cap {p.cap:g}\n"
             f"per-stage costs: the .costs.toml written beside the program"
         )
@@ -221,15 +224,28 @@ def finish(
 
 
 def _problem(req: Request, placement: str) -> Problem:
-    return Problem.from_costs(
-        req.costs,
-        ranks=req.ranks,
-        microbatches=req.microbatches,
-        placement=placement,
-        cap=req.cap,
-        mem=req.mem,
-        objective=Objective(req.objective),
-    )
+    layout = req.layout
+    if placement == "bidirectional":
+        layout = bidirectional_placement(req.ranks)
+    if layout is not None and layout.num_pipes > 1 and req.objective == Objective.SPAN.value:
+        raise InputError(
+            "--objective span measures a rank from its first forward, which with several "
+            "pipes need not be its first op: use --objective makespan"
+        )
+    try:
+        return Problem.from_costs(
+            req.costs,
+            ranks=req.ranks,
+            microbatches=req.microbatches,
+            placement=placement,
+            cap=req.cap,
+            mem=req.mem,
+            objective=Objective(req.objective),
+            split=req.split,
+            layout=layout,
+        )
+    except ValueError as err:
+        raise InputError(str(err)) from None
 
 
 def _bundled_candidates(problem: Problem) -> list[Order]:

@@ -8,12 +8,14 @@ Periodic stretches become `repeat N { ... }` (the longest saving tandem repeat f
 ranks' listings are the branches of `if rank == r` chains, since a searched order has no
 closed form in `rank`, in three phases: each rank's warm-up (before its first I), steady
 state (up to its last F) and cool-down (a phase whose ops are the same on every rank needs
-no chain). A `require` line pins the file to the size it was searched for.
+no chain). A `require` line pins the file to the size it was searched for. Without the split
+(`--no-split`) the order is written with full backwards, `B0`, and no `W`.
 """
 
 from __future__ import annotations
 
 from pipecc.ir.ops import Kind
+from pipecc.search.lower import chunk_of, program_order
 from pipecc.search.problem import Order, Problem, SearchOp
 
 MAX_BLOCK = 12  # longest repeated block looked for
@@ -27,22 +29,24 @@ def op_tokens(problem: Problem, ops: tuple[SearchOp, ...]) -> list[str]:
     pending: dict[int, list[int]] = {}  # stage -> microbatches whose I ran, W not yet
     tokens = []
     for op in ops:
-        chunk = "" if loop else str(0 if op.stage < problem.ranks else 1)
+        chunk = "" if loop else str(chunk_of(problem, op.stage))
+        first = problem.first_mb(op.stage)
+        mb = first + op.mb  # the global number (a second pipe's come after the first's)
         if op.kind is Kind.W:
             queue = pending[op.stage]
-            bare = queue[0] == op.mb
-            queue.remove(op.mb)
+            bare = queue[0] == mb
+            queue.remove(mb)
         else:
             counter = (op.kind, op.stage)
-            bare = nxt.get(counter, 0) == op.mb
+            bare = nxt.get(counter, first) == mb
             if bare:
-                nxt[counter] = op.mb + 1
+                nxt[counter] = mb + 1
             if op.kind is Kind.I:
-                pending.setdefault(op.stage, []).append(op.mb)
+                pending.setdefault(op.stage, []).append(mb)
         if op.kind is not Kind.W or bare:
-            tokens.append(f"{op.kind.value}{chunk}" + ("" if bare else f"[{op.mb}]"))
+            tokens.append(f"{op.kind.value}{chunk}" + ("" if bare else f"[{mb}]"))
         else:
-            tokens.append(f"W{chunk or '0'}[{op.mb}]")
+            tokens.append(f"W{chunk or '0'}[{mb}]")
     return tokens
 
 
@@ -95,7 +99,7 @@ PHASES = ("warmup", "steady", "cooldown")
 def split_phases(tokens: list[str]) -> tuple[list[str], list[str], list[str]]:
     """A rank's tokens before its first I (warm-up), up to its last F (steady state), and
     after it (cool-down)."""
-    first_i = next((k for k, t in enumerate(tokens) if t.startswith("I")), len(tokens))
+    first_i = next((k for k, t in enumerate(tokens) if t[0] in "IB"), len(tokens))
     last_f = max((k + 1 for k, t in enumerate(tokens) if t.startswith("F")), default=0)
     middle = max(first_i, last_f)
     return tokens[:first_i], tokens[first_i:middle], tokens[middle:]
@@ -124,12 +128,38 @@ def write_sched(problem: Problem, order: Order, name: str, header: str = "") -> 
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += [
         f"schedule {name}",
-        f"placement {problem.placement}",
-        f"require P == {problem.ranks}, M == {problem.microbatches}",
+        *placement_lines(problem),
+        f"require P == {problem.ranks}, M == {problem.total_microbatches}",
     ]
-    split = [split_phases(op_tokens(problem, ops)) for ops in order]
+    split = [split_phases(op_tokens(problem, ops)) for ops in program_order(problem, order)]
     for k, phase in enumerate(PHASES):
         body = _phase(phase, [parts[k] for parts in split])
         if body:
             lines += ["", *body]
     return "\n".join(lines) + "\n"
+
+
+def placement_lines(problem: Problem) -> list[str]:
+    """The placement declaration: its name, or for a table (`--placement-from`) each chunk's
+    pipe and stage as a chain over the ranks."""
+    layout = problem.ir_placement()
+    if problem.placement != "table":
+        return [f"placement {problem.placement}"]
+    lines = ["placement {"]
+    for chunk in range(layout.num_chunks(0)):
+        slots = [layout.slot(rank, chunk) for rank in range(problem.ranks)]
+        pipe = _by_rank([slot.pipe for slot in slots])
+        stage = _by_rank([slot.stage for slot in slots])
+        lines.append(f"  chunk {chunk}: pipe {pipe}, stage {stage}")
+    return [*lines, "}"]
+
+
+def _by_rank(values: list[int]) -> str:
+    """An expression of `rank` with these values on ranks 0, 1, ...: `if rank == 0 then 3
+    else if rank == 1 then 2 else 1`."""
+    text = str(values[-1])
+    if len(set(values)) == 1:
+        return text
+    for rank in range(len(values) - 2, -1, -1):
+        text = f"if rank == {rank} then {values[rank]} else {text}"
+    return text

@@ -8,14 +8,13 @@ times, and the same blocked state when the program deadlocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import cast
 
-from pipecc.ir.ops import Collective, Compute, Fused, Send
 from pipecc.ir.program import Program
+from pipecc.semantics.durations import collective_costs, instruction_costs
 from pipecc.semantics.model import ZERO_TIMING, CommModel, Timing
 from pipecc.semantics.result import Block, Replay, Stuck
-from pipecc.semantics.wiring import COLL, COMPUTE, RECV, SEND, WAIT, Wiring, wire
+from pipecc.semantics.wiring import COLL, RECV, SEND, Wiring, wire
 
 
 def replay(
@@ -74,9 +73,9 @@ class _Run:
         self.ready: list[int] = list(range(wiring.num_ranks - 1, -1, -1))  # ranks to advance
         self.cursor = list(wiring.offsets[:-1])
         self.clock = [0.0] * wiring.num_ranks
-        self.dur, self.lat = _costs(wiring, timing)
+        self.dur, self.lat = instruction_costs(wiring, timing)
         if wiring.members and timing is not ZERO_TIMING:
-            self.lat = _collective_costs(wiring, timing, list(self.lat))
+            self.lat = collective_costs(wiring, timing, list(self.lat))
         self.unit_act: list[float | None] = []
         self.unit_post: list[float | None] = [None] * len(wiring.unit_first)
 
@@ -414,46 +413,6 @@ class _StreamRun(_Run):
                 ops = range(self.w.unit_first[h], self.w.unit_last[h] + 1)
                 return next(o for o in ops if self.done[o] is None)
         raise AssertionError(f"unit {u} is at the head of all its streams")
-
-
-def _costs(wiring: Wiring, timing: Timing) -> tuple[Sequence[float], Sequence[float]]:
-    """Per instruction: the time it takes on its rank's clock (a compute op's duration, a
-    post's or a Wait's host overhead); the latency of a send, copied to its partner recv so
-    that either side can look it up."""
-    n = len(wiring.code)
-    if timing is ZERO_TIMING:
-        zeros = [0.0] * n
-        return zeros, zeros
-    dur = [0.0] * n
-    lat = [0.0] * n
-    code, partner = wiring.code, wiring.partner
-    for rank, instrs in enumerate(wiring.program.ranks):
-        base = wiring.offsets[rank]
-        for index, instr in enumerate(instrs):
-            g = base + index
-            if code[g] == COMPUTE:
-                dur[g] = timing.duration(rank, index, cast("Compute | Fused", instr))
-            elif code[g] == SEND:
-                lat[g] = timing.latency(rank, index, cast("Send", instr))
-                if partner[g] >= 0:
-                    lat[partner[g]] = lat[g]
-        post, wait = timing.overhead(rank)
-        if post or wait:
-            for g in range(base, base + len(instrs)):
-                if code[g] != COMPUTE:
-                    dur[g] = wait if code[g] == WAIT else post
-    return dur, lat
-
-
-def _collective_costs(wiring: Wiring, timing: Timing, lat: list[float]) -> list[float]:
-    """The duration of each collective: from its last member's readiness to its completion
-    (kept where a send keeps its latency)."""
-    for rank, instrs in enumerate(wiring.program.ranks):
-        base = wiring.offsets[rank]
-        for index, instr in enumerate(instrs):
-            if wiring.code[base + index] == COLL:
-                lat[base + index] = timing.collective(rank, index, cast("Collective", instr))
-    return lat
 
 
 def _stuck(run: _Run) -> tuple[Stuck, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Protocol
 
-from pipecc.ir.ops import Collective, Compute, Fused, Send, Sequential, StageOp
+from pipecc.ir.ops import Collective, Compute, Fused, Phase, Send, Sequential, StageOp
 
 
 class CommModel(enum.Enum):
@@ -37,9 +37,9 @@ class Timing(Protocol):
     model)."""
 
     def duration(
-        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp
+        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp | Phase
     ) -> float:
-        """How long compute instruction `index` of `rank` runs."""
+        """How long compute instruction `index` of `rank` runs (a MoE phase included)."""
         ...
 
     def latency(self, rank: int, index: int, send: Send) -> float:
@@ -62,7 +62,7 @@ class ZeroTiming:
     """Every duration, latency and overhead is 0: the untimed replay."""
 
     def duration(
-        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp
+        self, rank: int, index: int, instr: Compute | Fused | Sequential | StageOp | Phase
     ) -> float:
         return 0.0
 

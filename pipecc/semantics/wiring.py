@@ -22,6 +22,7 @@ from pipecc.ir.ops import (
     Compute,
     Instr,
     Kind,
+    Phase,
     Recv,
     Send,
     StageOp,
@@ -123,6 +124,15 @@ class Wiring:
 
 
 _F, _B, _I = Kind.F, Kind.B, Kind.I
+
+
+def inputs(instr: Instr) -> tuple[Compute, ...]:
+    """The computations whose received input an instruction consumes: its computations,
+    but for a MoE phase its op at the op's first phase (the op's later phases take their
+    input from the phase before)."""
+    if type(instr) is Phase:
+        return (instr.op,) if instr.is_first else ()
+    return computations(instr)
 
 
 def wire(program: Program) -> Wiring:
@@ -297,7 +307,7 @@ class _Builder:
             else:
                 both = [
                     posted[k] if k in posted else self._later(c, k)
-                    for op in computations(instr)
+                    for op in inputs(instr)
                     if (k := input_key(op, rank)) >= 0
                 ]
                 deps[c] = tuple(sorted(d for d in both if d >= 0))  # as _bind_unique: latest last
@@ -331,7 +341,7 @@ class _Builder:
         deps, unreceived = self.deps, self.unreceived
         for g in computes:
             x = instrs[g - base]
-            parts = (x,) if type(x) is Compute else computations(x)
+            parts = (x,) if type(x) is Compute else inputs(x)
             found: tuple[int, ...] = ()
             for kind, _, pipe, stage, mb, _ in parts:
                 if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:

@@ -13,16 +13,18 @@ interval, stalls (every wait on a recv or a rendezvous send) and peak memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from pipecc.analysis.gaps import Gap, classify, clean
 from pipecc.analysis.memory import BytePeak, peak_activations, peak_bytes, stage_bytes
 from pipecc.diagnostics import ProgramError
 from pipecc.ir.ops import (
     Collective,
+    CollectiveKind,
     Compute,
     Fused,
     Instr,
+    Phase,
     Recv,
     Send,
     Sequential,
@@ -80,6 +82,7 @@ class RankStats:
     in_bytes: BytePeak | None  # the whole predicted peak, where the costs give sizes
     stalls: tuple[Blocked, ...]
     gaps: tuple[Gap, ...] = ()
+    a2a_exposed: float = 0.0  # time blocked on expert-parallel all-to-alls (`exposed_a2a`)
 
     @property
     def peak_bytes(self) -> float | None:
@@ -115,6 +118,7 @@ class RankStats:
             "dependency_bound": clean(self.dependency_bound),
             "placement_bound": clean(self.placement_bound),
             "gaps": [gap.to_json() for gap in self.gaps],
+            "a2a_exposed": clean(self.a2a_exposed),
         }
 
 
@@ -157,6 +161,21 @@ class Timeline:
     def step(self) -> float:
         return self.makespan + self.sync
 
+    @property
+    def longest_rank(self) -> RankStats:
+        """The rank whose span (last end − first start of its computations) is longest; the
+        lowest-numbered of those, on a tie."""
+        return max(self.ranks, key=lambda stats: stats.last_end - stats.first_start)
+
+    @property
+    def span_bubble_ratio(self) -> float:
+        """The zero-bubble papers' bubble rate: 1 − busy / (last end − first start) of the
+        longest rank (`longest_rank`), which leaves out the fill and drain before and after
+        it that `bubble_ratio` counts (docs/simulate.md)."""
+        stats = self.longest_rank
+        span = stats.last_end - stats.first_start
+        return 1.0 - stats.busy / span if span > 0 else 0.0
+
     def ops(self) -> list[TimedOp]:
         """Every instruction with its start and end, rank by rank."""
         found = []
@@ -179,6 +198,7 @@ class Timeline:
             "sync": clean(self.sync),
             "step": clean(self.step),
             "bubble_ratio": clean(self.bubble_ratio),
+            "span_bubble_ratio": clean(self.span_bubble_ratio),
             "ranks": [stats.to_json() for stats in self.ranks],
             "ops": [
                 {
@@ -196,7 +216,7 @@ class Timeline:
 def op_name(instr: Instr) -> str:
     """The short name of an instruction in timelines: `F0.3`, `F0.4&B1.1`, `send`, ..."""
     match instr:
-        case Compute() | Fused() | Sequential() | StageOp():
+        case Compute() | Fused() | Sequential() | StageOp() | Phase():
             return instr.label()
         case Send():
             return "send"
@@ -228,7 +248,7 @@ def simulate(
 def _simulate(
     program: Program, costs: CostModel, model: CommModel, stall_threshold: float
 ) -> Timeline:
-    run = replay(program, model=model, timing=CostTiming(costs))
+    run = replay(program, model=model, timing=CostTiming(costs, program.moe))
     if not run.finished:
         raise DeadlockedError(
             f"{program.schedule} (P={program.num_ranks}, M={program.num_microbatches}) does "
@@ -241,6 +261,7 @@ def _simulate(
         replace(
             _rank_stats(rank, program, run, costs, makespan, stall_threshold),
             gaps=tuple(gaps[rank]),
+            a2a_exposed=exposed_a2a(run, rank, costs.overhead()[0]),
         )
         for rank in range(program.num_ranks)
     )
@@ -337,6 +358,34 @@ def _stalls(rank: int, run: Replay, threshold: float, *, post: float) -> list[Bl
         message = "previous op" if released is None else _released_by(instrs[released])
         found.append(Blocked(rank, index, blocked_from, length, released, message))
     return found
+
+
+def is_a2a(instr: Instr) -> bool:
+    return type(instr) is Collective and instr.kind is CollectiveKind.ALL_TO_ALL
+
+
+def exposed_a2a(run: Replay, rank: int, post: float) -> float:
+    """The time `rank` sat blocked on expert-parallel all-to-alls: in a blocking one after
+    posting it, and at a Wait that lists only all-to-alls (one the rank's compute did not
+    hide). 0 for a program without them."""
+    instrs = run.program.ranks[rank]
+    starts, ends, base = run.start, run.end, run.wiring.offsets[rank]
+    total, previous_end = 0.0, 0.0
+    for index, instr in enumerate(instrs):
+        kind = type(instr)
+        if kind is Send or kind is Recv:
+            previous_end += post
+            continue
+        start = starts[base + index] or 0.0
+        end = ends[base + index] or start
+        if is_a2a(instr) and not cast(Collective, instr).asynchronous:
+            total += max(end - start - post, 0.0)
+        elif kind is Wait and all(
+            0 <= i < len(instrs) and is_a2a(instrs[i]) for i in cast(Wait, instr).ops
+        ):
+            total += max(start - previous_end, 0.0)
+        previous_end = end
+    return total
 
 
 def _released_by(instr: Instr) -> str:

@@ -37,6 +37,7 @@ from pipecc.verify.deadlock import Status, Verdict, check_deadlock
 from pipecc.verify.dependencies import check_compute_order, check_dataflow
 from pipecc.verify.matching import check_matching
 from pipecc.verify.memory import Peak, byte_peaks, check_budget, check_memory, peaks
+from pipecc.verify.phases import check_phases
 from pipecc.verify.placement import check_placement, check_routes
 from pipecc.verify.stage_ops import check_stage_ops
 from pipecc.verify.stall_budget import StallBudget, WaitTotals, check_stalls
@@ -169,6 +170,7 @@ def _check_structure(ctx: Context) -> tuple[str, ...]:
     check_collectives(ctx)
     misplaced = check_placement(ctx)
     check_coverage(ctx)
+    check_phases(ctx)  # a MoE op's phases, all of them in order
     check_stage_ops(ctx)  # torch's UNSHARD/RESHARD/REDUCE_GRAD, where the program has them
     if misplaced:  # every route and data dependency follows the placement: all would fail
         return (
@@ -200,6 +202,7 @@ def check_order(program: Program, options: Options = DEFAULT_OPTIONS) -> Report 
     ctx = Context(program, wire(program), limit=options.limit)
     check_placement(ctx)
     check_coverage(ctx)
+    check_phases(ctx)
     if not ctx.violations:
         check_compute_order(ctx)
     if not ctx.violations:

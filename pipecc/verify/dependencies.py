@@ -27,6 +27,7 @@ from pipecc.diagnostics import (
 )
 from pipecc.ir.keys import MessageKeys
 from pipecc.ir.ops import Compute, Instr, Kind, Msg, Send, Sequential, computations, is_compute
+from pipecc.semantics.wiring import inputs
 from pipecc.verify.context import Context
 
 # A fact is "F / a backward / an I of (pipe, stage, mb) has run": (position << 2) | one of
@@ -90,7 +91,7 @@ def _check_computes(ctx: Context, rank: int, made: dict[int, float]) -> None:
     for g in w.computes[rank]:
         index = g - base
         instr = instrs[index]
-        parts = computations(instr)
+        parts = inputs(instr)  # a MoE op needs its data at its first phase
         for k, op in enumerate(parts):
             kind, _, pipe, stage, mb, _ = op
             if not (0 <= pipe < pipes and 0 <= stage < stages[pipe]) or mb < 0:

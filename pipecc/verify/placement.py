@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import cast
 
 from pipecc.diagnostics import MisplacedOpError, RouteError
-from pipecc.ir.ops import Compute, Instr, Msg, Recv, Send, computations
+from pipecc.ir.ops import Compute, Instr, Msg, Recv, Send, computations, works_on
 from pipecc.ir.placement import (
     Placement,
     bidirectional_placement,
@@ -52,7 +52,7 @@ def check_placement(ctx: Context) -> int:
 
 
 def _parts(instr: Instr) -> tuple[Compute, ...]:
-    return computations(instr)
+    return works_on(instr)  # every MoE phase sits on its op's rank
 
 
 def _table(placement: Placement) -> list[list[tuple[int, int]]]:

@@ -25,7 +25,7 @@ def summary(report: Report, label: str) -> str:
         if verdicts:
             head += f"; {verdicts}"
     peaks = " ".join(str(p.peak) for p in report.peaks)
-    lines = [head, f"peak activations per rank: {peaks}"]
+    lines = [head, f"peak activations per rank (stage units): {peaks}"]
     if report.byte_peaks:
         in_bytes = " ".join(format_bytes(p.peak) for p in report.byte_peaks)
         budget = format_bytes(report.options.memory_budget or 0.0)

@@ -65,7 +65,9 @@ def check_stalls(
     does not run to completion there (the deadlock check reports that). `costs` are
     converted for the program as in every command (per share of the model, docs/simulate.md)."""
     costs = costs.for_program(ctx.program)
-    run = replay(ctx.program, model=model, timing=CostTiming(costs), wiring=ctx.wiring)
+    run = replay(
+        ctx.program, model=model, timing=CostTiming(costs, ctx.program.moe), wiring=ctx.wiring
+    )
     if not run.finished:
         return None
     gaps = classify(ctx.program, run, costs)

@@ -1,37 +1,39 @@
 """Point-to-point traffic of one pipeline: posting, completing, and the duplicated-stage sum.
 
 Program ranks (0..P-1) are mapped to global ranks of the process group, so one pipeline can
-live inside a larger world (pipeline × data parallel). A group of posts goes out through
-`batch_isend_irecv` where the backend coalesces it (NCCL: it may return one work for the whole
-group, shared by its ops); on gloo, which does not, each op goes to the process group
-directly, one work per op, and every one of them is waited (pytorch#152938).
+live inside a larger world (pipeline × data parallel). Where the backend coalesces (NCCL)
+every post goes out through `batch_isend_irecv`, a single op too, as torch's own schedules
+post: NCCL initialised lazily (no `device_id`) runs a coalesced batch on the process group's
+communicator but a lone `isend`/`irecv` on a 2-rank communicator of its own, and a message
+posted on one communicator never matches a receive posted on another. Through
+`batch_isend_irecv` every op of the pipeline goes through the group's one communicator in
+program order, lazy and eager initialisation alike, which is what `nccl-single` models and
+what `pipecc verify --backend nccl` proves (docs/verify.md). A batch may return one work for
+the whole group, shared by its ops. On gloo, which does not coalesce, each op goes to the
+process group directly, one work per op, and every one of them is waited (pytorch#152938).
 
 Posting happens in the calling thread by default, as torch's own schedules post: on NCCL a
 post only enqueues work on a CUDA stream; on gloo a send to a peer whose receive gloo has
-already been told about writes the data then and there (a few µs for a pipeline's
-activations), anything else sends gloo a notice and returns. `PIPECC_POST_THREAD=1` in the
-environment when a runtime is built hands every gloo post to one poster thread instead,
-in program order (a FIFO of one worker keeps the order the program was verified with), and
-the compute thread goes on; a `wait` first waits for its post to have happened. That thread
-was the default while both directions shared one gloo group, where a post could block for
-milliseconds behind gloo's own thread; with a group per direction (below) posting in place
-is the faster on every schedule of the host-overhead benchmark (median 0.43 against
-0.51-0.53 of torch's step), and since the profile's `comm` is calibrated on the run
-(runtime/profiling/recorder.py) the simulator predicts either way alike
-(docs/performance.md, "Calibrating comm on the run"). The tests run the gloo suite's
-schedules both ways (docs/runtime.md).
+already been told about writes the data then and there, anything else sends gloo a notice
+and returns. `poster_thread` (the runtime's `gloo_poster_thread`; `PIPECC_POST_THREAD=1` for
+`pipecc run`) hands every gloo post to one poster thread instead, in program order (a FIFO
+of one worker keeps the order the program was verified with), and the compute thread goes
+on; a `wait` first waits for its post to have happened. Why posting in place is the
+default: docs/performance.md, "Host overhead". The tests run the gloo suite's schedules both
+ways (docs/runtime.md).
 
 One gloo group per direction: gloo connects each pair of ranks of a group by one socket, and
 when the two ranks of a pair send to each other at the same moment (every exchange of a
 symmetric schedule such as DualPipeV at P=2) one of the sends now and then stalls for
-milliseconds (measured: 1 to 5 sends in 200 took 2.2 to 5.4 ms against a median of 40 µs;
-docs/performance.md). So on gloo a pipeline's messages to a higher rank go over its own
-group and those to a lower rank over a second group of the same ranks (`downward_group`), made
-once per pipeline and process when the first runtime is built: each socket then carries
-data one way. Messages between two ranks in one direction still go over one group, in
-program order, so which message matches which receive is exactly as verified. (Not where
-the backend coalesces, as NCCL does: a coalesced batch must be in one group.)
-`PIPECC_GLOO_DIRECTIONS=0` keeps one group for both directions.
+milliseconds (docs/performance.md#one-gloo-group-per-direction). So on gloo a pipeline's
+messages to a higher rank go over its own group and those to a lower rank over a second
+group of the same ranks (`downward_group`), made once per pipeline and process when the
+first runtime is built: each socket then carries data one way. Messages between two ranks
+in one direction still go over one group, in program order, so which message matches which
+receive is exactly as verified. (Not where the backend coalesces, as NCCL does: every op
+goes through the one group.) `direction_groups=False` (the runtime's
+`gloo_direction_groups`; `PIPECC_GLOO_DIRECTIONS=0` for `pipecc run`) keeps one group for
+both directions.
 
 Completing a work: on gloo, `wait(timeout)` blocks the host and raises when the peer has not
 matched in time (or has died: gloo reports the closed connection); gloo raises a
@@ -45,7 +47,6 @@ after the process group's timeout.
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import threading
 import time
@@ -56,14 +57,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import InputError, SetupError
+from pipecc.diagnostics import SetupError
 
-from ..compat import coalesces, group_coalesces, post_p2p
+from ..compat import group_coalesces, post_p2p
 
 Work = dist.Work
 CLOCK_SLACK = 0.01  # seconds: gloo counts a wait's timeout in whole milliseconds
-POST_THREAD = "PIPECC_POST_THREAD"  # "1": a poster thread on gloo; "0" (default): in place
-DIRECTIONS = "PIPECC_GLOO_DIRECTIONS"  # "0": one gloo group both ways; "1" (default): two
 
 
 class Posted:
@@ -97,11 +96,11 @@ class Group:
     waiting thread can block on (a `concurrent.futures.Future` costs several times more
     host time per group, on the instruction path of every send)."""
 
-    __slots__ = ("_batched", "_done", "_error", "_ops", "_posted")
+    __slots__ = ("_coalesced", "_done", "_error", "_ops", "_posted")
 
-    def __init__(self, ops: list[dist.P2POp], batched: bool) -> None:
+    def __init__(self, ops: list[dist.P2POp], coalesced: bool) -> None:
         self._ops: list[dist.P2POp] | None = ops
-        self._batched = batched
+        self._coalesced = coalesced
         self._posted: list[list[Work]] | None = None
         self._error: BaseException | None = None
         self._done = threading.Lock()
@@ -111,7 +110,7 @@ class Group:
         """In the poster thread: post the ops now."""
         try:
             assert self._ops is not None
-            self._posted = _post_now(self._ops, self._batched)
+            self._posted = _post_now(self._ops, self._coalesced)
         except BaseException as err:  # raised in the thread that waits for the group
             self._error = err
         finally:
@@ -140,8 +139,8 @@ class Poster:
         self._queue: queue.SimpleQueue[Group | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, ops: list[dist.P2POp], batched: bool) -> Group:
-        group = Group(ops, batched)
+    def submit(self, ops: list[dist.P2POp], coalesced: bool) -> Group:
+        group = Group(ops, coalesced)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=_serve, args=(self._queue,), name="pipecc-post", daemon=True
@@ -166,7 +165,9 @@ class OpTimeout(TimeoutError):
 
 
 class Channel:
-    """P2P between the ranks of one pipeline."""
+    """P2P between the ranks of one pipeline. `poster_thread`: post gloo's ops from one
+    poster thread; `direction_groups`: a second gloo group for the messages to a lower rank
+    (module docstring; the runtime's `gloo_poster_thread` and `gloo_direction_groups`)."""
 
     def __init__(
         self,
@@ -175,20 +176,23 @@ class Channel:
         *,
         timeout: float,
         nccl: bool,
+        poster_thread: bool = False,
+        direction_groups: bool = True,
     ) -> None:
         self.group = group
         self.rank_map = tuple(rank_map)
         self.timeout = timeout
         self.blocking = not nccl
+        # every post through `batch_isend_irecv` where the backend coalesces: NCCL, or a
+        # test backend that coalesces on gloo (tests/runtime/posting_cases.py)
+        self.coalesced = nccl or group_coalesces(group, torch.device("cpu"))
         self._poster: Poster | None = None
-        if self.blocking and _post_thread_wanted():
+        if self.blocking and poster_thread:
             self._poster = Poster()
             weakref.finalize(self, self._poster.shutdown)
         self.downward = group  # the group of messages to a lower rank (module docstring)
-        if self.blocking and len(self.rank_map) > 1 and _switch(DIRECTIONS, "one group both ways"):
-            # a coalesced batch must be in one group (a test backend coalesces on gloo)
-            if not group_coalesces(group, torch.device("cpu")):
-                self.downward = downward_group(group, self.rank_map, timeout)
+        if self.blocking and len(self.rank_map) > 1 and direction_groups and not self.coalesced:
+            self.downward = downward_group(group, self.rank_map, timeout)
 
     def p2p(self, send: bool, tensor: torch.Tensor, peer: int) -> dist.P2POp:
         """The op that sends `tensor` to program rank `peer`, or receives it from there: over
@@ -200,13 +204,14 @@ class Channel:
         upward = me < other if send else other < me
         return dist.P2POp(op, tensor, other, self.group if upward else self.downward)
 
-    def post(self, ops: Sequence[dist.P2POp], *, batched: bool) -> list[Posted]:
-        """Post `ops` (a group together when `batched`), in order; one handle per op."""
+    def post(self, ops: Sequence[dist.P2POp]) -> list[Posted]:
+        """Post `ops`, one group of the program (or one op), in order; one handle per op:
+        where the backend coalesces, through one `batch_isend_irecv` (module docstring)."""
         if not ops:
             return []
         if self._poster is None:
-            return [Posted(works) for works in _post_now(list(ops), batched)]
-        group = self._poster.submit(list(ops), batched)  # in order
+            return [Posted(works) for works in _post_now(list(ops), self.coalesced)]
+        group = self._poster.submit(list(ops), self.coalesced)  # in order
         return [Posted(group=group, index=i) for i in range(len(ops))]
 
     def complete(self, posted: Posted, deadline: float) -> None:
@@ -231,7 +236,7 @@ class Channel:
             ops.append(self.p2p(True, outgoing[peer], peer))
             ops.append(self.p2p(False, incoming[peer], peer))
         deadline = time.monotonic() + self.timeout
-        for posted in self.post(ops, batched=True):
+        for posted in self.post(ops):
             self.complete(posted, deadline)
 
 
@@ -240,19 +245,6 @@ def uses_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     without naming a backend serves CUDA tensors with NCCL and CPU tensors with gloo
     (`get_backend` then says "undefined"; its config says "cpu:gloo,cuda:nccl")."""
     return device.type == "cuda" and "nccl" in dist.get_backend_config(group)
-
-
-def _post_thread_wanted() -> bool:
-    """Whether posts on gloo go through the poster thread (`PIPECC_POST_THREAD`, default 0)."""
-    return _switch(POST_THREAD, "post in the calling thread", default="0")
-
-
-def _switch(name: str, off: str, default: str = "1") -> bool:
-    """An on/off setting of the environment: "1" or "0" (`off`), `default` when unset."""
-    value = os.environ.get(name, default)
-    if value not in ("0", "1"):
-        raise InputError(f"{name}={value!r}: expected 0 ({off}) or 1")
-    return value == "1"
 
 
 # per pipeline (its global ranks): the group it was made for (weakly: the cache must not
@@ -288,21 +280,23 @@ def downward_group(
     except Exception as err:  # e.g. a rank of the pipeline never built its runtime
         raise SetupError(
             f"rank {dist.get_rank()}: could not make the pipeline's second gloo group (ranks "
-            f"{list(key)}; {DIRECTIONS}=0 does without it): {type(err).__name__}: {err}"
+            f"{list(key)}; gloo_direction_groups=False does without it): "
+            f"{type(err).__name__}: {err}"
         ) from err
     assert isinstance(made, dist.ProcessGroup) and parent is not None  # a world exists
     _DOWNWARD[key] = (weakref.ref(parent), made)
     return made
 
 
-def _post_now(ops: list[dist.P2POp], batched: bool) -> list[list[Work]]:
-    """Post `ops` now; for each op, the works that complete it. A group goes through
-    `batch_isend_irecv` only where the backend coalesces it (NCCL). Elsewhere (gloo) that
-    posts the ops one by one anyway, so each goes to its process group directly, without
-    the argument checks of `isend`/`irecv` (the ops come from a verified program): on gloo
-    this Python runs in the poster thread, holding the interpreter lock that the compute
-    thread needs (measured: docs/performance.md, "Less Python in the poster thread")."""
-    if not batched or not coalesces(ops[0]):
+def _post_now(ops: list[dist.P2POp], coalesced: bool) -> list[list[Work]]:
+    """Post `ops` now; for each op, the works that complete it. Where the backend coalesces
+    (NCCL) they go through `batch_isend_irecv`, one op alone too, so every op is on the
+    process group's communicator (module docstring). Elsewhere (gloo) that would post the
+    ops one by one anyway, so each goes to its process group directly, without the argument
+    checks of `isend`/`irecv` (the ops come from a verified program): on gloo this Python
+    may run in the poster thread, holding the interpreter lock that the compute thread needs
+    (measured: docs/performance.md, "What made the difference")."""
+    if not coalesced:
         return [_single(op) for op in ops]
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
     if len(works) == len(ops):

@@ -52,6 +52,7 @@ from .aux_loss import collecting, scaled_roots
 from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
 from .steps import ComputeStep, FusedStep
+from .weight_contract import Capture, capturing
 
 HOOK = "overlapped_forward_backward"
 Hook = Callable[..., tuple[Any, Any]]
@@ -197,6 +198,7 @@ class FusedOps:
             collecting(added),
             _keywords(fchunk.module, context_of(ctx, forward.mb)),
             ops.recording(ctx, forward) as selected,
+            _captured(fchunk.module, forward.capture),
         ):
             outputs0, loss0 = hook(
                 fchunk.module, _as_list(value), criterion, labels,
@@ -248,6 +250,19 @@ def _with_added(saved: Saved, scale: float) -> torch.Tensor:
     """`loss1` of the hook: the scaled main loss plus the scaled losses the forward added."""
     roots, _ = scaled_roots(saved.added, scale)
     return saved.outputs[0] + roots[0] * scale if roots else saved.outputs[0]
+
+
+@contextmanager
+def _captured(module: torch.nn.Module, capture: Capture | None) -> Iterator[None]:
+    """The hook's forward under the weight-gradient contract's capture wherever the plain
+    forward runs under it (its microbatch's backward is an `I`: runtime/engine/bound.py),
+    so that `I` defers the same weight gradients to `W` and a run with the hook computes
+    the same arithmetic as one without, not only the same values up to rounding."""
+    if capture is None:
+        yield
+        return
+    with capturing(module, capture):
+        yield
 
 
 @contextmanager

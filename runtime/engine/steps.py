@@ -155,7 +155,7 @@ class PostStep(Step):
     its point-to-point ops (a receive's over its buffers, made once; a send's reused, each
     given the step's tensor when it is posted)."""
 
-    __slots__ = ("comm", "send", "slot", "commit", "batched", "ops", "buffers")
+    __slots__ = ("comm", "send", "slot", "commit", "ops", "buffers")
 
     def __init__(self, index: int, instr: Send | Recv, slot: int, commit: bool) -> None:
         super().__init__(index, instr)
@@ -163,7 +163,6 @@ class PostStep(Step):
         self.send = type(instr) is Send
         self.slot = slot
         self.commit = commit
-        self.batched = instr.group is not None
         self.ops: list[dist.P2POp] = []
         self.buffers: Tensors | None = None  # a receive's, None where no boundary says them
 

@@ -2,8 +2,9 @@
 
 A send takes its message's tensors out of the mailbox; a receive uses the buffers its step
 was bound with (allocated once per signature, runtime/engine/bound.py). Both are queued until
-their group ends, then posted together (`batch_isend_irecv` for a group where the backend
-coalesces, alone otherwise), each through the point-to-point ops its step keeps. A wait
+their group ends, then posted together, each through the point-to-point ops its step keeps:
+on NCCL every post, a lone op too, through one `batch_isend_irecv` (one communicator in
+program order: runtime/comm/channel.py), on gloo op by op. A wait
 completes the posted ops it names and drops each received message in the mailbox for the
 instruction that consumes it. An instruction is named in text only when one fails.
 
@@ -87,7 +88,7 @@ class Transfers:
         self.posts.queue.append((step, tensors))
 
     def commit(self) -> None:
-        """Post the queued ops: one op alone, a group together (`batch_isend_irecv`)."""
+        """Post the queued ops: one op, or a group together (the channel says how)."""
         queue = self.posts.queue
         ops: list[dist.P2POp] = []
         for step, tensors in queue:
@@ -96,7 +97,7 @@ class Transfers:
                     op.tensor = tensor  # its last post completed: the step's wait came first
             ops.extend(step.ops)
         try:
-            handles = self.channel.post(ops, batched=queue[0][0].batched)
+            handles = self.channel.post(ops)
         except RuntimeError as err:  # the backend refused (a closed connection): not user code
             queue.clear()
             raise RankError(f"posting failed: {_short(str(err))}") from err

@@ -192,6 +192,36 @@ def _message_order(key: tuple[Msg, int, int]) -> tuple[str, int, int]:
     return (key[0].value, key[1], key[2])
 
 
+def check_rows(value: object, what: str, microbatches: int, where: str) -> None:
+    """A batch whose rows do not split into M equal microbatches stops this rank at once with
+    an InputError saying what to do: every rank given the batch finds it alike, before any
+    exchange (a data loader's last, short batch is the usual cause). Other problems of the
+    batch are the split's (`split_batch`)."""
+    rows = set(_rows(value))
+    if len(rows) != 1:
+        return
+    (count,) = rows
+    if count and count % microbatches == 0:
+        return
+    raise InputError(
+        f"{where}: the step's {what} have {count} rows, which do not split into M="
+        f"{microbatches} microbatches of equal size: give every step a multiple of "
+        f"{microbatches} rows (a DataLoader: drop_last=True and a batch size that is a "
+        f"multiple of {microbatches})"
+    )
+
+
+def _rows(value: object) -> list[int]:
+    """The rows (dim 0) of every tensor in nested tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value.shape[0] if value.dim() else 0]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [rows for item in value for rows in _rows(item)]
+    return []
+
+
 def split_batch(
     value: object,
     what: str,

@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pipecc.semantics.costs.keys import key as cost_key
+
 from ..compat import child_table
 from ..engine.split_backward import input_backward
 from ..engine.weight_contract import Capture, capturing, contracted
@@ -198,8 +200,8 @@ def _layer_facts(module: torch.nn.Module, args: tuple[Any, ...], finish: Finish)
     """The bytes of one layer on its input: what its forward saves, its parameters, its
     input."""
     return {
-        "act_bytes": _saved_bytes(module, args, finish),
-        "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
+        cost_key("act_bytes"): _saved_bytes(module, args, finish),
+        cost_key("param_bytes"): sum(p.numel() * p.element_size() for p in module.parameters()),
         "input_bytes": sum(t.numel() * t.element_size() for t in _tensors(args)),
     }
 
@@ -343,7 +345,9 @@ def render_layers(entries: Sequence[dict[str, Any]], host: Mapping[str, float], 
     lines = [f"# {line}" for line in header.splitlines()]
     lines += ['unit = "ms"']
     lines += [
-        f"{key} = {host[key]:.4g}" for key in ("comm", "post", "wait", "F_fixed") if key in host
+        f"{name} = {host[name]:.4g}"
+        for name in (cost_key("comm"), cost_key("post"), cost_key("wait"), "F_fixed")
+        if name in host
     ]
     for entry in entries:
         lines += ["", "[[layer]]", f'name = "{entry["name"]}"']
@@ -355,7 +359,12 @@ def render_layers(entries: Sequence[dict[str, Any]], host: Mapping[str, float], 
                 + "; run / alone: "
                 + ", ".join(f"{k} {scale[k]:.3g}" for k in "FIW")
             )
-        lines += [f"{key} = {entry[key]:.4g}" for key in ("F", "I", "W")]
-        lines += [f"{key} = {int(entry[key])}" for key in ("act_bytes", "param_bytes")]
+        lines += [
+            f"{name} = {entry[name]:.4g}" for name in (cost_key("F"), cost_key("I"), cost_key("W"))
+        ]
+        lines += [
+            f"{name} = {int(entry[name])}"
+            for name in (cost_key("act_bytes"), cost_key("param_bytes"))
+        ]
         lines.append(f"input_bytes = {int(entry['input_bytes'])}")
     return "\n".join(lines) + "\n"

@@ -79,9 +79,11 @@ from typing import NamedTuple
 
 from pipecc.ir.keys import Message
 from pipecc.ir.program import Program
+from pipecc.semantics.costs.keys import OP_KEYS
+from pipecc.semantics.costs.keys import key as cost_key
 
 WaitedOp = tuple[bool, Message]  # (a send?, its message)
-KEYS = ("F", "B", "I", "W", "FB", "FI")
+KEYS = OP_KEYS  # the compute durations a profile measures
 # the largest spread (relative interquartile range of the per-step means of one (stage, op))
 # of a profile `pipecc run --profile` writes without --allow-noisy-profile
 SPREAD_BOUND = 0.1
@@ -267,9 +269,13 @@ def host_costs(records: list[Recorder]) -> dict[str, float]:
     posts = [seconds for record in records for seconds in record.posts]
     waits = [end - release for r in records for _, _, (_, release, end) in r.waits]
     syncs = sync_times(records)
-    for key, samples in (("post", posts), ("wait", waits), ("sync", syncs)):
+    for name, samples in (
+        (cost_key("post"), posts),
+        (cost_key("wait"), waits),
+        (cost_key("sync"), syncs),
+    ):
         if samples:
-            result[key] = _mean_ms(samples)
+            result[name] = _mean_ms(samples)
     return result
 
 
@@ -339,9 +345,9 @@ def comm_costs(records: list[Recorder]) -> dict[str, float]:
     sizes = [nbytes for r in records for _, send, _, _, nbytes in r.messages if send]
     result: dict[str, float] = {}
     if waits:
-        result["comm"] = round(fit_latency(waits) * 1e3, 4)
+        result[cost_key("comm")] = round(fit_latency(waits) * 1e3, 4)
     if sizes:
-        result["bytes"] = int(statistics.median(sizes))
+        result[cost_key("bytes")] = int(statistics.median(sizes))
     return result
 
 
@@ -369,14 +375,20 @@ def render_cost_file(
     top.update(comm_costs(records))
     top.update(host_costs(records))
     if fixed is not None:
-        top["dispatch"] = fixed
+        top[cost_key("dispatch")] = fixed
 
     def text(comm: float | None) -> str:
-        given = {**top} if comm is None else {**top, "comm": round(comm, 4)}
+        given = {**top} if comm is None else {**top, cost_key("comm"): round(comm, 4)}
         lines = [f"# {line}".rstrip() for line in header.splitlines()]
-        lines += ["", "[cost]", 'unit = "ms"', *_measured_on(measured_on), *_table(given)]
+        lines += [
+            "",
+            "[cost]",
+            f'{cost_key("unit")} = "ms"',
+            *_measured_on(measured_on),
+            *_table(given),
+        ]
         if shared:
-            lines.append(f"shared = {[list(group) for group in shared]}")
+            lines.append(f"{cost_key('shared')} = {[list(group) for group in shared]}")
         for stage, costs in per_stage.items():  # with `sizes`, its byte keys (memory.py)
             table = {**costs, **(sizes or {}).get(stage, {})}
             lines += ["", f"[cost.stage.{stage}]", *_table(table)]
@@ -415,9 +427,9 @@ def _measured_on(program: Program) -> list[str]:
     """The `[cost]` keys naming the cut the profile was measured on (docs/simulate.md)."""
     placement = program.placement
     return [
-        f'placement = "{placement.name}"',
-        f"ranks = {program.num_ranks}",
-        f"stages = {placement.num_stages(0)}",
+        f'{cost_key("placement")} = "{placement.name}"',
+        f"{cost_key('ranks')} = {program.num_ranks}",
+        f"{cost_key('stages')} = {placement.num_stages(0)}",
     ]
 
 

@@ -29,6 +29,17 @@ class CheckResult(NamedTuple):
     reference_added: float | None = None  # the reference's mean added loss (add_loss)
 
 
+def tie(stages: Sequence[torch.nn.Module], groups: Sequence[Sequence[tuple[int, str]]]) -> None:
+    """Make each declared group one Parameter in the reference (the model file's
+    `shared(num_stages)`: stages `build_stage` built apart), its first key's object."""
+    for group in groups:
+        (stage, name), *others = group
+        first = stages[stage].get_parameter(name)
+        for other_stage, other in others:
+            owner, _, leaf = other.rpartition(".")
+            setattr(stages[other_stage].get_submodule(owner), leaf, first)
+
+
 def check_run(
     model: ModelFile,
     num_stages: int,
@@ -40,6 +51,7 @@ def check_run(
     """`grads[rank][step]`: each rank's gradients of each step, keyed (stage, name)."""
     with threads(RANK_THREADS):
         stages = [s.to(options.device) for s in model.all_stages(num_stages)]
+        tie(stages, model.declared_shared(num_stages))
         worst_abs = worst_rel = loss = 0.0
         found: dict[tuple[int, str, int], ParamDiff] = {}
         for step, batch in enumerate(batches):

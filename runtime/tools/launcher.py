@@ -17,6 +17,7 @@ reference (runtime/tools/checking.py).
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 import tomllib
@@ -56,13 +57,14 @@ from ..profiling.recorder import (
 )
 from . import mesh_job
 from .checking import check_run
+from .environment import GlooPosting, gloo_posting
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
-from .moe_program import moe_layers, split_moe
+from .moe_program import moe_layers
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
 from .training_run import aux_by_stage, reported_aux, stages_of
-from .whole_reference import check_whole_run, held_grads
+from .whole_reference import check_whole_run, dropout_off, held_grads
 
 __all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "parse_spec", "run_job"]
 
@@ -82,7 +84,9 @@ class RunJob:
     seed: int = 0
     derive_rng: bool = True
     autocast: torch.dtype | None = None  # overrides the model file's
-    reference: str = "stages"  # --check against: "stages" (one after another) or "whole"
+    # --check against: "stages" (one after another), "whole" (build_model(), by name) or
+    # "auto": "whole" where the model file defines build_model, else "stages"
+    reference: str = "stages"
     mesh: Mesh | None = None  # --mesh: the world is the mesh, the program one pipeline's
     memory: bool = False  # measure each rank's peak bytes over one step (tools/memory.py)
     optimizer: str | None = None  # for the optimizer's bytes; overrides the model file's
@@ -92,6 +96,9 @@ class RunJob:
     # a cost file's text -> the program's makespan under it (ms): what calibrates the
     # profile's comm (profiling/recorder.py); the command's, which may import the simulator
     replay: Callable[[str], float] | None = None
+    # the runtime's gloo posting fields; None: from PIPECC_POST_THREAD and
+    # PIPECC_GLOO_DIRECTIONS in the environment of `run_job` (tools/environment.py)
+    gloo: GlooPosting | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,14 @@ class RunReport:
     layer_profile: str | None = None  # --profile-layers: the TOML text
 
 
+def with_reference(job: RunJob, model: ModelFile) -> RunJob:
+    """--reference auto (`pipecc run`'s default): the whole model where the file defines
+    build_model(), so that a split or a tie the stages get wrong fails --check."""
+    if job.reference != "auto":
+        return job
+    return replace(job, reference="whole" if model.build_model is not None else "stages")
+
+
 def backend_for(ranks: int) -> str:
     """NCCL when there is a GPU per rank, else gloo on CPU."""
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "gloo"
@@ -148,8 +163,11 @@ def run_job(job: RunJob) -> RunReport:
             f"--batch-size {job.batch_size} cannot be split into {shares}"
             f"{job.program.num_microbatches} equal microbatches"
         )
+    if job.gloo is None:
+        job = replace(job, gloo=gloo_posting(os.environ))
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
+    job = with_reference(job, model)
     job = _moe(job, model)
     model.check_cut(job.program.placement.num_stages(0))
     spec, stages = _recompute(job, model), job.program.placement.num_stages(0)
@@ -254,13 +272,20 @@ def _profiled_cut(job: RunJob, model: ModelFile) -> RunJob:
 
 
 def _moe(job: RunJob, model: ModelFile) -> RunJob:
-    """On a mesh with ep > 1, a model of MoE stages runs in phases: the program split at
-    their MoE layers, unless the compiler split it (`--moe`), and the dense gradients
-    reduced over ep (runtime/tools/moe_program.py)."""
+    """On a mesh with ep > 1 a model of MoE stages runs in phases, with their all-to-alls:
+    the program `pipecc run --moe K` resolved and verified (the compiler's expand_moe), never
+    one split here after the verification. A MoE model without them is refused."""
     if job.program.moe is not None or job.mesh is None or job.mesh.ep == 1:
         return job
     layers = moe_layers(model.all_stages(job.program.placement.num_stages(0)))
-    return replace(job, program=split_moe(job.program, layers))
+    if any(layers):
+        raise InputError(
+            f"{job.model}: its stages hold MoE layers ({', '.join(map(str, layers))} by stage) "
+            f"and the mesh has ep={job.mesh.ep}: give --moe K (K MoE layers a stage), so that "
+            "the program run holds their dispatch and combine all-to-alls, verified with every "
+            "other op (docs/parallelism.md)"
+        )
+    return job
 
 
 def _replicas(job: RunJob) -> int:
@@ -305,15 +330,21 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     built = model.stages(range(num_stages) if whole else (s.stage for s in slots), num_stages)
     built = {stage: module.to(device) for stage, module in built.items()}
     mesh_job.parallelize(model, built, where)  # --mesh tp=N: the model file's parallelize
-    # tied weights are found by identity, before FSDP2 gives each held stage its own copy
+    # tied weights are found by identity, before FSDP2 gives each held stage its own copy;
+    # the model file's shared(num_stages) declares those build_stage builds apart
     shared = shared_parameters(list(built.values())) if whole else ()
+    shared = (*shared, *model.declared_shared(num_stages))
+    if job.check and job.reference == "whole":  # the whole model cannot draw the stages' masks
+        dropout_off(built.values())
     mesh_job.shard(built, {s.stage for s in slots}, where)  # --mesh dp_shard=N: FSDP2
     modules = {slot.chunk: built[slot.stage] for slot in slots}
     autocast = _autocast(job, model)
+    gloo = job.gloo or GlooPosting()
     config = RuntimeConfig(
         timeout=job.timeout, device=device, shared=shared, seed=job.seed,
         derive_rng=job.derive_rng, autocast=autocast, group=where.group,
         rank_map=where.rank_map, mesh=where.mesh, recompute=_recompute(job, model),
+        gloo_poster_thread=gloo.poster_thread, gloo_direction_groups=gloo.direction_groups,
     )  # fmt: skip
     # the boundaries of each new shape signature are found along the pipeline on the
     # step's real data (every rank is given the batch); a file's boundaries() is checked

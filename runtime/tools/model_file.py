@@ -38,7 +38,11 @@ returning a torch optimizer: the optimizer whose state `pipecc run --memory` and
 `--profile` report in bytes; AdamW when not given) and `recompute` (a mode for every stage,
 `"full"`, `"none"` or a selection of submodules such as `"attn"` or
 `"type=Attention+name=mlp"`, or {stage: mode}: what runs again in the backward,
-runtime/engine/recompute.py; `pipecc run --recompute` overrides it).
+runtime/engine/recompute.py; `pipecc run --recompute` overrides it) and `shared(num_stages)`
+(the parameters that are one object in the whole model but built apart by `build_stage`, a
+tied embedding and LM head: groups of `(stage, parameter name)`, what
+`RuntimeConfig(shared=...)` takes; the run sums their gradients across the ranks holding
+them, and the stage-by-stage reference ties them).
 `--check` builds every stage in the launcher for its single-process reference (with
 `build_stage` when defined, so the reference has the ranks' weights).
 """
@@ -81,6 +85,22 @@ class ModelFile:
     build_layers_model: Callable[[], torch.nn.Module] | None = None  # on meta, for a cut
     init_stage: Callable[[torch.nn.Module], object] | None = None
     layers: tuple[tuple[str, ...], ...] | None = None  # `--partition`: each stage's layers
+    shared: Callable[[int], object] | None = None  # `shared(num_stages)`: the declared ties
+
+    def declared_shared(self, num_stages: int) -> tuple[tuple[tuple[int, str], ...], ...]:
+        """`shared(num_stages)`: groups of (stage, parameter name) that are one parameter,
+        for `RuntimeConfig(shared=...)` and the reference's ties; () without it."""
+        if self.shared is None:
+            return ()
+        found = self.shared(num_stages)
+        groups = _groups(found)
+        if not groups or any(len(g) < 2 or not 0 <= s < num_stages for g in groups for s, _ in g):
+            raise InputError(
+                f"{self.path}: shared({num_stages}) must return groups of two or more "
+                f"(stage, parameter name) pairs with stages below {num_stages}, e.g. "
+                f"[((0, 'embed.weight'), ({num_stages - 1}, 'head.weight'))]; got {found!r}"
+            )
+        return groups
 
     @property
     def own_stages(self) -> bool:
@@ -196,6 +216,28 @@ class ModelFile:
         return list(self.stages(range(num_stages), num_stages).values())
 
 
+def _groups(found: object) -> tuple[tuple[tuple[int, str], ...], ...] | None:
+    """`shared(num_stages)`'s value as groups of (stage, name), or None when it is not."""
+    if not isinstance(found, list | tuple):
+        return None
+    groups = []
+    for group in found:
+        keys = [k for k in group if _is_key(k)] if isinstance(group, list | tuple) else []
+        if not keys or len(keys) != len(group):
+            return None
+        groups.append(tuple((int(k[0]), str(k[1])) for k in keys))
+    return tuple(groups)
+
+
+def _is_key(key: object) -> bool:
+    return (
+        isinstance(key, list | tuple)
+        and len(key) == 2
+        and isinstance(key[0], int)
+        and isinstance(key[1], str)
+    )
+
+
 def load_model(path: str) -> ModelFile:
     """Read a model file; every way it can be unusable is an InputError."""
     if not Path(path).is_file():
@@ -233,6 +275,7 @@ def load_model(path: str) -> ModelFile:
         _optimizer(path, names.get("optimizer")), _recompute(path, names.get("recompute")),
         _optional_function(names, "build_layers_model", path),
         _optional_function(names, "init_stage", path, " of a stage module"),
+        shared=_optional_function(names, "shared", path, " of the number of stages"),
     )  # fmt: skip
 
 

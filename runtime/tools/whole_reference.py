@@ -18,7 +18,8 @@ fully qualified names). It fails, naming what differs, when
 * the main loss or the added losses differ.
 
 The whole model runs on the ranks' RNG streams, not the per-stage derivation, so a model
-with dropout must be compared in a mode without it.
+with dropout must be compared in a mode without it: `pipecc run` sets every dropout module's
+probability to 0 on both sides (`dropout_off`; a functional dropout in a forward stays).
 """
 
 from __future__ import annotations
@@ -331,6 +332,7 @@ def check_whole_run(
         )
     with threads(RANK_THREADS):
         whole_model = model.build_model().to(options.device)
+        dropout_off([whole_model])
         worst: dict[tuple[int, str, int], ParamDiff] = {}
         failures: list[str] = []
         step_of = WholeStep(0.0, 0.0, {})
@@ -349,6 +351,25 @@ def check_whole_run(
     return CheckResult(
         max_abs, max_rel, step_of.loss, tuple(ranked[:SHOWN]), tuple(failures), step_of.added
     )
+
+
+DROPOUTS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def dropout_off(modules: Iterable[torch.nn.Module]) -> None:
+    """Every dropout module's probability set to 0 (`--check` against the whole model,
+    whose random streams cannot be the stages' derived ones)."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, DROPOUTS):
+                sub.p = 0.0
 
 
 def _param_diffs(items: Iterable[Held], whole: WholeStep) -> list[ParamDiff]:

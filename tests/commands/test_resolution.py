@@ -86,7 +86,7 @@ def _illegal(kind: str, flag: str) -> bool:
 def run_program(path: str, args: tuple[str, ...], backend: RunBackend) -> Program:
     """The program `pipecc run PATH ARGS` executes on `backend` (no process starts)."""
     parsed = build_parser().parse_args(["run", path, "--model", MODEL, "--unverified", *args])
-    return run_command._program(parsed, lambda ranks: backend.value).resolved.program
+    return run_command.program_to_run(parsed, lambda ranks: backend.value).resolved.program
 
 
 def verified_program(
@@ -180,14 +180,17 @@ def _sends_after_w(program: Program) -> int:
 def test_comm_defaults_to_the_backends_model(
     capsys: pytest.CaptureFixture[str], backend: RunBackend
 ) -> None:
-    """Without --comm, verify and simulate use the backend's comm model; --comm still wins."""
+    """Without --comm, verify uses the backend's comm model (nccl-single on nccl, what the
+    runtime posts there), simulate too except on nccl, where it predicts under per-peer
+    nccl; --comm still wins."""
     model = backend.comm_model.value
     code, out, err = run_cli(capsys, "verify", "zb_h1", *SIZES, "--backend", backend.value)
     assert code == 0, out + err
     assert out.splitlines()[0].endswith(f"; {model} passes)"), out
     code, out, err = run_cli(capsys, "simulate", "zb_h1", *SIZES, "--backend", backend.value)
     assert code == 0, err
-    assert f"  comm {model}  " in out.splitlines()[0], out
+    predicted = "nccl" if backend is RunBackend.NCCL else model
+    assert f"  comm {predicted}  " in out.splitlines()[0], out
     code, out, _ = run_cli(capsys, "verify", "zb_h1", *SIZES, "--backend", backend.value,
                            "--comm", "eager")  # fmt: skip
     assert out.splitlines()[0].endswith("; eager passes)"), out

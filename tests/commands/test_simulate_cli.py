@@ -47,11 +47,30 @@ def test_text_output_has_summary_and_grid(capsys: pytest.CaptureFixture[str]) ->
     )
     assert code == 0
     lines = out.splitlines()
-    assert lines[1] == "makespan 27   bubble ratio 0.1111"
+    assert lines[1] == "makespan 27   bubble ratio 0.1111   span bubble ratio 0.1111 (rank 0)"
     assert lines[3].split()[:5] == ["0", "24", "3", "3", "4"]
+    assert lines[7] == (
+        "peak act: in stage units (one stage's activations for one microbatch; a stage of "
+        "this program is 1 share of the model)"
+    )
     grid = [line for line in lines if line.startswith("rank ") and "|" in line]
-    assert len(grid) == 4
-    assert grid[3].startswith("rank 3 | ............F0 |I0 |F1 |I1 |")
+    assert len(grid) == 4  # 4 columns per op: too few for `F0.0|`, so the kind alone
+    assert grid[3].startswith("rank 3 | ............F  |I  |F  |I  |")
+
+
+def test_timeline_labels_are_the_languages_op_names(capsys: pytest.CaptureFixture[str]) -> None:
+    # chunk and microbatch both (`F1.2`), never `F2`, which the language reads as chunk 2
+    code, out, _ = run_cli(
+        capsys, "simulate", "zbv", "-P", "2", "-M", "4", "--cost", "F=1,I=1,W=1", "--width", "200"
+    )
+    assert code == 0
+    grid = [line for line in out.splitlines() if line.startswith("rank ") and "|" in line]
+    assert grid == [
+        "rank 0 | F0.0 |F0.1 |F0.2 |F1.0 |I1.0 |W1.0 |F1.1 |I1.1 |W1.1 |F0.3 |I0.0 |W0.0 |"
+        "F1.2 |I1.2 |W1.2 |I0.1 |W0.1 |F1.3 |I1.3 |W1.3 |I0.2 |W0.2 |I0.3 |W0.3 |",
+        "rank 1 | ......F0.0 |F1.0 |F0.1 |F1.1 |I1.0 |W1.0 |F0.2 |I0.0 |W0.0 |F1.2 |I1.1 |W1.1 |"
+        "F0.3 |I0.1 |W0.1 |F1.3 |I1.2 |W1.2 |I0.2 |I1.3 |I0.3 |W0.2 |W1.3 |W0.3 |",
+    ]
 
 
 def test_svg_is_well_formed_with_a_box_per_computation(

@@ -96,18 +96,6 @@ CASES = {
         "    2 | phase a { for k in 0 .. M { F(k % v) B } }\n"
         "      |                               ^^^^^\n",
     ),
-    "order_that_cannot_run": (
-        "let r = rank\n"
-        "phase a { if r == 0 { repeat M { F B } } else { repeat M { F } repeat M { B } } }\n",
-        ("-P", "2", "-M", "2"),
-        "bad.sched:2:36: error: the compute order cannot run: every rank that has ops left waits "
-        "for data that only comes after it\n"
-        "  rank 0 at B0.0 waits for grad pipe 0 stage 0 mb 0\n"
-        "  rank 1 at F0.1 waits for act pipe 0 stage 1 mb 1\n"
-        "    2 | phase a { if r == 0 { repeat M { F B } } else "
-        "{ repeat M { F } repeat M { B } } }\n"
-        "      |                                    ^\n",
-    ),
     "w_without_i": (
         "phase a { repeat M { F } W }\n",
         ("-P", "2", "-M", "2"),

@@ -14,7 +14,7 @@ from pipecc.diagnostics import ParseError, ScheduleError
 from pipecc.driver.load import load
 from pipecc.frontend import ast
 from pipecc.frontend.parser import parse
-from pipecc.ir.ops import Compute, Fused, is_compute
+from pipecc.ir.ops import Compute, Fused, Phase, is_compute
 from pipecc.ir.program import Program
 from tests.helpers import ROOT, compile_bundled, compute_order, run_cli
 
@@ -99,7 +99,9 @@ def _ops_of(program: Program) -> dict[str, list[tuple[str, int, int]]]:
     names = {}
     for instrs in program.ranks:
         for instr in instrs:
-            if isinstance(instr, Compute | Fused) and is_compute(instr):
+            if isinstance(instr, Phase):  # a MoE phase is named by its op (`F0.2:pre0`)
+                names[instr.op.label()] = [(instr.op.kind.value, instr.op.chunk, instr.op.mb)]
+            elif isinstance(instr, Compute | Fused) and is_compute(instr):
                 parts = [instr] if isinstance(instr, Compute) else list(instr[:2])
                 names[instr.label()] = [(op.kind.value, op.chunk, op.mb) for op in parts]
                 names.update((op.label(), [(op.kind.value, op.chunk, op.mb)]) for op in parts)

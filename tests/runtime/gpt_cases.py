@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
+from pipecc.runtime import (
+    PipelineRuntime,
+    RuntimeConfig,
+    broadcast_shapes,
+    infer_boundaries,
+    shared_parameters,
+)
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
 
@@ -53,7 +59,7 @@ def _gpt() -> Any:
 def config(variant: str, seq: int = 8) -> Any:
     gpt = _gpt()
     dropout = 0.2 if variant == "dropout" else 0.0
-    tied = variant in ("tied", "undeclared", "accumulate")
+    tied = variant in ("tied", "undeclared", "accumulate", "accumulate-mean")
     return gpt.GPTConfig(vocab=32, dim=16, heads=2, seq=seq, layers=0, tied=tied,
                          dropout=dropout)  # fmt: skip
 
@@ -124,7 +130,7 @@ def build(variant: str, num_stages: int) -> list[nn.Module]:
 
 
 def batch(variant: str, microbatches: int, step: int) -> tuple[Any, Any]:
-    seq = 6 if variant == "shapes" and step % 2 else 8
+    seq = 6 if variant in ("shapes", "loaders") and step % 2 else 8
     return _gpt().make_batch(ROWS * microbatches, seed=step, config=config(variant, seq))
 
 
@@ -167,7 +173,7 @@ def _runtime(rank: int, case: GptCase, stages: list[nn.Module]) -> PipelineRunti
     program, options = case.program, case.options
     modules = {s.chunk: stages[s.stage] for s in program.placement.chunks(rank)}
     shared = () if case.variant == "undeclared" else shared_parameters(stages)
-    cfg = RuntimeConfig(shared=shared, seed=options.seed,
+    cfg = RuntimeConfig(shared=shared, seed=options.seed, static_shapes=case.variant == "static",
                         autocast=options.autocast, fp32_grads=options.fp32_grads)  # fmt: skip
 
     def boundaries(sample: Any) -> Any:
@@ -185,17 +191,19 @@ def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
     worst, losses, specs = 0.0, [], []
     accumulated: dict[Any, torch.Tensor] = {}
     for step in range(case.steps):
-        if case.variant != "accumulate":  # else: gradients accumulate over the steps
+        accumulating = case.variant in ("accumulate", "accumulate-mean")
+        if not accumulating:  # else: gradients accumulate over the steps
             for stage in stages:
                 stage.zero_grad(set_to_none=True)
         data = batch(case.variant, case.program.num_microbatches, step)
-        runtime.step(*data)
+        scale = 1.0 / case.steps if case.variant == "accumulate-mean" else 1.0
+        runtime.step(*_given(runtime, case.variant, data), loss_scale=scale)
         specs.append({s: b.describe() for s, b in runtime.boundaries.items()})
         options = case.options._replace(step=step)
         want_loss, want = reference_step(reference, data, case.program.num_microbatches,
                                          loss_fn, options)  # fmt: skip
-        if case.variant == "accumulate":
-            accumulated = want = {k: accumulated[k] + v if accumulated else v
+        if accumulating:  # the sum of the steps' gradients, or their mean (loss_scale 1/K)
+            accumulated = want = {k: (accumulated[k] if accumulated else 0) + scale * v
                                   for k, v in want.items()}  # fmt: skip
         worst = max(worst, _worst(gradients(stages), want, held))
         losses.append((float(runtime.global_loss()), want_loss))
@@ -207,7 +215,21 @@ def _check_case(rank: int, case: GptCase) -> dict[str, Any]:
         copies = {g.keys: g.local[0].grad for g in runtime.groups if len(g.ranks) > 1}
     return {"grad_rel": worst, "losses": losses, "boundaries": specs, "main_rel": main,
             "dropout_active": _dropout_active(case, reference, data), "copies": copies,
-            "inside": not runtime.sums.outside}  # fmt: skip
+            "inside": not runtime.sums.outside,
+            "needs": (runtime.needs_inputs, runtime.needs_targets)}  # fmt: skip
+
+
+def _given(runtime: PipelineRuntime, variant: str, data: Any) -> tuple[Any, Any]:
+    """What this rank gives `step`: the whole batch, or (loaders, static) only what it
+    needs: its shapes broadcast from the loading rank where they change, None under
+    static_shapes."""
+    if variant not in ("loaders", "static"):
+        return data[0], data[1]
+    inputs = data[0] if runtime.needs_inputs else None
+    targets = data[1] if runtime.needs_targets else None
+    if variant == "loaders":
+        inputs = broadcast_shapes(runtime, inputs)
+    return inputs, targets
 
 
 def _main_grads(stages: list[nn.Module], held: set[int]) -> dict[Any, torch.Tensor]:

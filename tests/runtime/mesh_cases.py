@@ -28,7 +28,14 @@ import torch.distributed as dist
 from discovery_cases import Counts, counting
 from gpt_cases import ROWS, _gpt, _worst, build, config, loss_fn
 from moe_cases import MoECase, run_moe_case
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, infer_boundaries, shared_parameters
+from pipecc.runtime import (
+    PipelineRuntime,
+    RuntimeConfig,
+    infer_boundaries,
+    load_checkpoint,
+    save_checkpoint,
+    shared_parameters,
+)
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -60,6 +67,7 @@ class MeshCase(NamedTuple):
     no_mesh: bool = False  # the pipeline's group and rank map given, not the mesh
     recompute: bool = False  # every stage recomputed in full before its backward
     partial: bool = False  # stage 0 returns its output as a Partial DTensor (refused)
+    folder: str = ""  # a checkpoint saved after step 0 there, loaded by a new job (_resume)
 
 
 def run_mesh_cases(rank: int, world: int, cases: list[MeshCase | MoECase]) -> dict[str, Any]:
@@ -74,7 +82,7 @@ def run_mesh_cases(rank: int, world: int, cases: list[MeshCase | MoECase]) -> di
             results[case.name] = run_moe_case(meshes["dp_shard" if case.fsdp else "ep"], case)
             continue
         try:
-            run = _train if case.train else _check
+            run = _resume if case.folder else _train if case.train else _check
             results[case.name] = run(meshes[case.dim], case)
         except PipeccError as err:
             results[case.name] = {"error": type(err).__name__, "message": str(err)}
@@ -231,3 +239,35 @@ def _train(mesh: Any, case: MeshCase) -> dict[str, Any]:
         "weight_rel": _worst(got, want, held), "losses": losses, "norms": norms,
         "collectives": collectives, "actions": _actions(case, runtime.rank),
     }  # fmt: skip
+
+
+def _resume(mesh: Any, case: MeshCase) -> dict[str, Any]:
+    """3 AdamW steps with a checkpoint saved after step 0; new stages (sharded or
+    parallelized again), runtime and AdamW load it and take steps 1 and 2."""
+    first, first_optimizer = _job(mesh, case)
+    losses = []
+    for step in range(3):
+        losses.append(_adamw_step(mesh, case, first, first_optimizer, step))
+        if step == 0:
+            save_checkpoint(case.folder, first, first_optimizer)
+    second, second_optimizer = _job(mesh, case)
+    load_checkpoint(case.folder, second, second_optimizer)
+    resumed = [_adamw_step(mesh, case, second, second_optimizer, step) for step in (1, 2)]
+    sharded = [isinstance(p, DTensor) for p in second.parameters()]
+    return {"losses": losses[1:], "resumed": resumed, "sharded": any(sharded)}
+
+
+def _job(mesh: Any, case: MeshCase) -> tuple[PipelineRuntime, torch.optim.Optimizer]:
+    stages, shared = _stages(case, mesh)
+    runtime = _runtime(mesh, case, stages, shared)
+    return runtime, torch.optim.AdamW(runtime.parameters(), lr=1e-2, eps=EPS)
+
+
+def _adamw_step(
+    mesh: Any, case: MeshCase, runtime: PipelineRuntime, optimizer: Any, step: int
+) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    runtime.step(*_share(case, mesh, _global_batch(case, step)))
+    runtime.clip_grad_norm_(0.5)
+    optimizer.step()
+    return float(runtime.global_loss())

@@ -11,12 +11,11 @@ processes: keep them importable and picklable.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -46,15 +45,17 @@ class GroupWork(dist.Work):
 
 @dataclass
 class Coalesced:
-    """What the coalescing groups saw: ops per coalesced group, works handed back."""
+    """What the coalescing groups saw: ops per coalesced group."""
 
     groups: list[int] = field(default_factory=list)
     queued: dict[int, list[tuple[Post, tuple[Any, ...]]]] = field(default_factory=dict)
 
 
 @contextmanager
-def coalescing() -> Iterator[Coalesced]:
-    """Gloo groups that coalesce, as NCCL's do, while the context is open."""
+def coalescing(lone: Mapping[int, dist.ProcessGroup] | None = None) -> Iterator[Coalesced]:
+    """Gloo groups that coalesce, as NCCL's do, while the context is open. With `lone`, an
+    op posted outside a coalesced group on group `pg` goes out on `lone[id(pg)]` instead
+    (nccl_emulation.py: NCCL's lazy pair communicators)."""
     seen = Coalesced()
     gloo, group = dist.ProcessGroupGloo, dist.ProcessGroup
     send, recv = group.send, group.recv
@@ -72,7 +73,7 @@ def coalescing() -> Iterator[Coalesced]:
             if id(pg) in seen.queued:
                 seen.queued[id(pg)].append((post, (tensors, peer, tag)))
                 return None
-            return post(pg, tensors, peer, tag)
+            return post(pg if lone is None else lone[id(pg)], tensors, peer, tag)
 
         return call
 
@@ -133,11 +134,7 @@ def directions_case(rank: int, world: int) -> dict[str, Any]:
     for works in comm._post_now(ops, False):
         for work in works:
             work.wait(timedelta(seconds=30))
-    os.environ[comm.DIRECTIONS] = "0"
-    try:
-        single = comm.Channel(None, range(world), timeout=30.0, nccl=False)
-    finally:
-        del os.environ[comm.DIRECTIONS]
+    single = comm.Channel(None, range(world), timeout=30.0, nccl=False, direction_groups=False)
     return {
         "distinct": channel.downward is not None and channel.downward is not world_group,
         "send_down": ops[1].group is channel.downward,
@@ -156,9 +153,9 @@ def posting_threads() -> Iterator[set[str]]:
     names: set[str] = set()
     post_now = comm._post_now
 
-    def recorded(ops: list[dist.P2POp], batched: bool) -> list[list[dist.Work]]:
+    def recorded(ops: list[dist.P2POp], coalesced: bool) -> list[list[dist.Work]]:
         names.add(threading.current_thread().name.split("_")[0])
-        return post_now(ops, batched)
+        return post_now(ops, coalesced)
 
     setattr(comm, "_post_now", recorded)  # noqa: B010
     try:
@@ -168,16 +165,12 @@ def posting_threads() -> Iterator[set[str]]:
 
 
 def run_posting(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
-    """The cases through the poster thread (`PIPECC_POST_THREAD=1`), then the exchange and
+    """The cases through the poster thread (`gloo_poster_thread`), then the exchange and
     the cases again over coalescing gloo groups (posting in place, the default); which
     threads posted in each."""
     directions = directions_case(rank, world)
-    os.environ[comm.POST_THREAD] = "1"
-    try:
-        with posting_threads() as threaded_posters:
-            threaded = run_cases(rank, world, cases)
-    finally:
-        del os.environ[comm.POST_THREAD]
+    with posting_threads() as threaded_posters:
+        threaded = run_cases(rank, world, [replace(c, poster_thread=True) for c in cases])
     with coalescing() as seen:
         exchange = exchange_case(rank, world)
         exchange_groups = list(seen.groups)

@@ -8,7 +8,11 @@ itself. Functions here run in the spawned processes: keep them importable and pi
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +56,15 @@ class HookedBlock(Block):
     def __init__(self) -> None:
         super().__init__()
         self.hook_calls = 0
+        self.captured_calls = 0
 
     @classmethod
     def overlapped_forward_backward(
         cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
     ):  # type: ignore[no-untyped-def]
         module0.hook_calls += 1
+        # under the contract's capture, the Linear has a forward of its own for the call
+        module0.captured_calls += "forward" in vars(module0.linear)
         outputs0 = module0(*inputs0)
         outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
         loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
@@ -134,7 +141,9 @@ class Case:
     pipelines: tuple[tuple[int, ...], ...] | None = None
     timeout: float = 60.0
     keep_grads: bool = False  # return this rank's gradients
+    hogs: int = 0  # CPU-bound processes rank 0 starts for the case's extent (a loaded machine)
     device: str = "cpu"  # "cuda": this rank's stages and data on its GPU
+    poster_thread: bool = False  # RuntimeConfig.gloo_poster_thread (test_posting.py)
 
 
 def compile_case(name: str, ranks: int, microbatches: int, **defines: int) -> Program:
@@ -167,13 +176,28 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, A
     results = {}
     for case in cases:
         start = time.perf_counter()
-        try:
-            result = _run_case(rank, case)
-        except PipeccError as err:
-            result = {"error": type(err).__name__, "message": str(err)}
+        with _beside_hogs(case.hogs if rank == 0 else 0) as hogs:
+            try:
+                result = _run_case(rank, case)
+            except PipeccError as err:
+                result = {"error": type(err).__name__, "message": str(err)}
+            result["hogs"] = sum(hog.poll() is None for hog in hogs)  # still spinning
         result["seconds"] = time.perf_counter() - start
         results[case.name] = result
     return results
+
+
+@contextmanager
+def _beside_hogs(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`count` processes spinning on the CPU while the block runs; stopped after it."""
+    spin = "while True: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def _group_for(case: Case) -> tuple[Any, tuple[int, ...] | None]:
@@ -237,7 +261,8 @@ def _setup(rank: int, case: Case) -> _Run:
     loss_fn = tuple_loss if case.model == "tuple" else nn.functional.mse_loss
     boundaries = case.boundaries  # None: found along the pipeline by the runtime
     config = RuntimeConfig(group=group, rank_map=rank_map, sync_duplicated=case.mode != "nosync",
-                           timeout=case.timeout, device=device)  # fmt: skip
+                           timeout=case.timeout, device=device,
+                           gloo_poster_thread=case.poster_thread)  # fmt: skip
     runtime = PipelineRuntime(program, modules, boundaries, loss_fn=loss_fn, config=config)
     return _Run(case, me, stages, modules, runtime, inputs, targets, loss_fn)
 
@@ -256,7 +281,11 @@ def _to(value: Any, device: torch.device) -> Any:
 
 def _timeout_case(run: _Run) -> dict[str, Any]:
     """Step 1: rank 0 stays away from the program (the shapes are known: nothing is
-    exchanged before it): the others time out in a wait. Step 2: the same again."""
+    exchanged before it): the others time out in a wait. Step 2: the same again.
+    The ranks meet first: rank 0 stays away for `timeout + 1.5` s twice, so the others'
+    first wait must begin within that time of rank 0's, which a rank behind by the previous
+    cases' work (a loaded machine) would miss, finding rank 0 gone instead of late."""
+    dist.barrier()
     if run.me == 0:
         run.runtime.interpreter.run = lambda plan, ctx: time.sleep(run.case.timeout + 1.5)  # type: ignore[method-assign]
         run.runtime.step(run.inputs, run.targets)
@@ -313,6 +342,8 @@ def _compare(
         "want_loss": want_loss,
         "hook_calls": sum(getattr(m, "hook_calls", 0) for m in run.modules.values()),
         "fused_b": _fused_backwards(run.case.program, run.me),
+        "hook_captured": sum(getattr(m, "captured_calls", 0) for m in run.modules.values()),
+        "fused_before_i": _fused_forwards_before_i(run.case.program, run.me),
         "grads": {k: v for k, v in got.items() if k[0] in held} if keep else None,
         "want": want if keep else None,
     }
@@ -320,6 +351,23 @@ def _compare(
 
 def _fused_backwards(program: Program, rank: int) -> int:
     return sum(1 for i in program.ranks[rank] if type(i) is Fused and i.backward.kind is Kind.B)
+
+
+def _fused_forwards_before_i(program: Program, rank: int) -> int:
+    """The F&B whose forward's microbatch has its backward split (an `I` of that chunk)."""
+    split = {
+        (c.chunk, c.mb)
+        for i in program.ranks[rank]
+        for c in ((i.forward, i.backward) if type(i) is Fused else (i,))
+        if getattr(c, "kind", None) is Kind.I
+    }
+    return sum(
+        1
+        for i in program.ranks[rank]
+        if type(i) is Fused
+        and i.backward.kind is Kind.B
+        and (i.forward.chunk, i.forward.mb) in split
+    )
 
 
 def _forward_case(run: _Run) -> dict[str, Any]:

@@ -12,3 +12,8 @@ def spin_on_rank_one(rank: int, world: int, payload: Any) -> int:
     while rank == 1:
         time.sleep(0.05)
     return rank
+
+
+def return_rank(rank: int, world: int, payload: Any) -> int:
+    """Every rank returns at once: the time a group takes to start."""
+    return rank

@@ -82,8 +82,8 @@ def gloo(tmp_path: Path) -> Iterator[None]:
 
 @pytest.mark.usefixtures("gloo")
 def test_gloo_does_not_coalesce() -> None:
-    op = dist.P2POp(dist.isend, torch.ones(2), 0)
-    assert compat.coalesces(op) is False
+    assert compat.group_coalesces(None, torch.device("cpu")) is False
+    assert compat.group_coalesces(None, torch.device("meta")) is False, "no backend for it"
 
 
 def test_an_op_is_posted_on_its_group_to_the_peer_in_it() -> None:

@@ -149,9 +149,22 @@ def _cases() -> list[MeshCase | MoECase]:
     ]
 
 
+CHECKPOINTED = ("dp_replicate", "tp", "dp_shard")  # plain replicas, tp and FSDP2 DTensors
+
+
+def _checkpoint_cases(folder: Path) -> list[MeshCase]:
+    return [
+        MeshCase(
+            f"ckpt-{dim}", _program("1f1b", dim), dim, True, tied=True, folder=str(folder / dim)
+        )  # fmt: skip
+        for dim in CHECKPOINTED
+    ]
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return spawn(run_mesh_cases, 4, _cases(), timeout=300.0)  # type: ignore[no-any-return]
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    cases = _cases() + _checkpoint_cases(tmp_path_factory.mktemp("checkpoints"))
+    return spawn(run_mesh_cases, 4, cases, timeout=300.0)  # type: ignore[no-any-return]
 
 
 def _each(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -398,7 +411,7 @@ def test_pipecc_run_checks_an_expert_parallel_model(capsys: pytest.CaptureFixtur
     expert's by name) against one process on the whole batch."""
     code, out, err = run_cli(
         capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
-        "--model", str(ROOT / "examples" / "moe_ep.py"), "--check", "--json",
+        "--moe", "2", "--model", str(ROOT / "examples" / "moe_ep.py"), "--check", "--json",
     )  # fmt: skip
     assert code == 0, err
     fields = json.loads(out)
@@ -421,3 +434,25 @@ def test_moe_stages_with_fewer_blocks_than_the_program_are_refused(
                 for r, s in ((0, 0), (0, 3), (1, 1), (1, 2))
             ),
         }
+
+
+@pytest.mark.parametrize("dim", CHECKPOINTED)
+def test_a_checkpoint_of_a_mesh_resumes_bitwise(results: list[dict[str, Any]], dim: str) -> None:
+    """Replicas, tensor-parallel and FSDP2 stages (their parameters and AdamW states saved
+    and read as shards): the resumed steps' losses are the uninterrupted run's."""
+    for result in _each(results, f"ckpt-{dim}"):
+        assert result["resumed"] == result["losses"], result
+        assert result["sharded"] == (dim != "dp_replicate")
+
+
+def test_a_moe_model_without_the_programs_phases_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --moe the program `pipecc run` verified holds no all-to-all: running the MoE
+    stages in phases would run what the verifier never saw, so the run is refused (exit 2)."""
+    code, _, err = run_cli(
+        capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
+        "--model", str(ROOT / "examples" / "moe_ep.py"),
+    )  # fmt: skip
+    assert code == 2, err
+    assert "give --moe K (K MoE layers a stage)" in err

@@ -2,7 +2,7 @@
 coalesced branch (`batch_isend_irecv` on a backend that coalesces, as NCCL does).
 
 One process group of 2 ranks runs a few schedules (plain and tuple boundaries, the
-duplicated-stage sum of DualPipe) first with `PIPECC_POST_THREAD=1`, then over gloo groups
+duplicated-stage sum of DualPipe) first with `gloo_poster_thread`, then over gloo groups
 made to coalesce (posting_cases.py), each against the single-process reference.
 """
 
@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from pipecc.runtime import RuntimeConfig
 from pipecc.runtime.comm import channel as comm
+from pipecc.runtime.tools.environment import DIRECTIONS, POST_THREAD, GlooPosting, gloo_posting
+from pipecc.runtime.tools.launcher import RunJob, run_job
 from pipecc.runtime.tools.spawn import spawn
 from posting_cases import run_posting
 from runtime_cases import Case, compile_case
@@ -79,8 +82,8 @@ def test_each_direction_has_its_own_gloo_group(posting: list[dict[str, Any]]) ->
     """On gloo, messages to a lower rank go over a second group of the pipeline's ranks
     (two ranks sending each other at once over one socket stall now and then: the module
     docstring of runtime/comm/channel.py); each direction keeps its messages' order; a
-    second runtime of the same pipeline reuses the group; PIPECC_GLOO_DIRECTIONS=0 keeps
-    one group."""
+    second runtime of the same pipeline reuses the group; `direction_groups=False`
+    (`gloo_direction_groups`) keeps one group."""
     for rank, result in enumerate(posting):
         found = result["directions"]
         assert found["distinct"] and found["reused"] and found["single"], found
@@ -91,27 +94,41 @@ def test_each_direction_has_its_own_gloo_group(posting: list[dict[str, Any]]) ->
         assert found["received"] == [100.0 * peer + i for i in range(12)], "in order"
 
 
-def test_the_poster_thread_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    def poster(nccl: bool) -> object:
-        return comm.Channel(None, [0], timeout=1.0, nccl=nccl)._poster
+def test_the_gloo_posting_fields() -> None:
+    """`gloo_poster_thread` starts a poster thread on gloo only; `gloo_direction_groups`
+    (default on) is what makes the second group (test_each_direction_has_its_own_gloo_group)."""
 
-    monkeypatch.delenv(comm.POST_THREAD, raising=False)
-    assert poster(False) is None, "gloo posts in the calling thread by default"
-    assert poster(True) is None, "NCCL posts in the calling thread"
-    monkeypatch.setenv(comm.POST_THREAD, "1")
-    assert poster(False) is not None
-    monkeypatch.setenv(comm.POST_THREAD, "0")
-    assert poster(False) is None
-    monkeypatch.setenv(comm.POST_THREAD, "off")
+    def poster(nccl: bool, thread: bool) -> object:
+        return comm.Channel(None, [0], timeout=1.0, nccl=nccl, poster_thread=thread)._poster
+
+    config = RuntimeConfig()
+    assert (config.gloo_poster_thread, config.gloo_direction_groups) == (False, True)
+    assert poster(False, False) is None, "gloo posts in the calling thread by default"
+    assert poster(False, True) is not None
+    assert poster(True, True) is None, "NCCL posts in the calling thread"
+    assert comm.Channel(None, [0], timeout=1.0, nccl=True).coalesced, "NCCL: every post batched"
+
+
+def test_pipecc_run_maps_the_environment_onto_the_fields() -> None:
+    assert gloo_posting({}) == GlooPosting(poster_thread=False, direction_groups=True)
+    on = {POST_THREAD: "1", DIRECTIONS: "0"}
+    assert gloo_posting(on) == GlooPosting(poster_thread=True, direction_groups=False)
     with pytest.raises(InputError) as err:
-        poster(False)
+        gloo_posting({POST_THREAD: "off"})
     assert str(err.value) == (
         "error: PIPECC_POST_THREAD='off': expected 0 (post in the calling thread) or 1"
     )
-    monkeypatch.setenv(comm.POST_THREAD, "1")
-    monkeypatch.setenv(comm.DIRECTIONS, "2")
     with pytest.raises(InputError) as err:
-        comm.Channel(None, [0, 1], timeout=1.0, nccl=False)
+        gloo_posting({DIRECTIONS: "2"})
     assert str(err.value) == (
         "error: PIPECC_GLOO_DIRECTIONS='2': expected 0 (one group both ways) or 1"
     )
+
+
+def test_run_job_reads_the_environment_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(POST_THREAD, "yes")
+    job = RunJob(compile_case("1f1b", 2, 2), "examples/mlp.py", batch_size=4)
+    with pytest.raises(InputError, match=r"PIPECC_POST_THREAD='yes': expected 0"):
+        run_job(job)

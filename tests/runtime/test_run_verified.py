@@ -56,6 +56,24 @@ def test_a_program_that_fails_verification_is_refused_with_verifys_report(
     ), err
 
 
+def test_a_sched_whose_order_cannot_run_is_refused_with_the_cycle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the same violation `pipecc verify` reports (exit 1), and nothing runs, --unverified too
+    path = tmp_path / "order.sched"
+    path.write_text(
+        "phase p { if rank == 0 { repeat M { F B } } else { repeat M { F } repeat M { B } } }\n"
+    )
+    _, report, _ = run_cli(capsys, "verify", str(path), "-P", "2", "-M", "2")
+    for flags in ((), ("--unverified",)):
+        code, out, err = run_cli(capsys, "run", str(path), *RUN, *flags)
+        assert (code, out) == (1, "")
+        assert err == (
+            f"{report}\nerror: {path} P=2 M=2: refused: it has no correct program to run, as "
+            "reported above\n"
+        )
+
+
 def test_a_program_placed_for_gloo_is_refused_on_nccl(tmp_path: Path) -> None:
     """The resolution on nccl (as a run with a GPU per rank makes it) of an early-recv .json:
     a note saying what it was placed for, the verification under nccl refusing it."""
@@ -63,9 +81,9 @@ def test_a_program_placed_for_gloo_is_refused_on_nccl(tmp_path: Path) -> None:
     program = compile_schedule("1f1b", ranks=2, microbatches=2, lowering=Lowering("early-recv"))
     early.write_text(json_program.dumps(program))
     args = build_parser().parse_args(["run", str(early), "--model", MLP])
-    with pytest.raises(ProgramError, match=r"fails verification under nccl \(nccl\)"):
-        run_command._program(args, lambda ranks: "nccl")
-    verified = run_command._program(args, lambda ranks: "gloo")
+    with pytest.raises(ProgramError, match=r"fails verification under nccl-single \(nccl\)"):
+        run_command.program_to_run(args, lambda ranks: "nccl")
+    verified = run_command.program_to_run(args, lambda ranks: "gloo")
     assert verified.ok and verified.resolved.choice.value == "program"
     assert verified.line() == (
         f"program: {early}, comm ops as in the input (early-recv), verified under rendezvous "
@@ -79,13 +97,13 @@ def test_a_default_program_on_gloo_gets_a_note(
     compiled = tmp_path / "zb_h1.json"
     compiled.write_text(json_program.dumps(compile_bundled("zb_h1", 2, 4)))
     args = build_parser().parse_args(["run", str(compiled), "--model", MLP])
-    run_command._program(args, lambda ranks: "gloo")
+    run_command.program_to_run(args, lambda ranks: "gloo")
     err = capsys.readouterr().err
     assert err == (
         f"note: {compiled} is placed by the default comm policy, nccl's; a compute-only input "
         "gets early-recv on gloo (--comm-policy early-recv places it for gloo)\n"
     )
-    run_command._program(args, lambda ranks: "nccl")
+    run_command.program_to_run(args, lambda ranks: "nccl")
     assert capsys.readouterr().err == "", "placed for nccl, run on nccl"
 
 

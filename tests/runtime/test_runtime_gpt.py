@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
-from gpt_cases import GptCase, run_gpt_cases
+import torch
+from checkpoint_cases import CheckpointCase, run_all
+from gpt_cases import GptCase
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import SCHEDULES, compile_case, microbatch_counts
 
@@ -25,6 +28,7 @@ Results = list[dict[str, dict[str, Any]]]
 FEATURES = (
     "tied",
     "accumulate",
+    "accumulate-mean",
     "dict",
     "dataclass",
     "shapes",
@@ -32,6 +36,8 @@ FEATURES = (
     "bf16",
     "bf16-fp32",
     "autocast",
+    "loaders",
+    "static",
 )
 PLACEMENTS = {"loop": ("zb_h1", 4), "vshape": ("zbv", 4), "bidirectional": ("dualpipe", 4)}
 TOLERANCE = {"bf16": 2e-2, "bf16-fp32": 2e-2}
@@ -47,7 +53,8 @@ def cases() -> tuple[GptCase, ...]:
     ]
     for variant in FEATURES:
         for placement, (name, m) in PLACEMENTS.items():
-            steps = 2 if variant in ("shapes", "accumulate") else 1
+            two = ("shapes", "accumulate", "accumulate-mean", "loaders", "static")
+            steps = 2 if variant in two else 1
             program = tied(compile_case(name, 2, m))
             found.append(GptCase(f"{variant}-{placement}", program, variant, steps))
     found.append(GptCase("undeclared-dualpipe", compile_case("dualpipe", 2, 4), "undeclared"))
@@ -75,9 +82,22 @@ def _uncovered() -> Program:
     return replace(program, ranks=(program.ranks[0] + (lone,), program.ranks[1]))
 
 
+def checkpoint_cases(folder: Path) -> list[CheckpointCase]:
+    zbv, dualpipe = tied(compile_case("zbv", 2, 4)), tied(compile_case("dualpipe", 2, 4))
+    one_f_one_b = tied(compile_case("1f1b", 2, 4))
+    return [
+        CheckpointCase("ckpt-same-dropout", zbv, zbv, str(folder / "same"), dropout=0.2),
+        CheckpointCase("ckpt-dualpipe-to-zbv", dualpipe, zbv, str(folder / "dualpipe")),
+        CheckpointCase("ckpt-zbv-to-1f1b", zbv, one_f_one_b, str(folder / "zbv")),
+        CheckpointCase("ckpt-clash", one_f_one_b, one_f_one_b, str(folder / "clash"), mode="clash"),
+        CheckpointCase("ckpt-missing", zbv, zbv, str(folder / "missing"), mode="missing"),
+    ]
+
+
 @pytest.fixture(scope="module")
-def results() -> Results:
-    return spawn(run_gpt_cases, 2, list(cases()), timeout=300.0)  # type: ignore[no-any-return]
+def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    payload = (list(cases()), checkpoint_cases(tmp_path_factory.mktemp("checkpoints")))
+    return spawn(run_all, 2, payload, timeout=300.0)  # type: ignore[no-any-return]
 
 
 def _each(results: Results, name: str) -> list[dict[str, Any]]:
@@ -193,3 +213,86 @@ def test_an_undeclared_tie_across_ranks_stops_every_rank(results: Results) -> No
             "'head.lm.weight' of stage 1 is the same Parameter as 'embed.tokens.weight' of "
             "stage 0, but no declaration joins them"
         ) in result["message"]
+
+
+NEEDS = {  # per placement, per rank: (needs_inputs, needs_targets)
+    "loop": [(True, False), (False, True)],
+    "vshape": [(True, True), (False, False)],
+    "bidirectional": [(True, True), (True, True)],
+}
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_only_the_ranks_that_need_the_data_load_it(results: Results, placement: str) -> None:
+    """needs_inputs / needs_targets from the placement; ranks given only what they need
+    (the shapes broadcast where they change, None under static_shapes) match the reference
+    (test_features_match_the_reference[loaders-*], [static-*])."""
+    for variant in ("loaders", "static"):
+        found = [tuple(r["needs"]) for r in _each(results, f"{variant}-{placement}")]
+        assert found == NEEDS[placement]
+    first, second = _each(results, f"loaders-{placement}")[0]["boundaries"]
+    assert first != second, "the shapes changed between the steps"
+
+
+def test_a_resumed_run_continues_bitwise_with_dropout(results: Results) -> None:
+    """Saved after step 2 of 4 on ZB-V with dropout 0.2, loaded into new stages, runtime,
+    AdamW and LR schedule: steps 2 and 3 give the same losses, and every parameter the
+    same bits, as the run that went on. Left at step 0, the runtime draws other masks."""
+    for result in _each(results, "ckpt-same-dropout"):
+        assert result["resumed"] == result["losses"], result
+        assert result["unrestored"] != result["losses"][0], "dropout must matter"
+        went_on, resumed = result["weights"]
+        assert sorted(went_on) == sorted(resumed)
+        for name, value in went_on.items():
+            assert torch.equal(value, resumed[name]), name
+        assert result["steps"] == 4
+        assert result["lr"][0] == result["lr"][1]
+
+
+@pytest.mark.parametrize("name", ["ckpt-dualpipe-to-zbv", "ckpt-zbv-to-1f1b"])
+def test_a_checkpoint_resumes_into_another_schedule_and_cut(results: Results, name: str) -> None:
+    """DualPipe (both stages on both ranks) into ZB-V (4 stages), ZB-V into 1F1B (2 stages
+    of 2 blocks): by parameter name, each continued step's loss within 1e-5."""
+    for result in _each(results, name):
+        assert len(result["resumed"]) == len(result["losses"]) == 2
+        for got, want in zip(result["resumed"], result["losses"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_load_checkpoint_returns_rank_0s_extra_on_every_rank(results: Results) -> None:
+    found = [r["extra"] for r in _each(results, "ckpt-same-dropout")]
+    assert found == [{"next_batch": 2, "rank": 0}] * 2
+
+
+def test_a_tied_or_duplicated_parameter_is_saved_once(results: Results) -> None:
+    """DualPipe holds every parameter on both ranks, the head is the embedding: one entry
+    each, under the first key's name, plus the optimizer's and the runtime's."""
+    (result, _) = _each(results, "ckpt-dualpipe-to-zbv")
+    model = [k for k in result["keys"] if k.startswith("model.")]
+    assert len(model) == result["distinct"]
+    assert "model.embed.tokens.weight" in model and "model.head.lm.weight" not in model
+    assert "optim.embed.tokens.weight.exp_avg" in result["keys"]
+    assert {"runtime", "scheduler", "extra"} <= set(result["keys"])
+
+
+def test_stage_local_names_that_collide_stop_the_save(results: Results) -> None:
+    for result in (r["ckpt-clash"] for r in results):
+        assert result == {
+            "error": "InputError",
+            "message": "error: checkpoint: 24 names stand for several parameters, e.g. "
+            "'blocks.0.attn.proj.bias' in stages 0, 1: a checkpoint keys parameters by the "
+            "whole model's names, so build the stages with them (split_model, or blocks "
+            "numbered as in the whole model) or declare a tied weight in "
+            "RuntimeConfig(shared=...)",
+        }
+
+
+def test_a_checkpoint_without_what_the_load_needs_is_named(results: Results) -> None:
+    for result in (r["ckpt-missing"] for r in results):
+        assert result["error"] == "InputError", result
+        assert result["message"].endswith(
+            "missing: the checkpoint has no optimizer state (156, e.g. "
+            "'optim.blocks.0.attn.proj.bias.exp_avg'); no optimizer hyperparameters (52, e.g. "
+            "'optim_group.blocks.0.attn.proj.bias'): it was saved without them, or from a model "
+            "whose parameters have other names"
+        ), result["message"]

@@ -337,7 +337,7 @@ def test_a_wait_is_a_timeout_by_its_deadline_not_its_text(
 
 
 def test_an_op_not_posted_by_its_deadline_is_a_timeout() -> None:
-    never = Group([], batched=False)  # never handed to a poster thread
+    never = Group([], coalesced=False)  # never handed to a poster thread
     with pytest.raises(OpTimeout):
         Posted(group=never, index=0).works(0.01)
 
@@ -349,7 +349,7 @@ def test_a_group_posted_by_the_poster_thread_gives_each_op_its_works(
     works; an error raised while posting reaches every op of its group."""
     seen: list[tuple[str, int]] = []
 
-    def post_now(ops: list[Any], batched: bool) -> list[list[Any]]:
+    def post_now(ops: list[Any], coalesced: bool) -> list[list[Any]]:
         if ops and ops[0] == "bad":
             raise RuntimeError("gloo refused")
         seen.append((threading.current_thread().name, len(ops)))

@@ -173,3 +173,53 @@ def test_a_tied_weight_is_compared_under_both_names() -> None:
     held = [Held(0, 0, "embed.weight", whole.grads["embed.weight"]),
             Held(1, 1, "head.weight", whole.grads["head.weight"])]  # fmt: skip
     assert compare_by_name(held, whole, (whole.loss, 0.0), 1e-6).failures == []
+
+
+TIED_STAGES = str(Path(__file__).with_name("tied_stages.py"))
+
+
+def _tied(*args: str, declared: bool) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PIPECC_TIED_DECLARED": "1" if declared else "0"}
+    return subprocess.run(
+        [PIPECC, "run", "1f1b", "--nproc", "2", "-M", "4", "--model", TIED_STAGES, "--check",
+         *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False, env=env,
+    )  # fmt: skip
+
+
+def test_check_compares_with_build_model_by_default_so_an_undeclared_tie_fails() -> None:
+    """build_stage builds the tied head and embedding apart: undeclared, the run trains two
+    parameters; --check (against build_model() by default) fails naming them."""
+    done = _tied(declared=False)
+    assert done.returncode == 1, done.stderr
+    assert "gradients against the whole model: max abs diff 0.0231, max rel diff 1 " in done.stdout
+    assert "stage 0 'embed.weight' on rank 0: max abs diff 0.0231, rel 1" in done.stderr
+
+
+def test_a_tie_declared_by_the_model_file_passes_both_references() -> None:
+    """`shared(num_stages)` in the model file: the run sums the copies' gradients, and the
+    stage-by-stage reference ties them (dropout stays on there, off against the whole)."""
+    for reference in ("auto", "stages"):
+        done = _tied("--reference", reference, "--json", declared=True)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout.splitlines()[-1])
+        assert report["reference"] == ("whole" if reference == "auto" else "stages")
+        assert report["max_rel_grad_diff"] <= 1e-6, report
+
+
+def test_the_model_files_shared_is_read_and_checked(tmp_path: Path) -> None:
+    from pipecc.diagnostics import InputError
+
+    path = tmp_path / "m.py"
+    base = (ROOT / "examples" / "mlp.py").read_text()
+    good = "\ndef shared(n):\n    return [((0, 'a.weight'), (n - 1, 'b.weight'))]\n"
+    path.write_text(base + good)
+    assert load_model(str(path)).declared_shared(3) == (((0, "a.weight"), (2, "b.weight")),)
+    path.write_text(base + "\ndef shared(n):\n    return [((0, 'a.weight'),)]\n")
+    with pytest.raises(InputError) as err:
+        load_model(str(path)).declared_shared(2)
+    assert err.value.message == (
+        f"{path}: shared(2) must return groups of two or more (stage, parameter name) pairs "
+        "with stages below 2, e.g. [((0, 'embed.weight'), (1, 'head.weight'))]; got "
+        "[((0, 'a.weight'),)]"
+    )

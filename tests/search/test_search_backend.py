@@ -30,7 +30,7 @@ CASES = [
 EXPECTED = {
     "gloo": ("early-recv", Backend.INDEPENDENT_PROGRESS,
              (CommModel.RENDEZVOUS, CommModel.EAGER), CommModel.RENDEZVOUS),
-    "nccl": ("aligned", Backend.ANY, ALL_MODELS, CommModel.NCCL),
+    "nccl": ("aligned", Backend.ANY, ALL_MODELS, CommModel.NCCL_SINGLE),
 }  # fmt: skip
 
 

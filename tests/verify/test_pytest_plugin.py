@@ -113,3 +113,17 @@ def test_errors_that_differ_by_size_are_each_reported(tmp_path: Path) -> None:
     assert "2 failed, 2 passed" in out
     assert "repeat count is -2, which is negative, on rank 0 (P=4, M=1)" in out
     assert "repeat count is -1, which is negative, on rank 0 (P=4, M=2)" in out
+
+
+def test_sizes_sweep_the_parameters_a_file_declares(tmp_path: Path) -> None:
+    # interleaved_1f1b declares V, zb_h1 does not: V multiplies only the former's items
+    shutil.copy(SCHEDULES / "interleaved_1f1b.sched", tmp_path)
+    shutil.copy(SCHEDULES / "zb_h1.sched", tmp_path)
+    items = _items(tmp_path, "ranks=2 microbatches=4 V=2,3")
+    assert sorted(items) == [
+        "interleaved_1f1b.sched::P2-M4-V2",
+        "interleaved_1f1b.sched::P2-M4-V3",
+        "zb_h1.sched::P2-M4",
+    ]
+    result = _pytest(tmp_path, "--pipecc", "--pipecc-sizes", "ranks=2 microbatches=4 V=2,3")
+    assert result.returncode == 0, result.stdout

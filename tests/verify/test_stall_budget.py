@@ -31,10 +31,9 @@ def test_budget_syntax() -> None:
 def test_default_placement_fails_a_zero_budget_only_with_a_long_latency(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # comm = 0.1: no placement-bound wait (docs/compile.md)
-    code, out, _ = run_cli(
-        capsys, "verify", "dualpipe", "-P", "8", "-M", "20", "--cost", COSTS, "--stall-budget", "0"
-    )
+    # comm = 0.1: no placement-bound wait under per-peer nccl (docs/compile.md)
+    code, out, _ = run_cli(capsys, "verify", "dualpipe", "-P", "8", "-M", "20", "--cost", COSTS,
+                           "--stall-budget", "0", "--comm", "nccl")  # fmt: skip
     assert code == 0, out
     assert "budget 0): 8.6/0 8.5/0 8.4/0 8.3/0 8.3/0 8.4/0 8.5/0 8.6/0" in out
     # comm = 1, as long as a forward: the default's order leaves a wait the budget catches
@@ -50,6 +49,8 @@ def test_default_placement_fails_a_zero_budget_only_with_a_long_latency(
         "F=1,B=2,I=1,W=1,comm=1",
         "--stall-budget",
         "0",
+        "--comm",
+        "nccl",
         "--format",
         "json",
     )
@@ -85,6 +86,8 @@ def test_percentage_budget_lets_short_waits_pass(capsys: pytest.CaptureFixture[s
         "F=1,B=2,I=1,W=1,comm=1",
         "--stall-budget",
         "5%",
+        "--comm",
+        "nccl",
     )
     assert code == 0, out
     assert "budget 5%): 18/0 14/3 16/0 15/0" in out

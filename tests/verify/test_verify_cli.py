@@ -23,8 +23,8 @@ def test_clean_schedule_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     head, peaks = out.splitlines()
     assert head.startswith("schedules/dualpipe.sched P=4 M=8: ok (")
-    assert head.endswith(" instructions on 4 ranks; nccl passes)")
-    assert peaks == "peak activations per rank: 5 5 5 5"
+    assert head.endswith(" instructions on 4 ranks; nccl-single passes)")
+    assert peaks == "peak activations per rank (stage units): 5 5 5 5"
 
 
 def test_comm_all_lists_each_verdict(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,7 +37,7 @@ def test_violation_exits_1_with_the_witness(capsys: pytest.CaptureFixture[str]) 
     code, out, _ = run_cli(capsys, "verify", "tests/verify/data/pytorch_172668.csv")
     assert code == 1
     assert out.startswith("tests/verify/data/pytorch_172668.csv:1:27: error[deadlock]: ")
-    assert out.rstrip().endswith("peak activations per rank: 4 4")
+    assert out.rstrip().endswith("peak activations per rank (stage units): 4 4")
 
 
 def test_json_format(capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,7 +128,7 @@ def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(
         capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "7"
     )
-    assert code == 0 and "peak activations per rank: 7 7 7 7" in out
+    assert code == 0 and "peak activations per rank (stage units): 7 7 7 7" in out
     code, out, _ = run_cli(
         capsys, "verify", "zb_h2", "-P", "4", "-M", "8", "--max-activations", "6"
     )
@@ -138,9 +138,14 @@ def test_max_activations(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["zb_h1", "--sweep", "ranks=2..x"], "--sweep ranks='2..x': expected sizes like 2..8"),
+        (["zb_h1", "--sweep", "ranks=2..x"], "--sweep ranks='2..x': expected values like 2..8"),
         (["zb_h1", "--sweep", "ranks=4..2"], "sizes are integers ≥ 1 in ranges a..b with a ≤ b"),
-        (["zb_h1", "--sweep", "stages=1..3"], "expected ranks=A..B or microbatches=A..B"),
+        (["zb_h1", "--sweep", "2..3"], "expected ranks=A..B, microbatches=A..B or a parameter"),
+        (
+            ["zb_h1", "--sweep", "P=2", "M=2", "stages=1..3"],
+            "error: --sweep stages=1,2,3: no schedule swept declares a parameter 'stages' (zb_h1)",
+        ),
+        (["zb_h1", "--sweep", "P=2", "M=2", "V=1,2", "-D", "V=3"], "-D V: V is also swept"),
         (["prog.json", "--sweep", "ranks=2..3", "microbatches=1..2"], "--sweep compiles .sched"),
     ],
 )
@@ -205,7 +210,7 @@ def test_bad_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     )
 
 
-def test_sweep_lists_skips_and_stops_at_the_first_failure(
+def test_sweep_lists_skips_and_every_failure(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, _ = run_cli(
@@ -223,11 +228,17 @@ def test_sweep_lists_skips_and_stops_at_the_first_failure(
     lines = out.splitlines()
     assert "zb_h1: ok: 12 size(s) verified, 6 skipped" in lines
     assert "  skipped 6 size(s), requires M >= P: P=2: M=1; P=3: M=1..2; P=4: M=1..3" in lines
-    assert (
-        "tests/verify/data/megatron_5100.sched: FAILED at "
-        "tests/verify/data/megatron_5100.sched P=2 M=2: 0 size(s) verified, 1 skipped" in lines
+    at = lines.index(
+        "tests/verify/data/megatron_5100.sched: FAILED at 12 size(s), 1 distinct failure(s): "
+        "0 size(s) verified, 6 skipped"
     )
-    assert "error[needs-buffering]" in out
+    assert lines[at + 1 :] == [
+        "  error[needs-buffering] at tests/verify/data/megatron_5100.sched:13:45: 12 size(s): "
+        "P=2 M=2, P=2 M=3, P=2 M=4, P=2 M=5, P=2 M=6, P=3 M=3, P=3 M=4, P=3 M=5, P=3 M=6, "
+        "P=4 M=4, P=4 M=5, P=4 M=6",
+        "  skipped 6 size(s), requires M >= P: P=2: M=1; P=3: M=1..2; P=4: M=1..3",
+    ]
+    assert out.count("error[needs-buffering]") == 2  # the first size's report, the summary
 
 
 def test_sweep_lists_of_sizes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -122,8 +122,7 @@ def test_needs_buffering_witness() -> None:
 
 
 def test_unrunnable_compute_order_names_its_cycle() -> None:
-    program = _csv("unrunnable.csv")
-    result, _ = verify_program(program)
+    result = verify_file(str((DATA / "unrunnable.csv").relative_to(ROOT))).report
     assert codes(result) == ["unrunnable-order"]
     _check_golden("unrunnable-order", rendered(result.violations[0]))
 

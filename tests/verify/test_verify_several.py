@@ -79,14 +79,18 @@ def test_text_gives_every_input_its_line(
 def test_a_name_error_in_a_sweep_is_one_unusable_size(
     capsys: pytest.CaptureFixture[str], bad: dict
 ) -> None:
-    """A schedule that parses but does not compile at a size its requires allow: that size
-    is reported once, with its location, and the sweep of that file stops; exit 2 as for
-    the same size verified alone."""
+    """A schedule that parses but does not compile at a size its requires allow: the error
+    is reported once, with its location, and one line lists every size it occurs at; exit 2
+    as for the same size verified alone."""
     path, (line, col) = bad["name"]
     code, out, _ = _verify(capsys, [GOOD, path], "--sweep", "ranks=2..3", "microbatches=1..4")
     assert code == 2
     assert out.count(f"{path}:{line}:{col}: error: unknown name 'MM'") == 1
-    assert f"{path}: FAILED at {path} P=2 M=1: 0 size(s) verified, 0 skipped" in out
+    assert (
+        f"{path}: FAILED at 8 size(s), 1 distinct failure(s): 0 size(s) verified, 0 skipped\n"
+        f"  does not compile: error at {path}:{line}:{col}: 8 size(s): P=2 M=1, P=2 M=2, "
+        "P=2 M=3, P=2 M=4, P=3 M=1, P=3 M=2, P=3 M=3, P=3 M=4\n"
+    ) in out
     assert f"{GOOD}: ok: 8 size(s) verified, 0 skipped" in out
     code, _, _ = _verify(capsys, [path], "-P", "2", "-M", "1")
     assert code == 2
@@ -184,6 +188,6 @@ def test_the_lines_keep_todays_formats(capsys: pytest.CaptureFixture[str]) -> No
     code, out, _ = _verify(capsys, [GOOD, GOOD], *SIZES)
     assert code == 0
     assert out.splitlines()[0].startswith(f"{GOOD} P=4 M=8: ok (")
-    assert out.splitlines()[1] == "peak activations per rank: 4 3 2 1"
+    assert out.splitlines()[1] == "peak activations per rank (stage units): 4 3 2 1"
     code, out, _ = _verify(capsys, [GOOD], *SWEEP)
     assert out == f"{GOOD}: ok: 1 size(s) verified, 0 skipped\n"

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from pipecc.diagnostics import ScheduleError
+from pipecc.diagnostics import LoweringViolation
 from pipecc.ir.keys import StageMajorKeys
 from pipecc.ir.ops import (
     Compute,
@@ -279,7 +279,7 @@ def order_replay(ranks: list[RankOps], prog: Program, keys: StageMajorKeys) -> l
 
 def _stuck(
     ranks: list[RankOps], cursor: list[int], available: list[float | None], keys: StageMajorKeys
-) -> ScheduleError:
+) -> LoweringViolation:
     lines = []
     first_span = None
     for rank, ops in enumerate(ranks):
@@ -290,7 +290,7 @@ def _stuck(
         missing = [message(keys.message(key)) for key in ops.inputs[k] if available[key] is None]
         lines.append(f"rank {rank} at {instr.label()} waits for {', '.join(missing)}")
         first_span = first_span or instr.span
-    return ScheduleError(
+    return LoweringViolation(
         "the compute order cannot run: every rank that has ops left waits for data that "
         "only comes after it\n  " + "\n  ".join(lines),
         first_span,
