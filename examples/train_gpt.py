@@ -34,6 +34,7 @@ schedule (split backwards too) and with `--tied` (docs/parallelism.md).
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
+    parser.add_argument("--log-every", type=int, default=1, help="steps between log lines")
     parser.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--layers", type=int, default=0, help="blocks (0: one per stage)")
@@ -170,16 +172,24 @@ def main() -> None:
         optimizer.step()
         loss = runtime.global_loss()  # the same on every rank
         elapsed = time.perf_counter() - start
-        if rank == 0:
+        if rank == 0 and step % args.log_every == 0:  # the step's time: runtime.last_step
             print(
                 f"step {step:3d}  loss {float(loss):.5f}  grad norm {float(norm):.4f}  "
-                f"{elapsed * 1e3:7.1f} ms",
+                f"{elapsed * 1e3:7.1f} ms  {tokens.numel() * replicas / elapsed:8.0f} tokens/s  "
+                f"peak {peak_memory(device) / 2**20:.0f} MiB",
                 flush=True,
             )
         if step == 0 and want is not None:
             check(float(loss), want, rank)
         save(args, step, runtime, optimizer, rank)
     dist.destroy_process_group()
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the peak of the GPU's allocator, or on a CPU the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def save(

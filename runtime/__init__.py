@@ -15,12 +15,14 @@ from __future__ import annotations
 from .boundaries.discovery import pipeline_boundaries
 from .boundaries.specs import Boundary, TensorSpec, infer_boundaries
 from .checkpoint import load_checkpoint, save_checkpoint
+from .comm.failure import RuntimeFailed
 from .comm.shared import shared_parameters
 from .config import RuntimeConfig, mse_loss
 from .data import broadcast_shapes
 from .engine.aux_loss import LossBreakdown, add_loss
 from .engine.interpreter import InstructionError
 from .engine.moe_block import MoEBlock, MoEStage, Routed
+from .engine.watch import NonFiniteError, StepStats
 from .pipeline import PipelineRuntime
 from .profiling.recorder import Recorder
 from .tools.split_model import split_model
@@ -32,10 +34,13 @@ __all__ = [
     "LossBreakdown",
     "MoEBlock",
     "MoEStage",
+    "NonFiniteError",
     "PipelineRuntime",
     "Recorder",
     "Routed",
     "RuntimeConfig",
+    "RuntimeFailed",
+    "StepStats",
     "TensorSpec",
     "WholeCheck",
     "add_loss",

@@ -35,6 +35,10 @@ Nothing else in the runtime reaches into torch's private names: it imports them 
   `_fsdp_param_group`), then its root's end-of-backward
   callback (`_root_post_backward_final_callback`: the compute stream waits for the
   reduce-scatters, the groups' state is reset).
+- `default_store`: the job's key-value store (`distributed_c10d._get_default_store`), where a
+  failed runtime leaves its notice (runtime/comm/failure.py).
+- `profiler_enabled`: whether a torch profiler records now (`torch._C._autograd.
+  _profiler_enabled`), read once per step to label the instructions only then.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch._C._distributed_c10d import Store
 from torch.autograd.graph import GradientEdge, Node
 from torch.autograd.variable import Variable
 from torch.distributed.fsdp import fully_shard
@@ -55,6 +60,7 @@ __all__ = [
     "ACCUMULATE_GRAD",
     "DispatchMode",
     "base_of",
+    "default_store",
     "buffer_table",
     "child_table",
     "detached_parameters",
@@ -65,6 +71,7 @@ __all__ = [
     "leaf_of",
     "parameter_table",
     "post_p2p",
+    "profiler_enabled",
     "pytree",
     "run_backward",
     "storage_shared",
@@ -164,6 +171,19 @@ def fsdp_post_backward(module: torch.nn.Module) -> None:
         for group in _param_groups(each):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def default_store() -> Store | None:
+    """The job's key-value store (the default process group's), None without one."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler (`torch.profiler.profile`, the autograd profiler) records."""
+    return bool(torch._C._autograd._profiler_enabled())
 
 
 def _param_groups(state: Any) -> list[Any]:

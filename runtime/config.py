@@ -52,6 +52,9 @@ class RuntimeConfig:
     `recompute`: "full" (every stage), "none", or {stage: "full" | "none"}: a recomputed
     stage's forward keeps only its input and runs again, with its graph, before its
     backward (runtime/engine/recompute.py).
+    `check_finite`: every loss of a step (the main loss, each `add_loss`) and the gradient
+    norm of `clip_grad_norm_` must be finite, else `NonFiniteError` names the rank, the
+    step, the stage and the microbatch (one host read per step; runtime/engine/watch.py).
     `gloo_poster_thread`: on gloo, post every send and receive from one poster thread, in
     program order, instead of the calling thread (`pipecc run`: `PIPECC_POST_THREAD=1`).
     `gloo_direction_groups`: on gloo, a pipeline's messages to a lower rank go over a second
@@ -76,5 +79,6 @@ class RuntimeConfig:
     pp_dim: str = "pp"
     plans_kept: int = 4
     recompute: str | Mapping[int, str] | None = None
+    check_finite: bool = False
     gloo_poster_thread: bool = False
     gloo_direction_groups: bool = True

@@ -1,16 +1,12 @@
 """`PipelineRuntime`: one rank's part of a compiled `Program`, run one step at a time.
 
-The runtime binds the program to this rank once (its chunks and their modules, the plans to walk,
-each chunk's split-backward method, the parameters it shares with other ranks), builds the parts an
-`Interpreter` dispatches to, and for each step: splits the batch, computes the step's input
-signature from its own inputs (runtime/boundaries/signatures.py: host metadata, no exchange), and
-when the signature is new, discovers its boundaries with every rank on real data and checks them
-together before any point-to-point op (runtime/boundaries/discovery.py, runtime/plan/binding.py);
-the plan cache keeps them and compiles its plans once into bound steps
-(runtime/engine/plan_cache.py, runtime/engine/bound.py); then runs the signature's bound plan in a
-fresh `StepContext` (the gradient sums of parameters held by several ranks are instructions of it,
-runtime/comm/shared.py; a program without them gets them after it). A step whose signature is known
-exchanges nothing outside the program.
+The runtime binds the program to this rank once (its chunks, plans, split-backward methods,
+shared parameters) and builds the parts an `Interpreter` dispatches to. Each step splits the
+batch and computes its input signature from host metadata (runtime/boundaries/signatures.py);
+a new signature's boundaries are discovered with every rank on real data
+(runtime/boundaries/discovery.py) and kept, with the plans bound to them, by the plan cache
+(runtime/engine/plan_cache.py); then the bound plan runs in a fresh `StepContext`. A step
+whose signature is known exchanges nothing outside the program.
 """
 
 from __future__ import annotations
@@ -23,17 +19,21 @@ from typing import Any, Literal, cast, overload
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import InputError, PipeccError, ProgramError, SetupError
+from pipecc.diagnostics import InputError, ProgramError, RankError, SetupError
 from pipecc.ir.program import Program
 
 from .boundaries import discovery
 from .boundaries.context import sample_context, split_context
 from .boundaries.discovery import Exchange, Forward, PipeStages, StageFailed
+from .boundaries.fingerprint import Fingerprint
 from .boundaries.signatures import BoundaryFn, Signature, Signatures
-from .boundaries.specs import Boundary, normalise_boundaries, synthetic
+from .boundaries.specs import Boundary
 from .comm import agreement, mesh, shared, training
+from .comm.agreement import ExchangeTimeout
 from .comm.channel import Channel, uses_nccl
+from .comm.failure import Guard, guarded
 from .config import LossFn, RuntimeConfig, mse_loss
+from .declared import declared_of, declared_problems, runtime_device
 from .engine import aux_loss, stage_actions
 from .engine.aux_loss import LossBreakdown
 from .engine.bound import Binder, methods
@@ -46,9 +46,10 @@ from .engine.moe_ops import moe_ops
 from .engine.plan_cache import PlanCache
 from .engine.precision import Fp32Grads
 from .engine.recompute import recomputed, selected_modules
-from .engine.rng import ForwardRng, cuda_index, derive_seed
+from .engine.rng import ForwardRng, derive_seed
 from .engine.split_backward import split_chunks
 from .engine.transfers import Transfers
+from .engine.watch import StepStats, check_losses, nonfinite_norm, nonfinite_stages, rows_of
 from .plan import binding
 from .plan.plan import build_plan, forward_only, mailbox
 from .profiling.profiler import ProfilingInterpreter
@@ -86,10 +87,10 @@ class PipelineRuntime:
         self.rank_map = tuple(
             rank_map or dist.get_process_group_ranks(self.group or dist.group.WORLD)
         )
-        self.device = _device(config.device, self.modules, self.group)
+        self.device = runtime_device(config.device, self.modules, self.group)
         nccl = uses_nccl(self.group, self.device)
         limit = None if nccl else config.timeout
-        self.declared = _declared(boundaries)  # checked against the discovered ones
+        self.declared = declared_of(boundaries)  # checked against the discovered ones
         self.signatures = Signatures(program.num_microbatches)
         self._limit = limit  # seconds the discovery's agreement waits for a rank (gloo)
         self._problem = binding.world_problem(
@@ -104,8 +105,14 @@ class PipelineRuntime:
         self.losses: dict[int, torch.Tensor] = {}
         self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
+        self.last_step: StepStats | None = None  # the last training step's times and rows
+        # what every rank must share (compared in the first discovery's gather)
+        self.fingerprint = Fingerprint.of(program, self.rank, self.modules)
+        self.guard = Guard(self.rank, self.rank_map)  # failures (runtime/comm/failure.py)
         if self._problem is None:
             self._bind()
+            groups = (self.group, self.channel.downward, *self.sums.groups.values())
+            self.guard = Guard(self.rank, self.rank_map, groups, close=not nccl)
 
     def _bind(self) -> None:
         """This rank's part of the program bound once: its chunks, plans, gradient holders
@@ -134,15 +141,13 @@ class PipelineRuntime:
         )  # fmt: skip
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
-        moe = moe_ops(self.program.ranks, rank, stage, config.mesh, config.timeout)
-        held = [c.module for c in self.chunks.values()]  # MoE stages: this EP rank's experts
+        self.moe = moe_ops(self.program.ranks, rank, stage, config.mesh, config.timeout)
+        experts = expert_params([c.module for c in self.chunks.values()])  # this EP rank's
         self.mesh = mesh.DataParallel(
-            self.program, rank, self.modules, config.mesh, device=self.device,
-            experts=expert_params(held),
-        )  # fmt: skip
-        self.interpreter = Interpreter(
-            Parts(rank, stage, fused, transfers, self.sums, self.mesh, moe)
+            self.program, rank, self.modules, config.mesh, device=self.device, experts=experts
         )
+        parts = Parts(rank, stage, fused, transfers, self.sums, self.mesh, self.moe)
+        self.interpreter = Interpreter(parts)
         slots = mailbox(self.program.ranks[rank])
         binder = Binder(stage, fused, self.channel, slots, captures, mesh=config.mesh)
         self.plans = PlanCache(binder, plans, self.program, rank, kept=config.plans_kept)
@@ -151,17 +156,15 @@ class PipelineRuntime:
         """How the stages compute (RuntimeConfig: autocast, fp32 gradients, recomputation)."""
         placement = self.program.placement
         stages = max(placement.num_stages(p) for p in range(placement.num_pipes))
-        recompute = self.config.recompute
-        return StageOptions(
-            self.device,
-            self.config.autocast,
-            self.grads if isinstance(self.grads, Fp32Grads) else None,
-            recomputed(recompute, stages),
-            selected_modules(recompute, stages, self.chunks),
-        )
+        recompute, grads = self.config.recompute, self.grads
+        selected = selected_modules(recompute, stages, self.chunks)
+        precision = grads if isinstance(grads, Fp32Grads) else None
+        options = (recomputed(recompute, stages), selected)
+        return StageOptions(self.device, self.config.autocast, precision, *options)
 
     # ---- public API ------------------------------------------------------------------------
 
+    @guarded(after=0)
     def step(
         self,
         inputs: object = None,
@@ -184,9 +187,10 @@ class PipelineRuntime:
         (runtime/profiling/profiler.py). `loss_scale`: each microbatch's loss (and added
         loss) is multiplied by it before its backward, so `.grad` gets `loss_scale` times the
         mean; `1/K` for K accumulated steps leaves the mean over their K·M microbatches
-        (the reported losses are unscaled). `through`: run this step through the interpreter
-        it makes of the runtime's own (a subclass that wraps it: runtime/engine/interpreter.py).
-        """
+        (losses reported unscaled). `through`: run the step through the interpreter it makes
+        of the runtime's (runtime/engine/interpreter.py). Then `self.last_step` holds the
+        step's times and rows; a failure fails the runtime on every rank (`RuntimeFailed`)."""
+        start = time.perf_counter()
         ctx = self._context(inputs, targets, training=True, context=context, loss_scale=loss_scale)
         interpreter = self.interpreter
         if recorder is not None:
@@ -202,15 +206,25 @@ class PipelineRuntime:
             interpreter.run(self.plans.bound(training=True), ctx)
         self._finish(interpreter, ctx)
         if self.config.sync_duplicated and self.to_sum and self.sums.outside:
-            start = time.perf_counter()  # a program without its sums: after it (shared.py)
+            summed = time.perf_counter()  # a program without its sums: after it (shared.py)
             shared.sum_shared(self.channel, self.rank, self.to_sum, self.device, self.grads)
             if recorder is not None:
-                recorder.sync(start, time.perf_counter())
+                recorder.sync(summed, time.perf_counter())
         if precision is not None:
             precision.end()
+        if self.config.check_finite:
+            self._check_finite(ctx)
         self.steps += 1
+        seconds = time.perf_counter() - start
+        rows = rows_of(self.plans.boundaries(), self.program)
+        self.last_step = StepStats(ctx.step, seconds, interpreter.waited, rows)
         return self._loss_of(ctx)
 
+    def _check_finite(self, ctx: StepContext) -> None:
+        last = self.program.placement.num_stages(0) - 1
+        check_losses((self.rank, ctx.step), ctx.losses, ctx.aux_losses, last)
+
+    @guarded(after=0)
     def forward(
         self, inputs: object = None, targets: object = None, *, context: object = None
     ) -> dict[int, object]:
@@ -268,13 +282,25 @@ class PipelineRuntime:
         if self._problem is None:
             self.rng.seed_value = self.config.seed
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    @guarded(after=1)
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Scale every gradient so that the norm over the whole pipeline's parameters (each
         parameter held by several ranks counted once) is at most `max_norm`; returns the
-        norm before clipping, the same on every rank. A collective: every rank calls it."""
+        norm before clipping, the same on every rank. A collective: every rank calls it.
+        `error_if_nonfinite` (or `RuntimeConfig(check_finite=True)`): a norm that is nan or
+        inf raises `NonFiniteError` on every rank, the gradients untouched (as torch's)."""
         mine = shared.owned(self.groups, self.rank)
-        total = training.global_norm(mine, self.grads, norm_type, self.group, self.device)
-        training.scale_grads(self.parameters(), float(max_norm) / (float(total) + 1e-6))
+        total = training.global_norm(
+            mine, self.grads, norm_type, self.group, self.device, self._limit
+        )
+        value = float(total)
+        if (error_if_nonfinite or self.config.check_finite) and not torch.isfinite(total):
+            stages = nonfinite_stages(self.chunks.values(), self.grads.get)
+            where = (self.rank, max(self.steps - 1, 0))
+            raise self.guard.passing(nonfinite_norm(where, total, norm_type, stages))
+        training.scale_grads(self.parameters(), float(max_norm) / (value + 1e-6))
         return total
 
     @overload
@@ -286,26 +312,18 @@ class PipelineRuntime:
         rank calls it): the mean main loss plus the mean of the losses added inside the
         stages (`add_loss`), the loss whose gradient `.grad` holds. `breakdown=True`
         returns a `LossBreakdown`: total, main, added, and added by stage."""
-        found = aux_loss.breakdown(  # one all-reduce, alike on every rank
-            self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
-            self.device,
-        )  # fmt: skip
-        found = self._over_replicas(found)
+        found = self._breakdown()
         if breakdown:
             return found
         return torch.tensor(found.total, dtype=torch.float32, device=self.device)
 
-    def _over_replicas(self, found: LossBreakdown) -> LossBreakdown:
-        """A pipeline's breakdown averaged over every pipeline of the mesh (one all-reduce
-        over the other dimensions; as it is without a mesh). Every replica runs the same
-        stages, so each adds losses in the same stages."""
-        if self.config.mesh is None:
-            return found
-        stages = sorted(found.by_stage)
-        parts = [found.total, found.main, found.added, *(found.by_stage[s] for s in stages)]
-        values = torch.tensor(parts, dtype=torch.float64, device=self.device)
-        mean = mesh.replicas_mean(values, self.config.mesh, self.config.pp_dim).tolist()
-        return LossBreakdown(mean[0], mean[1], mean[2], dict(zip(stages, mean[3:], strict=True)))
+    @guarded(after=1)
+    def _breakdown(self) -> LossBreakdown:
+        found = aux_loss.breakdown(  # one all-reduce, alike on every rank
+            self.losses, self.aux_losses, self.program.placement.num_stages(0), self.group,
+            self.device, self._limit,
+        )  # fmt: skip
+        return aux_loss.over_replicas(found, self.config.mesh, self.config.pp_dim, self.device)
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -320,21 +338,22 @@ class PipelineRuntime:
     ) -> StepContext:
         """Split the batch and learn the step's signature; a new one is discovered. Each
         microbatch's loss is scaled by `loss_scale` / M."""
-        if self._problem is not None:
-            raise SetupError(self._problem)
+        if self._problem is not None:  # the same on every rank: it fails nothing
+            raise self.guard.passing(SetupError(self._problem))
         found: list[str] = []
         where, microbatches = f"rank {self.rank}, step {self.steps}", self.program.num_microbatches
-        binding.check_rows(inputs, "inputs", microbatches, where)
-        if self.needs_targets:
-            binding.check_rows(targets, "targets", microbatches, where)
+        try:  # raised alike on every rank given the batch: it fails nothing
+            binding.check_rows(inputs, "inputs", microbatches, where)
+            if self.needs_targets:
+                binding.check_rows(targets, "targets", microbatches, where)
+        except InputError as err:
+            raise self.guard.passing(err) from None
         contexts = split_context(context, self.program.num_microbatches, self.device, found)
         signature = self._signature(inputs, found, context if contexts else None)
-        holds_first = any(c.first for c in self.chunks.values())
-        holds_last = any(c.last for c in self.chunks.values())
         split_inputs = split_targets = None  # ranks that do not use them copy nothing
-        if holds_first and not found:
+        if self.needs_inputs and not found:
             split_inputs = self._split(inputs, "inputs", found, required=True)
-        if holds_last:
+        if self.needs_targets:
             split_targets = self._split(targets, "targets", found, required=training)
         if signature is None or not self.plans.known(signature.code):
             # discovery runs on the sample context; what its forwards add (add_loss) is dropped
@@ -372,10 +391,13 @@ class PipelineRuntime:
             found.append(err.message)
             return None
         if self.config.static_shapes and current and signature.code != current:
-            raise SetupError(
-                f"{where}: RuntimeConfig(static_shapes=True) declares that the shapes never "
-                f"change, but the step's inputs are {signature.boundary.describe()} per "
-                f"microbatch, not {self._input_boundary().describe()}"
+            # raised alike on every rank given the inputs: it fails nothing
+            raise self.guard.passing(
+                SetupError(
+                    f"{where}: RuntimeConfig(static_shapes=True) declares that the shapes never "
+                    f"change, but the step's inputs are {signature.boundary.describe()} per "
+                    f"microbatch, not {self._input_boundary().describe()}"
+                )
             )
         return signature
 
@@ -383,22 +405,38 @@ class PipelineRuntime:
         self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
     ) -> None:
         """Discover a new signature with every rank (runtime/boundaries/discovery.py), check
-        it and switch to it."""
+        it and switch to it. Its errors are the same on every rank and fail nothing, but a
+        rank that does not come (a timeout) fails the runtime."""
+        try:
+            agreed, boundaries = self._discover(signature, found, split_inputs)
+        except SetupError as err:
+            raise self.guard.passing(err) from err.__cause__
+        except ExchangeTimeout as err:
+            raise RankError(
+                f"rank {self.rank}, step {self.steps}: the discovery of the step's boundaries "
+                f"did not complete within {self._limit:g} s: {err}"
+            ) from err
+        self.plans.learn(agreed.code, boundaries)
+
+    def _discover(
+        self, signature: Signature | None, found: list[str], split_inputs: list[object] | None
+    ) -> tuple[Signature, dict[int, Boundary]]:
         config = self.config
         forward = Forward(config.autocast, self._seed_of, f"rank {self.rank}, step {self.steps}")
         exchange = Exchange(
             self.group, self.rank_map, self.rank, self.device, self._limit, config.mesh
         )
-        agreed = discovery.agree_signature(exchange, signature, found + self._problems(), forward)
+        problems = found + self._problems()
+        agreed = discovery.agree_signature(exchange, signature, problems, forward, self.fingerprint)
         stages = PipeStages.of(self.program, self.rank, self.modules)
         first = split_inputs[0] if split_inputs else None
         try:
             boundaries = discovery.along_pipeline(exchange, stages, first, agreed, forward)
         except StageFailed as err:  # the user's exception, with its traceback
-            raise InstructionError(err.message) from err.__cause__
+            raise self.guard.passing(InstructionError(err.message)) from err.__cause__
         self._agree(binding.boundary_problems(self.program, self.rank, boundaries)
                     + self._declared_problems(agreed, boundaries))  # fmt: skip
-        self.plans.learn(agreed.code, boundaries)
+        return agreed, boundaries
 
     def _input_boundary(self) -> Boundary:
         """Stage 0's input boundary of the signature in use."""
@@ -424,30 +462,20 @@ class PipelineRuntime:
         found += stage_actions.fsdp_problems(self.program.ranks[self.rank], held)
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
-        moe = self.interpreter.moe.problems() if self.interpreter.moe is not None else []
-        return found + self.sums.problems() + self.mesh.problems() + moe
+        found += self.moe.problems() if self.moe is not None else []
+        return found + self.sums.problems() + self.mesh.problems()
 
     def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:
         """Where the boundaries the user declared differ from those found."""
         if self.declared is None or not self.config.check_shapes:
             return []
-        declared = self.declared
-        if callable(declared):
-            given = agreed.boundary
-            sample = given.rebuild(synthetic(given.tensors, torch.device("cpu")))
-            try:
-                declared = normalise_boundaries(declared(sample))
-            except Exception as err:  # the user's function: reported on every rank
-                text = err.message if isinstance(err, PipeccError) else str(err).split("\n")[0]
-                return [
-                    f"step {self.steps}: the boundaries function failed on a sample microbatch "
-                    f"{given.describe()}: {type(err).__name__}: {text[:200]}"
-                ]
-        return binding.declared_problems(self.program, self.rank, declared, boundaries)
+        return declared_problems(
+            self.declared, agreed.boundary, boundaries, (self.program, self.rank, self.steps)
+        )
 
     def _agree(self, found: list[str]) -> None:
         named = [f"rank {self.rank}: {text}" for text in found]
-        agreement.agree(named, self.group, self.program.num_ranks, self.device)
+        agreement.agree(named, self.group, self.program.num_ranks, self.device, self._limit)
 
     def _finish(self, interpreter: Interpreter, ctx: StepContext) -> None:
         left = interpreter.leftovers(ctx)
@@ -470,30 +498,3 @@ NO_INPUTS = (
     "signature (only their shapes are read; nothing is copied), or declare "
     "RuntimeConfig(static_shapes=True) when the shapes never change"
 )
-
-
-def _declared(
-    boundaries: Mapping[int, object] | BoundaryFn | None,
-) -> dict[int, Boundary] | BoundaryFn | None:
-    if boundaries is None or callable(boundaries):
-        return boundaries
-    return normalise_boundaries(boundaries)
-
-
-def _device(
-    given: torch.device | None,
-    modules: Mapping[int, torch.nn.Module],
-    group: dist.ProcessGroup | None,
-) -> torch.device:
-    """The runtime's device: the configured one (`cuda` without an index: the current CUDA
-    device), else the first parameter's; a rank whose stages have no parameters takes the
-    current CUDA device where the group runs NCCL (its peers' messages go over NCCL), else
-    the CPU."""
-    if given is not None:
-        return torch.device("cuda", cuda_index(given)) if given.type == "cuda" else given
-    for module in modules.values():
-        for param in module.parameters():
-            return param.device
-    if torch.cuda.is_available() and "nccl" in dist.get_backend_config(group):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -40,6 +40,7 @@ sys.path.insert(0, str(TESTS))
 # Files every test of which starts processes or a process group (paths under tests/).
 SLOW_FILES = frozenset(
     {
+        "runtime/test_guard.py",
         "runtime/test_nccl_emulation.py",
         "interop/test_stage_ops_fsdp.py",
         "interop/test_stage_ops_runtime.py",
@@ -80,6 +81,7 @@ SLOW_TESTS = frozenset(
         "runtime/test_compat.py::test_an_op_is_posted_on_its_group_to_the_peer_in_it",
         "runtime/test_compat.py::test_fsdp_post_backward_reduces_the_unsynced_gradients",
         "runtime/test_compat.py::test_dtensor_local_shape_is_the_shards_shape",
+        "runtime/test_compat.py::test_the_default_store_is_the_jobs_and_none_without_a_job",
         "verify/test_sweep_params.py::test_parallel_sweep_matches_serial",
         "runtime/test_compat.py::test_gloo_does_not_coalesce",
         "runtime/test_overhead_benchmark.py::test_the_floor_adds_the_message_latency_to_the_chain",

@@ -146,6 +146,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the step's shapes from the loading ranks (a stand-in of meta tensors elsewhere)
     "pipecc.runtime.data": ("torch", "pipecc.runtime.compat", "pipecc.runtime.pipeline"),
     "pipecc.runtime.checkpoint": ("pipecc.diagnostics", "torch", "pipecc.runtime.pipeline"),
+    # a runtime's device and the boundaries a user declares (beside pipeline.py)
+    "pipecc.runtime.declared": (
+        "pipecc.diagnostics",
+        "pipecc.ir",
+        "torch",
+        "pipecc.runtime.boundaries",
+        "pipecc.runtime.engine",
+        "pipecc.runtime.plan",
+    ),
     "pipecc.runtime.tools": (
         "pipecc.diagnostics",
         "pipecc.ir",

@@ -113,7 +113,9 @@ def peak_activations(instrs: Sequence[Instr]) -> RankPeak:
 #   activations, but for `out_bytes` (what the stage does not keep: a recomputed stage's
 #   output), held as a gradient handed on is;
 # - UNSHARD allocates `unsharded_param_bytes`, RESHARD frees it;
-# - during a computation, `workspace_<kind>` more than the larger of before and after;
+# - during a computation, `workspace_<kind>` more than the larger of before and after, where
+#   a W's before counts the gradients it allocates (a stage's first W makes them while the
+#   activations it frees, held by its deferred work until it ends, are still alive);
 # - the gradient sum of parameters held by several ranks holds `workspace_sum` of each of the
 #   rank's stages above what was live before it: at its collective, or after the program
 #   for a program with two pipes (DualPipe's duplicated stages) that holds no collective
@@ -330,21 +332,27 @@ class _ByteSweep:
             if keep:
                 self.acts[key] = keep
             self.live[_ACTS] += keep - held
-            self._grads(op, sizes)
+            made = self._grads(op, sizes)
+            if op.kind is Kind.W:  # W makes them while the activations it frees live
+                before[_GRADS] += made
             if op.kind is not Kind.W:
                 self._hand_back(op)
         larger = before if sum(before) > sum(self.live) else None
         self._mark(index, sizes.workspace[_KIND_INDEX[op.kind]], larger)
 
-    def _grads(self, op: Compute, sizes: StageBytes) -> None:
-        """The stage's gradients, allocated by its first backward (see the rule)."""
+    def _grads(self, op: Compute, sizes: StageBytes) -> float:
+        """The stage's gradients, allocated by its first backward (see the rule); returns
+        the bytes allocated now."""
         part = Kind.I if op.kind is Kind.I else Kind.W
+        added = 0.0
         for kind in (Kind.I, Kind.W) if op.kind is Kind.B else (part,):
             if (op.stage, kind) in self.grads_seen:
                 continue
             self.grads_seen.add((op.stage, kind))
             share = sizes.grads_w if kind is Kind.W else sizes.grads - sizes.grads_w
             self.live[_GRADS] += share
+            added += share
+        return added
 
     def _hand_back(self, op: Compute) -> None:
         """The input gradient a B or I hands to the previous stage (none on stage 0)."""

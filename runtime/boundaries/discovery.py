@@ -38,9 +38,10 @@ import torch.distributed as dist
 from pipecc.diagnostics import InputError, RankError, SetupError
 from pipecc.ir.program import Program
 
-from ..comm.agreement import ExchangeTimeout, gather_texts
+from ..comm.agreement import ExchangeTimeout, finish, gather_texts
 from ..config import RuntimeConfig
 from .context import describe_signature
+from .fingerprint import Fingerprint, program_problem
 from .placed import local, mesh_problem
 from .signatures import Signature, signature_from_text
 from .specs import OutputNotTree, StageRun, as_received, run_stage
@@ -65,10 +66,12 @@ class Exchange:
     timeout: float | None  # seconds the agreement may wait for a rank (gloo); None: no limit
     mesh: Any = None  # the runtime's device mesh, over which DTensor boundaries are rebuilt
 
-    def texts(self, text: str, *, timeout: float | None = None) -> list[str]:
+    def texts(self, text: str) -> list[str]:
         """Every rank's `text`, by pipeline rank (the group orders them by its own ranks,
-        which a rank map may permute)."""
-        found = gather_texts(text, self.group, len(self.rank_map), self.device, timeout=timeout)
+        which a rank map may permute), within the exchange's timeout (gloo)."""
+        found = gather_texts(
+            text, self.group, len(self.rank_map), self.device, timeout=self.timeout
+        )
         return [found[self._group_rank(g)] for g in self.rank_map]
 
     def _group_rank(self, global_rank: int) -> int:
@@ -110,17 +113,23 @@ class Forward:
 
 
 def agree_signature(
-    exchange: Exchange, signature: Signature | None, problems: list[str], forward: Forward
+    exchange: Exchange,
+    signature: Signature | None,
+    problems: list[str],
+    forward: Forward,
+    program: Fingerprint | None = None,
 ) -> Signature:
     """The step's signature, the same on every rank, or the same `SetupError` on every rank
-    (module docs, step 1)."""
+    (module docs, step 1). `program`: this rank's program and stage cut, compared first
+    (runtime/boundaries/fingerprint.py)."""
     mine = {
         "signature": None if signature is None else signature.text(),
         "problems": [f"rank {exchange.rank}: {text}" for text in problems],
         "where": forward.where,
+        "program": None if program is None else program.as_json(),
     }
     try:
-        texts = exchange.texts(json.dumps(mine), timeout=exchange.timeout)
+        texts = exchange.texts(json.dumps(mine))
     except ExchangeTimeout as err:
         raise RankError(
             f"{forward.where}: the discovery of a new input signature did not complete "
@@ -130,6 +139,9 @@ def agree_signature(
             "without a discovery"
         ) from err
     replies = [json.loads(text) for text in texts]
+    different = program_problem(replies, exchange.rank)
+    if different is not None:  # before the rest: another program explains any other finding
+        raise SetupError(f"the pipeline cannot start: {forward.where}: {different}")
     lines = [line for reply in replies for line in reply["problems"]]
     if lines:
         raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
@@ -242,7 +254,9 @@ def _hand_on(
         return as_received(boundary, tensors, exchange.mesh)
     if me == source:
         for tensor in tensors:  # a DTensor's local shard (runtime/boundaries/placed.py)
-            dist.send(local(tensor).contiguous(), exchange.rank_map[target], group=exchange.group)
+            sent = local(tensor).contiguous()
+            work = dist.isend(sent, exchange.rank_map[target], group=exchange.group)
+            finish(work, exchange.timeout)
     if me != target:
         return None
     received = tuple(
@@ -250,7 +264,8 @@ def _hand_on(
         for spec in boundary.tensors
     )
     for tensor in received:
-        dist.recv(tensor, exchange.rank_map[source], group=exchange.group)
+        work = dist.irecv(tensor, exchange.rank_map[source], group=exchange.group)
+        finish(work, exchange.timeout)
     return as_received(boundary, received, exchange.mesh)
 
 

@@ -6,6 +6,10 @@ point-to-point op of the program, so every rank raises the same `SetupError` ins
 some ranks hanging on a peer that gave up. These gathers run only when a step brings an
 input signature the runtime has not seen (runtime/boundaries/discovery.py), never in a step
 whose shapes are known.
+
+Every collective the runtime issues itself (these gathers, the gradient norm's and the
+loss's all-reduce, runtime/comm/training.py) completes through `finish`: on gloo under
+`RuntimeConfig.timeout`, on NCCL under the process group's own (no host wait is added).
 """
 
 from __future__ import annotations
@@ -15,16 +19,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipecc.diagnostics import SetupError
+from pipecc.diagnostics import RankError, SetupError
 
 
 def agree(
-    found: list[str], group: dist.ProcessGroup | None, world: int, device: torch.device
+    found: list[str],
+    group: dist.ProcessGroup | None,
+    world: int,
+    device: torch.device,
+    timeout: float | None = None,
 ) -> None:
     """Gather every rank's findings; raise the same SetupError on every rank if any.
 
-    `found[i]` lines already name their rank."""
-    texts = gather_texts("\n".join(found), group, world, device)
+    `found[i]` lines already name their rank. `timeout` as `gather_texts`'."""
+    texts = gather_texts("\n".join(found), group, world, device, timeout=timeout)
     lines = [line for text in texts for line in text.splitlines()]
     if lines:
         raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))
@@ -32,6 +40,32 @@ def agree(
 
 class ExchangeTimeout(Exception):
     """A rank did not come to a gather within its time limit."""
+
+
+def finished(work: dist.Work | None, timeout: float | None, what: str) -> None:
+    """`finish`, a failure raised as a `RankError` that says `what` failed."""
+    try:
+        finish(work, timeout)
+    except ExchangeTimeout as err:  # gloo's text without its source location and advice
+        text = str(err)
+        text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+        raise RankError(f"{what} failed: {text.split('. This is typically')[0]}") from err
+
+
+def finish(work: dist.Work | None, timeout: float | None) -> None:
+    """Complete a collective the runtime issued: within `timeout` seconds (gloo), else
+    as the process group's own timeout says (None: NCCL, whose `wait` does not block the
+    host). A gloo wait that fails raises `ExchangeTimeout` (gloo says the same for a peer
+    that timed out, closed its connection or died)."""
+    if work is None:
+        return
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout))
+    except RuntimeError as err:
+        raise ExchangeTimeout(str(err).split("\n")[0][:200]) from err
 
 
 def gather_texts(
@@ -50,14 +84,7 @@ def gather_texts(
     data = text.encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    work = dist.all_gather(sizes, size, group=group, async_op=True)
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=timeout))
-    except Exception as err:
-        raise ExchangeTimeout(str(err).split("\n")[0][:200]) from err
+    finish(dist.all_gather(sizes, size, group=group, async_op=True), timeout)
     longest = max(int(s.item()) for s in sizes)
     if longest == 0:
         return ["" for _ in range(world)]
@@ -65,5 +92,5 @@ def gather_texts(
     mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     mine = mine.to(device)
     texts = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(texts, mine, group=group)
+    finish(dist.all_gather(texts, mine, group=group, async_op=True), timeout)
     return [bytes(t[: int(n.item())].tolist()).decode() for t, n in zip(texts, sizes, strict=True)]

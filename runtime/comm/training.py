@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .agreement import finished
 from .shared import ParamGrads
 
 
@@ -19,9 +20,11 @@ def global_norm(
     norm_type: float,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """The `norm_type` norm of all gradients of the pipeline: each rank adds those of the
-    parameters it owns (`shared.owned`: every parameter counted on one rank), in fp64."""
+    parameters it owns (`shared.owned`: every parameter counted on one rank), in fp64.
+    `timeout`: seconds the all-reduce may take (gloo; None: the group's own)."""
     infinite = math.isinf(norm_type)
     local = torch.zeros((), dtype=torch.float64, device=device)
     for param in owned:
@@ -33,7 +36,9 @@ def global_norm(
             local = torch.maximum(local, value.abs().max())
         else:
             local = local + value.abs().pow(norm_type).sum()
-    dist.all_reduce(local, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    work = dist.all_reduce(local, op=op, group=group, async_op=True)
+    finished(work, timeout, "the all-reduce of the gradient norm over the pipeline")
     return (local if infinite else local.pow(1.0 / norm_type)).float()
 
 

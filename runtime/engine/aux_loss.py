@@ -39,6 +39,9 @@ import torch.distributed as dist
 
 from pipecc.diagnostics import InputError
 
+from ..comm.agreement import finished
+from ..comm.mesh import replicas_mean
+
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -138,9 +141,11 @@ def breakdown(
     num_stages: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    timeout: float | None = None,
 ) -> LossBreakdown:
     """Every rank's main and added losses, summed in one all-reduce (a collective): the
-    main losses' sum and count, then per stage its added losses' sum and count."""
+    main losses' sum and count, then per stage its added losses' sum and count. `timeout`:
+    seconds the all-reduce may take (gloo; None: the group's own)."""
     sums = torch.zeros(2 + 2 * num_stages, dtype=torch.float64, device=device)
     sums[0] = sum((float(v) for v in losses.values()), 0.0)
     sums[1] = float(len(losses))
@@ -148,7 +153,8 @@ def breakdown(
         for stage, value in stages.items():
             sums[2 + stage] += float(value)
             sums[2 + num_stages + stage] += 1.0
-    dist.all_reduce(sums, group=group)
+    work = dist.all_reduce(sums, group=group, async_op=True)
+    finished(work, timeout, "the all-reduce of the step's losses over the pipeline")
     values: list[float] = sums.tolist()
     count = max(values[1], 1.0)
     by_stage = {
@@ -156,3 +162,18 @@ def breakdown(
     }
     main, added = values[0] / count, sum(by_stage.values())
     return LossBreakdown(main + added, main, added, by_stage)
+
+
+def over_replicas(
+    found: LossBreakdown, mesh: Any, pp_dim: str, device: torch.device
+) -> LossBreakdown:
+    """A pipeline's breakdown averaged over every pipeline of the mesh (one all-reduce over
+    the other dimensions; as it is without a mesh). Every replica runs the same stages, so
+    each adds losses in the same stages."""
+    if mesh is None:
+        return found
+    stages = sorted(found.by_stage)
+    parts = [found.total, found.main, found.added, *(found.by_stage[s] for s in stages)]
+    values = torch.tensor(parts, dtype=torch.float64, device=device)
+    mean = replicas_mean(values, mesh, pp_dim).tolist()
+    return LossBreakdown(mean[0], mean[1], mean[2], dict(zip(stages, mean[3:], strict=True)))

@@ -18,6 +18,12 @@ instruction, raised from the exception, which keeps its full traceback (`details
 does not match the next stage's input, a loss that is not a scalar) keeps its kind and gets
 the same prefix, and no traceback: it is one message. The text is built only then.
 
+While a torch profiler records (`torch.profiler.profile`, read once per step), every step
+runs under `torch.profiler.record_function` with its instruction's label (`F0.3`, `I1.2`,
+`send act s1.3→r1`, made once when the plan is bound, runtime/engine/steps.py), so the
+trace shows the program; otherwise the loop is the plain one (no cost per instruction). The
+host time spent in waits is added up per step (`waited`: `PipelineRuntime.last_step`).
+
 How to hook in (torch.fx's `Interpreter` shape): every step calls one method of the
 interpreter for its kind, and a subclass overrides those it cares about, calling `super()`:
 
@@ -53,14 +59,18 @@ afterwards and a part added later reaches every subclass:
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import NamedTuple
+
+import torch
 
 from pipecc.diagnostics import PipeccError, RankError
 from pipecc.ir.ops import Collective
 
 from ..comm.mesh import DataParallel
 from ..comm.shared import GradientSums
+from ..compat import profiler_enabled
 from .compute import StageOps
 from .context import StepContext
 from .fused import FusedOps
@@ -116,6 +126,7 @@ class Interpreter:
         self.parts = parts
         self.rank, self.stage, self.fused, self.transfers, self.sums, self.mesh = parts[:6]
         self.moe = parts.moe
+        self.waited = 0.0  # host seconds in this step's waits
 
     def run(self, bound: Bound, ctx: StepContext) -> None:
         """One step: `bound` (the signature's training or forward-only plan) against `ctx`,
@@ -123,7 +134,17 @@ class Interpreter:
         self.transfers.begin()
         if self.moe is not None:
             self.moe.begin()
-        self.walk(bound.steps, ctx)
+        self.waited = 0.0
+        if profiler_enabled():
+            self.walk_labelled(bound.steps, ctx)
+        else:
+            self.walk(bound.steps, ctx)
+
+    def walk_labelled(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
+        """`walk`, each step under `record_function` with its label (a profiler records)."""
+        for step in steps:
+            with torch.profiler.record_function(step.label):
+                self.walk((step,), ctx)
 
     def leftovers(self, ctx: StepContext) -> list[str]:
         """What a complete program would have consumed by the end of the step."""
@@ -160,7 +181,9 @@ class Interpreter:
             self.transfers.commit()
 
     def wait(self, ctx: StepContext, step: WaitStep) -> None:
+        start = time.perf_counter()
         self.transfers.wait(ctx, step, self.rank)
+        self.waited += time.perf_counter() - start
 
     def stage_op(self, step: StageStep) -> None:
         """torch's UNSHARD & co.: FSDP stages only (runtime/engine/stage_actions.py)."""

@@ -72,13 +72,16 @@ class Runner(Protocol):
 
 
 class Step:
-    """One instruction of the plan: its index in the rank's list and the instruction."""
+    """One instruction of the plan: its index in the rank's list, the instruction, and its
+    label (`F0.3`, `send act s1.3→r1`: the IR's `label()`, made once here), the name a torch
+    profiler's trace shows it under (runtime/engine/interpreter.py)."""
 
-    __slots__ = ("index", "instr")
+    __slots__ = ("index", "instr", "label")
 
     def __init__(self, index: int, instr: Instr) -> None:
         self.index = index
         self.instr = instr
+        self.label = instr.label()
 
     def go(self, runner: Runner, ctx: StepContext) -> None:
         raise NotImplementedError

@@ -300,12 +300,19 @@ class ByteProfilingInterpreter(Interpreter):
         return [p.grad for p in module.parameters() if p.grad is not None]
 
     def _workspace(self, op: ComputeStep, before: int) -> None:
+        """An op's peak above the larger of before (for a W, with the gradients it made,
+        which the rule counts from there: a stage's first W) and after."""
         peak = self.live.peak
         self.live.sweep()
         after = self.live.live
+        made = 0
+        if op.kind is Kind.W:
+            found = storages(self._grads(op.chunk)).items()
+            made = sum(n for ptr, (n, _) in found if ptr in self.live.recent)
         self.profile.add(
-            self.profile.workspace, (op.kind.value, op.stage), peak - max(before, after)
-        )
+            self.profile.workspace, (op.kind.value, op.stage),
+            max(peak - max(before + made, after), 0),
+        )  # fmt: skip
 
     def post(self, ctx: StepContext, step: PostStep) -> None:
         super().post(ctx, step)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from pipecc.diagnostics import PipeccError, RankError
 
+from ..comm.failure import FAILED_AT
 from ..engine.interpreter import InstructionError
 
 Worker = Callable[[int, int, Any], Any]  # (rank, world size, payload) -> result
@@ -120,7 +121,8 @@ def spawn(
     return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world)]
 
 
-CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", STOPPED)
+# a rank told of another's failure says so (runtime/comm/failure.py)
+CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", STOPPED, FAILED_AT)
 
 
 def _failure(failures: dict[int, str]) -> RankError:

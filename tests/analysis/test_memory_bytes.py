@@ -73,6 +73,19 @@ def test_grads_split_between_i_and_w() -> None:
     assert program.ranks[1][at].label().startswith("W")
 
 
+def test_a_first_w_makes_its_gradients_while_its_activations_live() -> None:
+    # ZB-H1 P=2 M=2, rank 1: F0 I0 F1 W0 I1 W1. At W0, F1's 10 B and what I0 kept for W0
+    # (10 B) are live when W0 makes the stage's gradients (100 B): its deferred work holds
+    # them until it ends, so its peak is 120 B, not the 110 B left after it; a later W makes
+    # none. (ZB-H1 on eight Linear(256, 256), M=8: rank 1 was predicted 15% over its
+    # measured peak when the first W's gradients were counted as every W's workspace.)
+    program = compile_bundled("zb_h1", 2, 2)
+    flag = "act_bytes=10,act_bytes_w=10,grad_bytes=100,grad_bytes_w=100"
+    _, (peak, at, parts) = _peaks(program, flag)
+    assert (peak, program.ranks[1][at].label()) == (120.0, "W0.0")
+    assert parts == Breakdown(gradients=100.0, activations=20.0)
+
+
 def test_receive_buffers_live_the_whole_step() -> None:
     # 1F1B P=2 M=1: each rank's receive buffer (5 B) is allocated when the runtime binds the
     # signature and held all step (runtime/engine/bound.py); rank 1's B hands a gradient on

@@ -32,7 +32,7 @@ ROWS = 2  # rows per microbatch
 TOLERANCE = 1e-6
 SCHEDULES = (
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv",
-    "interleaved_zb", "dualpipe", "dualpipev",
+    "interleaved_zb", "dualpipe", "dualpipev", "v_half", "v_min",
 )  # fmt: skip
 
 

@@ -138,6 +138,28 @@ def test_storage_shared_counts_the_tensors_of_a_storage() -> None:
     assert not compat.storage_shared(param.grad)
 
 
+def test_the_default_store_is_the_jobs_and_none_without_a_job(tmp_path: Path) -> None:
+    assert compat.default_store() is None
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        found = compat.default_store()
+        assert found is not None
+        found.set("pipecc/test", "1")
+        assert found.get("pipecc/test") == b"1"
+        assert found.compare_set("pipecc/new", "", "first") == b"first"
+        assert found.compare_set("pipecc/new", "", "second") == b"first"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_profiler_enabled_only_while_a_profiler_records() -> None:
+    assert compat.profiler_enabled() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert compat.profiler_enabled() is True
+    assert compat.profiler_enabled() is False
+
+
 def test_version_of_counts_in_place_ops() -> None:
     t = torch.zeros(3)
     before = compat.version_of(t)

@@ -169,11 +169,22 @@ def test_a_rank_that_knows_the_signature_while_another_does_not_times_out(
     ranks: Results,
 ) -> None:
     """Nothing is exchanged in a step whose shapes a rank knows, so a rank given a new
-    signature alone waits for the discovery until the timeout, which says why."""
+    signature alone waits for the discovery until the timeout, which says why, while the
+    other times out in the program. Both time out at once (1 s): the first to fail its
+    runtime tells the other (runtime/comm/failure.py), which then names it instead."""
     known, new = ranks[0]["missing-1f1b"], ranks[1]["missing-1f1b"]
-    assert known["error"] == "RecvTimeoutError"
+    discovery = "rank 1, step 1: the discovery of a new input signature did not complete within 1 s"
+    program = "rank 0, step 1: instruction "
+    if new["error"] == "RuntimeFailed":  # rank 0 failed first: what rank 1 saw, then that
+        assert known["error"] == "RecvTimeoutError"
+        assert new["message"].startswith(f"error: {discovery}"), new["message"]
+        assert f"; this runtime failed at step 1 on rank 0 ({program}" in new["message"]
+        return
     assert new["error"] == "RankError"
-    assert new["message"].startswith(
-        "error: rank 1, step 1: the discovery of a new input signature did not complete within 1 s"
-    )
+    assert new["message"].startswith(f"error: {discovery}")
     assert "Every rank must be given the step's inputs, of the same shapes" in new["message"]
+    if known["error"] == "RuntimeFailed":  # rank 1 failed first
+        assert known["message"].startswith("error: rank 0, step 1: instruction "), known["message"]
+        assert f"; this runtime failed at step 1 on rank 1 ({discovery}" in known["message"]
+    else:
+        assert known["error"] == "RecvTimeoutError"
