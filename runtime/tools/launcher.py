@@ -60,7 +60,7 @@ from .checking import check_run
 from .environment import GlooPosting, gloo_posting
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
-from .moe_program import moe_layers
+from .moe_program import moe_layers, refuse_unsplit
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
 from .training_run import aux_by_stage, reported_aux, stages_of
@@ -168,7 +168,8 @@ def run_job(job: RunJob) -> RunReport:
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     job = with_reference(job, model)
-    job = _moe(job, model)
+    modules = model.all_stages(job.program.placement.num_stages(0))
+    refuse_unsplit(job.program, job.mesh, moe_layers(modules), job.model)
     model.check_cut(job.program.placement.num_stages(0))
     spec, stages = _recompute(job, model), job.program.placement.num_stages(0)
     _check_recompute(spec, model, stages)
@@ -269,23 +270,6 @@ def _profiled_cut(job: RunJob, model: ModelFile) -> RunJob:
     ends = list(itertools.accumulate(base + (s < extra) for s in range(stages)))
     cut = tuple(tuple(names[end - base - (s < extra) : end]) for s, end in enumerate(ends))
     return replace(job, layers=cut)
-
-
-def _moe(job: RunJob, model: ModelFile) -> RunJob:
-    """On a mesh with ep > 1 a model of MoE stages runs in phases, with their all-to-alls:
-    the program `pipecc run --moe K` resolved and verified (the compiler's expand_moe), never
-    one split here after the verification. A MoE model without them is refused."""
-    if job.program.moe is not None or job.mesh is None or job.mesh.ep == 1:
-        return job
-    layers = moe_layers(model.all_stages(job.program.placement.num_stages(0)))
-    if any(layers):
-        raise InputError(
-            f"{job.model}: its stages hold MoE layers ({', '.join(map(str, layers))} by stage) "
-            f"and the mesh has ep={job.mesh.ep}: give --moe K (K MoE layers a stage), so that "
-            "the program run holds their dispatch and combine all-to-alls, verified with every "
-            "other op (docs/parallelism.md)"
-        )
-    return job
 
 
 def _replicas(job: RunJob) -> int:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from pipecc.diagnostics import InputError
 from pipecc.ir.ops import (
     Collective,
     CollectiveKind,
@@ -166,3 +168,17 @@ def _reduced(
         )
         out.append(instrs + added)
     return tuple(out)
+
+
+def refuse_unsplit(program: Program, mesh: Any, layers: Sequence[int], model: str) -> None:
+    """On a mesh with ep > 1 a model of MoE stages runs in phases, with their all-to-alls:
+    the program `pipecc run --moe K` resolved and verified (the compiler's expand_moe), never
+    one split after the verification. A MoE model given a program without them is refused."""
+    if program.moe is not None or mesh is None or mesh.ep == 1 or not any(layers):
+        return
+    raise InputError(
+        f"{model}: its stages hold MoE layers ({', '.join(map(str, layers))} by stage) and the "
+        f"mesh has ep={mesh.ep}: give --moe K (K MoE layers a stage), so that the program run "
+        "holds their dispatch and combine all-to-alls, verified with every other op "
+        "(docs/parallelism.md)"
+    )
