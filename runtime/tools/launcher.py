@@ -168,8 +168,9 @@ def run_job(job: RunJob) -> RunReport:
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     job = with_reference(job, model)
-    modules = model.all_stages(job.program.placement.num_stages(0))
-    refuse_unsplit(job.program, job.mesh, moe_layers(modules), job.model)
+    if job.mesh is not None and job.mesh.ep > 1 and job.program.moe is None:
+        modules = model.all_stages(job.program.placement.num_stages(0))  # (only here)
+        refuse_unsplit(job.program, job.mesh, moe_layers(modules), job.model)
     model.check_cut(job.program.placement.num_stages(0))
     spec, stages = _recompute(job, model), job.program.placement.num_stages(0)
     _check_recompute(spec, model, stages)
