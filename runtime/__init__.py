@@ -21,6 +21,7 @@ from .config import RuntimeConfig, mse_loss
 from .data import broadcast_shapes
 from .engine.aux_loss import LossBreakdown, add_loss
 from .engine.interpreter import InstructionError
+from .engine.moe_block import MoEBlock, MoEStage, Routed
 from .engine.watch import NonFiniteError, StepStats
 from .pipeline import PipelineRuntime
 from .profiling.recorder import Recorder
@@ -31,9 +32,12 @@ __all__ = [
     "Boundary",
     "InstructionError",
     "LossBreakdown",
+    "MoEBlock",
+    "MoEStage",
     "NonFiniteError",
     "PipelineRuntime",
     "Recorder",
+    "Routed",
     "RuntimeConfig",
     "RuntimeFailed",
     "StepStats",

@@ -41,6 +41,8 @@ from .engine.compute import StageOps, StageOptions
 from .engine.context import Mailbox, StepContext
 from .engine.fused import FusedOps
 from .engine.interpreter import InstructionError, Interpreter, Parts
+from .engine.moe_block import expert_params
+from .engine.moe_ops import moe_ops
 from .engine.plan_cache import PlanCache
 from .engine.precision import Fp32Grads
 from .engine.recompute import recomputed, selected_modules
@@ -139,10 +141,13 @@ class PipelineRuntime:
         )  # fmt: skip
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
+        self.moe = moe_ops(self.program.ranks, rank, stage, config.mesh, config.timeout)
+        experts = expert_params([c.module for c in self.chunks.values()])  # this EP rank's
         self.mesh = mesh.DataParallel(
-            self.program, rank, self.modules, config.mesh, device=self.device
+            self.program, rank, self.modules, config.mesh, device=self.device, experts=experts
         )
-        self.interpreter = Interpreter(Parts(rank, stage, fused, transfers, self.sums, self.mesh))
+        parts = Parts(rank, stage, fused, transfers, self.sums, self.mesh, self.moe)
+        self.interpreter = Interpreter(parts)
         slots = mailbox(self.program.ranks[rank])
         binder = Binder(stage, fused, self.channel, slots, captures, mesh=config.mesh)
         self.plans = PlanCache(binder, plans, self.program, rank, kept=config.plans_kept)
@@ -151,14 +156,11 @@ class PipelineRuntime:
         """How the stages compute (RuntimeConfig: autocast, fp32 gradients, recomputation)."""
         placement = self.program.placement
         stages = max(placement.num_stages(p) for p in range(placement.num_pipes))
-        recompute = self.config.recompute
-        return StageOptions(
-            self.device,
-            self.config.autocast,
-            self.grads if isinstance(self.grads, Fp32Grads) else None,
-            recomputed(recompute, stages),
-            selected_modules(recompute, stages, self.chunks),
-        )
+        recompute, grads = self.config.recompute, self.grads
+        selected = selected_modules(recompute, stages, self.chunks)
+        precision = grads if isinstance(grads, Fp32Grads) else None
+        options = (recomputed(recompute, stages), selected)
+        return StageOptions(self.device, self.config.autocast, precision, *options)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -460,6 +462,7 @@ class PipelineRuntime:
         found += stage_actions.fsdp_problems(self.program.ranks[self.rank], held)
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
+        found += self.moe.problems() if self.moe is not None else []
         return found + self.sums.problems() + self.mesh.problems()
 
     def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:

@@ -18,6 +18,7 @@ from pipecc.commands.common import (
     SubParsers,
     add_input_args,
     add_lowering_arg,
+    add_moe_args,
     add_policy_arg,
     lowering,
     mesh_text,
@@ -226,6 +227,7 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument("--cost", metavar="K=V,...", help="durations and latency for --align")
     cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --align")
     add_lowering_arg(cmd)
+    add_moe_args(cmd)  # the MoE phases and all-to-alls, placed and verified like any op
     cmd.add_argument(
         "--unverified",
         action="store_true",

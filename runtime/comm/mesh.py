@@ -10,7 +10,12 @@ A collective with `dims` (`all_reduce dp-grad s3 over pipeline rank r × dp_repl
 passes/insert_dp_reduction.py) is run by `DataParallel`: over the mesh's group along those
 dimensions through this rank, each gradient of the stages it carries is divided by the
 group's size and all_reduced in place (SUM), so every replica ends with the mean over all
-replicas' microbatches, the gradient of the global batch. An async one is posted and completed
+replicas' microbatches, the gradient of the global batch. An EP rank is such a replica for
+the dense parameters (`ep` among the dimensions). An expert parameter (`experts`: each EP
+rank holds its own) got the gradient of every EP rank's tokens, each scaled by its
+pipeline's 1/M: a reduction over `ep` (`dp-grad dense sN`) divides it by the EP size and
+moves nothing; one over the other dimensions (`dp-grad experts sN`) reduces it as a dense
+one. An async one is posted and completed
 by the program's `wait` that lists it, like a send. A parameter held by two stages of this rank
 (a tied embedding on a V shape's rank 0) is reduced once, by the last of their reductions in
 the program (an earlier one would miss the later backwards' gradients); a parameter without a
@@ -58,14 +63,17 @@ class DataParallel:
         modules: Mapping[int, torch.nn.Module],
         mesh: Any,
         device: torch.device | None = None,
+        experts: frozenset[int] = frozenset(),
     ) -> None:
         self.mesh = mesh
+        self.experts = experts  # ids of expert parameters: not reduced over `ep`
         self.mine = [
             (i, op)
             for i, op in enumerate(program.ranks[rank])
-            if type(op) is Collective and op.dims
+            if type(op) is Collective and op.dims and op.kind is not CollectiveKind.ALL_TO_ALL
         ]
-        self.params = _reduced_params(program, rank, modules, self.mine)
+        self.params = _reduced_params(program, rank, modules, self.mine, experts)
+        self.expert_params = _expert_params(program, rank, modules, self.mine, experts)
         self.groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, int]] = {}
         if mesh is not None and device is not None and not self.problems():
             for dims in sorted({op.dims for _, op in self.mine}):  # one order on every replica
@@ -99,6 +107,14 @@ class DataParallel:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # a tp shard
             works.append(dist.all_reduce(local, group=group, async_op=True))
+        for param in self.expert_params.get(index, ()):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            if "ep" in op.dims:  # each expert lives on one EP rank: scaled, not reduced
+                param.grad.div_(self._group(("ep",))[1])
+            else:
+                param.grad.div_(size)
+                works.append(dist.all_reduce(param.grad, group=group, async_op=True))
         return works
 
     def _group(self, dims: tuple[str, ...]) -> tuple[dist.ProcessGroup, int]:
@@ -113,23 +129,47 @@ def _reduced_params(
     rank: int,
     modules: Mapping[int, torch.nn.Module],
     mine: Sequence[tuple[int, Collective]],
+    experts: frozenset[int] = frozenset(),
 ) -> dict[int, list[torch.nn.Parameter]]:
     """The parameters each reduction carries: those of its stages' modules on this rank, each
-    object with the last reduction that names a stage holding it."""
+    object with the last reduction that names a stage holding it (the experts apart)."""
     chunk_of = {slot.stage: slot.chunk for slot in program.placement.chunks(rank)}
     last: dict[int, tuple[int, torch.nn.Parameter]] = {}
     for index, op in mine:
         for stage in op.stages:
             module = modules.get(chunk_of.get(stage, -1))
             for param in module.parameters() if module is not None else ():
-                last[id(param)] = (index, param)
+                if id(param) not in experts:
+                    last[id(param)] = (index, param)
     found: dict[int, list[torch.nn.Parameter]] = {}
     for index, param in last.values():
         found.setdefault(index, []).append(param)
     return found
 
 
-DATA_DIMS = ("dp_replicate", "dp_shard")  # the dimensions whose ranks see different rows
+# the dimensions whose ranks see different rows (an EP rank is a data-parallel replica)
+def _expert_params(
+    program: Program,
+    rank: int,
+    modules: Mapping[int, torch.nn.Module],
+    mine: Sequence[tuple[int, Collective]],
+    experts: frozenset[int],
+) -> dict[int, list[torch.nn.Parameter]]:
+    """The expert parameters of each reduction's stages: every reduction naming a stage
+    handles its experts (one over `ep` scales them by 1/ep, one over the other dimensions
+    reduces them: the program's `dp-grad dense sN` and `dp-grad experts sN`)."""
+    chunk_of = {slot.stage: slot.chunk for slot in program.placement.chunks(rank)}
+    found: dict[int, list[torch.nn.Parameter]] = {}
+    for index, op in mine:
+        for stage in op.stages:
+            module = modules.get(chunk_of.get(stage, -1))
+            for param in module.parameters() if module is not None else ():
+                if id(param) in experts:
+                    found.setdefault(index, []).append(param)
+    return found
+
+
+DATA_DIMS = ("dp_replicate", "dp_shard", "ep")
 
 
 def replica_index(mesh: Any, pp_dim: str) -> int:

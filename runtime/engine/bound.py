@@ -8,7 +8,8 @@ training plan and the forward-only plan (runtime/plan/plan.py) into `Bound` plan
 decide at each step is resolved there, once:
 
 - its chunk and the `StageOps` method of its kind (no dispatch on the instruction's class
-  or kind per step);
+  or kind per step); a MoE stage's `Phase` its op bound as a compute step, an all-to-all
+  its direction, layer and (chunk, mb) parsed from its `what` (runtime/engine/moe_ops.py);
 - its mailbox slots: integers (runtime/plan/plan.py `mailbox`), not message names hashed
   into a dict;
 - a forward's input boundary, how to rebuild its value from the received tensors, and which
@@ -47,11 +48,13 @@ from pipecc.diagnostics import SetupError
 from pipecc.ir.keys import Message, carried, consumed, produced
 from pipecc.ir.ops import (
     Collective,
+    CollectiveKind,
     Compute,
     Fused,
     Instr,
     Kind,
     Msg,
+    Phase,
     Recv,
     Send,
     Sequential,
@@ -69,11 +72,14 @@ from ..plan.plan import Plan
 from .compute import StageOps
 from .context import StepContext
 from .fused import FusedOps
+from .moe_ops import parse_what
 from .steps import (
+    AllToAllStep,
     Bound,
     CollectiveStep,
     ComputeStep,
     FusedStep,
+    PhaseStep,
     PostStep,
     ReduceStep,
     SequentialStep,
@@ -168,11 +174,21 @@ class Binder:
         if isinstance(instr, StageOp):
             chunk = self.stage.chunks.get(instr.chunk)
             return StageStep(index, instr, chunk.module if chunk is not None else None)
-        if isinstance(instr, Collective):
-            if instr.dims:  # over mesh dimensions: runtime/comm/mesh.py
-                return ReduceStep(index, instr)
-            return CollectiveStep(index, instr)
+        if isinstance(instr, Phase | Collective):
+            return self._collective(index, instr, boundaries)
         raise AssertionError(f"unknown instruction {instr!r}")
+
+    def _collective(
+        self, index: int, instr: Phase | Collective, boundaries: Mapping[int, Boundary]
+    ) -> Step:
+        """A collective's step; a MoE stage's phase and all-to-all (runtime/engine/moe_ops.py)."""
+        if isinstance(instr, Phase):
+            return PhaseStep(index, instr, self._compute(index, instr.op, boundaries))
+        if instr.kind is CollectiveKind.ALL_TO_ALL:  # expert parallelism's, over ep
+            return AllToAllStep(index, instr, *parse_what(instr))
+        if instr.dims:  # over mesh dimensions: runtime/comm/mesh.py
+            return ReduceStep(index, instr)
+        return CollectiveStep(index, instr)
 
     def _compute(self, index: int, op: Compute, boundaries: Mapping[int, Boundary]) -> ComputeStep:
         unit = self.stage.chunks.get(op.chunk)

@@ -7,7 +7,8 @@ runtime/engine/compute.py), a fused one to `FusedOps` (runtime/engine/fused.py),
 one (torch's OVERLAP_F_B) part by part, a send or receive and a wait to `Transfers`
 (runtime/engine/transfers.py), torch's per-stage actions to runtime/engine/stage_actions.py,
 a collective (the gradient sum of shared parameters) to `GradientSums`
-(runtime/comm/shared.py). It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe
+(runtime/comm/shared.py), a MoE stage's phase and all-to-all to `MoEOps`
+(runtime/engine/moe_ops.py). It contains no schedule-specific code: 1F1B, ZB-H1 and DualPipe
 differ only in their programs. The step's signature is settled before the plan runs
 (runtime/pipeline.py), so a plan runs from its first step to its last. An exception inside
 an instruction (the user's module or loss, or a bug) becomes an `InstructionError`: a
@@ -33,6 +34,8 @@ interpreter for its kind, and a subclass overrides those it cares about, calling
         wait(ctx, step)                a wait on posted ops
         stage_op(step)                 torch's UNSHARD, RESHARD, REDUCE_GRAD
         reduce(ctx, step)              a collective over mesh dimensions
+        phase(ctx, step)               one phase of a MoE stage's F, B or I
+        all_to_all(ctx, step)          an expert-parallel dispatch or combine (over ep)
         collective(instr)              the shared-parameter gradient sum
 
 A subclass wraps a complete interpreter, built by the runtime, and shares its parts
@@ -71,11 +74,14 @@ from ..compat import profiler_enabled
 from .compute import StageOps
 from .context import StepContext
 from .fused import FusedOps
+from .moe_ops import MoEOps
 from .stage_actions import run_stage_op
 from .steps import (
+    AllToAllStep,
     Bound,
     ComputeStep,
     FusedStep,
+    PhaseStep,
     PostStep,
     ReduceStep,
     SequentialStep,
@@ -110,6 +116,7 @@ class Parts(NamedTuple):
     transfers: Transfers
     sums: GradientSums | None = None
     mesh: DataParallel | None = None
+    moe: MoEOps | None = None  # the MoE stages' phases and all-to-alls (none: no MoE stage)
 
 
 class Interpreter:
@@ -117,13 +124,16 @@ class Interpreter:
 
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.rank, self.stage, self.fused, self.transfers, self.sums, self.mesh = parts
+        self.rank, self.stage, self.fused, self.transfers, self.sums, self.mesh = parts[:6]
+        self.moe = parts.moe
         self.waited = 0.0  # host seconds in this step's waits
 
     def run(self, bound: Bound, ctx: StepContext) -> None:
         """One step: `bound` (the signature's training or forward-only plan) against `ctx`,
         whose mailbox was made for it."""
         self.transfers.begin()
+        if self.moe is not None:
+            self.moe.begin()
         self.waited = 0.0
         if profiler_enabled():
             self.walk_labelled(bound.steps, ctx)
@@ -138,7 +148,8 @@ class Interpreter:
 
     def leftovers(self, ctx: StepContext) -> list[str]:
         """What a complete program would have consumed by the end of the step."""
-        return self.transfers.posts.leftovers() + ctx.leftovers()
+        found = self.transfers.posts.leftovers() + ctx.leftovers()
+        return found + (self.moe.leftovers() if self.moe is not None else [])
 
     def walk(self, steps: tuple[Step, ...], ctx: StepContext) -> None:
         for step in steps:
@@ -189,6 +200,22 @@ class Interpreter:
         and completed here when blocking, at the `wait` that lists it when async."""
         assert self.mesh is not None and isinstance(step.instr, Collective)
         works = self.mesh.post(step.index, step.instr)
+        if step.instr.asynchronous:
+            self.transfers.hold(step.index, works)
+        else:
+            for work in works:
+                work.wait()
+
+    def phase(self, ctx: StepContext, step: PhaseStep) -> None:
+        """One phase of a MoE stage's F, B or I (runtime/engine/moe_ops.py)."""
+        assert self.moe is not None  # bound only for a program with phases
+        self.moe.phase(ctx, step)
+
+    def all_to_all(self, ctx: StepContext, step: AllToAllStep) -> None:
+        """An expert-parallel all-to-all: posted, and completed here when blocking, at the
+        `wait` that lists it when async (as `reduce`)."""
+        assert self.moe is not None and isinstance(step.instr, Collective)
+        works = self.moe.post(ctx, step)
         if step.instr.asynchronous:
             self.transfers.hold(step.index, works)
         else:

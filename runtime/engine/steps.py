@@ -21,7 +21,18 @@ import torch
 import torch.distributed as dist
 
 from pipecc.ir.keys import Message
-from pipecc.ir.ops import Collective, Compute, Fused, Instr, Recv, Send, Sequential, StageOp, Wait
+from pipecc.ir.ops import (
+    Collective,
+    Compute,
+    Fused,
+    Instr,
+    Phase,
+    Recv,
+    Send,
+    Sequential,
+    StageOp,
+    Wait,
+)
 from pipecc.ir.printer import describe
 
 from ..boundaries.trees import Boundary
@@ -52,6 +63,12 @@ class Runner(Protocol):
 
     def collective(self, instr: Collective) -> None:
         """A collective (the shared-parameter gradient sum)."""
+
+    def phase(self, ctx: StepContext, step: PhaseStep) -> None:
+        """One phase of a MoE stage's F, B or I (runtime/engine/moe_ops.py)."""
+
+    def all_to_all(self, ctx: StepContext, step: AllToAllStep) -> None:
+        """An expert-parallel all-to-all over `ep` (runtime/engine/moe_ops.py)."""
 
 
 class Step:
@@ -205,6 +222,39 @@ class ReduceStep(Step):
 
     def go(self, runner: Runner, ctx: StepContext) -> None:
         runner.reduce(ctx, self)
+
+
+class PhaseStep(Step):
+    """One phase of a MoE stage's F, B or I (`Phase`): `op` is its op bound as a compute
+    step (mailbox slots, boundaries), which its first and last phases use."""
+
+    __slots__ = ("op", "phase")
+
+    def __init__(self, index: int, instr: Phase, op: ComputeStep) -> None:
+        super().__init__(index, instr)
+        self.phase = instr
+        self.op = op
+
+    def go(self, runner: Runner, ctx: StepContext) -> None:
+        runner.phase(ctx, self)
+
+
+class AllToAllStep(Step):
+    """An expert-parallel all-to-all (`Collective(kind=ALL_TO_ALL)`): which direction of
+    which MoE layer of which (chunk, microbatch), parsed once from its `what`."""
+
+    __slots__ = ("direction", "key", "layer")
+
+    def __init__(
+        self, index: int, instr: Collective, direction: str, layer: int, key: tuple[int, int]
+    ) -> None:
+        super().__init__(index, instr)
+        self.direction = direction  # dispatch, combine, combine-grad, dispatch-grad
+        self.layer = layer
+        self.key = key
+
+    def go(self, runner: Runner, ctx: StepContext) -> None:
+        runner.all_to_all(ctx, self)
 
 
 class Bound(NamedTuple):

@@ -13,7 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipecc.ir.keys import Message, carried, consumed, produced
-from pipecc.ir.ops import Compute, Fused, Instr, Kind, Msg, Recv, Send, Sequential, Wait
+from pipecc.ir.ops import (
+    Collective,
+    CollectiveKind,
+    Compute,
+    Fused,
+    Instr,
+    Kind,
+    Msg,
+    Phase,
+    Recv,
+    Send,
+    Sequential,
+    Wait,
+)
 
 Plan = tuple[tuple[int, Instr, bool], ...]  # (index in the rank's list, instruction, commit)
 
@@ -32,8 +45,9 @@ def build_plan(indexed: Sequence[tuple[int, Instr]]) -> Plan:
 
 
 def forward_only(instrs: Sequence[Instr]) -> list[tuple[int, Instr]]:
-    """The forward part of a program: F (the forward half of a fused op), activation
-    messages, and waits on what remains."""
+    """The forward part of a program: F (the forward half of a fused op; a MoE stage's
+    forward phases and their dispatch and combine), activation messages, and waits on what
+    remains."""
     kept: list[tuple[int, Instr]] = []
     posted: set[int] = set()
     for index, instr in enumerate(instrs):
@@ -45,6 +59,11 @@ def forward_only(instrs: Sequence[Instr]) -> list[tuple[int, Instr]]:
             case Sequential():
                 kept.extend((index, op) for op in instr.parts if op.kind is Kind.F)
             case Send() | Recv() if instr.what is Msg.ACT:
+                kept.append((index, instr))
+                posted.add(index)
+            case Phase() if instr.op.kind is Kind.F:  # a MoE stage's forward phases
+                kept.append((index, instr))
+            case Collective(kind=CollectiveKind.ALL_TO_ALL) if _forward_a2a(instr):
                 kept.append((index, instr))
                 posted.add(index)
             case Wait():
@@ -68,7 +87,14 @@ def mailbox(instrs: Sequence[Instr]) -> dict[Message, int]:
     return slots
 
 
+def _forward_a2a(instr: Collective) -> bool:
+    """A MoE forward's dispatch or combine (not a backward's `-grad` one)."""
+    return not instr.what.split(" ", 1)[0].endswith("-grad")
+
+
 def _computes(instr: Instr) -> tuple[Compute, ...]:
+    if isinstance(instr, Phase):  # a MoE stage's phase: its op's messages
+        return (instr.op,)
     if isinstance(instr, Compute):
         return (instr,)
     if isinstance(instr, Fused):

@@ -60,6 +60,7 @@ from .checking import check_run
 from .environment import GlooPosting, gloo_posting
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
+from .moe_program import moe_layers, refuse_unsplit
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
 from .training_run import aux_by_stage, reported_aux, stages_of
@@ -167,6 +168,9 @@ def run_job(job: RunJob) -> RunReport:
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     job = with_reference(job, model)
+    if job.mesh is not None and job.mesh.ep > 1 and job.program.moe is None:
+        modules = model.all_stages(job.program.placement.num_stages(0))  # (only here)
+        refuse_unsplit(job.program, job.mesh, moe_layers(modules), job.model)
     model.check_cut(job.program.placement.num_stages(0))
     spec, stages = _recompute(job, model), job.program.placement.num_stages(0)
     _check_recompute(spec, model, stages)
@@ -271,7 +275,7 @@ def _profiled_cut(job: RunJob, model: ModelFile) -> RunJob:
 
 def _replicas(job: RunJob) -> int:
     """How many pipelines see different data (1 without a mesh)."""
-    return 1 if job.mesh is None else job.mesh.dp_replicate * job.mesh.dp_shard
+    return 1 if job.mesh is None else job.mesh.dp_replicate * job.mesh.dp_shard * job.mesh.ep
 
 
 def _recompute(job: RunJob, model: ModelFile) -> Spec:

@@ -3,9 +3,10 @@
 Process g of the world builds the mesh (`init_device_mesh` with torchtitan's dimension names,
 pp outermost, as pipecc numbers global ranks: ir/mesh.py), runs pipeline rank `pp_rank` of
 the program in the pipeline of its coordinates, and takes its replica's contiguous share of
-the global batch: the replicas are the pipelines that see different data (dp_replicate and
-dp_shard), so replica d of D gets rows d·N/D .. (d+1)·N/D − 1; the ranks of a tp group take
-the same rows. With tp > 1 the model file's `parallelize` shards each stage module; with
+the global batch: the replicas are the pipelines that see different data (dp_replicate,
+dp_shard and ep: an EP rank is a data-parallel replica for the dense parameters), so
+replica d of D gets rows d·N/D .. (d+1)·N/D − 1; the ranks of a tp group take the same
+rows. With tp > 1 the model file's `parallelize` shards each stage module; with
 dp_shard > 1 `fully_shard` wraps each stage this process holds.
 """
 
@@ -51,8 +52,8 @@ def place(mesh: Mesh | None, rank: int, device: torch.device) -> Place:
         device.type, tuple(mesh.size(d) for d in names), mesh_dim_names=names
     )
     coords = dict(zip(DIMS, mesh.coords(rank), strict=True))
-    replicas = mesh.dp_replicate * mesh.dp_shard
-    replica = coords["dp_replicate"] * mesh.dp_shard + coords["dp_shard"]
+    replicas = mesh.dp_replicate * mesh.dp_shard * mesh.ep  # an EP rank is a replica
+    replica = (coords["dp_replicate"] * mesh.dp_shard + coords["dp_shard"]) * mesh.ep + coords["ep"]
     group, rank_map = pipeline_of(torch_mesh, "pp")
     return Place(torch_mesh, coords["pp"], replica, replicas, group, rank_map)
 

@@ -3,7 +3,8 @@ data-parallel replicas, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp",
 "dp_replicate"))`, a pipeline of 2 times a tensor-parallel group of 2 (`("pp", "tp")`,
 examples/gpt.py's `parallelize`: every block's MLP split over tp), and a pipeline of 2 times
 2 FSDP2 shards (`("pp", "dp_shard")`, `fully_shard` on every held stage, gradient sync off but
-at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings. FSDP
+at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings; and a
+pipeline of 2 times an EP group of 2 (`("pp", "ep")`, moe_cases.py: examples/moe_ep.py). FSDP
 cases also count FSDP's all-gathers and reduce-scatters of every step (the step's only ones
 must be the program's UNSHARDs and REDUCE_GRADs), and `walk` cases split the backward by the
 graph walk instead of the weight-gradient contract (runtime/engine/split_backward.py).
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from discovery_cases import Counts, counting
 from gpt_cases import ROWS, _gpt, _worst, build, config, loss_fn
+from moe_cases import MoECase, run_moe_case
 from pipecc.runtime import (
     PipelineRuntime,
     RuntimeConfig,
@@ -68,14 +70,17 @@ class MeshCase(NamedTuple):
     folder: str = ""  # a checkpoint saved after step 0 there, loaded by a new job (_resume)
 
 
-def run_mesh_cases(rank: int, world: int, cases: list[MeshCase]) -> dict[str, Any]:
+def run_mesh_cases(rank: int, world: int, cases: list[MeshCase | MoECase]) -> dict[str, Any]:
     """Every case on this rank (global rank `rank` of 4); per case what the tests assert."""
     meshes = {
         dim: init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", dim))
-        for dim in ("dp_replicate", "tp", "dp_shard")
+        for dim in ("dp_replicate", "tp", "dp_shard", "ep")
     }
     results: dict[str, Any] = {}
     for case in cases:
+        if isinstance(case, MoECase):  # expert parallelism (moe_cases.py)
+            results[case.name] = run_moe_case(meshes["dp_shard" if case.fsdp else "ep"], case)
+            continue
         try:
             run = _resume if case.folder else _train if case.train else _check
             results[case.name] = run(meshes[case.dim], case)

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from helpers import run_cli
 from mesh_cases import MeshCase, run_mesh_cases
+from moe_cases import MoECase
+from pipecc.runtime.tools.moe_program import split_moe
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
@@ -72,8 +74,38 @@ def _resident() -> Program:
     return place_mesh(program, MeshOptions("dp_shard=2", policy=policy))
 
 
+# expert parallelism (moe_cases.py): PP=2 x EP=2, every stage 2 MoE layers
+MOE_SCHEDULES = ("dualpipev", "zbv", "dualpipe", "1f1b")
+MOE_FSDP = ("zbv", "dualpipev")
+
+
+def _moe_program(name: str, overlap: bool = True, microbatches: int = 4) -> Program:
+    program = place_mesh(compile_case(name, 2, microbatches), MeshOptions("ep=2"))
+    return split_moe(program, (2,) * program.placement.num_stages(0), overlap=overlap)
+
+
+def _moe_fsdp_program(name: str) -> Program:
+    """PP=2 x dp_shard=2 (FSDP2 stages, every expert on each rank: ep = 1) in MoE phases."""
+    program = place_mesh(compile_case(name, 2, 4), MeshOptions("dp_shard=2"))
+    return split_moe(program, (2,) * program.placement.num_stages(0))
+
+
+def _moe_cases() -> list[MoECase]:
+    found = [MoECase(f"moe-{n}", _moe_program(n)) for n in MOE_SCHEDULES]
+    found.append(MoECase("moe-sequential-dualpipev", _moe_program("dualpipev", False)))
+    found.append(MoECase("moe-forward-dualpipev", _moe_program("dualpipev"), forward=True))
+    found += [
+        MoECase(f"moe-recompute-{mode}-{n}", _moe_program(n), recompute=mode)
+        for n in ("zbv", "dualpipev")
+        for mode in ("full", "mixer")
+    ]
+    found += [MoECase(f"moe-fsdp-{n}", _moe_fsdp_program(n), fsdp=True) for n in MOE_FSDP]
+    found.append(MoECase("moe-short", _moe_program("dualpipev"), short=True))
+    return found
+
+
 @functools.cache
-def _cases() -> list[MeshCase]:
+def _cases() -> list[MeshCase | MoECase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
     found += [
         MeshCase(f"dp_shard-{n}", _program(n, "dp_shard", False), "dp_shard")
@@ -111,6 +143,7 @@ def _cases() -> list[MeshCase]:
                           recompute=True))  # fmt: skip
     found.append(MeshCase("sp-partial", _program("1f1b", "tp"), "tp", sp=True, partial=True))
     found.append(MeshCase("train-sp-zb_h1", _program("zb_h1", "tp"), "tp", True, sp=True))
+    found += _moe_cases()
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -309,6 +342,100 @@ def test_partial_dtensor_boundaries_are_refused(results: list[dict[str, Any]]) -
         ), result
 
 
+MOE_RECOMPUTED = [f"recompute-{m}-{n}" for n in ("zbv", "dualpipev") for m in ("full", "mixer")]
+
+
+@pytest.mark.parametrize("name", [*MOE_SCHEDULES, "sequential-dualpipev", *MOE_RECOMPUTED])
+def test_expert_parallel_stages_match_one_process(results: list[dict[str, Any]], name: str) -> None:
+    """PP=2 x EP=2 (examples/moe_ep.py): the program's MoE phases and all-to-alls, fused
+    F&B interleaved (or in sequence), split backward on ZBV, duplicated stages on DualPipe,
+    the stages recomputed in full or their dense sublayers (`mixer`) selectively:
+    the loss and every gradient within 1e-5 of one process on the whole batch; each EP rank
+    holds and compares its own half of every block's experts, by name."""
+    found = _each(results, f"moe-{name}")
+    for result in found:
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+        assert result["added"] > 0
+    held = [set(result["experts"]) for result in found]
+    assert held[0] == held[2] and held[1] == held[3] and not held[0] & held[1]
+    assert {n.split(".experts.")[1].split(".")[0] for n in held[0] | held[1]} == set("0123")
+
+
+@pytest.mark.parametrize("name", MOE_RECOMPUTED)
+def test_recomputed_expert_parallel_stages_run_their_phases_again(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """Every phase of a stage recomputed in full runs again before its backward (the
+    experts on the rows received, the dense sublayers); selected sublayers alone run again."""
+    plain = _each(results, "moe-" + name.rsplit("-", 1)[1])
+    for result, once in zip(_each(results, f"moe-{name}"), plain, strict=True):
+        assert result["mixer_calls"] > once["mixer_calls"], (result, once)
+        got = {k: sorted(v) for k, v in result["received"].items()}
+        want = {k: sorted(v + v if "-full-" in name else v) for k, v in once["received"].items()}
+        assert got == want, (got, want)
+
+
+@pytest.mark.parametrize("name", MOE_FSDP)
+def test_moe_phases_on_fsdp_stages_match_one_process(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """MoE stages under FSDP2 on dp_shard (PP=2 x dp_shard=2, every expert on each rank):
+    the phases run on the parameters the program's UNSHARD gathered, REDUCE_GRAD reduces;
+    the loss and every (gathered) gradient within 1e-5 of one process."""
+    for result in _each(results, f"moe-fsdp-{name}"):
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want = result["loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_expert_ranks_without_tokens_take_part(results: list[dict[str, Any]]) -> None:
+    """Layer 1 of every stage routes nothing to experts 2 and 3: EP rank 1 (global ranks 1
+    and 3) runs its experts on zero rows there, in every all-to-all, and the run matches."""
+    for rank, result in enumerate(_each(results, "moe-dualpipev")):
+        for where, rows in result["received"].items():
+            if where.endswith(".1"):
+                assert rows and (max(rows) == 0) == (rank % 2 == 1), (rank, where, rows)
+
+
+def test_an_expert_parallel_forward_only_step_matches(results: list[dict[str, Any]]) -> None:
+    for result in _each(results, "moe-forward-dualpipev"):
+        got, want = result["eval_loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_pipecc_run_checks_an_expert_parallel_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pipecc run dualpipev --mesh pp=2,ep=2` on examples/moe_ep.py: the program split into
+    MoE phases, each EP rank its experts and share of the batch, every gradient (each
+    expert's by name) against one process on the whole batch."""
+    code, out, err = run_cli(
+        capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
+        "--moe", "2", "--model", str(ROOT / "examples" / "moe_ep.py"), "--check", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    fields = json.loads(out)
+    assert fields["mesh"] == "pp=2,ep=2" and fields["max_rel_grad_diff"] <= 1e-5
+    assert abs(fields["loss"] - fields["reference_loss"]) <= 1e-5 * fields["reference_loss"]
+    assert fields["aux_loss"] > 0
+
+
+def test_moe_stages_with_fewer_blocks_than_the_program_are_refused(
+    results: list[dict[str, Any]],
+) -> None:
+    """Every rank names its stages whose blocks are not the program's MoE layers, before any
+    all-to-all (no rank is left waiting in one)."""
+    for result in (r["moe-short"] for r in results):
+        assert result == {
+            "error": "SetupError",
+            "message": "error: the pipeline cannot start:\n"
+            + "\n".join(
+                f"  rank {r}: stage {s} runs in 2 MoE layer(s), but its module has 1 moe_blocks"
+                for r, s in ((0, 0), (0, 3), (1, 1), (1, 2))
+            ),
+        }
+
+
 @pytest.mark.parametrize("dim", CHECKPOINTED)
 def test_a_checkpoint_of_a_mesh_resumes_bitwise(results: list[dict[str, Any]], dim: str) -> None:
     """Replicas, tensor-parallel and FSDP2 stages (their parameters and AdamW states saved
@@ -316,3 +443,16 @@ def test_a_checkpoint_of_a_mesh_resumes_bitwise(results: list[dict[str, Any]], d
     for result in _each(results, f"ckpt-{dim}"):
         assert result["resumed"] == result["losses"], result
         assert result["sharded"] == (dim != "dp_replicate")
+
+
+def test_a_moe_model_without_the_programs_phases_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --moe the program `pipecc run` verified holds no all-to-all: running the MoE
+    stages in phases would run what the verifier never saw, so the run is refused (exit 2)."""
+    code, _, err = run_cli(
+        capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
+        "--model", str(ROOT / "examples" / "moe_ep.py"),
+    )  # fmt: skip
+    assert code == 2, err
+    assert "give --moe K (K MoE layers a stage)" in err
