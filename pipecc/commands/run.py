@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
-from pipecc.analysis.memory import format_bytes, measured_sizes, predict_run
 from pipecc.commands.common import (
     SubParsers,
     add_input_args,
@@ -26,6 +25,7 @@ from pipecc.commands.common import (
     print_notes,
     write_output,
 )
+from pipecc.commands.run_report import check_failure, memory_fields, print_summary
 from pipecc.diagnostics import InputError, ProgramError
 from pipecc.driver.check import Resolution, verify_source
 from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k not in ("cost_file", "layer_profile")}
     _write_layers(report.layer_profile, args.profile_layers)
-    _memory_fields(fields, program, memory=args.memory)
+    memory_fields(fields, program, memory=args.memory)
     noisy = _noisy(fields, args)
     if args.profile is not None and report.cost_file is not None and noisy is None:
         write_output(report.cost_file, args.profile)
@@ -410,11 +410,11 @@ def run(args: argparse.Namespace) -> int:
     fields["mesh"] = mesh.describe() if mesh is not None else None
     tolerance = args.tolerance if args.tolerance is not None else fields["tolerance"]
     fields["tolerance"] = tolerance
-    failure = _failure(fields, tolerance) if args.check else None
+    failure = check_failure(fields, tolerance) if args.check else None
     if args.json:
         print(json.dumps(fields))
     else:
-        _print_summary(fields, args, failure, written=noisy is None)
+        print_summary(fields, args, failure, written=noisy is None)
     if failure is not None:
         raise ProgramError(f"check failed: {failure}")
     if noisy is not None:
@@ -487,127 +487,3 @@ def _partition(
     recompute = {stage: "full" for stage in range(cut.stages) if cut.recompute[stage]}
     layers = tuple(tuple(names[n] for n in cut.span(stage)) for stage in range(cut.stages))
     return layers, recompute
-
-
-def _memory_fields(fields: dict[str, Any], program: Program, *, memory: bool) -> None:
-    """With --memory: `memory`, per rank the predicted and the measured peak (these names
-    are a contract) with the prediction's breakdown and the optimizer state left out of
-    both; `batch_bytes` stays apart. The byte keys measured per stage go in `memory_sizes`
-    (also with --profile alone); without --memory the measured fields are dropped."""
-    sizes = fields.get("memory_sizes")
-    measured = fields.pop("measured_bytes", None)
-    if not memory or sizes is None or measured is None:
-        fields.pop("batch_bytes", None)
-        return
-    predicted = predict_run(program, measured_sizes(sizes))
-    fields["memory"] = [
-        {
-            "rank": rank,
-            "predicted_bytes": peak.peak,
-            "measured_bytes": got,
-            "predicted_at": peak.at,
-            "predicted_breakdown": peak.breakdown.to_json(),
-            "optimizer_bytes": optim,
-        }
-        for rank, ((peak, optim), got) in enumerate(zip(predicted, measured, strict=True))
-    ]
-
-
-def _memory_lines(fields: dict[str, Any]) -> list[str]:
-    """Predicted beside measured, per rank (with --memory)."""
-    rows = fields.get("memory")
-    if not rows:
-        return []
-    lines = ["memory per rank: predicted  measured  (predicted - measured) / measured"]
-    for row in rows:
-        predicted, measured = row["predicted_bytes"], row["measured_bytes"]
-        error = (predicted - measured) / measured if measured else 0.0
-        optim = format_bytes(row["optimizer_bytes"])
-        lines.append(
-            f"  rank {row['rank']}: {format_bytes(predicted):>10} {format_bytes(measured):>10}"
-            f"  {error:+.2%}   (optimizer state, in neither: {optim})"
-        )
-    lines.append(
-        f"batch (inputs and targets of a step, in neither): {format_bytes(fields['batch_bytes'])}"
-    )
-    return lines
-
-
-def _failure(fields: dict[str, Any], tolerance: float) -> str | None:
-    found = _numbers_failure(fields, tolerance)
-    if fields["check_failures"]:  # --reference whole: the split itself is wrong
-        split = "the pipelined model is not the whole model:\n  " + "\n  ".join(
-            fields["check_failures"]
-        )
-        return split if found is None else f"{split}\n{found}"
-    return found
-
-
-def _numbers_failure(fields: dict[str, Any], tolerance: float) -> str | None:
-    rel = fields["max_rel_grad_diff"]
-    if rel > tolerance:
-        worst = "".join(
-            f"\n  stage {d['stage']} '{d['name']}' on rank {d['rank']}: max abs diff "
-            f"{d['max_abs']:.3g}, rel {d['max_rel']:.3g}"
-            for d in fields["worst_params"]
-        )
-        return f"max_rel_grad_diff {rel:.3g} > tolerance {tolerance:g}; worst parameters:{worst}"
-    loss, ref = fields["loss"], fields["reference_loss"]
-    if abs(loss - ref) > tolerance * max(abs(ref), 1e-30):
-        return f"loss {loss!r} differs from the reference {ref!r} (tolerance {tolerance:g})"
-    added, ref_added = fields["aux_loss"], fields["reference_aux_loss"]
-    if ref_added is not None and abs(added - ref_added) > tolerance * max(abs(ref_added), 1e-30):
-        return (
-            f"added loss {added!r} differs from the whole model's {ref_added!r} "
-            f"(tolerance {tolerance:g})"
-        )
-    return None
-
-
-def _reference_name(fields: dict[str, Any]) -> str:
-    return " against the whole model" if fields["reference"] == "whole" else ""
-
-
-def _print_summary(
-    fields: dict[str, Any], args: argparse.Namespace, failure: str | None, *, written: bool
-) -> None:
-    mesh = f"  mesh {fields['mesh']}" if fields.get("mesh") else ""
-    print(
-        f"{fields['schedule']}  P={fields['ranks']} M={fields['microbatches']}{mesh}  "
-        f"batch {fields['batch_size']} rows  backend {fields['backend']}  comm {fields['comm']}"
-    )
-    line = f"loss {fields['loss']:.6g}"
-    if fields["reference_loss"] is not None:
-        line += f" (reference {fields['reference_loss']:.6g})"
-    print(line)
-    if fields["aux_loss_by_stage"]:
-        stages = ", ".join(f"stage {s} {v:.6g}" for s, v in fields["aux_loss_by_stage"].items())
-        line = f"added loss {fields['aux_loss']:.6g} ({stages})"
-        if fields["reference_aux_loss"] is not None:
-            line += f" (whole model {fields['reference_aux_loss']:.6g})"
-        print(line)
-    if args.check:
-        verdict = "ok" if failure is None else "FAILED"
-        print(
-            f"gradients{_reference_name(fields)}: max abs diff "
-            f"{fields['max_abs_grad_diff']:.3g}, max rel diff "
-            f"{fields['max_rel_grad_diff']:.3g} (tolerance {fields['tolerance']:g}): {verdict}"
-        )
-    print(
-        f"step {fields['step_ms']:.3f} ms (median of {fields['steps']} step(s) after "
-        f"{fields['warmup']} warm-up)"
-    )
-    for line in _memory_lines(fields):
-        print(line)
-    if args.profile is None:
-        return
-    spread = fields["profile_spread"]
-    if spread is None:
-        print("profile spread: not measured (one timed step)")
-    else:
-        print(
-            f"profile spread {spread:.3g} at {fields['profile_spread_at']} (interquartile range "
-            f"of its compute time per step / median; bound {fields['profile_spread_bound']:g})"
-        )
-    if written:
-        print(f"wrote {args.profile}")
