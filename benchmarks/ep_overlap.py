@@ -36,13 +36,12 @@ from typing import Any, NamedTuple
 
 import torch
 from pipecc.runtime import MoEBlock, MoEStage, PipelineRuntime, RuntimeConfig
-from pipecc.runtime.tools.moe_program import split_moe
 from pipecc.runtime.tools.spawn import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipecc.api import compile_schedule
-from pipecc.driver.mesh import MeshOptions, place_mesh
+from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
 from pipecc.ir.ops import Collective, CollectiveKind
 from pipecc.ir.program import Program
 
@@ -85,9 +84,9 @@ def stages(size: Size, count: int) -> list[nn.Module]:
 
 
 def program(name: str, microbatches: int, overlap: bool) -> Program:
-    placed = place_mesh(compile_schedule(name, ranks=2, microbatches=microbatches),
-                        MeshOptions("ep=2"))  # fmt: skip
-    return split_moe(placed, (LAYERS,) * placed.placement.num_stages(0), overlap=overlap)
+    options = MeshOptions("ep=2", moe=MoeOptions(LAYERS, overlap=overlap))  # as pipecc run --moe
+    placed = place_mesh(compile_schedule(name, ranks=2, microbatches=microbatches), options)
+    return place_moe(placed, options)
 
 
 def floor(name: str, microbatches: int) -> float:

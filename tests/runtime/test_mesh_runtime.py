@@ -19,11 +19,10 @@ import pytest
 from helpers import run_cli
 from mesh_cases import MeshCase, run_mesh_cases
 from moe_cases import MoECase
-from pipecc.runtime.tools.moe_program import split_moe
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
-from pipecc.driver.mesh import MeshOptions, place_mesh
+from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
 from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
 from pipecc.passes.insert_fsdp_actions import FsdpPolicy
@@ -80,14 +79,15 @@ MOE_FSDP = ("zbv", "dualpipev")
 
 
 def _moe_program(name: str, overlap: bool = True, microbatches: int = 4) -> Program:
-    program = place_mesh(compile_case(name, 2, microbatches), MeshOptions("ep=2"))
-    return split_moe(program, (2,) * program.placement.num_stages(0), overlap=overlap)
+    """The program `pipecc run --mesh ep=2 --moe 2` resolves (the compiler's expand_moe)."""
+    options = MeshOptions("ep=2", moe=MoeOptions(2, overlap=overlap))
+    return place_moe(place_mesh(compile_case(name, 2, microbatches), options), options)
 
 
 def _moe_fsdp_program(name: str) -> Program:
     """PP=2 x dp_shard=2 (FSDP2 stages, every expert on each rank: ep = 1) in MoE phases."""
-    program = place_mesh(compile_case(name, 2, 4), MeshOptions("dp_shard=2"))
-    return split_moe(program, (2,) * program.placement.num_stages(0))
+    options = MeshOptions("dp_shard=2", moe=MoeOptions(2))
+    return place_moe(place_mesh(compile_case(name, 2, 4), options), options)
 
 
 def _moe_cases() -> list[MoECase]:

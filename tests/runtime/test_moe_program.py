@@ -9,11 +9,10 @@ from typing import Any
 
 from pipecc.runtime.engine.moe_ops import stage_problems
 from pipecc.runtime.plan.plan import forward_only, mailbox
-from pipecc.runtime.tools.moe_program import split_moe
 from runtime_cases import compile_case
 from torch import nn
 
-from pipecc.driver.mesh import MeshOptions, place_mesh
+from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
 from pipecc.ir.ops import Collective, CollectiveKind, Fused, Instr, Kind, Phase, Wait
 from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
@@ -22,8 +21,8 @@ A2A = CollectiveKind.ALL_TO_ALL
 
 
 def _split(name: str, layers: int, microbatches: int = 8, overlap: bool = True) -> Program:
-    program = place_mesh(compile_case(name, 2, microbatches), MeshOptions("ep=2"))
-    return split_moe(program, (layers,) * program.placement.num_stages(0), overlap=overlap)
+    options = MeshOptions("ep=2", moe=MoeOptions(layers, overlap=overlap))
+    return place_moe(place_mesh(compile_case(name, 2, microbatches), options), options)
 
 
 def _a2a(instrs: tuple[Instr, ...]) -> list[Collective]:
@@ -79,9 +78,9 @@ def test_the_sequential_form_blocks_and_the_dense_gradients_are_reduced_over_ep(
     for rank, instrs in enumerate(program.ranks):
         assert not any(x.asynchronous for x in _a2a(instrs))
         reduced = [x for x in instrs if type(x) is Collective and x.kind is not A2A]
-        # the reductions over ep that --mesh placed (an EP rank is a replica for them)
+        # the dense gradients reduced over ep (the experts' are each on one EP rank)
         assert {(x.what, x.dims) for x in reduced[-2:]} == {
-            (f"dp-grad s{s}", ("ep",)) for s in (rank, 3 - rank)
+            (f"dp-grad dense s{s}", ("ep",)) for s in (rank, 3 - rank)
         }
 
 
@@ -108,8 +107,7 @@ def test_a_stage_run_in_phases_must_be_a_moe_stage() -> None:
 
 def test_without_moe_layers_an_ep_rank_is_a_plain_replica() -> None:
     """A model without MoE stages on ep: no phase, each stage's gradients reduced over ep."""
-    program = place_mesh(compile_case("1f1b", 2, 4), MeshOptions("ep=2"))
-    split = split_moe(program, (0, 0))
+    split = place_mesh(compile_case("1f1b", 2, 4), MeshOptions("ep=2"))
     assert split.moe is None and not any(type(x) is Phase for r in split.ranks for x in r)
     assert [[(x.what, x.dims) for x in r if type(x) is Collective] for r in split.ranks] == [
         [("dp-grad s0", ("ep",))],
