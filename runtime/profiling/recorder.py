@@ -11,12 +11,16 @@ the records of all ranks into the simulator's TOML cost format (DESIGN §6):
                       F, B, I, W, FB, FI (ms per share of the model, 1/P of it: the mean
                       over every stage, its part above `dispatch` times S/P); post, wait,
                       dispatch (ms per op);
-                      comm (ms per message); bytes (per message); sync (ms per step)
-    [cost.stage.N]    the durations measured on stage N alone (ms, as measured)
+                      comm (ms per message); bytes (per message); sync (ms per step);
+                      a MoE program's a2a (ms per all-to-all) and moe_experts (a ratio)
+    [cost.stage.N]    the durations measured on stage N alone (ms, as measured), a MoE
+                      stage's a2a and moe_experts (runtime/profiling/moe_costs.py)
 
 Stage N is the `stage` of the program (pipe 0's numbering); with two pipes (DualPipe) stage N
 of both pipes is one model stage and their samples are merged. A fused op is recorded as FB
-(F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up.
+(F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up; a MoE
+stage's op, run as phases (a fused one's two halves interleaved), as its own F, B or I:
+the sum of its phases.
 
 Every compute duration is, per (stage, op), the **median over the timed steps of each step's
 mean** of its samples. Within a step the mean: the simulator adds durations up along the
