@@ -130,5 +130,37 @@ def print_summary(
             f"profile spread {spread:.3g} at {fields['profile_spread_at']} (interquartile range "
             f"of its compute time per step / median; bound {fields['profile_spread_bound']:g})"
         )
+    for line in moe_profile_lines(fields.get("profile_moe") or {}):
+        print(line)
     if written:
         print(f"wrote {args.profile}")
+
+
+# the columns of the MoE profile table, in order (runtime/profiling/moe_costs.py)
+MOE_COLUMNS = (
+    *(f"{kind}_{part}" for kind in "FBI" for part in ("pre", "experts", "post")),
+    "a2a",
+    "a2a_exposed",
+    "moe_experts",
+)
+
+
+def moe_profile_lines(stages: dict[Any, dict[str, float]]) -> list[str]:
+    """With --profile, a MoE program's measured phases per stage: the mean of each (op kind,
+    part) and `a2a` (one all-to-all), `a2a_exposed` (the compute thread's wait per
+    all-to-all) in ms, and `moe_experts` (the experts' part of the phased ops)."""
+    if not stages:
+        return []
+    columns = [c for c in MOE_COLUMNS if any(c in values for values in stages.values())]
+    lines = [
+        "MoE phases measured (ms, mean per phase; a2a: one all-to-all; a2a_exposed: the "
+        "compute thread's wait per all-to-all):",
+        "stage " + " ".join(f"{c:>9}" for c in columns),
+    ]
+    for stage, values in stages.items():
+        cells = (
+            f"{values[c]:>{max(9, len(c))}.4g}" if c in values else f"{'-':>{max(9, len(c))}}"
+            for c in columns
+        )
+        lines.append(f"{stage!s:>5} " + " ".join(cells))
+    return lines

@@ -15,6 +15,15 @@ of a fused op stay concurrent. The events are read after the step, at its one sy
 the sum's start and end are placed on the host's clock from the step's last event, recorded
 just before that synchronize. A forward's `dispatch` is then host time alone: the op's host
 time less the host time of its module call.
+
+A MoE stage's F, B and I run as phases (pipecc/ir/ops.py `Phase`), each timed as a compute op
+is (the host's wall time, or CUDA events); the phases of one op add up to its duration,
+recorded under its own kind (F, B or I) when its last phase ends, so the phases of a fused
+F&B's two halves, interleaved in the program, count to the F and to the B they are part
+of. Each expert-parallel all-to-all is recorded with the time it was posted, the time the
+compute thread began to wait for it and the time it completed (runtime/profiling/
+moe_costs.py): a blocking one is waited for from its post, an asynchronous one at the `Wait`
+that lists it (on CUDA, as events on the current stream, which waits for the all-to-all's).
 """
 
 from __future__ import annotations
@@ -26,14 +35,16 @@ from typing import Any
 import torch
 
 from pipecc.ir.keys import carried
-from pipecc.ir.ops import Collective, Fused, Kind, Send
+from pipecc.ir.ops import Collective, Fused, Kind, Phase, Send
 
 from ..engine.context import StepContext
 from ..engine.interpreter import Interpreter
 from ..engine.steps import (
+    AllToAllStep,
     Bound,
     ComputeStep,
     FusedStep,
+    PhaseStep,
     PostStep,
     SequentialStep,
     WaitStep,
@@ -54,6 +65,11 @@ class ProfilingInterpreter(Interpreter):
         self.events = events if events is not None else EventTimes.of(device)
         # (start, end) of the last call of a stage's module: a forward's time inside it
         self.inside: list[float] = []
+        # a MoE op's phases so far: (kind, chunk, mb) -> seconds (their sum is the op's)
+        self.phased: dict[tuple[str, int, int], float] = {}
+        # each asynchronous all-to-all posted and not yet waited for: index -> (stage, posted
+        # at: a host time, or on CUDA an event)
+        self.a2a_posted: dict[int, tuple[int, Any]] = {}
 
     def run(self, bound: Bound, ctx: StepContext) -> None:
         """The step, with hooks on the stage modules that time a forward's module call."""
@@ -115,10 +131,72 @@ class ProfilingInterpreter(Interpreter):
         self.recorder.post(time.perf_counter() - start)
 
     def wait(self, ctx: StepContext, step: WaitStep) -> None:
+        a2as = [self.a2a_posted.pop(i) for i in step.ops if i in self.a2a_posted]
+        marked = self.events.mark() if self.events is not None and a2as else None
         start = time.perf_counter()
         waited, released = self.transfers.wait(ctx, step, self.rank)
         ops = tuple((type(op) is Send, carried(op)) for op in waited)
         self.recorder.wait(ops, (start, max(start, released), time.perf_counter()))
+        for stage, posted in a2as:
+            if self.events is None:
+                self.recorder.a2a(stage, False, (posted, start, max(start, released)))
+            else:
+                self._async_events(stage, posted, marked)
+
+    def phase(self, ctx: StepContext, step: PhaseStep) -> None:
+        """One phase of a MoE stage's op, timed; the op's duration once its last phase ends
+        (module docstring)."""
+        if self.events is None:
+            start = time.perf_counter()
+            super().phase(ctx, step)
+            self._phase_timed(step.phase, time.perf_counter() - start)
+            return
+        marked = self.events.mark()
+        super().phase(ctx, step)
+        phase = step.phase
+        self.events.timed(marked, lambda _, took: self._phase_timed(phase, took))
+
+    def _phase_timed(self, phase: Phase, seconds: float) -> None:
+        op = phase.op
+        kind, key = op.kind.value, (op.kind.value, op.chunk, op.mb)
+        self.recorder.phase(kind, op.stage, phase.part.value, phase.layer, seconds)
+        total = self.phased.pop(key, 0.0) + seconds
+        if phase.is_last:
+            self.recorder.compute(kind, op.stage, total)
+        else:
+            self.phased[key] = total
+
+    def all_to_all(self, ctx: StepContext, step: AllToAllStep) -> None:
+        """An expert-parallel all-to-all: a blocking one timed from its post to its
+        completion; an asynchronous one's post noted for the `Wait` that completes it."""
+        instr = step.instr
+        assert isinstance(instr, Collective)
+        chunk = step.key[0]  # the stage the program names, else the one its chunk holds
+        stage = instr.stages[0] if instr.stages else self.stage.chunks[chunk].slot.stage
+        posted = time.perf_counter() if self.events is None else self.events.mark()
+        super().all_to_all(ctx, step)
+        if instr.asynchronous:
+            self.a2a_posted[step.index] = (stage, posted)
+        elif self.events is None:
+            self.recorder.a2a(stage, True, (posted, posted, time.perf_counter()))
+        else:
+            self.events.timed(
+                posted, lambda at, took: self.recorder.a2a(stage, True, (at, at, at + took))
+            )
+
+    def _async_events(self, stage: int, posted: Any, waited: Any) -> None:
+        """On CUDA: an asynchronous all-to-all's post and wait, read after the step (the
+        two events' reports come in this order)."""
+        got: list[float] = []
+
+        def report(at: float, took: float) -> None:
+            got.extend((at, at + took))
+            if len(got) == 4:  # (posted, done), (waited from, done)
+                self.recorder.a2a(stage, False, (got[0], got[2], got[3]))
+
+        assert self.events is not None
+        self.events.timed(posted, report)
+        self.events.timed(waited, report)
 
     def collective(self, instr: Collective) -> None:
         """The gradient sum, recorded as the profile's `sync` (its time per step)."""

@@ -11,12 +11,16 @@ the records of all ranks into the simulator's TOML cost format (DESIGN §6):
                       F, B, I, W, FB, FI (ms per share of the model, 1/P of it: the mean
                       over every stage, its part above `dispatch` times S/P); post, wait,
                       dispatch (ms per op);
-                      comm (ms per message); bytes (per message); sync (ms per step)
-    [cost.stage.N]    the durations measured on stage N alone (ms, as measured)
+                      comm (ms per message); bytes (per message); sync (ms per step);
+                      a MoE program's a2a (ms per all-to-all) and moe_experts (a ratio)
+    [cost.stage.N]    the durations measured on stage N alone (ms, as measured), a MoE
+                      stage's a2a and moe_experts (runtime/profiling/moe_costs.py)
 
 Stage N is the `stage` of the program (pipe 0's numbering); with two pipes (DualPipe) stage N
 of both pipes is one model stage and their samples are merged. A fused op is recorded as FB
-(F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up.
+(F&B) or FI (F&I) under the stage of its forward, as the simulator looks it up; a MoE
+stage's op, run as phases (a fused one's two halves interleaved), as its own F, B or I:
+the sum of its phases.
 
 Every compute duration is, per (stage, op), the **median over the timed steps of each step's
 mean** of its samples. Within a step the mean: the simulator adds durations up along the
@@ -82,6 +86,9 @@ from pipecc.ir.program import Program
 from pipecc.semantics.costs.keys import OP_KEYS
 from pipecc.semantics.costs.keys import key as cost_key
 
+from .figures import Figure, Samples, figure, fit_latency, relative_iqr
+from .moe_costs import LAYERS, A2ATime, PhaseTime, measured_layers, moe_costs, moe_profile
+
 WaitedOp = tuple[bool, Message]  # (a send?, its message)
 KEYS = OP_KEYS  # the compute durations a profile measures
 # the largest spread (relative interquartile range of the per-step means of one (stage, op))
@@ -89,7 +96,13 @@ KEYS = OP_KEYS  # the compute durations a profile measures
 SPREAD_BOUND = 0.1
 CALIBRATION_CAP = 1000.0  # ms: the longest message latency `calibrated_comm` tries
 CALIBRATION_TOLERANCE = 1e-4  # ms: how close it finds it
-Samples = dict[int, list[float]]  # step -> the seconds of one (stage, op) measured in it
+MOE_HEADER = (  # the header's lines on a MoE program's keys (moe_costs.py)
+    "a MoE stage's F, B, I = the sum of its phases; a2a = one expert-parallel all-to-all",
+    "(post to completion of the blocking ones; with none, the rendezvous fit of the",
+    "asynchronous ones' waits); moe_experts = the experts phases' part of the phased ops;",
+    "[profile.stage.N] F_pre, F_experts, ... = the mean phase, a2a_exposed = the mean",
+    "wait of the compute thread per all-to-all",
+)
 
 
 @dataclass
@@ -110,6 +123,8 @@ class Recorder:
     spans: list[tuple[int, float, float]] = field(default_factory=list)
     # of each forward, the seconds outside its stage's module call (the fixed part)
     outsides: list[float] = field(default_factory=list)
+    phases: list[PhaseTime] = field(default_factory=list)  # a MoE stage's (moe_costs.py)
+    a2as: list[A2ATime] = field(default_factory=list)  # the expert-parallel all-to-alls
 
     def compute(self, kind: str, stage: int, seconds: float) -> None:
         self.computes.append((kind, stage, seconds))
@@ -132,17 +147,16 @@ class Recorder:
     def span(self, start: float, end: float) -> None:
         self.spans.append((self.step, start, end))
 
+    def phase(self, kind: str, stage: int, part: str, layer: int, seconds: float) -> None:
+        self.phases.append(PhaseTime(self.step, kind, stage, part, layer, seconds))
+
+    def a2a(self, stage: int, blocking: bool, times: tuple[float, float, float]) -> None:
+        """An all-to-all of `stage`: (posted, waited for from, completed), host clock."""
+        self.a2as.append(A2ATime(self.step, stage, blocking, *times))
+
 
 def _mean_ms(samples: Iterable[float]) -> float:
     return round(statistics.fmean(samples) * 1e3, 4)
-
-
-class Figure(NamedTuple):
-    """One (stage, op)'s duration over the timed steps: the median of the per-step means
-    (ms) and their spread (module docstring; None with one step)."""
-
-    ms: float
-    spread: float | None
 
 
 class Spread(NamedTuple):
@@ -159,24 +173,6 @@ class Spread(NamedTuple):
 
     def describe(self) -> str:
         return f"{self.where()}: spread {self.spread:.3f}"
-
-
-def relative_iqr(values: Sequence[float]) -> float | None:
-    """(Q3 − Q1) / median of `values` (inclusive quartiles); None for fewer than two."""
-    if len(values) < 2:
-        return None
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    middle = statistics.median(values)
-    return (q3 - q1) / middle if middle > 0 else 0.0
-
-
-def figure(samples: Samples) -> Figure:
-    """The median over steps of each step's mean, and the spread of those means."""
-    means = [statistics.fmean(seconds) for _, seconds in sorted(samples.items()) if seconds]
-    spread = relative_iqr(means)
-    return Figure(
-        round(statistics.median(means) * 1e3, 4), None if spread is None else round(spread, 4)
-    )
 
 
 def _samples(records: list[Recorder]) -> tuple[dict[str, Samples], dict[int, dict[str, Samples]]]:
@@ -213,6 +209,19 @@ def compute_costs(records: list[Recorder]) -> tuple[dict[str, float], dict[int, 
         {k: f.ms for k, f in top.items()},
         {stage: {k: f.ms for k, f in kinds.items()} for stage, kinds in per_stage.items()},
     )
+
+
+def measured_costs(
+    records: list[Recorder],
+) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """`compute_costs` with a MoE program's `a2a` (ms) and `moe_experts` (moe_costs.py),
+    overall and per stage: every cost value a profile measures on a stage, as measured
+    (not per share; a MoE stage's F, B, I are the sums of their phases)."""
+    top, per_stage = compute_costs(records)
+    moe_top, moe_stages = moe_costs(records)
+    for stage, values in moe_stages.items():
+        per_stage.setdefault(stage, {}).update(values)
+    return {**top, **moe_top}, dict(sorted(per_stage.items()))
 
 
 def stage_totals(records: list[Recorder]) -> dict[int, list[float]]:
@@ -320,25 +329,6 @@ def wait_times(records: list[Recorder]) -> list[tuple[float, float, float]]:
     return found
 
 
-def fit_latency(waits: list[tuple[float, float, float]]) -> float:
-    """The smallest latency c ≥ 0 with Σ max(start, ready + c) = Σ release over `waits`
-    (seconds).
-
-    The left side grows with c, is at most the right side at c = 0 (no wait is released
-    before it starts or before its transfer can start) and at least it at c = the longest
-    release − ready, so bisection finds it.
-    """
-    target = sum(release for _, _, release in waits)
-    low, high = 0.0, max((release - ready for _, ready, release in waits), default=0.0)
-    while high - low > 1e-9:
-        middle = (low + high) / 2
-        if sum(max(start, ready + middle) for start, ready, _ in waits) < target:
-            low = middle
-        else:
-            high = middle
-    return max(high, 0.0)
-
-
 def comm_costs(records: list[Recorder]) -> dict[str, float]:
     """Latency per message (ms) and bytes per message."""
     waits = wait_times(records)
@@ -366,12 +356,20 @@ def render_cost_file(
     With `replay` (a cost file's text -> the profiled program's makespan under it, in ms: the
     simulator under the comm model of the backend the run used; the caller's, as the
     runtime does not import the simulator), `comm` is calibrated on the run
-    (`calibrated_comm`); without, it is the waits' fit."""
+    (`calibrated_comm`); without, it is the waits' fit. A MoE program's `a2a` and
+    `moe_experts` (moe_costs.py) are in `[cost]` and its stages' tables, as measured (a
+    message's time and a ratio: not per share), `moe_layers` where `measured_on` does not
+    say a stage's, and its phases in `[profile.stage.N]`."""
     top, per_stage = compute_costs(records)
     ranks, stages = measured_on.num_ranks, measured_on.placement.num_stages(0)
     fixed = dispatch_ms(records)
     factor = stages / ranks  # per share: the part above `dispatch` times S/P
     top = {key: round(per_share(value, factor, fixed or 0.0), 4) for key, value in top.items()}
+    moe_top, moe_stages = moe_costs(records)
+    top.update(moe_top)
+    for stage, layers in measured_layers(records).items():
+        if measured_on.moe is None or measured_on.moe[stage] != layers:
+            moe_stages.setdefault(stage, {})[LAYERS] = layers
     top.update(comm_costs(records))
     top.update(host_costs(records))
     if fixed is not None:
@@ -379,7 +377,8 @@ def render_cost_file(
 
     def text(comm: float | None) -> str:
         given = {**top} if comm is None else {**top, cost_key("comm"): round(comm, 4)}
-        lines = [f"# {line}".rstrip() for line in header.splitlines()]
+        notes = header.splitlines() + (list(MOE_HEADER) if moe_top else [])
+        lines = [f"# {line}".rstrip() for line in notes]
         lines += [
             "",
             "[cost]",
@@ -390,7 +389,7 @@ def render_cost_file(
         if shared:
             lines.append(f"{cost_key('shared')} = {[list(group) for group in shared]}")
         for stage, costs in per_stage.items():  # with `sizes`, its byte keys (memory.py)
-            table = {**costs, **(sizes or {}).get(stage, {})}
+            table = {**costs, **moe_stages.get(stage, {}), **(sizes or {}).get(stage, {})}
             lines += ["", f"[cost.stage.{stage}]", *_table(table)]
         return "\n".join([*lines, *_profile_table(records)]) + "\n"
 
@@ -435,22 +434,31 @@ def _measured_on(program: Program) -> list[str]:
 
 def _profile_table(records: list[Recorder]) -> list[str]:
     """`[profile]`: the timed steps, the worst spread, the bound; the spread of every
-    (stage, op) as `F_spread`, ... under `[profile.stage.N]` (none with one step)."""
+    (stage, op) as `F_spread`, ... under `[profile.stage.N]` (none with one step), with a MoE
+    stage's phases (`moe_profile`: `F_pre`, ..., `a2a_exposed`; its costs are in its
+    `[cost.stage.N]`)."""
     lines = ["", "[profile]", f"steps = {len({record.step for record in records})}"]
     worst = worst_spread(records)
-    if worst is None:
-        return lines
-    lines += [
-        f"spread = {worst.spread}",
-        f'spread_at = "{worst.where()}"',
-        f"spread_bound = {SPREAD_BOUND}",
-    ]
+    if worst is not None:
+        lines += [
+            f"spread = {worst.spread}",
+            f'spread_at = "{worst.where()}"',
+            f"spread_bound = {SPREAD_BOUND}",
+        ]
     totals = stage_spreads(records)
+    phases = moe_profile(records)
+    tables: dict[int, dict[str, float]] = defaultdict(dict)
     for stage, figures in compute_figures(records)[1].items():
         spreads = {f"{k}_spread": f.spread for k, f in figures.items() if f.spread is not None}
         if stage in totals:
             spreads["spread"] = totals[stage]
-        lines += ["", f"[profile.stage.{stage}]", *_table(spreads)]
+        tables[stage].update(spreads)
+    for stage, measured in phases.items():
+        costs = (cost_key("a2a"), cost_key("moe_experts"))
+        tables[stage].update({k: v for k, v in measured.items() if k not in costs})
+    for stage, table in sorted(tables.items()):
+        if table:
+            lines += ["", f"[profile.stage.{stage}]", *_table(table)]
     return lines
 
 

@@ -46,6 +46,7 @@ from ..profiling.layers import (
     stage_of_layers,
 )
 from ..profiling.memory import byte_keys
+from ..profiling.moe_costs import moe_profile
 from ..profiling.recorder import (
     SPREAD_BOUND,
     Recorder,
@@ -126,6 +127,7 @@ class RunReport:
     profile_spread: float | None = None
     profile_spread_at: str | None = None
     profile_spread_bound: float | None = None
+    profile_moe: dict[int, dict[str, float]] | None = None  # MoE phases (moe_costs.py)
     # the last step's losses added inside the stages (add_loss), summed over the stages,
     # mean over the microbatches (`loss` is the main loss alone), and by stage
     aux_loss: float = 0.0
@@ -216,6 +218,7 @@ def run_job(job: RunJob) -> RunReport:
         profile_spread=None if worst is None else worst.spread,
         profile_spread_at=None if worst is None else worst.where(),
         profile_spread_bound=SPREAD_BOUND if job.profile else None,
+        profile_moe=moe_profile(_records(results)) if job.profile else None,
         aux_loss=sum(aux.values()),
         aux_loss_by_stage=aux,
         reference=job.reference,

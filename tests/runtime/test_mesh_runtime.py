@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -405,19 +406,34 @@ def test_an_expert_parallel_forward_only_step_matches(results: list[dict[str, An
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
-def test_pipecc_run_checks_an_expert_parallel_model(capsys: pytest.CaptureFixture[str]) -> None:
+def test_pipecc_run_checks_an_expert_parallel_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """`pipecc run dualpipev --mesh pp=2,ep=2` on examples/moe_ep.py: the program split into
     MoE phases, each EP rank its experts and share of the batch, every gradient (each
-    expert's by name) against one process on the whole batch."""
+    expert's by name) against one process on the whole batch. Profiled: every stage's
+    phases add up to its F, I and B, its all-to-alls give `a2a`, its experts `moe_experts`,
+    and `simulate` reads the file back."""
+    profile = tmp_path / "moe.toml"
     code, out, err = run_cli(
         capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
         "--moe", "2", "--model", str(ROOT / "examples" / "moe_ep.py"), "--check", "--json",
+        "--profile", str(profile), "--steps", "2", "--warmup", "0", "--allow-noisy-profile",
     )  # fmt: skip
     assert code == 0, err
     fields = json.loads(out)
     assert fields["mesh"] == "pp=2,ep=2" and fields["max_rel_grad_diff"] <= 1e-5
     assert abs(fields["loss"] - fields["reference_loss"]) <= 1e-5 * fields["reference_loss"]
     assert fields["aux_loss"] > 0
+    costs = tomllib.loads(profile.read_text())["cost"]
+    for stage in range(4):
+        table = costs["stage"][str(stage)]
+        assert all(table[key] > 0 for key in ("F", "B", "I", "W", "a2a")), table
+        assert 0 < table["moe_experts"] < 1 and "moe_layers" not in table
+        assert set(fields["profile_moe"][str(stage)]) >= {"F_experts", "I_pre", "a2a_exposed"}
+    again = ("simulate", "dualpipev", "-P", "2", "-M", "8", "--mesh", "pp=2,ep=2", "--moe", "2")
+    code, out, err = run_cli(capsys, *again, "--cost-file", str(profile), "--backend", "gloo")
+    assert code == 0 and f"a2a={costs['a2a']:g}" in out, err
 
 
 def test_moe_stages_with_fewer_blocks_than_the_program_are_refused(

@@ -10,12 +10,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from pipecc.runtime.profiling.figures import relative_iqr
 from pipecc.runtime.profiling.recorder import (
     SPREAD_BOUND,
     Recorder,
     compute_costs,
     compute_figures,
-    relative_iqr,
     render_cost_file,
     stage_spreads,
     worst_spread,

@@ -18,10 +18,10 @@ from pipecc.runtime.comm.channel import Channel, Group, OpTimeout, Posted, Poste
 from pipecc.runtime.plan.binding import backend_problem
 from pipecc.runtime.plan.plan import build_plan as _plan
 from pipecc.runtime.plan.plan import forward_only as _forward_only
+from pipecc.runtime.profiling.figures import fit_latency
 from pipecc.runtime.profiling.recorder import (
     Recorder,
     calibrated_comm,
-    fit_latency,
     render_cost_file,
     span_times,
 )

@@ -138,6 +138,9 @@ def test_the_runtimes_profile_writes_table_keys_only() -> None:
     a.posted(True, act, 10.0, 128)
     b.wait(((False, act),), (9.5, 10.0005, 10.0006))
     a.sync(40.0, 40.010)
+    a.phase("F", 0, "experts", 0, 0.0004)  # a MoE stage's phase and all-to-all
+    a.phase("F", 0, "post", 1, 0.0006)
+    a.a2a(0, True, (1.0, 1.0, 1.0002))
     loop = compile_schedule("1f1b", ranks=2, microbatches=2)
     text = recorder_module.render_cost_file(
         [a, b], "header", measured_on=loop, shared=((0, 1),), sizes={0: {"act_bytes": 10}}
@@ -147,4 +150,5 @@ def test_the_runtimes_profile_writes_table_keys_only() -> None:
     names = {k.name for k in KEYS}
     assert written <= names, written - names
     assert {"F", "B", "FB", "comm", "bytes", "post", "wait", "sync", "unit", "shared"} <= written
+    assert {"a2a", "moe_experts", "moe_layers"} <= written  # 1f1b's program names no K
     parse_cost_text(text, "written.toml")
