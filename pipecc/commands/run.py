@@ -291,12 +291,17 @@ class Verified(NamedTuple):
         return f"{self.backend.comm_model.value} ({self.backend.value})"
 
 
-def program_to_run(args: argparse.Namespace, backend_for: Callable[[int], str]) -> Verified:
+def program_to_run(
+    args: argparse.Namespace,
+    backend_for: Callable[[int], str],
+    model_layers: Callable[[int], tuple[int, ...]] | None = None,
+) -> Verified:
     """The program to run on the backend `backend_for` picks for its processes (`--nproc`,
     the mesh's world with --mesh, whose pp is the program's P), resolved as `pipecc verify
     --backend` resolves it, verified once under that backend's comm model with verify's
     checks, and refused (exit 1, verify's report on stderr) when it fails, unless
-    --unverified."""
+    --unverified. On a mesh with ep > 1 and no --moe, `model_layers` (the model file's MoE
+    blocks per stage, for S stages) gives the MoE layers to place, as --moe would."""
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
     ranks = mesh.pp if mesh is not None else args.ranks  # the program is one pipeline's
     world = mesh.world if mesh is not None else None
@@ -304,6 +309,8 @@ def program_to_run(args: argparse.Namespace, backend_for: Callable[[int], str]) 
         args.file, ranks=ranks, microbatches=args.microbatches, defines=dict(args.defines)
     )
     _check_sizes(args, source.program, ranks)
+    if mesh is not None and mesh.ep > 1 and args.moe is None and model_layers is not None:
+        _moe_from_model(args, model_layers(source.program.placement.num_stages(0)))
     backend = RunBackend(backend_for(world or source.program.num_ranks))
     resolution = Resolution(backend, lowering(args, backend))
     outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
@@ -328,6 +335,16 @@ def program_to_run(args: argparse.Namespace, backend_for: Callable[[int], str]) 
             "runs it anyway"
         )
     return Verified(resolved, backend, ok)
+
+
+def _moe_from_model(args: argparse.Namespace, layers: tuple[int, ...]) -> None:
+    """The model file's MoE blocks per stage as the --moe of the resolution (none: none),
+    said in a note: the program run holds their phases and all-to-alls, verified."""
+    if not any(layers):
+        return
+    args.moe_stages = layers
+    said = ", ".join(map(str, layers))
+    print(f"note: --moe from the model file: MoE layers by stage {said}", file=sys.stderr)
 
 
 def _check_sizes(args: argparse.Namespace, program: Program, ranks: int | None) -> None:
@@ -364,12 +381,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.align and (args.cost or args.cost_file):
         raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     try:
-        from pipecc.runtime.tools.launcher import AUTOCAST, RunJob, backend_for, parse_spec, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
+        from pipecc.runtime.tools.launcher import AUTOCAST, RunJob, backend_for, moe_layers_of, parse_spec, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(_import_failure(err)) from None
     steps, warmup = _timing(args)
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
-    verified = program_to_run(args, backend_for)
+    verified = program_to_run(args, backend_for, functools.partial(moe_layers_of, args.model))
     program = verified.resolved.program
     if not args.json:
         print(verified.line(), flush=True)

@@ -61,13 +61,15 @@ from .checking import check_run
 from .environment import GlooPosting, gloo_posting
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
-from .moe_program import moe_layers, refuse_unsplit
+from .moe_program import moe_layers, moe_layers_of, refuse_unsplit
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
 from .training_run import aux_by_stage, reported_aux, stages_of
 from .whole_reference import check_whole_run, dropout_off, held_grads
 
-__all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "parse_spec", "run_job"]
+__all__ = [
+    "AUTOCAST", "RunJob", "RunReport", "backend_for", "moe_layers_of", "parse_spec", "run_job"
+]  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,19 @@ from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
 from ..engine.moe_block import blocks_of
+from .model_file import load_model
 
 
 def moe_layers(stages: Sequence[torch.nn.Module]) -> tuple[int, ...]:
     """The MoE blocks of each stage (0 for a stage that is no MoE stage)."""
     return tuple(len(blocks_of(stage) or ()) for stage in stages)
+
+
+def moe_layers_of(path: str, num_stages: int) -> tuple[int, ...]:
+    """The MoE blocks of each of the model file's `num_stages` stages, built once here (the
+    launcher's process: `pipecc run` on an ep mesh without --moe places them, as --moe
+    would; docs/parallelism.md)."""
+    return moe_layers(load_model(path).all_stages(num_stages))
 
 
 def refuse_unsplit(program: Program, mesh: Any, layers: Sequence[int], model: str) -> None:
