@@ -25,11 +25,25 @@ sum it:
   makes a communicator at its first collective: never inside a step). The reduction
   leaves the same bits on every holder (gloo's and NCCL's rings reduce each element once
   and copy the result).
+- a program that places sums, but none over a set of ranks holding one parameter, is
+  refused when the runtime is built (`refuse_unplaced`, `InputError`): every rank computes
+  the same sets from the placement and the declared groups, so every rank refuses before it
+  makes a group or takes a step, naming the stages and the `--shared` that places the sum.
+  Sets only a rank's own parameters reveal (`GradientSums.problems`) stop every rank at the
+  first step's agreement.
 - a program that holds no collective (compiled before collectives existed, or a torch CSV,
-  whose format has none) keeps the old path: after its last instruction the holders of each
-  set of ranks exchange their flat tensors point to point (the sets in a fixed global order,
-  so no two ranks wait on each other in a cycle) and each adds the contributions in rank
-  order. That exchange is outside the program, and so outside the verifier's proof.
+  whose format has none) keeps, through the library, the old path: after its last
+  instruction the holders of each set of ranks exchange their flat tensors point to point
+  (the sets in a fixed global order, so no two ranks wait on each other in a cycle) and each
+  adds the contributions in rank order. That exchange is outside the program, so the
+  verifier never saw it and nothing it proved covers it. `RuntimeConfig(sums_in_program=
+  True)` refuses such a program like the one above instead; `pipecc run` sets it, after
+  resolving the model file's ties into the program it verifies (runtime/tools/ties.py), so
+  no step of a run exchanges anything outside the verified program.
+
+Two objects of one parameter on one rank (a tie built apart, both stages on that rank) are
+added on that rank after the program whatever it places (`GradientSums.after_program`):
+nothing is exchanged.
 """
 
 from __future__ import annotations
