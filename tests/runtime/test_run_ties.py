@@ -22,10 +22,13 @@ from runtime_cases import SCHEDULES, compile_case, microbatch_counts
 
 from pipecc.cli import build_parser
 from pipecc.commands import run as run_command
-from pipecc.driver.load import RunBackend
+from pipecc.commands.common import lowering
+from pipecc.driver.check import Resolution, verify_source
+from pipecc.driver.load import RunBackend, read_source
 from pipecc.interop import json_program, torch_csv
 from pipecc.ir.ops import Collective
 from pipecc.ir.program import Program
+from pipecc.verify import Options
 
 ROOT = Path(__file__).resolve().parents[2]
 TIED_STAGES = str(Path(__file__).with_name("tied_stages.py"))
@@ -106,6 +109,23 @@ def test_the_run_says_which_ties_it_placed(capsys: pytest.CaptureFixture[str]) -
         "--shared 0+1, so the program holds the gradient sum of each one held on two or more "
         "ranks\n"
     )
+
+
+@pytest.mark.parametrize("backend", list(RunBackend))
+def test_verify_with_shared_proves_the_program_run_executes(backend: RunBackend) -> None:
+    """`pipecc verify X --backend B --shared 0+S` checks byte for byte the program `pipecc
+    run X` runs on B for a model file tying stages 0 and S (its note says so)."""
+    for name, ranks in (("zb_h1", 2), ("interleaved_1f1b", 4), ("dualpipe", 4)):
+        microbatches = microbatch_counts(name, ranks)[0]
+        sizes = ("--nproc", str(ranks), "-M", str(microbatches))
+        ran = _verified(name, sizes, backend).resolved.program
+        last = ran.placement.num_stages(0) - 1
+        flags = ["-P", str(ranks), "-M", str(microbatches), "--backend", backend.value]
+        args = build_parser().parse_args(["verify", name, *flags, "--shared", f"0+{last}"])
+        resolution = Resolution(backend, lowering(args, backend))
+        source = read_source(name, ranks=ranks, microbatches=microbatches)
+        _, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
+        assert resolved is not None and resolved.program == ran, (name, ranks)
 
 
 def test_ties_are_found_without_building_or_on_the_meta_device(
