@@ -106,10 +106,9 @@ class PipelineRuntime:
         self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
         self.last_step: StepStats | None = None  # the last training step's times and rows
-        # what every rank must share (compared in the first discovery's gather)
         self.guard = Guard(self.rank, self.rank_map)  # failures (runtime/comm/failure.py)
         self.peers = Exchange(self.group, self.rank_map, self.rank, self.device, limit, config.mesh)
-        # every rank's program compared before any group of the program's is made
+        # what every rank must share, compared before any group of the program's is made
         discovery.agree_program(self.peers, Fingerprint.of(program, self.rank, self.modules))
         if self._problem is None:
             shared.refuse_unplaced(program, self.rank, config.shared, config.sums_in_program)

@@ -64,16 +64,16 @@ inputs, never sent), and optionally loss_fn(output, target) (default: mean squar
 for floating targets), boundaries(example_inputs) (explicit boundary specs), autocast (a
 torch dtype) and build_model() (the whole model, for --check --reference whole).
 
-The program is resolved as `pipecc verify FILE --backend B` resolves it, B being the backend
-this run uses: a compute-only input (a .sched file that places no comm op by hand, a
-compute-only .json or .csv) gets the backend's comm policy (early-recv on gloo, the default
-on NCCL); a .sched file's hand-placed sends, receives and waits are kept; a .json or .csv
-with comm ops runs as it is; --comm-policy, --align or --lowering place every comm op
-afresh, and a note says how many of the input's they replaced. Before any process starts,
+The program is resolved as `pipecc verify FILE --backend B --shared T` resolves it, B the
+backend this run uses, T the model file's ties (its shared(), Parameter identity in its
+build_stages built on the meta device) and --shared's: the gradient sum of every tie held
+on several ranks is an instruction of the program. A compute-only input gets the backend's
+comm policy (early-recv on gloo, the default on NCCL); a .sched file's hand-placed comm ops
+are kept; a .json or .csv with comm ops runs as it is; --comm-policy, --align or --lowering
+place every comm op afresh (a note says how many they replaced). Before any process starts,
 that exact program is verified under the backend's comm model (gloo: rendezvous, NCCL:
-nccl-single, as every op goes through one communicator there) with verify's checks; a
-program that fails is refused (exit 1, with verify's report) unless --unverified. The
-first line says which program runs and that it verified.
+nccl-single) with verify's checks; one that fails is refused (exit 1, with verify's report)
+unless --unverified. The first line says which program runs and that it verified.
 """
 
 EPILOG = """\
