@@ -367,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.align and (args.cost or args.cost_file):
         raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     try:
-        from pipecc.runtime.tools import launcher  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
+        import pipecc.runtime.tools.launcher as launcher  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
         raise InputError(runtime_import_failure(err)) from None
     steps, warmup = _timing(args)
