@@ -64,10 +64,11 @@ from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dt
 from .moe_program import moe_layers, refuse_unsplit
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
+from .ties import model_ties
 from .training_run import aux_by_stage, reported_aux, stages_of
 from .whole_reference import check_whole_run, dropout_off, held_grads
 
-__all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "parse_spec", "run_job"]
+__all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "model_ties", "parse_spec", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,7 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     autocast = _autocast(job, model)
     gloo = job.gloo or GlooPosting()
     config = RuntimeConfig(
-        timeout=job.timeout, device=device, shared=shared, seed=job.seed,
+        timeout=job.timeout, device=device, shared=shared, seed=job.seed, sums_in_program=True,
         derive_rng=job.derive_rng, autocast=autocast, group=where.group,
         rank_map=where.rank_map, mesh=where.mesh, recompute=_recompute(job, model),
         gloo_poster_thread=gloo.poster_thread, gloo_direction_groups=gloo.direction_groups,
