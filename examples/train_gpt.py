@@ -4,7 +4,8 @@
 
 Every rank compiles the same program and builds the whole model (deterministic weights), keeps
 the stages of its chunks, and declares the parameters that are one object in two stages (the
-tied embedding) as shared, so their gradients are summed across the ranks that hold them.
+tied embedding) as shared, so their gradients are summed across the ranks that hold them, by
+an all_reduce the program places (`sum_shared`, as `pipecc compile --shared 0+S`).
 The runtime finds the boundary shapes itself, on the first step's real data (and again when
 the shapes change); every rank is given the batch (only its shapes are read where a rank
 holds neither the first nor the last stage). Each step:
@@ -55,6 +56,7 @@ from pipecc.runtime import (
     save_checkpoint,
     shared_parameters,
 )
+from pipecc.runtime.comm.shared import shared_stages
 from pipecc.runtime.tools.reference import Options, reference_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -63,6 +65,7 @@ from train_mlp import setup  # examples/train_mlp.py, beside this
 from pipecc.api import compile_schedule
 from pipecc.driver.mesh import MeshOptions, place_mesh
 from pipecc.ir.program import Program
+from pipecc.passes.sum_shared import sum_shared
 
 
 def parse_args() -> argparse.Namespace:
@@ -143,6 +146,9 @@ def main() -> None:
         for stage, module in enumerate(stages):
             parallelize(module, stage, mesh["tp"])
     shared = shared_parameters(stages)  # by identity: before FSDP2 copies the held stages'
+    # the tie's gradient sum as an instruction of the program (`pipecc compile --shared 0+S`),
+    # checked by the verifier with the rest; sums_in_program refuses a program without it
+    program = sum_shared(program, shared=tuple(tuple(g) for g in shared_stages(shared)))
     if args.dp_shard > 1:  # FSDP2 on the stages held here (the runtime reduces at REDUCE_GRAD)
         for slot in program.placement.chunks(pp_rank):
             fully_shard(stages[slot.stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
@@ -151,7 +157,7 @@ def main() -> None:
         program,
         modules,  # the boundaries: found along the pipeline for each new shape signature
         loss_fn=loss_fn,
-        config=RuntimeConfig(device=device, shared=shared, seed=0, mesh=mesh),
+        config=RuntimeConfig(device=device, shared=shared, seed=0, mesh=mesh, sums_in_program=True),
     )
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=args.lr)
     replicas = args.dp_replicate * args.dp_shard

@@ -33,7 +33,11 @@ class RuntimeConfig:
     global rank of pipeline rank r (default: the group's ranks in order). `shared`: groups of
     (stage, parameter name) that are one parameter (tied weights; `shared_parameters(stages)`
     finds them). `sync_duplicated`: sum the gradients of every parameter held by several
-    ranks (duplicated stages, shared parameters) at the end of `step`. `timeout`: seconds a
+    ranks (duplicated stages, shared parameters), at the program's gradient-sum collectives
+    (and after the program for one that holds none: outside the verified program).
+    `sums_in_program`: refuse, when the runtime is built, a program that does not place
+    every such sum across ranks, even one that places none (`pipecc run` sets it: no step
+    exchanges anything the verifier did not see; runtime/comm/shared.py). `timeout`: seconds a
     `wait` may block (gloo; NCCL relies on the process group's own timeout). `check_shapes`:
     compare the boundaries given to the runtime, if any, with those found on real data.
     `seed`, `derive_rng`: each forward of (stage, microbatch) runs under an RNG state
@@ -67,6 +71,7 @@ class RuntimeConfig:
     rank_map: Sequence[int] | None = None
     shared: Sequence[Sequence[tuple[int, str]]] = ()
     sync_duplicated: bool = True
+    sums_in_program: bool = False
     timeout: float = 300.0
     device: torch.device | None = None
     check_shapes: bool = True

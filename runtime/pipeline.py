@@ -42,7 +42,7 @@ from .engine.context import Mailbox, StepContext
 from .engine.fused import FusedOps
 from .engine.interpreter import InstructionError, Interpreter, Parts
 from .engine.moe_block import expert_params
-from .engine.moe_ops import moe_ops
+from .engine.moe_ops import moe_ops, unsplit_problems
 from .engine.plan_cache import PlanCache
 from .engine.precision import Fp32Grads
 from .engine.recompute import recomputed, selected_modules
@@ -106,17 +106,18 @@ class PipelineRuntime:
         self.aux_losses: dict[int, dict[int, torch.Tensor]] = {}  # by microbatch, then stage
         self.steps = 0  # completed training steps: the step index of the RNG derivation
         self.last_step: StepStats | None = None  # the last training step's times and rows
-        # what every rank must share (compared in the first discovery's gather)
-        self.fingerprint = Fingerprint.of(program, self.rank, self.modules)
         self.guard = Guard(self.rank, self.rank_map)  # failures (runtime/comm/failure.py)
+        self.peers = Exchange(self.group, self.rank_map, self.rank, self.device, limit, config.mesh)
+        # what every rank must share, compared before any group of the program's is made
+        discovery.agree_program(self.peers, Fingerprint.of(program, self.rank, self.modules))
         if self._problem is None:
+            shared.refuse_unplaced(program, self.rank, config.shared, config.sums_in_program)
             self._bind()
             groups = (self.group, self.channel.downward, *self.sums.groups.values())
             self.guard = Guard(self.rank, self.rank_map, groups, close=not nccl)
 
     def _bind(self) -> None:
-        """This rank's part of the program bound once: its chunks, plans, gradient holders
-        and sums, and the parts of its interpreter, each complete when constructed."""
+        """This rank's part of the program bound once: chunks, plans, sums, interpreter."""
         rank, config = self.rank, self.config
         self.chunks = binding.bind_chunks(self.program, rank, self.modules)
         stage_actions.accumulate_only(c.module for c in self.chunks.values())  # FSDP2 stages
@@ -137,7 +138,7 @@ class PipelineRuntime:
         transfers = Transfers(self.channel, self.device, config.timeout)
         self.sums = shared.GradientSums(
             self.program, rank, self.to_sum, self.grads, device=self.device,
-            enabled=config.sync_duplicated,
+            enabled=config.sync_duplicated, required=config.sums_in_program,
         )  # fmt: skip
         self.sums.create_groups(self.program, self.rank_map, self.group, config.timeout)
         fused = FusedOps(stage, self.device)
@@ -205,9 +206,9 @@ class PipelineRuntime:
         with self.rng.step_scope():
             interpreter.run(self.plans.bound(training=True), ctx)
         self._finish(interpreter, ctx)
-        if self.config.sync_duplicated and self.to_sum and self.sums.outside:
-            summed = time.perf_counter()  # a program without its sums: after it (shared.py)
-            shared.sum_shared(self.channel, self.rank, self.to_sum, self.device, self.grads)
+        if after := self.sums.after_program():  # no sums placed, or this rank's own copies
+            summed = time.perf_counter()
+            shared.sum_shared(self.channel, self.rank, after, self.device, self.grads)
             if recorder is not None:
                 recorder.sync(summed, time.perf_counter())
         if precision is not None:
@@ -423,11 +424,8 @@ class PipelineRuntime:
     ) -> tuple[Signature, dict[int, Boundary]]:
         config = self.config
         forward = Forward(config.autocast, self._seed_of, f"rank {self.rank}, step {self.steps}")
-        exchange = Exchange(
-            self.group, self.rank_map, self.rank, self.device, self._limit, config.mesh
-        )
-        problems = found + self._problems()
-        agreed = discovery.agree_signature(exchange, signature, problems, forward, self.fingerprint)
+        exchange, problems = self.peers, found + self._problems()
+        agreed = discovery.agree_signature(exchange, signature, problems, forward)
         stages = PipeStages.of(self.program, self.rank, self.modules)
         first = split_inputs[0] if split_inputs else None
         try:
@@ -463,6 +461,7 @@ class PipelineRuntime:
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
         found += self.moe.problems() if self.moe is not None else []
+        found += unsplit_problems(self.program.ranks[self.rank], held, config.mesh)
         return found + self.sums.problems() + self.mesh.problems()
 
     def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:

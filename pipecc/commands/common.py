@@ -58,6 +58,23 @@ def positive(text: str) -> int:
     return value
 
 
+def runtime_import_failure(err: ImportError) -> str:
+    """Why the runtime could not be imported: the runtime extra missing (torch, numpy), or
+    anything else, said as it is."""
+    missing = (err.name or "").split(".")[0]
+    if isinstance(err, ModuleNotFoundError) and missing in ("torch", "numpy"):
+        return f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}"
+    return f"pipecc run: the runtime could not be imported: {type(err).__name__}: {err}"
+
+
+def count(text: str) -> int:
+    """An argparse type: a non-negative integer."""
+    value = int(text) if text.isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
 BYTE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 

@@ -10,7 +10,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 from pipecc.commands.common import (
@@ -19,19 +19,28 @@ from pipecc.commands.common import (
     add_lowering_arg,
     add_moe_args,
     add_policy_arg,
+    add_shared_arg,
+    count,
     lowering,
     mesh_text,
     positive,
     print_notes,
+    runtime_import_failure,
     write_output,
 )
-from pipecc.commands.run_report import check_failure, memory_fields, print_summary
+from pipecc.commands.run_model import NOTHING, FromModel, from_model, partition
+from pipecc.commands.run_report import (
+    check_failure,
+    gradient_sums,
+    memory_fields,
+    print_summary,
+    tie_notes,
+)
 from pipecc.diagnostics import InputError, ProgramError
 from pipecc.driver.check import Resolution, verify_source
 from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
 from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
-from pipecc.search.layers import load_cut
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import parse_cost_text
 from pipecc.simulate import simulate
@@ -54,16 +63,16 @@ inputs, never sent), and optionally loss_fn(output, target) (default: mean squar
 for floating targets), boundaries(example_inputs) (explicit boundary specs), autocast (a
 torch dtype) and build_model() (the whole model, for --check --reference whole).
 
-The program is resolved as `pipecc verify FILE --backend B` resolves it, B being the backend
-this run uses: a compute-only input (a .sched file that places no comm op by hand, a
-compute-only .json or .csv) gets the backend's comm policy (early-recv on gloo, the default
-on NCCL); a .sched file's hand-placed sends, receives and waits are kept; a .json or .csv
-with comm ops runs as it is; --comm-policy, --align or --lowering place every comm op
-afresh, and a note says how many of the input's they replaced. Before any process starts,
+The program is resolved as `pipecc verify FILE --backend B --shared T` resolves it, B the
+backend this run uses, T the model file's ties (its shared(), Parameter identity in its
+build_stages built on the meta device) and --shared's: the gradient sum of every tie held
+on several ranks is an instruction of the program. A compute-only input gets the backend's
+comm policy (early-recv on gloo, the default on NCCL); a .sched file's hand-placed comm ops
+are kept; a .json or .csv with comm ops runs as it is; --comm-policy, --align or --lowering
+place every comm op afresh (a note says how many they replaced). Before any process starts,
 that exact program is verified under the backend's comm model (gloo: rendezvous, NCCL:
-nccl-single, as every op goes through one communicator there) with verify's checks; a
-program that fails is refused (exit 1, with verify's report) unless --unverified. The
-first line says which program runs and that it verified.
+nccl-single) with verify's checks; one that fails is refused (exit 1, with verify's report)
+unless --unverified. The first line says which program runs and that it verified.
 """
 
 EPILOG = """\
@@ -124,7 +133,7 @@ def register(commands: SubParsers) -> None:
     )
     cmd.add_argument(
         "--warmup",
-        type=_count,
+        type=count,
         help="untimed steps first (default: 0; with --profile or --profile-layers "
         f"{PROFILE_WARMUP})",
     )
@@ -227,6 +236,7 @@ def register(commands: SubParsers) -> None:
     cmd.add_argument("--cost", metavar="K=V,...", help="durations and latency for --align")
     cmd.add_argument("--cost-file", metavar="TOML", help="a cost file for --align")
     add_lowering_arg(cmd)
+    add_shared_arg(cmd)  # with the model file's ties (its shared(), Parameter identity)
     add_moe_args(cmd)  # the MoE phases and all-to-alls, placed and verified like any op
     cmd.add_argument(
         "--unverified",
@@ -267,13 +277,6 @@ def _noisy(fields: dict[str, Any], args: argparse.Namespace) -> str | None:
     )
 
 
-def _count(text: str) -> int:
-    value = int(text) if text.isdigit() else -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
 class Verified(NamedTuple):
     """The program `pipecc run` runs, and what its verification said."""
 
@@ -294,14 +297,15 @@ class Verified(NamedTuple):
 def program_to_run(
     args: argparse.Namespace,
     backend_for: Callable[[int], str],
-    model_layers: Callable[[int], tuple[int, ...]] | None = None,
+    model: Callable[[Program, int], FromModel] | None = None,
 ) -> Verified:
     """The program to run on the backend `backend_for` picks for its processes (`--nproc`,
     the mesh's world with --mesh, whose pp is the program's P), resolved as `pipecc verify
     --backend` resolves it, verified once under that backend's comm model with verify's
     checks, and refused (exit 1, verify's report on stderr) when it fails, unless
-    --unverified. On a mesh with ep > 1 and no --moe, `model_layers` (the model file's MoE
-    blocks per stage, for S stages) gives the MoE layers to place, as --moe would."""
+    --unverified. `model`: what the model file adds (pipecc/commands/run_model.py): its
+    tied stages, placed as --shared places them; on a mesh with ep > 1 without --moe, its
+    MoE layers, placed as --moe places them."""
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
     ranks = mesh.pp if mesh is not None else args.ranks  # the program is one pipeline's
     world = mesh.world if mesh is not None else None
@@ -309,10 +313,11 @@ def program_to_run(
         args.file, ranks=ranks, microbatches=args.microbatches, defines=dict(args.defines)
     )
     _check_sizes(args, source.program, ranks)
-    if mesh is not None and mesh.ep > 1 and args.moe is None and model_layers is not None:
-        _moe_from_model(args, model_layers(source.program.placement.num_stages(0)))
     backend = RunBackend(backend_for(world or source.program.num_ranks))
-    resolution = Resolution(backend, lowering(args, backend))
+    found = model(source.program, mesh.ep if mesh else 1) if model is not None else NOTHING
+    args.moe_stages = found.moe
+    placing = lowering(args, backend)
+    resolution = Resolution(backend, replace(placing, shared=(*placing.shared, *found.ties)))
     outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
     ok = outcome.report.ok
     if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
@@ -325,7 +330,9 @@ def program_to_run(
         raise ProgramError(
             f"{outcome.label}: refused: it has no correct program to run, as reported above"
         )
-    print_notes((*resolved.notes, *filter(None, (resolved.placed_for,))))
+    print_notes(
+        (*resolved.notes, *tie_notes(args.model, found.ties), *filter(None, (resolved.placed_for,)))
+    )
     if not ok:
         print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
     if not (ok or args.unverified):
@@ -335,16 +342,6 @@ def program_to_run(
             "runs it anyway"
         )
     return Verified(resolved, backend, ok)
-
-
-def _moe_from_model(args: argparse.Namespace, layers: tuple[int, ...]) -> None:
-    """The model file's MoE blocks per stage as the --moe of the resolution (none: none),
-    said in a note: the program run holds their phases and all-to-alls, verified."""
-    if not any(layers):
-        return
-    args.moe_stages = layers
-    said = ", ".join(map(str, layers))
-    print(f"note: --moe from the model file: MoE layers by stage {said}", file=sys.stderr)
 
 
 def _check_sizes(args: argparse.Namespace, program: Program, ranks: int | None) -> None:
@@ -366,33 +363,25 @@ def _check_sizes(args: argparse.Namespace, program: Program, ranks: int | None) 
         )
 
 
-def _import_failure(err: ImportError) -> str:
-    """Why the runtime could not be imported: the runtime extra missing (torch, numpy), or
-    anything else, said as it is."""
-    missing = (err.name or "").split(".")[0]
-    if isinstance(err, ModuleNotFoundError) and missing in ("torch", "numpy"):
-        return f"pipecc run needs torch (pip install 'pipecc[runtime]'): {err}"
-    return f"pipecc run: the runtime could not be imported: {type(err).__name__}: {err}"
-
-
 def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise InputError("--timeout must be positive")
     if not args.align and (args.cost or args.cost_file):
         raise InputError("--cost/--cost-file are for --align (without it nothing uses them)")
     try:
-        from pipecc.runtime.tools.launcher import AUTOCAST, RunJob, backend_for, moe_layers_of, parse_spec, run_job  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
+        import pipecc.runtime.tools.launcher as launcher  # type: ignore[import-not-found]  # runtime/ installed as pipecc.runtime
     except ImportError as err:
-        raise InputError(_import_failure(err)) from None
+        raise InputError(runtime_import_failure(err)) from None
     steps, warmup = _timing(args)
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
-    verified = program_to_run(args, backend_for, functools.partial(moe_layers_of, args.model))
+    model = functools.partial(from_model, args, launcher.model_ties, launcher.moe_layers_of)
+    verified = program_to_run(args, launcher.backend_for, model)
     program = verified.resolved.program
     if not args.json:
         print(verified.line(), flush=True)
     batch = args.batch_size or 8 * program.num_microbatches
-    layers, cut_recompute = _partition(args.partition, program)
-    job = RunJob(
+    layers, cut_recompute = partition(args.partition, program)
+    job = launcher.RunJob(
         program=program,
         model=args.model,
         batch_size=batch,
@@ -403,17 +392,17 @@ def run(args: argparse.Namespace) -> int:
         profile=args.profile is not None or args.profile_layers is not None,
         seed=args.seed,
         derive_rng=args.derive_rng,
-        autocast=AUTOCAST.get(args.autocast),
+        autocast=launcher.AUTOCAST.get(args.autocast),
         reference=args.reference,
         mesh=mesh,
         memory=args.memory,
         optimizer=args.optimizer,
-        recompute=_recompute(args, program, cut_recompute, parse_spec),
+        recompute=_recompute(args, program, cut_recompute, launcher.parse_spec),
         layers=layers,
         profile_layers=args.profile_layers is not None,
         replay=functools.partial(replayed_ms, program=program, model=verified.backend.comm_model),
     )
-    report = run_job(job)
+    report = launcher.run_job(job)
     fields = {k: v for k, v in asdict(report).items() if k not in ("cost_file", "layer_profile")}
     _write_layers(report.layer_profile, args.profile_layers)
     memory_fields(fields, program, memory=args.memory)
@@ -424,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
     fields["program"] = verified.resolved.description
     fields["verified"] = verified.backend.comm_model.value
     fields["verified_ok"] = verified.ok
+    fields["gradient_sums"] = gradient_sums(program)  # every one in the verified program
     fields["mesh"] = mesh.describe() if mesh is not None else None
     tolerance = args.tolerance if args.tolerance is not None else fields["tolerance"]
     fields["tolerance"] = tolerance
@@ -485,22 +475,3 @@ def _write_layers(text: str | None, path: str | None) -> None:
     """--profile-layers: the per-layer profile, written."""
     if path is not None and text is not None:
         write_output(text, path)
-
-
-def _partition(
-    path: str | None, program: Program
-) -> tuple[tuple[tuple[str, ...], ...] | None, dict[int, str]]:
-    """--partition: each stage's layer names, one stage of the cut per program stage, and
-    the stages the cut recomputes (`recompute = "full"`, as `--recompute s:full`)."""
-    if path is None:
-        return None, {}
-    cut, names = load_cut(path)
-    stages = program.placement.num_stages(0)
-    if cut.stages != stages:
-        raise InputError(
-            f"{path}: the cut has {cut.stages} stages, but the program "
-            f"({program.schedule}) has {stages}: search the cut for this program's placement"
-        )
-    recompute = {stage: "full" for stage in range(cut.stages) if cut.recompute[stage]}
-    layers = tuple(tuple(names[n] for n in cut.span(stage)) for stage in range(cut.stages))
-    return layers, recompute

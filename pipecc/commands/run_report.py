@@ -7,7 +7,33 @@ import argparse
 from typing import Any
 
 from pipecc.analysis.memory import format_bytes, measured_sizes, predict_run
+from pipecc.ir.ops import Collective
 from pipecc.ir.program import Program
+
+Ties = tuple[tuple[int, ...], ...]  # groups of stages that hold one parameter (--shared)
+
+
+def tie_notes(model: str, tied: Ties) -> tuple[str, ...]:
+    """The note of the model file's ties (runtime/tools/ties.py), whose gradient sums the
+    program places as `--shared` places them: instructions the verifier checks."""
+    if not tied:
+        return ()
+    given = "/".join("+".join(map(str, stages)) for stages in tied)
+    return (
+        f"{model}: stages {given} hold one parameter (tied weights): resolved as with --shared "
+        f"{given}, so the program holds the gradient sum of each one held on two or more ranks",
+    )
+
+
+def gradient_sums(program: Program) -> list[dict[str, Any]]:
+    """The gradient sums of the verified program (`--json`'s `gradient_sums`): each
+    collective over ranks of the pipeline once, its `what` and its ranks, in program order."""
+    found: dict[tuple[str, tuple[int, ...]], None] = {}
+    for instrs in program.ranks:
+        for op in instrs:
+            if isinstance(op, Collective) and not op.dims:
+                found[(op.what, tuple(sorted(set(op.ranks))))] = None
+    return [{"what": what, "ranks": list(ranks)} for what, ranks in found]
 
 
 def memory_fields(fields: dict[str, Any], program: Program, *, memory: bool) -> None:

@@ -15,6 +15,7 @@ from pipecc.commands.common import (
     add_mesh_args,
     add_moe_args,
     add_policy_arg,
+    add_shared_arg,
     add_size_args,
     backend_of,
     comm_model,
@@ -107,6 +108,7 @@ def register(commands: SubParsers) -> None:
         "with --backend gloo)",
     )
     add_policy_arg(cmd)
+    add_shared_arg(cmd)  # the sums `pipecc run` places for its model file's ties
     cmd.add_argument(
         "--align",
         action="store_true",

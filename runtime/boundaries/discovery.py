@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -112,21 +112,41 @@ class Forward:
     where: str  # "rank r, step t", for errors
 
 
+def agree_program(exchange: Exchange, program: Fingerprint) -> None:
+    """Every rank's program and stage cut compared in one gather, when the runtime is built
+    and before it makes any process group of the program's (a gradient sum's holders): ranks
+    given different programs stop together with the same `SetupError` instead of waiting
+    in a group only some of them create (runtime/boundaries/fingerprint.py)."""
+    me, world = dist.get_rank(), dist.get_world_size(exchange.group)
+    if me not in exchange.rank_map or len(set(exchange.rank_map)) != world:
+        return  # not one of the pipeline's ranks: its runtime says so at its first step
+    exchange = replace(exchange, rank=exchange.rank_map.index(me))
+    where = f"rank {exchange.rank}, set-up"
+    try:
+        texts = exchange.texts(json.dumps({"program": program.as_json()}))
+    except ExchangeTimeout as err:
+        raise RankError(
+            f"{where}: the comparison of the ranks' programs did not complete within "
+            f"{exchange.timeout:g} s ({err}): a rank of the pipeline did not build its runtime"
+        ) from err
+    different = program_problem([json.loads(text) for text in texts], exchange.rank)
+    if different is not None:
+        raise SetupError(f"the pipeline cannot start: {where}: {different}")
+
+
 def agree_signature(
     exchange: Exchange,
     signature: Signature | None,
     problems: list[str],
     forward: Forward,
-    program: Fingerprint | None = None,
 ) -> Signature:
     """The step's signature, the same on every rank, or the same `SetupError` on every rank
-    (module docs, step 1). `program`: this rank's program and stage cut, compared first
-    (runtime/boundaries/fingerprint.py)."""
+    (module docs, step 1). The ranks' programs were compared when their runtimes were built
+    (`agree_program`)."""
     mine = {
         "signature": None if signature is None else signature.text(),
         "problems": [f"rank {exchange.rank}: {text}" for text in problems],
         "where": forward.where,
-        "program": None if program is None else program.as_json(),
     }
     try:
         texts = exchange.texts(json.dumps(mine))
@@ -139,9 +159,6 @@ def agree_signature(
             "without a discovery"
         ) from err
     replies = [json.loads(text) for text in texts]
-    different = program_problem(replies, exchange.rank)
-    if different is not None:  # before the rest: another program explains any other finding
-        raise SetupError(f"the pipeline cannot start: {forward.where}: {different}")
     lines = [line for reply in replies for line in reply["problems"]]
     if lines:
         raise SetupError("the pipeline cannot start:\n  " + "\n  ".join(lines))

@@ -3,12 +3,14 @@
 Each rank's `Fingerprint` is made once, when its runtime is built: stable digests (sha256 of
 a canonical text) of the program's instructions (every rank's lists), its placement, comm
 policy and recomputed stages, with the readable schedule, P and M; and, for each stage the
-rank holds, a digest of its parameters' names, shapes and dtypes. It travels in the gather
-the discovery of the first signature makes anyway (runtime/boundaries/discovery.py
-`agree_signature`), so a step costs nothing more. Ranks whose programs differ (1F1B on one,
-ZB-H1 on the other; another M on one) or that hold one stage cut differently (a stage both
-pipes of DualPipe hold, built with other layers on one rank) stop together with one error
-that says "program" and what differs, instead of running silently or failing on a message
+rank holds, a digest of its parameters' names, shapes and dtypes. The ranks compare them in
+one gather when their runtimes are built (runtime/boundaries/discovery.py `agree_program`),
+before any process group of the program's is made (the holders of a gradient sum: ranks
+given different sums would wait in a `new_group` some of them never call), so a step costs
+nothing more. Ranks whose programs differ (1F1B on one, ZB-H1 on the other; another M on
+one; a sum on one only) or that hold one stage cut differently (a stage both pipes of
+DualPipe hold, built with other layers on one rank) stop together with one error that says
+"program" and what differs, instead of hanging, running silently or failing on a message
 the other rank never sends.
 """
 

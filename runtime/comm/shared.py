@@ -25,11 +25,25 @@ sum it:
   makes a communicator at its first collective: never inside a step). The reduction
   leaves the same bits on every holder (gloo's and NCCL's rings reduce each element once
   and copy the result).
+- a program that places sums, but none over a set of ranks holding one parameter, is
+  refused when the runtime is built (`refuse_unplaced`, `InputError`): every rank computes
+  the same sets from the placement and the declared groups, so every rank refuses before it
+  makes a group or takes a step, naming the stages and the `--shared` that places the sum.
+  Sets only a rank's own parameters reveal (`GradientSums.problems`) stop every rank at the
+  first step's agreement.
 - a program that holds no collective (compiled before collectives existed, or a torch CSV,
-  whose format has none) keeps the old path: after its last instruction the holders of each
-  set of ranks exchange their flat tensors point to point (the sets in a fixed global order,
-  so no two ranks wait on each other in a cycle) and each adds the contributions in rank
-  order. That exchange is outside the program, and so outside the verifier's proof.
+  whose format has none) keeps, through the library, the old path: after its last
+  instruction the holders of each set of ranks exchange their flat tensors point to point
+  (the sets in a fixed global order, so no two ranks wait on each other in a cycle) and each
+  adds the contributions in rank order. That exchange is outside the program, so the
+  verifier never saw it and nothing it proved covers it. `RuntimeConfig(sums_in_program=
+  True)` refuses such a program like the one above instead; `pipecc run` sets it, after
+  resolving the model file's ties into the program it verifies (runtime/tools/ties.py), so
+  no step of a run exchanges anything outside the verified program.
+
+Two objects of one parameter on one rank (a tie built apart, both stages on that rank) are
+added on that rank after the program whatever it places (`GradientSums.after_program`):
+nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pipecc.diagnostics import InputError
 from pipecc.ir.ops import Collective, CollectiveKind
 from pipecc.ir.placement import Placement
 from pipecc.ir.program import Program
@@ -300,6 +315,7 @@ class GradientSums:
         *,
         device: torch.device,
         enabled: bool = True,
+        required: bool = False,
     ) -> None:
         self.rank = rank
         self.mine = [(i, op) for i, op in enumerate(program.ranks[rank]) if _is_sum(op)]
@@ -309,6 +325,7 @@ class GradientSums:
         self.device = device
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.enabled = enabled  # RuntimeConfig.sync_duplicated
+        self.required = required  # RuntimeConfig.sums_in_program: no sum after the program
 
     def create_groups(
         self,
@@ -343,19 +360,27 @@ class GradientSums:
             for index, op in self.mine
             if op.kind is not CollectiveKind.ALL_REDUCE or op.asynchronous
         ]
-        if self.outside:
+        if self.outside and not self.required:
             return found
         placed = {_set(op) for _, op in self.mine}
         for ranks, _ in self.buckets:
             if ranks not in placed and len(ranks) > 1:
-                stages = sorted({s for g in self.buckets[(ranks, _)] for s, _n in g.keys})
-                names = "+".join(str(s) for s in stages)
-                over = ", ".join(str(r) for r in ranks)
-                found.append(
-                    f"stages {names} hold one parameter on ranks {over}, but the program sums "
-                    f"no gradients over ranks {over}: compile it with --shared {names}"
-                )
+                groups = self.buckets[(ranks, _)]
+                stages = sorted({s for g in groups for s, _n in g.keys})
+                tie = any(len({s for s, _n in g.keys}) > 1 for g in groups)
+                found.append(_unsummed(stages, ranks, tie=tie))
         return found
+
+    def after_program(self) -> dict[Bucket, list[Group]]:
+        """The buckets `sum_shared` adds after the program: every one for a program that
+        places no sum (module docstring), else only those held by this rank alone (two
+        objects of one parameter in two of its chunks: added here, nothing exchanged); none
+        when the sums are off (RuntimeConfig.sync_duplicated)."""
+        if not self.enabled:
+            return {}
+        if self.outside:
+            return dict(self.buckets)
+        return {key: groups for key, groups in self.buckets.items() if key[0] == (self.rank,)}
 
     def run(self, op: Collective) -> None:
         """`op`'s all_reduce of this rank's buckets over its ranks (nothing to add on every
@@ -370,6 +395,70 @@ class GradientSums:
             total = _flat(groups, self.device, dtype, self.grads)
             dist.all_reduce(total, group=group)
             _scatter(total, groups, self.grads)
+
+
+def refuse_unplaced(
+    program: Program, rank: int, declared: Iterable[Sequence[ParamKey]], required: bool
+) -> None:
+    """Raise `InputError` on this rank (and, the finding being the same on all, on every
+    rank, when its runtime is built) where `program` places no gradient sum for a set of
+    ranks holding one parameter (`unplaced_sums`)."""
+    found = unplaced_sums(program, declared, required=required)
+    if found:
+        raise InputError(
+            f"rank {rank}: the program is refused before its first step: " + "; ".join(found)
+        )
+
+
+def unplaced_sums(
+    program: Program, declared: Iterable[Sequence[ParamKey]], *, required: bool
+) -> list[str]:
+    """The sets of ranks that hold one parameter (a stage held twice; a declared group of
+    keys, merged as `local_groups` merges them) over which `program` places no gradient
+    sum, each said with the stages and the `--shared` that places it. The same on every
+    rank given the same program and declaration, so every rank can refuse before it makes
+    a group or takes a step. A program that places no sum at all keeps the path after it
+    (`sum_shared`) unless `required` (RuntimeConfig.sums_in_program)."""
+    placed = {_set(op) for ops in program.ranks for op in ops if _is_sum(op)}
+    if not placed and not required:
+        return []
+    placement = program.placement
+    merged: list[set[ParamKey]] = []
+    for keys in declared:
+        group = {(int(stage), str(name)) for stage, name in keys}
+        joined = [other for other in merged if other & group]
+        merged = [other for other in merged if not other & group]
+        merged.append(group.union(*joined))
+    tied = [{stage for stage, _ in group} for group in merged]
+    twice = [{slot.stage} for slot in placement.slots]  # each stage's other parameters
+    found: dict[tuple[int, ...], tuple[bool, set[int]]] = {}
+    for is_tie, stages in [(True, s) for s in tied] + [(False, s) for s in twice]:
+        ranks = _holders(placement, ((stage, "") for stage in stages))
+        if len(ranks) > 1 and ranks not in placed:
+            was_tie, seen = found.get(ranks, (is_tie, set()))
+            if was_tie == is_tie:  # a tie's stages name the set, else the stages held twice
+                found[ranks] = (is_tie, seen | stages)
+    return [
+        _unsummed(sorted(stages), ranks, tie=tie) for ranks, (tie, stages) in sorted(found.items())
+    ]
+
+
+def _unsummed(stages: Sequence[int], ranks: Sequence[int], *, tie: bool = True) -> str:
+    """One set of holders the program sums no gradient over, and how to place its sum."""
+    over = ", ".join(str(r) for r in ranks)
+    if not tie:  # stages held twice: `pipecc compile` always places their sums
+        held = "+".join(str(s) for s in stages)
+        return (
+            f"stage(s) {held} are held by ranks {over}, but the program sums no gradients "
+            f"over ranks {over}: compile it again with pipecc compile, which places the sum "
+            "of every stage held twice"
+        )
+    names = "+".join(str(s) for s in stages)
+    return (
+        f"stages {names} hold one parameter on ranks {over}, but the program sums no "
+        f"gradients over ranks {over}: compile it with --shared {names} (pipecc run "
+        f"--shared {names} places it too)"
+    )
 
 
 def warm(group: dist.ProcessGroup | None, device: torch.device) -> None:

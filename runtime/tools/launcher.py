@@ -64,11 +64,13 @@ from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dt
 from .moe_program import moe_layers, moe_layers_of, refuse_unsplit
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
+from .ties import model_ties
 from .training_run import aux_by_stage, reported_aux, stages_of
 from .whole_reference import check_whole_run, dropout_off, held_grads
 
 __all__ = [
-    "AUTOCAST", "RunJob", "RunReport", "backend_for", "moe_layers_of", "parse_spec", "run_job"
+    "AUTOCAST", "RunJob", "RunReport", "backend_for", "model_ties", "moe_layers_of",
+    "parse_spec", "run_job",
 ]  # fmt: skip
 
 
@@ -172,7 +174,7 @@ def run_job(job: RunJob) -> RunReport:
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     job = with_reference(job, model)
-    if job.mesh is not None and job.mesh.ep > 1 and job.program.moe is None:
+    if job.mesh is not None and job.mesh.ep > 1:  # MoE stages the program does not split
         modules = model.all_stages(job.program.placement.num_stages(0))  # (only here)
         refuse_unsplit(job.program, job.mesh, moe_layers(modules), job.model)
     model.check_cut(job.program.placement.num_stages(0))
@@ -331,7 +333,7 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     autocast = _autocast(job, model)
     gloo = job.gloo or GlooPosting()
     config = RuntimeConfig(
-        timeout=job.timeout, device=device, shared=shared, seed=job.seed,
+        timeout=job.timeout, device=device, shared=shared, seed=job.seed, sums_in_program=True,
         derive_rng=job.derive_rng, autocast=autocast, group=where.group,
         rank_map=where.rank_map, mesh=where.mesh, recompute=_recompute(job, model),
         gloo_poster_thread=gloo.poster_thread, gloo_direction_groups=gloo.direction_groups,

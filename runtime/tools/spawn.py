@@ -75,16 +75,17 @@ def _bootstrap(
         dist.destroy_process_group()
     except InstructionError as err:  # the user's code failed in a step: keep its traceback
         _report(results, rank, err.details())
-    except PipeccError as err:  # pipecc's own finding: one message
-        _report(results, rank, err.message)
+    except PipeccError as err:  # pipecc's own finding: one message (input: exit 2 if all say so)
+        _report(results, rank, err.message, "refused" if err.exit_code == 2 else "error")
     except BaseException as err:  # a bug or a user's exception: keep the traceback
         _report(results, rank, f"rank {rank}: {type(err).__name__}: {err}\n"
                 + "".join(traceback.format_exception(err)))  # fmt: skip
 
 
-def _report(results: Any, rank: int, message: str) -> None:
-    """Send the error, then leave at once: a clean shutdown could block on dead peers."""
-    results.put(("error", rank, message))
+def _report(results: Any, rank: int, message: str, status: str = "error") -> None:
+    """Send the error ("refused": input pipecc cannot use), then leave at once: a clean
+    shutdown could block on dead peers."""
+    results.put((status, rank, message))
     results.close()
     results.join_thread()
     os._exit(1)
@@ -101,8 +102,10 @@ def spawn(
 ) -> list[Any]:
     """Run `worker(rank, world, payload)` in `world` new processes; their results by rank.
 
-    Raises `RankError` naming every rank that failed, once all have stopped; `deadline`
-    (seconds, else `PIPECC_SPAWN_DEADLINE`, else none) bounds the whole run.
+    Raises `RankError` naming every rank that failed, once all have stopped (exit 2, as
+    an `InputError`, when every rank refused its input alike: a program that does not fit
+    the model); `deadline` (seconds, else `PIPECC_SPAWN_DEADLINE`, else none) bounds the
+    whole run.
     """
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -113,11 +116,14 @@ def spawn(
     ]
     _start(processes)
     try:
-        values, failures = _collect(processes, results, _end(deadline))
+        values, failures, refused = _collect(processes, results, _end(deadline))
     finally:
         _stop(processes)
     if failures:
-        raise _failure(failures)
+        failure = _failure(failures)
+        if refused == set(failures):
+            failure.exit_code = 2
+        raise failure
     return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world)]
 
 
@@ -160,9 +166,11 @@ def _end(deadline: float | None) -> tuple[float, float] | None:
 
 def _collect(
     processes: list[Any], results: Any, end: tuple[float, float] | None
-) -> tuple[dict[int, bytes], dict[int, str]]:
+) -> tuple[dict[int, bytes], dict[int, str], set[int]]:
+    """Each rank's result, or its error, and the ranks whose error refused their input."""
     values: dict[int, bytes] = {}
     failures: dict[int, str] = {}
+    refused: set[int] = set()
     failed_at: float | None = None
     while len(values) + len(failures) < len(processes):
         if failed_at is not None and time.monotonic() - failed_at > GRACE:
@@ -176,12 +184,14 @@ def _collect(
             _note_deaths(processes, values, failures)
         else:
             (values if status == "ok" else failures)[rank] = data
+            if status == "refused":
+                refused.add(rank)
         if failures and failed_at is None:
             failed_at = time.monotonic()
     for rank in range(len(processes)):
         if rank not in values and rank not in failures:
             failures[rank] = f"rank {rank}: {STOPPED}"
-    return values, failures
+    return values, failures, refused
 
 
 def _past_deadline(

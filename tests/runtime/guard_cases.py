@@ -22,6 +22,7 @@ from torch import nn
 from pipecc.api import compile_schedule
 from pipecc.diagnostics import PipeccError
 from pipecc.ir.program import Program
+from pipecc.passes.sum_shared import sum_shared
 
 HIDDEN = 4
 ROWS = 2  # rows per microbatch
@@ -104,21 +105,28 @@ def profiled(rank: int) -> Result:
 
 
 def mismatched(rank: int, mine: tuple[str, int], theirs: tuple[str, int]) -> Result:
-    """Rank 0 runs `mine` (schedule, M), rank 1 `theirs`, both at P=2."""
+    """Rank 0 runs `mine` (schedule, M), rank 1 `theirs`, both at P=2: refused when the
+    runtimes are built, before any step."""
     name, microbatches = mine if rank == 0 else theirs
     program = compile_schedule(name, ranks=2, microbatches=microbatches)
-    run = runtime(program, rank, stages(program.placement.num_stages(0)))
-    x, y = batch(microbatches)
-    return _error(lambda: run.step(x, y))
+    return _error(lambda: runtime(program, rank, stages(program.placement.num_stages(0))))
+
+
+def sums_differ(rank: int) -> Result:
+    """1F1B at P=2 with a tie of stages 0 and 1 declared on both ranks; rank 0's program
+    sums its gradient (`--shared 0+1`), rank 1's places no sum (kept after it by the
+    library): refused when the runtimes are built, each rank naming the two programs."""
+    program = compile_schedule("1f1b", ranks=2, microbatches=4)
+    program = sum_shared(program, shared=((0, 1),)) if rank == 0 else program
+    tie = [((0, "layers.0.weight"), (1, "layers.0.weight"))]
+    return _error(lambda: runtime(program, rank, stages(2), RuntimeConfig(shared=tie)))
 
 
 def cut_differently(rank: int) -> Result:
     """DualPipe at P=2: both ranks hold stage 0 (rank 0 in pipe 0, rank 1 in pipe 1); rank 1
     builds it with two layers instead of one."""
     program = compile_schedule("dualpipe", ranks=2, microbatches=4)
-    run = runtime(program, rank, stages(2, {0: 2} if rank == 1 else None))
-    x, y = batch(4)
-    return _error(lambda: run.step(x, y))
+    return _error(lambda: runtime(program, rank, stages(2, {0: 2} if rank == 1 else None)))
 
 
 def clipped_nonfinite(rank: int) -> Result:
@@ -207,6 +215,7 @@ def run_cases(rank: int, world: int, folder: str) -> dict[str, Result]:
     found["zbv-zb_h1"] = mismatched(rank, ("zbv", 4), ("zb_h1", 4))
     found["m8-m4"] = mismatched(rank, ("1f1b", 4), ("1f1b", 8))
     found["cut"] = cut_differently(rank)
+    found["sums-differ"] = sums_differ(rank)
     found["clipped"] = clipped_nonfinite(rank)
     found["reads"] = host_reads(rank)
     checked = RuntimeConfig(group=dist.new_group([0, 1]), check_finite=True)

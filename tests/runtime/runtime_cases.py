@@ -144,6 +144,7 @@ class Case:
     hogs: int = 0  # CPU-bound processes rank 0 starts for the case's extent (a loaded machine)
     device: str = "cpu"  # "cuda": this rank's stages and data on its GPU
     poster_thread: bool = False  # RuntimeConfig.gloo_poster_thread (test_posting.py)
+    other: tuple[int, Program] | None = None  # (rank, the program it is given instead)
 
 
 def compile_case(name: str, ranks: int, microbatches: int, **defines: int) -> Program:
@@ -246,7 +247,7 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
 
 def _setup(rank: int, case: Case) -> _Run:
     group, rank_map = _group_for(case)
-    program = case.program
+    program = case.program if case.other is None or case.other[0] != rank else case.other[1]
     me = rank_map.index(dist.get_rank()) if rank_map is not None else rank
     device = _device(case)
     stages = [s.to(device) for s in build(case.model, program.placement.num_stages(0))]

@@ -72,7 +72,7 @@ def test_ranks_running_different_programs_stop_together_naming_them(
         first, second = (zero, one) if rank == 0 else (one, zero)
         message = found["message"]
         assert message.startswith(
-            f"error: the pipeline cannot start: rank {rank}, step 0: the ranks run different "
+            f"error: the pipeline cannot start: rank {rank}, set-up: the ranks run different "
             f"programs: rank {rank} runs {first}"
         ), message
         assert f", rank {1 - rank} runs {second}" in message, message
@@ -83,10 +83,28 @@ def test_ranks_running_different_programs_stop_together_naming_them(
 
 def test_the_whole_messages_of_a_different_m(ranks: Results) -> None:
     assert ranks[1]["m8-m4"]["message"] == (
-        "error: the pipeline cannot start: rank 1, step 0: the ranks run different programs: "
+        "error: the pipeline cannot start: rank 1, set-up: the ranks run different programs: "
         "rank 1 runs 1f1b P=2 M=8, rank 0 runs 1f1b P=2 M=4 (they differ in: M, instructions); "
         "compile one program and give it to every rank"
     )
+
+
+def test_ranks_whose_programs_differ_in_their_sums_stop_before_making_a_group(
+    ranks: Results,
+) -> None:
+    """Compared when the runtimes are built, before any process group of a sum is made
+    (where ranks given different sums would wait for each other): the fingerprint's
+    error on both ranks, not a hang."""
+    for rank, result in enumerate(ranks):
+        found = result["sums-differ"]
+        assert found["error"] == "SetupError", found
+        assert found["message"].startswith(
+            f"error: the pipeline cannot start: rank {rank}, set-up: the ranks run different "
+            "programs: "
+        ), found["message"]
+        assert found["message"].endswith(
+            "(they differ in: instructions); compile one program and give it to every rank"
+        ), found["message"]
 
 
 def test_a_stage_cut_differently_on_two_ranks_stops_both(ranks: Results) -> None:

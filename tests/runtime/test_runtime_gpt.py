@@ -197,13 +197,18 @@ def test_a_program_without_its_sums_still_sums_after_it(results: Results) -> Non
         assert result["grad_rel"] <= 1e-5, result["grad_rel"]
 
 
-def test_a_program_whose_sums_miss_a_tie_stops_every_rank(results: Results) -> None:
-    for result in (r["uncovered-zb_h1"] for r in results):
-        assert result["error"] == "SetupError", result
-        assert (
-            "stages 0+1 hold one parameter on ranks 0, 1, but the program sums no gradients "
-            "over ranks 0, 1: compile it with --shared 0+1"
-        ) in result["message"], result["message"]
+def test_a_program_whose_sums_miss_a_tie_is_refused_on_every_rank_when_built(
+    results: Results,
+) -> None:
+    """The program places a sum, but not the tie's: every rank refuses it when its runtime
+    is built (before it makes a group or takes a step), naming the --shared that places it."""
+    for rank, result in enumerate(r["uncovered-zb_h1"] for r in results):
+        assert result["error"] == "InputError", result
+        assert result["message"] == (
+            f"error: rank {rank}: the program is refused before its first step: stages 0+1 "
+            "hold one parameter on ranks 0, 1, but the program sums no gradients over ranks "
+            "0, 1: compile it with --shared 0+1 (pipecc run --shared 0+1 places it too)"
+        ), result["message"]
 
 
 def test_an_undeclared_tie_across_ranks_stops_every_rank(results: Results) -> None:

@@ -30,6 +30,7 @@ from runtime_cases import (
 
 from pipecc.api import bundled_schedules
 from pipecc.ir.ops import Recv, Send, Wait
+from pipecc.passes.sum_shared import sum_shared
 
 Results = list[dict[str, dict[str, Any]]]  # per rank: case name -> result
 
@@ -76,6 +77,11 @@ def feature_cases_4() -> list[Case]:
         Case("wrong-world", compile_case("1f1b", 2, 2)),
         Case("missing-module", zbv, drop_chunk=(1, 1)),
         Case("wrong-shapes", compile_case("1f1b", 4, 4), boundaries=wrong_boundaries(zbv)),
+        Case(
+            "sums-differ",
+            sum_shared(compile_case("1f1b", 4, 4), shared=((0, 3),)),
+            other=(3, compile_case("1f1b", 4, 4)),
+        ),  # fmt: skip
         Case("after-errors-1f1b", compile_case("1f1b", 4, 4)),
     ]
 
@@ -221,6 +227,22 @@ def test_program_for_another_world_size_fails_on_every_rank(group4: Results) -> 
     for result in (r["wrong-world"] for r in group4):
         assert result["error"] == "SetupError"
         assert "compiled for 2 ranks but the pipeline group has 4" in result["message"]
+
+
+def test_programs_that_differ_in_their_sums_stop_every_rank_before_a_group_is_made(
+    group4: Results,
+) -> None:
+    """Ranks 0-2 sum stages 0 and 3 over ranks 0 and 3, rank 3's program has no sum: rank 0
+    would wait in the new group of ranks 0 and 3 that rank 3 never makes, rank 3 in the first
+    step. The programs are compared when the runtimes are built, before any group: every
+    rank stops with the fingerprint's error."""
+    for rank, result in enumerate(r["sums-differ"] for r in group4):
+        assert result["error"] == "SetupError", result
+        assert result["message"].startswith(
+            f"error: the pipeline cannot start: rank {rank}, set-up: the ranks run different "
+            "programs: "
+        ), result["message"]
+        assert "(they differ in: instructions)" in result["message"], result["message"]
 
 
 def test_missing_stage_module_fails_on_every_rank(group4: Results) -> None:

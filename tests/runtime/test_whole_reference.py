@@ -205,6 +205,37 @@ def test_a_tie_declared_by_the_model_file_passes_both_references() -> None:
         report = json.loads(done.stdout.splitlines()[-1])
         assert report["reference"] == ("whole" if reference == "auto" else "stages")
         assert report["max_rel_grad_diff"] <= 1e-6, report
+        # the tie's sum is an instruction of the program pipecc run verified (not a step
+        # after it): the run resolved it as with --shared 0+1
+        assert report["verified_ok"] is True
+        assert report["gradient_sums"] == [{"what": "grad-sum s0+s1", "ranks": [0, 1]}]
+        assert f"note: {TIED_STAGES}: stages 0+1 hold one parameter (tied weights)" in done.stderr
+
+
+REAL_ONLY = str(Path(__file__).with_name("tied_real_only.py"))
+
+
+def test_a_tie_found_only_by_the_ranks_is_refused_before_the_first_step() -> None:
+    """A tie by Parameter identity in a model that cannot be built on the meta device is
+    not found before the program is resolved: every rank refuses the program when its
+    runtime is built (exit 2), naming the stages and the --shared that places the sum; with
+    that --shared the run verifies the sum and --check passes."""
+    args = [PIPECC, "run", "1f1b", "--nproc", "2", "-M", "2", "--model", REAL_ONLY, "--check"]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    refused = (
+        "the program is refused before its first step: stages 0+1 hold one parameter on ranks "
+        "0, 1, but the program sums no gradients over ranks 0, 1: compile it with --shared 0+1 "
+        "(pipecc run --shared 0+1 places it too)"
+    )
+    assert f"error: rank 0: {refused}\nnote: rank 1: {refused}\n" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([*args, "--shared", "0+1", "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["gradient_sums"] == [{"what": "grad-sum s0+s1", "ranks": [0, 1]}]
+    assert report["max_rel_grad_diff"] <= 1e-6, report
 
 
 def test_the_model_files_shared_is_read_and_checked(tmp_path: Path) -> None:
