@@ -1,13 +1,16 @@
 """Expert-parallel cases, run inside mesh_cases.py's process group of 4 (gloo): a pipeline of 2
-times an EP group of 2, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))`, the
-MoE model of examples/moe_ep.py (every stage two MoE blocks of 4 experts, top 2, the Switch
-balancing loss added with `add_loss`; layer 1 of every stage routes nothing to experts 2
-and 3, so EP rank 1 receives no token there).
+times an EP group of 2, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))`, or
+one pipeline rank times 2 data-parallel ranks times an EP group of 2 (`("pp", "dp_shard",
+"ep")`: FSDP2 on dp_shard over the experts each EP rank keeps, `keep_experts` first;
+`("pp", "dp_replicate", "ep")`), the MoE model of examples/moe_ep.py (every stage two MoE
+blocks of 4 experts, top 2, the Switch balancing loss added with `add_loss`; layer 1 of
+every stage routes nothing to experts 2 and 3, so EP rank 1 receives no token there).
 
-Each case runs the pipeline's program split into MoE phases (runtime/tools/moe_program.py:
-the fused F&B interleaved, or in sequence), each EP rank on its contiguous share of the
-global batch, and compares the loss, the added loss and every gradient of this rank's
-stages, each expert's by name, with one process training the whole batch on the whole model.
+Each case runs the pipeline's program split into MoE phases (the compiler's expand_moe:
+the fused F&B interleaved, or in sequence), each data-parallel rank (dp_replicate, dp_shard,
+ep) on its contiguous share of the global batch, and compares the loss, the added loss and
+every gradient of this rank's stages, each expert's by name (gathered whole from FSDP's
+shards), with one process training the whole batch on the whole model.
 Functions here run in the spawned processes: keep them importable and picklable.
 """
 
@@ -18,7 +21,10 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
-from pipecc.runtime import PipelineRuntime, RuntimeConfig
+import torch.distributed as dist
+from discovery_cases import Counts, counting
+from pipecc.runtime import PipelineRuntime, RuntimeConfig, keep_experts
+from pipecc.runtime.comm.mesh import replica_index
 from pipecc.runtime.engine.moe_block import MoEBlock
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
@@ -26,11 +32,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import PipeccError
+from pipecc.ir.ops import Collective
 from pipecc.ir.program import Program
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = Options(seed=3)
 ROWS = 2  # rows per microbatch
+FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")  # what FSDP2 calls
 
 
 class MoECase(NamedTuple):
@@ -40,8 +48,10 @@ class MoECase(NamedTuple):
     program: Program
     forward: bool = False  # also a forward-only step (evaluation)
     recompute: str | None = None  # "full", or the submodules recomputed selectively
-    fsdp: bool = False  # on ("pp", "dp_shard"): every held stage under FSDP2, all experts
+    fsdp: bool = False  # every held stage under FSDP2 on dp_shard (its EP rank's experts)
     short: bool = False  # every stage keeps only its first block: refused
+    mesh: str = "pp=2,ep=2"  # the device mesh, pp outermost (mesh_cases.py builds it)
+    late: bool = False  # fully_shard before the EP rank's experts are kept: refused
 
 
 def _model() -> dict[str, Any]:
@@ -49,7 +59,7 @@ def _model() -> dict[str, Any]:
 
 
 def run_moe_case(mesh: Any, case: MoECase) -> dict[str, Any]:
-    """One case on this rank of the ("pp", "ep") mesh: what the tests assert."""
+    """One case on this rank of the case's mesh: what the tests assert."""
     try:
         return _check(mesh, case)
     except PipeccError as err:
@@ -64,21 +74,23 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
     if case.short:
         for stage in stages:
             stage.moe_blocks = nn.ModuleList(list(stage.moe_blocks)[:1])
-    pp, ep = mesh.get_coordinate()
-    chunks = case.program.placement.chunks(pp)
+    chunks = case.program.placement.chunks(mesh.get_local_rank("pp"))
     modules = {slot.chunk: stages[slot.stage] for slot in chunks}
     received = _counting([stages[slot.stage] for slot in chunks])
     calls = _calls([stages[slot.stage] for slot in chunks])
     if case.fsdp:
-        for stage in sorted({slot.stage for slot in chunks}):
-            fully_shard(stages[stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
-            cast(Any, stages[stage]).set_requires_gradient_sync(False)
+        _fully_shard([stages[slot.stage] for slot in chunks], mesh, case.late)
     config = RuntimeConfig(seed=OPTIONS.seed, mesh=mesh, recompute=case.recompute)
     runtime = PipelineRuntime(case.program, modules, loss_fn=model["loss_fn"], config=config)
-    microbatches = case.program.num_microbatches * 2
+    # every data-parallel rank (dp_replicate, dp_shard, ep) its contiguous share of the rows
+    replica, replicas = replica_index(mesh, "pp"), mesh.size() // mesh["pp"].size()
+    microbatches = case.program.num_microbatches * replicas
     data = model["make_batch"](ROWS * microbatches, 0)
-    share = tuple(part[ep * len(part) // 2 : (ep + 1) * len(part) // 2] for part in data)
-    runtime.step(*share)
+    share = tuple(part[replica * len(part) // replicas : (replica + 1) * len(part) // replicas]
+                  for part in data)  # fmt: skip
+    counts = Counts()
+    with counting(counts, ((dist, FSDP_COLLECTIVES),)):
+        runtime.step(*share)
     breakdown = runtime.global_loss(breakdown=True)
     want_loss, want = reference_step(reference, data, microbatches, model["loss_fn"], OPTIONS)
     held = {slot.stage for slot in chunks}
@@ -88,11 +100,49 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
         "grad_rel": _worst(got, want),
         "experts": sorted(n for (s, n) in got if ".experts." in n and s == min(held)),
         "received": received, "mixer_calls": len(calls),
+        "expert_share": _share_held(stages, held), "carried": _carried(runtime),
+        "collectives": [counts.calls.get(name, 0) for name in FSDP_COLLECTIVES],
     }  # fmt: skip
     if case.forward:
         runtime.forward(*share)
         found["eval_loss"] = (runtime.global_loss(breakdown=True).main, want_loss)
     return found
+
+
+def _fully_shard(stages: list[nn.Module], mesh: Any, late: bool) -> None:
+    """FSDP2 on every held stage over dp_shard, gradient sync off but at the program's
+    REDUCE_GRAD, after this EP rank's experts are kept (`late`: before, the wrong order)."""
+    if not late:
+        keep_experts(stages, mesh)
+    for stage in stages:
+        fully_shard(stage, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        cast(Any, stage).set_requires_gradient_sync(False)
+
+
+def _carried(runtime: PipelineRuntime) -> dict[str, list[int]]:
+    """Each data-parallel reduction of this rank (by its `what`): how many dense parameters
+    it reduces, how many experts it reduces or scales (runtime/comm/mesh.py)."""
+    reductions = runtime.mesh
+    ops = runtime.program.ranks[runtime.rank]
+    indices = set(reductions.params) | set(reductions.expert_params)
+    return {
+        cast(Collective, ops[i]).what: [
+            len(reductions.params.get(i, ())),
+            len(reductions.expert_params.get(i, ())),
+        ]
+        for i in sorted(indices)
+    }
+
+
+def _share_held(stages: list[nn.Module], held: set[int]) -> float:
+    """The part of its experts' parameters this rank holds (FSDP's shards of them)."""
+    local = whole = 0
+    for stage in held:
+        for name, param in stages[stage].named_parameters():
+            if ".experts." in name:
+                local += (param.to_local() if isinstance(param, DTensor) else param).numel()
+                whole += param.numel()
+    return local / whole
 
 
 def _counting(stages: list[nn.Module]) -> dict[str, list[int]]:

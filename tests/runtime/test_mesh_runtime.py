@@ -23,7 +23,7 @@ from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
 from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
-from pipecc.ir.ops import StageAction, StageOp
+from pipecc.ir.ops import Collective, CollectiveKind, StageAction, StageOp
 from pipecc.ir.program import Program
 from pipecc.passes.insert_fsdp_actions import FsdpPolicy
 from pipecc.passes.sum_shared import sum_shared
@@ -90,6 +90,18 @@ def _moe_fsdp_program(name: str) -> Program:
     return place_moe(place_mesh(compile_case(name, 2, 4), options), options)
 
 
+# EP composed with data parallelism on 4 ranks: one pipeline rank (1F1B, M=2) times 2
+# data-parallel ranks (FSDP2 on dp_shard, or replicas) times an EP group of 2
+MOE_DP = ("dp_shard", "dp_replicate")
+
+
+@functools.cache
+def _moe_dp_program(dim: str) -> Program:
+    """`pipecc run 1f1b -P 1 --mesh <dim>=2,ep=2 --moe 2`'s program (whole mesh: pp = 1)."""
+    options = MeshOptions(f"{dim}=2,ep=2", moe=MoeOptions(2))
+    return place_moe(place_mesh(compile_case("1f1b", 1, 2), options), options)
+
+
 def _moe_cases() -> list[MoECase]:
     found = [MoECase(f"moe-{n}", _moe_program(n)) for n in MOE_SCHEDULES]
     found.append(MoECase("moe-sequential-dualpipev", _moe_program("dualpipev", False)))
@@ -99,8 +111,18 @@ def _moe_cases() -> list[MoECase]:
         for n in ("zbv", "dualpipev")
         for mode in ("full", "mixer")
     ]
-    found += [MoECase(f"moe-fsdp-{n}", _moe_fsdp_program(n), fsdp=True) for n in MOE_FSDP]
+    found += [
+        MoECase(f"moe-fsdp-{n}", _moe_fsdp_program(n), fsdp=True, mesh="pp=2,dp_shard=2")
+        for n in MOE_FSDP
+    ]
     found.append(MoECase("moe-short", _moe_program("dualpipev"), short=True))
+    found += [
+        MoECase(f"moe-{dim}-ep", _moe_dp_program(dim), fsdp=dim == "dp_shard",
+                mesh=f"pp=1,{dim}=2,ep=2")
+        for dim in MOE_DP
+    ]  # fmt: skip
+    found.append(MoECase("moe-fsdp-before-ep", _moe_dp_program("dp_shard"), fsdp=True,
+                         mesh="pp=1,dp_shard=2,ep=2", late=True))  # fmt: skip
     return found
 
 
@@ -388,6 +410,62 @@ def test_moe_phases_on_fsdp_stages_match_one_process(
         assert result["grad_rel"] <= 1e-5, result["grad_rel"]
         got, want = result["loss"]
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def _reductions(program: Program) -> list[tuple[str, tuple[str, ...]]]:
+    """The program's FSDP reduce-scatters and data-parallel all-reduces, in order."""
+    return [
+        (f"{op.kind.value} {getattr(op, 'what', '')}".strip(), getattr(op, "dims", ()))
+        for op in program.ranks[0]
+        if (isinstance(op, StageOp) and op.kind is StageAction.REDUCE_GRAD)
+        or (isinstance(op, Collective) and op.kind is CollectiveKind.ALL_REDUCE)
+    ]
+
+
+@pytest.mark.parametrize("dim", MOE_DP)
+def test_expert_parallel_with_data_parallel_matches_one_process(
+    results: list[dict[str, Any]], dim: str
+) -> None:
+    """EP borrowed from data parallelism (pp=1 x <dim>=2 x ep=2, 1F1B): the program's
+    reductions are FSDP2's reduce_scatter over dp_shard, then the dense parameters' over
+    dp_replicate x ep and the experts' over dp_replicate; each rank holds its EP rank's
+    experts (FSDP2-sharded over dp_shard: half of their elements), the same along `dim`;
+    the loss and every gathered gradient within 1e-5 of one process on the whole batch.
+    (Before: the dense parameters were reduced by the last reduction naming their stage,
+    the experts' over dp_replicate only: grad rel 2.4.)"""
+    want = {
+        "dp_shard": [("REDUCE_GRAD", ()), ("all_reduce dp-grad dense s0", ("ep",))],
+        "dp_replicate": [("all_reduce dp-grad dense s0", ("dp_replicate", "ep")),
+                         ("all_reduce dp-grad experts s0", ("dp_replicate",))],
+    }[dim]  # fmt: skip
+    assert _reductions(_moe_dp_program(dim)) == want
+    found = _each(results, f"moe-{dim}-ep")
+    for result in found:
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want_loss = result["loss"]
+        assert abs(got - want_loss) <= 1e-5 * abs(want_loss), (got, want_loss)
+        assert result["expert_share"] == (0.5 if dim == "dp_shard" else 1.0)
+        carried = result["carried"]  # [dense reduced, experts reduced or scaled]
+        dense, experts = carried["dp-grad dense s0"]
+        assert dense > 0 and experts == 16, carried  # 2 blocks x 2 experts x 4 tensors
+        assert carried.get("dp-grad experts s0", [0, 16]) == [0, 16], carried
+        if dim == "dp_shard":  # FSDP2's only collectives: the program's UNSHARD, REDUCE_GRAD
+            assert result["collectives"] == [1, 1], result["collectives"]
+    held = [set(result["experts"]) for result in found]  # global rank g: ep = g % 2
+    assert held[0] == held[2] and held[1] == held[3] and not held[0] & held[1]
+    assert {n.split(".experts.")[1].split(".")[0] for n in held[0] | held[1]} == set("0123")
+
+
+def test_fsdp_before_the_experts_are_kept_is_refused(results: list[dict[str, Any]]) -> None:
+    """`fully_shard` on a MoE stage still holding every EP rank's experts: FSDP would gather
+    and reduce them all every step; every rank stops before the first, naming the fix."""
+    for rank, result in enumerate(r["moe-fsdp-before-ep"] for r in results):
+        assert result.get("error") == "SetupError", result
+        assert (
+            f"stage 0 is under FSDP2 (fully_shard) with the experts of every EP rank: keep "
+            f"EP rank {rank % 2}'s experts first, pipecc.runtime.keep_experts(modules, mesh)"
+            in result["message"]
+        ), result
 
 
 def test_expert_ranks_without_tokens_take_part(results: list[dict[str, Any]]) -> None:
