@@ -1,7 +1,7 @@
 """Expert-parallel cases, run inside mesh_cases.py's process group of 4 (gloo): a pipeline of 2
 times an EP group of 2, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))`, or
 one pipeline rank times 2 data-parallel ranks times an EP group of 2 (`("pp", "dp_shard",
-"ep")`: FSDP2 on dp_shard over the experts each EP rank keeps, `keep_experts` first;
+"ep")`: FSDP2 on dp_shard over the experts each EP rank keeps, as `pipecc run` shards;
 `("pp", "dp_replicate", "ep")`), the MoE model of examples/moe_ep.py (every stage two MoE
 blocks of 4 experts, top 2, the Switch balancing loss added with `add_loss`; layer 1 of
 every stage routes nothing to experts 2 and 3, so EP rank 1 receives no token there).
@@ -23,9 +23,11 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 from discovery_cases import Counts, counting
-from pipecc.runtime import PipelineRuntime, RuntimeConfig, keep_experts
+from pipecc.runtime import PipelineRuntime, RuntimeConfig
 from pipecc.runtime.comm.mesh import replica_index
 from pipecc.runtime.engine.moe_block import MoEBlock
+from pipecc.runtime.tools import mesh_job
+from pipecc.runtime.tools.mesh_job import Place
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -79,7 +81,7 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
     received = _counting([stages[slot.stage] for slot in chunks])
     calls = _calls([stages[slot.stage] for slot in chunks])
     if case.fsdp:
-        _fully_shard([stages[slot.stage] for slot in chunks], mesh, case.late)
+        _fully_shard(stages, {slot.stage for slot in chunks}, mesh, case)
     config = RuntimeConfig(seed=OPTIONS.seed, mesh=mesh, recompute=case.recompute)
     runtime = PipelineRuntime(case.program, modules, loss_fn=model["loss_fn"], config=config)
     # every data-parallel rank (dp_replicate, dp_shard, ep) its contiguous share of the rows
@@ -109,14 +111,18 @@ def _check(mesh: Any, case: MoECase) -> dict[str, Any]:
     return found
 
 
-def _fully_shard(stages: list[nn.Module], mesh: Any, late: bool) -> None:
+def _fully_shard(stages: list[nn.Module], held: set[int], mesh: Any, case: MoECase) -> None:
     """FSDP2 on every held stage over dp_shard, gradient sync off but at the program's
-    REDUCE_GRAD, after this EP rank's experts are kept (`late`: before, the wrong order)."""
-    if not late:
-        keep_experts(stages, mesh)
-    for stage in stages:
-        fully_shard(stage, mesh=mesh["dp_shard"], reshard_after_forward=False)
-        cast(Any, stage).set_requires_gradient_sync(False)
+    REDUCE_GRAD, after this EP rank's experts are kept: as `pipecc run` does it
+    (runtime/tools/mesh_job.py `shard`); `late`: fully_shard first, the wrong order."""
+    if not case.late:
+        replicas = mesh.size() // mesh["pp"].size()
+        where = Place(mesh, mesh.get_local_rank("pp"), replica_index(mesh, "pp"), replicas)
+        mesh_job.shard(dict(enumerate(stages)), held, where, case.program)
+        return
+    for stage in sorted(held):
+        fully_shard(stages[stage], mesh=mesh["dp_shard"], reshard_after_forward=False)
+        cast(Any, stages[stage]).set_requires_gradient_sync(False)
 
 
 def _carried(runtime: PipelineRuntime) -> dict[str, list[int]]:
