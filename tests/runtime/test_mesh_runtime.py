@@ -431,8 +431,8 @@ def test_expert_parallel_with_data_parallel_matches_one_process(
     dp_replicate x ep and the experts' over dp_replicate; each rank holds its EP rank's
     experts (FSDP2-sharded over dp_shard: half of their elements), the same along `dim`;
     the loss and every gathered gradient within 1e-5 of one process on the whole batch.
-    (Before: the dense parameters were reduced by the last reduction naming their stage,
-    the experts' over dp_replicate only: grad rel 2.4.)"""
+    (Before: the dense parameters went with the last reduction naming their stage, the
+    experts' one over dp_replicate alone: grad rel 2.4 on dp_replicate.)"""
     want = {
         "dp_shard": [("REDUCE_GRAD", ()), ("all_reduce dp-grad dense s0", ("ep",))],
         "dp_replicate": [("all_reduce dp-grad dense s0", ("dp_replicate", "ep")),
