@@ -11,11 +11,13 @@ the fused F&B interleaved, or in sequence), each data-parallel rank (dp_replicat
 ep) on its contiguous share of the global batch, and compares the loss, the added loss and
 every gradient of this rank's stages, each expert's by name (gathered whole from FSDP's
 shards), with one process training the whole batch on the whole model.
-Functions here run in the spawned processes: keep them importable and picklable.
+The cases' programs are compiled in the parent (`moe_cases`); the rest runs in the spawned
+processes: keep it importable and picklable.
 """
 
 from __future__ import annotations
 
+import functools
 import runpy
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -29,12 +31,14 @@ from pipecc.runtime.engine.moe_block import MoEBlock
 from pipecc.runtime.tools import mesh_job
 from pipecc.runtime.tools.mesh_job import Place
 from pipecc.runtime.tools.reference import Options, gradients, reference_step
+from runtime_cases import compile_case
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import PipeccError
-from pipecc.ir.ops import Collective
+from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
+from pipecc.ir.ops import Collective, CollectiveKind, StageAction, StageOp
 from pipecc.ir.program import Program
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +62,71 @@ class MoECase(NamedTuple):
 
 def _model() -> dict[str, Any]:
     return runpy.run_path(str(ROOT / "examples" / "moe_ep.py"), run_name="pipecc_model")
+
+
+# the cases test_mesh_runtime.py runs (programs built in the parent, before the spawn):
+# PP=2 x EP=2, every stage 2 MoE layers
+MOE_SCHEDULES = ("dualpipev", "zbv", "dualpipe", "1f1b")
+MOE_FSDP = ("zbv", "dualpipev")
+
+
+def moe_program(name: str, overlap: bool = True, microbatches: int = 4) -> Program:
+    """The program `pipecc run --mesh ep=2 --moe 2` resolves (the compiler's expand_moe)."""
+    options = MeshOptions("ep=2", moe=MoeOptions(2, overlap=overlap))
+    return place_moe(place_mesh(compile_case(name, 2, microbatches), options), options)
+
+
+def moe_fsdp_program(name: str) -> Program:
+    """PP=2 x dp_shard=2 (FSDP2 stages, every expert on each rank: ep = 1) in MoE phases."""
+    options = MeshOptions("dp_shard=2", moe=MoeOptions(2))
+    return place_moe(place_mesh(compile_case(name, 2, 4), options), options)
+
+
+# EP composed with data parallelism on 4 ranks: one pipeline rank (1F1B, M=2) times 2
+# data-parallel ranks (FSDP2 on dp_shard, or replicas) times an EP group of 2
+MOE_DP = ("dp_shard", "dp_replicate")
+
+
+@functools.cache
+def moe_dp_program(dim: str) -> Program:
+    """`pipecc run 1f1b -P 1 --mesh <dim>=2,ep=2 --moe 2`'s program (whole mesh: pp = 1)."""
+    options = MeshOptions(f"{dim}=2,ep=2", moe=MoeOptions(2))
+    return place_moe(place_mesh(compile_case("1f1b", 1, 2), options), options)
+
+
+def moe_cases() -> list[MoECase]:
+    """Every MoE case of the mesh group (test_mesh_runtime.py asserts on them by name)."""
+    found = [MoECase(f"moe-{n}", moe_program(n)) for n in MOE_SCHEDULES]
+    found.append(MoECase("moe-sequential-dualpipev", moe_program("dualpipev", False)))
+    found.append(MoECase("moe-forward-dualpipev", moe_program("dualpipev"), forward=True))
+    found += [
+        MoECase(f"moe-recompute-{mode}-{n}", moe_program(n), recompute=mode)
+        for n in ("zbv", "dualpipev")
+        for mode in ("full", "mixer")
+    ]
+    found += [
+        MoECase(f"moe-fsdp-{n}", moe_fsdp_program(n), fsdp=True, mesh="pp=2,dp_shard=2")
+        for n in MOE_FSDP
+    ]
+    found.append(MoECase("moe-short", moe_program("dualpipev"), short=True))
+    found += [
+        MoECase(f"moe-{dim}-ep", moe_dp_program(dim), fsdp=dim == "dp_shard",
+                mesh=f"pp=1,{dim}=2,ep=2")
+        for dim in MOE_DP
+    ]  # fmt: skip
+    found.append(MoECase("moe-fsdp-before-ep", moe_dp_program("dp_shard"), fsdp=True,
+                         mesh="pp=1,dp_shard=2,ep=2", late=True))  # fmt: skip
+    return found
+
+
+def reductions(program: Program) -> list[tuple[str, tuple[str, ...]]]:
+    """The program's FSDP reduce-scatters and data-parallel all-reduces, in order."""
+    return [
+        (f"{op.kind.value} {getattr(op, 'what', '')}".strip(), getattr(op, "dims", ()))
+        for op in program.ranks[0]
+        if (isinstance(op, StageOp) and op.kind is StageAction.REDUCE_GRAD)
+        or (isinstance(op, Collective) and op.kind is CollectiveKind.ALL_REDUCE)
+    ]
 
 
 def run_moe_case(mesh: Any, case: MoECase) -> dict[str, Any]:

@@ -18,12 +18,20 @@ from typing import Any
 import pytest
 from helpers import run_cli
 from mesh_cases import MeshCase, run_mesh_cases
-from moe_cases import MoECase
+from moe_cases import (
+    MOE_DP,
+    MOE_FSDP,
+    MOE_SCHEDULES,
+    MoECase,
+    moe_cases,
+    moe_dp_program,
+    reductions,
+)
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
-from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
-from pipecc.ir.ops import Collective, CollectiveKind, StageAction, StageOp
+from pipecc.driver.mesh import MeshOptions, place_mesh
+from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
 from pipecc.passes.insert_fsdp_actions import FsdpPolicy
 from pipecc.passes.sum_shared import sum_shared
@@ -73,59 +81,6 @@ def _resident() -> Program:
     return place_mesh(program, MeshOptions("dp_shard=2", policy=policy))
 
 
-# expert parallelism (moe_cases.py): PP=2 x EP=2, every stage 2 MoE layers
-MOE_SCHEDULES = ("dualpipev", "zbv", "dualpipe", "1f1b")
-MOE_FSDP = ("zbv", "dualpipev")
-
-
-def _moe_program(name: str, overlap: bool = True, microbatches: int = 4) -> Program:
-    """The program `pipecc run --mesh ep=2 --moe 2` resolves (the compiler's expand_moe)."""
-    options = MeshOptions("ep=2", moe=MoeOptions(2, overlap=overlap))
-    return place_moe(place_mesh(compile_case(name, 2, microbatches), options), options)
-
-
-def _moe_fsdp_program(name: str) -> Program:
-    """PP=2 x dp_shard=2 (FSDP2 stages, every expert on each rank: ep = 1) in MoE phases."""
-    options = MeshOptions("dp_shard=2", moe=MoeOptions(2))
-    return place_moe(place_mesh(compile_case(name, 2, 4), options), options)
-
-
-# EP composed with data parallelism on 4 ranks: one pipeline rank (1F1B, M=2) times 2
-# data-parallel ranks (FSDP2 on dp_shard, or replicas) times an EP group of 2
-MOE_DP = ("dp_shard", "dp_replicate")
-
-
-@functools.cache
-def _moe_dp_program(dim: str) -> Program:
-    """`pipecc run 1f1b -P 1 --mesh <dim>=2,ep=2 --moe 2`'s program (whole mesh: pp = 1)."""
-    options = MeshOptions(f"{dim}=2,ep=2", moe=MoeOptions(2))
-    return place_moe(place_mesh(compile_case("1f1b", 1, 2), options), options)
-
-
-def _moe_cases() -> list[MoECase]:
-    found = [MoECase(f"moe-{n}", _moe_program(n)) for n in MOE_SCHEDULES]
-    found.append(MoECase("moe-sequential-dualpipev", _moe_program("dualpipev", False)))
-    found.append(MoECase("moe-forward-dualpipev", _moe_program("dualpipev"), forward=True))
-    found += [
-        MoECase(f"moe-recompute-{mode}-{n}", _moe_program(n), recompute=mode)
-        for n in ("zbv", "dualpipev")
-        for mode in ("full", "mixer")
-    ]
-    found += [
-        MoECase(f"moe-fsdp-{n}", _moe_fsdp_program(n), fsdp=True, mesh="pp=2,dp_shard=2")
-        for n in MOE_FSDP
-    ]
-    found.append(MoECase("moe-short", _moe_program("dualpipev"), short=True))
-    found += [
-        MoECase(f"moe-{dim}-ep", _moe_dp_program(dim), fsdp=dim == "dp_shard",
-                mesh=f"pp=1,{dim}=2,ep=2")
-        for dim in MOE_DP
-    ]  # fmt: skip
-    found.append(MoECase("moe-fsdp-before-ep", _moe_dp_program("dp_shard"), fsdp=True,
-                         mesh="pp=1,dp_shard=2,ep=2", late=True))  # fmt: skip
-    return found
-
-
 @functools.cache
 def _cases() -> list[MeshCase | MoECase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
@@ -165,7 +120,7 @@ def _cases() -> list[MeshCase | MoECase]:
                           recompute=True))  # fmt: skip
     found.append(MeshCase("sp-partial", _program("1f1b", "tp"), "tp", sp=True, partial=True))
     found.append(MeshCase("train-sp-zb_h1", _program("zb_h1", "tp"), "tp", True, sp=True))
-    found += _moe_cases()
+    found += moe_cases()
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -412,16 +367,6 @@ def test_moe_phases_on_fsdp_stages_match_one_process(
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
-def _reductions(program: Program) -> list[tuple[str, tuple[str, ...]]]:
-    """The program's FSDP reduce-scatters and data-parallel all-reduces, in order."""
-    return [
-        (f"{op.kind.value} {getattr(op, 'what', '')}".strip(), getattr(op, "dims", ()))
-        for op in program.ranks[0]
-        if (isinstance(op, StageOp) and op.kind is StageAction.REDUCE_GRAD)
-        or (isinstance(op, Collective) and op.kind is CollectiveKind.ALL_REDUCE)
-    ]
-
-
 @pytest.mark.parametrize("dim", MOE_DP)
 def test_expert_parallel_with_data_parallel_matches_one_process(
     results: list[dict[str, Any]], dim: str
@@ -438,7 +383,7 @@ def test_expert_parallel_with_data_parallel_matches_one_process(
         "dp_replicate": [("all_reduce dp-grad dense s0", ("dp_replicate", "ep")),
                          ("all_reduce dp-grad experts s0", ("dp_replicate",))],
     }[dim]  # fmt: skip
-    assert _reductions(_moe_dp_program(dim)) == want
+    assert reductions(moe_dp_program(dim)) == want
     found = _each(results, f"moe-{dim}-ep")
     for result in found:
         assert result["grad_rel"] <= 1e-5, result["grad_rel"]
