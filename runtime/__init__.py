@@ -21,7 +21,7 @@ from .config import RuntimeConfig, mse_loss
 from .data import broadcast_shapes
 from .engine.aux_loss import LossBreakdown, add_loss
 from .engine.interpreter import InstructionError
-from .engine.moe_block import MoEBlock, MoEStage, Routed
+from .engine.moe_block import MoEBlock, MoEStage, Routed, keep_experts
 from .engine.watch import NonFiniteError, StepStats
 from .pipeline import PipelineRuntime
 from .profiling.recorder import Recorder
@@ -47,6 +47,7 @@ __all__ = [
     "broadcast_shapes",
     "check_against",
     "infer_boundaries",
+    "keep_experts",
     "load_checkpoint",
     "mse_loss",
     "pipeline_boundaries",

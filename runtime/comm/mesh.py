@@ -11,11 +11,14 @@ passes/insert_dp_reduction.py) is run by `DataParallel`: over the mesh's group a
 dimensions through this rank, each gradient of the stages it carries is divided by the
 group's size and all_reduced in place (SUM), so every replica ends with the mean over all
 replicas' microbatches, the gradient of the global batch. An EP rank is such a replica for
-the dense parameters (`ep` among the dimensions). An expert parameter (`experts`: each EP
-rank holds its own) got the gradient of every EP rank's tokens, each scaled by its
-pipeline's 1/M: a reduction over `ep` (`dp-grad dense sN`) divides it by the EP size and
-moves nothing; one over the other dimensions (`dp-grad experts sN`) reduces it as a dense
-one. An async one is posted and completed
+the dense parameters (`ep` among the dimensions). What a reduction carries is what the
+compiler's `what` says: a MoE stage's `dp-grad dense sN` (over dp_replicate × ep) its dense
+parameters, its `dp-grad experts sN` (over dp_replicate) its experts, a plain `dp-grad sN`
+every parameter. An expert parameter (`experts`: each EP rank holds its own) got the
+gradient of every EP rank's tokens, each scaled by its pipeline's 1/M: the `dense`
+reduction (over `ep`) divides it by the EP size and moves nothing; the `experts` one
+reduces it as a dense one (FSDP2's reduce_scatter over dp_shard, the program's
+REDUCE_GRAD, comes before both). An async one is posted and completed
 by the program's `wait` that lists it, like a send. A parameter held by two stages of this rank
 (a tied embedding on a V shape's rank 0) is reduced once, by the last of their reductions in
 the program (an earlier one would miss the later backwards' gradients); a parameter without a
@@ -27,7 +30,7 @@ replicas along them run one program, so one order); NCCL never makes a communica
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -110,11 +113,13 @@ class DataParallel:
         for param in self.expert_params.get(index, ()):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            if "ep" in op.dims:  # each expert lives on one EP rank: scaled, not reduced
+            if _part(op) == "dense":  # each expert lives on one EP rank: scaled, not reduced
                 param.grad.div_(self._group(("ep",))[1])
-            else:
+            else:  # `dp-grad experts sN`: over the dimensions but ep, as a dense one
                 param.grad.div_(size)
-                works.append(dist.all_reduce(param.grad, group=group, async_op=True))
+                grad = param.grad
+                local = grad.to_local() if isinstance(grad, DTensor) else grad  # FSDP's shard
+                works.append(dist.all_reduce(local, group=group, async_op=True))
         return works
 
     def _group(self, dims: tuple[str, ...]) -> tuple[dist.ProcessGroup, int]:
@@ -124,6 +129,15 @@ class DataParallel:
         return self.groups[dims]
 
 
+def _part(op: Collective) -> str:
+    """What a reduction carries of its stages, by the `what` the compiler gave it
+    (passes/insert_dp_reduction.py): "dense" (`dp-grad dense sN`: the dense parameters,
+    the experts only scaled), "experts" (`dp-grad experts sN`: the experts alone), else
+    "all" (`dp-grad sN`: every parameter, as a replica's)."""
+    words = op.what.split()
+    return words[1] if len(words) > 2 and words[1] in ("dense", "experts") else "all"
+
+
 def _reduced_params(
     program: Program,
     rank: int,
@@ -131,23 +145,16 @@ def _reduced_params(
     mine: Sequence[tuple[int, Collective]],
     experts: frozenset[int] = frozenset(),
 ) -> dict[int, list[torch.nn.Parameter]]:
-    """The parameters each reduction carries: those of its stages' modules on this rank, each
-    object with the last reduction that names a stage holding it (the experts apart)."""
-    chunk_of = {slot.stage: slot.chunk for slot in program.placement.chunks(rank)}
-    last: dict[int, tuple[int, torch.nn.Parameter]] = {}
-    for index, op in mine:
-        for stage in op.stages:
-            module = modules.get(chunk_of.get(stage, -1))
-            for param in module.parameters() if module is not None else ():
-                if id(param) not in experts:
-                    last[id(param)] = (index, param)
-    found: dict[int, list[torch.nn.Parameter]] = {}
-    for index, param in last.values():
-        found.setdefault(index, []).append(param)
-    return found
+    """The parameters each reduction reduces as a replica's: those of its stages' modules
+    on this rank, the experts of a `dense` one apart, none for an `experts` one; each object
+    with the last reduction that names a stage holding it (a tied parameter once)."""
+
+    def carries(op: Collective, param: torch.nn.Parameter) -> bool:
+        return _part(op) == "all" or (_part(op) == "dense" and id(param) not in experts)
+
+    return _last(program, rank, modules, mine, carries)
 
 
-# the dimensions whose ranks see different rows (an EP rank is a data-parallel replica)
 def _expert_params(
     program: Program,
     rank: int,
@@ -155,17 +162,42 @@ def _expert_params(
     mine: Sequence[tuple[int, Collective]],
     experts: frozenset[int],
 ) -> dict[int, list[torch.nn.Parameter]]:
-    """The expert parameters of each reduction's stages: every reduction naming a stage
-    handles its experts (one over `ep` scales them by 1/ep, one over the other dimensions
-    reduces them: the program's `dp-grad dense sN` and `dp-grad experts sN`)."""
-    chunk_of = {slot.stage: slot.chunk for slot in program.placement.chunks(rank)}
+    """The expert parameters of each `dense` and `experts` reduction's stages, each with the
+    last of either part (a `dense` one over `ep` scales them by 1/ep; an `experts` one over
+    the other dimensions reduces them: the program's `dp-grad dense sN` and `dp-grad
+    experts sN`); a plain `dp-grad sN` reduces a stage's experts with its other parameters
+    (experts the program does not run in phases are whole on every EP rank)."""
     found: dict[int, list[torch.nn.Parameter]] = {}
+    for part in ("dense", "experts"):
+
+        def carries(op: Collective, param: torch.nn.Parameter, part: str = part) -> bool:
+            return _part(op) == part and id(param) in experts
+
+        for index, params in _last(program, rank, modules, mine, carries).items():
+            found.setdefault(index, []).extend(params)
+    return found
+
+
+def _last(
+    program: Program,
+    rank: int,
+    modules: Mapping[int, torch.nn.Module],
+    mine: Sequence[tuple[int, Collective]],
+    carries: Callable[[Collective, torch.nn.Parameter], bool],
+) -> dict[int, list[torch.nn.Parameter]]:
+    """Each parameter of the reductions' stages that `carries(op, param)` says a reduction
+    carries, with the last such reduction (by instruction index)."""
+    chunk_of = {slot.stage: slot.chunk for slot in program.placement.chunks(rank)}
+    last: dict[int, tuple[int, torch.nn.Parameter]] = {}
     for index, op in mine:
         for stage in op.stages:
             module = modules.get(chunk_of.get(stage, -1))
             for param in module.parameters() if module is not None else ():
-                if id(param) in experts:
-                    found.setdefault(index, []).append(param)
+                if carries(op, param):
+                    last[id(param)] = (index, param)
+    found: dict[int, list[torch.nn.Parameter]] = {}
+    for index, param in last.values():
+        found.setdefault(index, []).append(param)
     return found
 
 

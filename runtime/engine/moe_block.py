@@ -77,6 +77,38 @@ def shard(modules: Sequence[nn.Module], rank: int, size: int) -> None:
             block.shard_experts(rank, size)
 
 
+def keep_experts(modules: Sequence[nn.Module], mesh: Any) -> None:
+    """Keep this process's share of the experts of every MoE stage in `modules`: EP rank e
+    of the mesh's `ep` dimension keeps experts [e·E/ep, (e+1)·E/ep) of each block (nothing
+    changes on a mesh without `ep`). Call it before FSDP2's `fully_shard`, so that FSDP
+    shards, gathers and reduces only the experts this rank holds; the runtime keeps them
+    itself when it is built, which is too late for a stage FSDP already manages (refused)."""
+    if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
+        shard(modules, mesh.get_local_rank("ep"), mesh["ep"].size())
+
+
+def keep_own(held: Sequence[tuple[int, nn.Module, bool]], rank: int, size: int) -> list[str]:
+    """Keep EP rank `rank`'s experts in each (stage, module, FSDP-managed) the program runs
+    in phases; what cannot run: experts that do not split over `size`, or a stage FSDP2
+    manages that still held other ranks' experts (FSDP would gather and reduce them every
+    step: `keep_experts` goes before `fully_shard`)."""
+    found = []
+    for stage, module, fsdp in held:
+        before = sum(1 for _ in module.parameters())
+        try:
+            shard([module], rank, size)
+        except ValueError as err:  # experts that do not split over ep
+            return [str(err)]
+        if fsdp and sum(1 for _ in module.parameters()) != before:
+            found.append(
+                f"stage {stage} is under FSDP2 (fully_shard) with the experts of every EP "
+                f"rank: keep EP rank {rank}'s experts first, pipecc.runtime.keep_experts("
+                "modules, mesh), then fully_shard (FSDP would gather and reduce the others "
+                "every step)"
+            )
+    return found
+
+
 def expert_params(modules: Sequence[nn.Module]) -> frozenset[int]:
     """The ids of the expert parameters of every MoE block (not reduced over `ep`)."""
     found: set[int] = set()

@@ -51,7 +51,7 @@ from ..comm.shared import warm
 from .aux_loss import collecting, scaled_roots, total
 from .compute import StageOps, context_of, record_added
 from .context import Saved, StepContext, Tensors
-from .moe_block import Block, blocks_of, shard
+from .moe_block import Block, blocks_of, keep_own
 from .moe_post import Exchange, Layer, Ticket, a2a_group
 from .selective import Selected
 from .split_backward import WeightGrad, full_backward, input_backward
@@ -350,11 +350,10 @@ def moe_ops(
     if not any(type(instr) is Phase for instr in ranks[rank]):
         return None
     found = stage_problems(ranks[rank], stage)
-    if not found:
-        try:
-            shard([chunk.module for chunk in stage.chunks.values()], index, size)
-        except ValueError as err:  # experts that do not split over ep
-            found.append(str(err))
+    if not found:  # the stages the program runs in phases keep their EP rank's experts
+        phased = {x.op.chunk: x.op.stage for x in ranks[rank] if type(x) is Phase}
+        held = [(s, stage.chunks[c].module, stage.chunks[c].sharded) for c, s in phased.items()]
+        found = keep_own(sorted(held, key=lambda h: h[0]), index, size)
     if group is not None:
         warm(group, stage.autocast_device)
     return MoEOps(stage, group, size, timeout, found)

@@ -328,7 +328,7 @@ def _worker(rank: int, world: int, job: RunJob) -> dict[str, Any]:
     shared = (*shared, *model.declared_shared(num_stages))
     if job.check and job.reference == "whole":  # the whole model cannot draw the stages' masks
         dropout_off(built.values())
-    mesh_job.shard(built, {s.stage for s in slots}, where)  # --mesh dp_shard=N: FSDP2
+    mesh_job.shard(built, {s.stage for s in slots}, where, program)  # dp_shard=N: FSDP2
     modules = {slot.chunk: built[slot.stage] for slot in slots}
     autocast = _autocast(job, model)
     gloo = job.gloo or GlooPosting()

@@ -7,7 +7,8 @@ the global batch: the replicas are the pipelines that see different data (dp_rep
 dp_shard and ep: an EP rank is a data-parallel replica for the dense parameters), so
 replica d of D gets rows d·N/D .. (d+1)·N/D − 1; the ranks of a tp group take the same
 rows. With tp > 1 the model file's `parallelize` shards each stage module; with
-dp_shard > 1 `fully_shard` wraps each stage this process holds.
+dp_shard > 1 `fully_shard` wraps each stage this process holds (a MoE stage's experts kept
+to this EP rank's first).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from pipecc.diagnostics import InputError
 from pipecc.ir.mesh import DIMS, Mesh
+from pipecc.ir.ops import Phase
+from pipecc.ir.program import Program
 
 from ..comm.mesh import pipeline_of
+from ..engine.moe_block import keep_experts
 
 
 class Place(NamedTuple):
@@ -73,14 +77,20 @@ def parallelize(model: Any, built: dict[int, torch.nn.Module], where: Place) -> 
         model.parallelize(module, stage, mesh["tp"])
 
 
-def shard(built: dict[int, torch.nn.Module], held: set[int], where: Place) -> None:
+def shard(
+    built: dict[int, torch.nn.Module], held: set[int], where: Place, program: Program
+) -> None:
     """With dp_shard > 1, FSDP2's `fully_shard` on every stage this process holds, over the
     mesh's dp_shard dimension, with gradient sync off: the program's REDUCE_GRAD reduces
     once, after the stage's last backward, and its UNSHARD and RESHARD place the gathers
-    (torchtitan applies TP first, then FSDP: `parallelize` runs before this)."""
+    (torchtitan applies TP first, then FSDP: `parallelize` runs before this). The stages
+    the program runs in MoE phases keep this EP rank's experts first, so FSDP shards only
+    those (the runtime would keep them too late: `keep_experts`)."""
     mesh = where.mesh
     if mesh is None or "dp_shard" not in (mesh.mesh_dim_names or ()):
         return
+    phased = {x.op.stage for x in program.ranks[where.pp_rank] if type(x) is Phase}
+    keep_experts([built[stage] for stage in sorted(held & phased)], mesh)
     for stage in sorted(held):
         module = built[stage]
         fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=False)

@@ -4,7 +4,8 @@ data-parallel replicas, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp",
 examples/gpt.py's `parallelize`: every block's MLP split over tp), and a pipeline of 2 times
 2 FSDP2 shards (`("pp", "dp_shard")`, `fully_shard` on every held stage, gradient sync off but
 at the program's REDUCE_GRAD), the GPT of examples/gpt.py with tied embeddings; and a
-pipeline of 2 times an EP group of 2 (`("pp", "ep")`, moe_cases.py: examples/moe_ep.py). FSDP
+pipeline of 2 times an EP group of 2 (`("pp", "ep")`, moe_cases.py: examples/moe_ep.py; its
+cases may name another mesh, `pp=1,dp_shard=2,ep=2`, made here once for all of them). FSDP
 cases also count FSDP's all-gathers and reduce-scatters of every step (the step's only ones
 must be the program's UNSHARDs and REDUCE_GRADs), and `walk` cases split the backward by the
 graph walk instead of the weight-gradient contract (runtime/engine/split_backward.py).
@@ -76,10 +77,14 @@ def run_mesh_cases(rank: int, world: int, cases: list[MeshCase | MoECase]) -> di
         dim: init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", dim))
         for dim in ("dp_replicate", "tp", "dp_shard", "ep")
     }
+    layouts = {f"pp={world // 2},{dim}=2": mesh for dim, mesh in meshes.items()}
+    for case in cases:  # the MoE cases' other meshes, made in one order on every rank
+        if isinstance(case, MoECase) and case.mesh not in layouts:
+            layouts[case.mesh] = _device_mesh(case.mesh)
     results: dict[str, Any] = {}
     for case in cases:
         if isinstance(case, MoECase):  # expert parallelism (moe_cases.py)
-            results[case.name] = run_moe_case(meshes["dp_shard" if case.fsdp else "ep"], case)
+            results[case.name] = run_moe_case(layouts[case.mesh], case)
             continue
         try:
             run = _resume if case.folder else _train if case.train else _check
@@ -87,6 +92,14 @@ def run_mesh_cases(rank: int, world: int, cases: list[MeshCase | MoECase]) -> di
         except PipeccError as err:
             results[case.name] = {"error": type(err).__name__, "message": str(err)}
     return results
+
+
+def _device_mesh(text: str) -> Any:
+    """The CPU device mesh "pp=1,dp_shard=2,ep=2" names, its dimensions in that order."""
+    sizes = dict(part.split("=") for part in text.split(","))
+    return init_device_mesh(
+        "cpu", tuple(int(v) for v in sizes.values()), mesh_dim_names=tuple(sizes)
+    )
 
 
 def _replicas(case: MeshCase) -> int:

@@ -19,11 +19,19 @@ from typing import Any
 import pytest
 from helpers import run_cli
 from mesh_cases import MeshCase, run_mesh_cases
-from moe_cases import MoECase
+from moe_cases import (
+    MOE_DP,
+    MOE_FSDP,
+    MOE_SCHEDULES,
+    MoECase,
+    moe_cases,
+    moe_dp_program,
+    reductions,
+)
 from pipecc.runtime.tools.spawn import spawn
 from runtime_cases import compile_case
 
-from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
+from pipecc.driver.mesh import MeshOptions, place_mesh
 from pipecc.ir.ops import StageAction, StageOp
 from pipecc.ir.program import Program
 from pipecc.passes.insert_fsdp_actions import FsdpPolicy
@@ -74,37 +82,6 @@ def _resident() -> Program:
     return place_mesh(program, MeshOptions("dp_shard=2", policy=policy))
 
 
-# expert parallelism (moe_cases.py): PP=2 x EP=2, every stage 2 MoE layers
-MOE_SCHEDULES = ("dualpipev", "zbv", "dualpipe", "1f1b")
-MOE_FSDP = ("zbv", "dualpipev")
-
-
-def _moe_program(name: str, overlap: bool = True, microbatches: int = 4) -> Program:
-    """The program `pipecc run --mesh ep=2 --moe 2` resolves (the compiler's expand_moe)."""
-    options = MeshOptions("ep=2", moe=MoeOptions(2, overlap=overlap))
-    return place_moe(place_mesh(compile_case(name, 2, microbatches), options), options)
-
-
-def _moe_fsdp_program(name: str) -> Program:
-    """PP=2 x dp_shard=2 (FSDP2 stages, every expert on each rank: ep = 1) in MoE phases."""
-    options = MeshOptions("dp_shard=2", moe=MoeOptions(2))
-    return place_moe(place_mesh(compile_case(name, 2, 4), options), options)
-
-
-def _moe_cases() -> list[MoECase]:
-    found = [MoECase(f"moe-{n}", _moe_program(n)) for n in MOE_SCHEDULES]
-    found.append(MoECase("moe-sequential-dualpipev", _moe_program("dualpipev", False)))
-    found.append(MoECase("moe-forward-dualpipev", _moe_program("dualpipev"), forward=True))
-    found += [
-        MoECase(f"moe-recompute-{mode}-{n}", _moe_program(n), recompute=mode)
-        for n in ("zbv", "dualpipev")
-        for mode in ("full", "mixer")
-    ]
-    found += [MoECase(f"moe-fsdp-{n}", _moe_fsdp_program(n), fsdp=True) for n in MOE_FSDP]
-    found.append(MoECase("moe-short", _moe_program("dualpipev"), short=True))
-    return found
-
-
 @functools.cache
 def _cases() -> list[MeshCase | MoECase]:
     found = [MeshCase(f"{dim}-{n}", _program(n, dim), dim) for dim in DIMS for n in SCHEDULES]
@@ -144,7 +121,7 @@ def _cases() -> list[MeshCase | MoECase]:
                           recompute=True))  # fmt: skip
     found.append(MeshCase("sp-partial", _program("1f1b", "tp"), "tp", sp=True, partial=True))
     found.append(MeshCase("train-sp-zb_h1", _program("zb_h1", "tp"), "tp", True, sp=True))
-    found += _moe_cases()
+    found += moe_cases()
     return found + [
         MeshCase(f"train-{dim}-{n}", _program(n, dim), dim, True) for dim in DIMS for n in TRAINING
     ]
@@ -389,6 +366,52 @@ def test_moe_phases_on_fsdp_stages_match_one_process(
         assert result["grad_rel"] <= 1e-5, result["grad_rel"]
         got, want = result["loss"]
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("dim", MOE_DP)
+def test_expert_parallel_with_data_parallel_matches_one_process(
+    results: list[dict[str, Any]], dim: str
+) -> None:
+    """EP borrowed from data parallelism (pp=1 x <dim>=2 x ep=2, 1F1B): the program's
+    reductions are FSDP2's reduce_scatter over dp_shard, then the dense parameters' over
+    dp_replicate x ep and the experts' over dp_replicate; each rank holds its EP rank's
+    experts (FSDP2-sharded over dp_shard: half of their elements), the same along `dim`;
+    the loss and every gathered gradient within 1e-5 of one process on the whole batch.
+    (Before: the dense parameters went with the last reduction naming their stage, the
+    experts' one over dp_replicate alone: grad rel 2.4 on dp_replicate.)"""
+    want = {
+        "dp_shard": [("REDUCE_GRAD", ()), ("all_reduce dp-grad dense s0", ("ep",))],
+        "dp_replicate": [("all_reduce dp-grad dense s0", ("dp_replicate", "ep")),
+                         ("all_reduce dp-grad experts s0", ("dp_replicate",))],
+    }[dim]  # fmt: skip
+    assert reductions(moe_dp_program(dim)) == want
+    found = _each(results, f"moe-{dim}-ep")
+    for result in found:
+        assert result["grad_rel"] <= 1e-5, result["grad_rel"]
+        got, want_loss = result["loss"]
+        assert abs(got - want_loss) <= 1e-5 * abs(want_loss), (got, want_loss)
+        assert result["expert_share"] == (0.5 if dim == "dp_shard" else 1.0)
+        carried = result["carried"]  # [dense reduced, experts reduced or scaled]
+        dense, experts = carried["dp-grad dense s0"]
+        assert dense > 0 and experts == 16, carried  # 2 blocks x 2 experts x 4 tensors
+        assert carried.get("dp-grad experts s0", [0, 16]) == [0, 16], carried
+        if dim == "dp_shard":  # FSDP2's only collectives: the program's UNSHARD, REDUCE_GRAD
+            assert result["collectives"] == [1, 1], result["collectives"]
+    held = [set(result["experts"]) for result in found]  # global rank g: ep = g % 2
+    assert held[0] == held[2] and held[1] == held[3] and not held[0] & held[1]
+    assert {n.split(".experts.")[1].split(".")[0] for n in held[0] | held[1]} == set("0123")
+
+
+def test_fsdp_before_the_experts_are_kept_is_refused(results: list[dict[str, Any]]) -> None:
+    """`fully_shard` on a MoE stage still holding every EP rank's experts: FSDP would gather
+    and reduce them all every step; every rank stops before the first, naming the fix."""
+    for rank, result in enumerate(r["moe-fsdp-before-ep"] for r in results):
+        assert result.get("error") == "SetupError", result
+        assert (
+            f"stage 0 is under FSDP2 (fully_shard) with the experts of every EP rank: keep "
+            f"EP rank {rank % 2}'s experts first, pipecc.runtime.keep_experts(modules, mesh)"
+            in result["message"]
+        ), result
 
 
 def test_expert_ranks_without_tokens_take_part(results: list[dict[str, Any]]) -> None:

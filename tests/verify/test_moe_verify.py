@@ -14,7 +14,8 @@ from helpers import SCHEDULES, compile_bundled, run_cli
 
 from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe, whole_mesh
 from pipecc.interop import json_program
-from pipecc.ir.ops import Collective, Phase, PhasePart, Wait
+from pipecc.ir.mesh import parse_mesh
+from pipecc.ir.ops import Collective, CollectiveKind, Phase, PhasePart, Wait
 from pipecc.ir.program import Program
 from pipecc.passes.splice import splice
 from pipecc.verify import ALL_MODELS, Options, verify
@@ -174,3 +175,43 @@ def test_an_async_all_to_all_not_waited_before_its_consumer_is_reported() -> Non
         "after B1.5:post @39, completed before it: @40 is not waited before it",
     ]
     assert [v.code for v in report.violations[:2]] == ["unwaited", "unwaited"]
+
+
+@pytest.mark.parametrize("mesh", ["pp=2,dp_shard=2,ep=2", "pp=2,dp_replicate=2,dp_shard=2,ep=2"])
+def test_ep_with_fsdp_verifies_and_reduces_dense_and_experts_over_their_dims(
+    capsys: pytest.CaptureFixture[str], mesh: str
+) -> None:
+    """EP composed with FSDP2 (and replicas), DualPipeV with 2 MoE layers a stage, 8 and 16
+    ranks, no process: `verify` and `simulate` pass, and on the whole mesh every stage's
+    gradients are reduce-scattered over its dp_shard group, then its dense parameters'
+    all-reduced over its dp_replicate × ep group and its experts' over its dp_replicate
+    group alone (none without replicas: each expert lives on one EP rank)."""
+    flags = ("-P", "2", "-M", "8", "--mesh", mesh, "--moe", "2")
+    for command in ("verify", "simulate"):
+        code, _, err = run_cli(capsys, command, "dualpipev", *flags)
+        assert code == 0, err
+    options = MeshOptions(mesh, moe=MoeOptions(2))
+    program = place_moe(place_mesh(compile_bundled("dualpipev", 2, 8), options), options)
+    whole = whole_mesh(program)[0]
+    assert verify(whole, Options(models=ALL_MODELS)).ok
+    layout = parse_mesh(mesh)
+    for rank, instrs in enumerate(whole.ranks):
+        groups = {
+            "reduce-grad": layout.group(rank, ("dp_shard",)),
+            "dp-grad dense": layout.group(rank, ("dp_replicate", "ep")),
+            "dp-grad experts": layout.group(rank, ("dp_replicate",)),
+        }
+        wanted = ["reduce-grad", "dp-grad dense"]
+        wanted += ["dp-grad experts"] if layout.dp_replicate > 1 else []
+        stages = {x.stages[0] for x in instrs if type(x) is Collective and x.what.startswith("dp")}
+        assert len(stages) == 2  # two stages a rank, on the V
+        for stage in stages:
+            found = [
+                (x.what.rsplit(" ", 1)[0], x.ranks)
+                for x in instrs
+                if type(x) is Collective
+                and x.kind is not CollectiveKind.ALL_TO_ALL
+                and x.stages == (stage,)
+                and not x.what.startswith("unshard")
+            ]
+            assert found == [(what, groups[what]) for what in wanted], (rank, stage, found)
