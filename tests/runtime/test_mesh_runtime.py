@@ -433,8 +433,9 @@ def test_pipecc_run_checks_an_expert_parallel_model(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """`pipecc run dualpipev --mesh pp=2,ep=2` on examples/moe_ep.py (no --moe: the model
-    file's MoE blocks are placed, as --moe 2 would): the program split into MoE phases, each EP rank its experts and share of the batch, every gradient (each
-    expert's by name) against one process on the whole batch. Profiled: every stage's
+    file's MoE blocks are placed, as --moe 2 would): the program split into MoE phases,
+    each EP rank its experts and share of the batch, every gradient (each expert's by
+    name) against one process on the whole batch. Profiled: every stage's
     phases add up to its F, I and B, its all-to-alls give `a2a`, its experts `moe_experts`,
     and `simulate` reads the file back."""
     profile = tmp_path / "moe.toml"
