@@ -36,6 +36,8 @@
 #   nccl-2     2+ GPUs: pipecc run --nproc 2 over NCCL with --check
 #   mesh-2     2+ GPUs: the tied GPT on a mesh, dp_shard=2 (FSDP2 over NCCL), with --check
 #   nccl-4     4+ GPUs: the aligned zb_h1 at P=4 over NCCL with --check
+#   ep-4       4+ GPUs: PP=2 x EP=2, DualPipeV's MoE all-to-alls over NCCL with --check
+#   ep-overlap 4+ GPUs: benchmarks/ep_overlap.py over NCCL, overlapped against sequential
 #   sanitizer  warm steps under torch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1)
 #   split      measurement: split backward, I + W against B (benchmarks/split_backward.py)
 #   profile    measurement: pipecc run --profile, the cost file into $OUT/costs.toml
@@ -147,6 +149,10 @@ gpus_step 2 mesh-2 120 env PIPECC_GPT_TIED=1 PIPECC_GPT_DIM=256 PIPECC_GPT_SEQ=1
 gpus_step 4 nccl-4 120 "${PIPECC[@]}" run zb_h1 --nproc 4 -M 8 --align \
     --cost F=1,B=2,I=1,W=1,comm=0.1 --model examples/mlp.py --check --steps 3 --warmup 1 \
     --timeout 60
+gpus_step 4 ep-4 120 "${PIPECC[@]}" run dualpipev --nproc 4 -M 8 --mesh pp=2,ep=2 --moe 2 \
+    --model examples/moe_ep.py --check --steps 3 --warmup 1 --timeout 60
+gpus_step 4 ep-overlap 150 "$PY" -u benchmarks/ep_overlap.py --device cuda --rounds 3 \
+    --size 1024,1024,2048 --size 2048,2048,4096
 gpu_step sanitizer 120 env TORCH_CUDA_SANITIZER=1 "$PY" -u benchmarks/gpu_streams_check.py \
     --sanitize
 gpu_step split 60 "$PY" -u benchmarks/split_backward.py --device cuda --rounds 5

@@ -42,7 +42,7 @@ from .engine.context import Mailbox, StepContext
 from .engine.fused import FusedOps
 from .engine.interpreter import InstructionError, Interpreter, Parts
 from .engine.moe_block import expert_params
-from .engine.moe_ops import moe_ops
+from .engine.moe_ops import moe_ops, unsplit_problems
 from .engine.plan_cache import PlanCache
 from .engine.precision import Fp32Grads
 from .engine.recompute import recomputed, selected_modules
@@ -461,6 +461,7 @@ class PipelineRuntime:
         placement = self.program.placement
         found += shared.sharing_problems(placement, self.rank, self.modules, config.shared)
         found += self.moe.problems() if self.moe is not None else []
+        found += unsplit_problems(self.program.ranks[self.rank], held, config.mesh)
         return found + self.sums.problems() + self.mesh.problems()
 
     def _declared_problems(self, agreed: Signature, boundaries: dict[int, Boundary]) -> list[str]:

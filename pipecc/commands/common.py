@@ -219,6 +219,10 @@ def moe_options(args: argparse.Namespace) -> MoeOptions | None:
     """--moe K and --moe-overlap, with a cost file's per-stage `moe_layers` over K (None:
     no --moe)."""
     layers = getattr(args, "moe", None)
+    from_model = getattr(args, "moe_stages", None)  # pipecc run: the model file's, by stage
+    if layers is None and from_model:
+        overlap = getattr(args, "moe_overlap", None) != "off"
+        return MoeOptions(max(from_model), tuple(enumerate(from_model)), overlap)
     if layers is None:
         if getattr(args, "moe_overlap", None) is not None:
             raise InputError("--moe-overlap is for --moe K (the MoE layers of every stage)")

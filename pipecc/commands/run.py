@@ -28,8 +28,8 @@ from pipecc.commands.common import (
     runtime_import_failure,
     write_output,
 )
+from pipecc.commands.run_model import NOTHING, FromModel, from_model, partition
 from pipecc.commands.run_report import (
-    Ties,
     check_failure,
     gradient_sums,
     memory_fields,
@@ -41,7 +41,6 @@ from pipecc.driver.check import Resolution, verify_source
 from pipecc.driver.load import Resolved, RunBackend, read_source, refuse_invalid
 from pipecc.driver.mesh import run_mesh
 from pipecc.ir.program import Program
-from pipecc.search.layers import load_cut
 from pipecc.semantics import CommModel
 from pipecc.semantics.costs import parse_cost_text
 from pipecc.simulate import simulate
@@ -298,13 +297,15 @@ class Verified(NamedTuple):
 def program_to_run(
     args: argparse.Namespace,
     backend_for: Callable[[int], str],
-    ties: Callable[[Program], Ties] | None = None,
+    model: Callable[[Program, int], FromModel] | None = None,
 ) -> Verified:
     """The program to run on the backend `backend_for` picks for its processes (`--nproc`,
     the mesh's world with --mesh, whose pp is the program's P), resolved as `pipecc verify
     --backend` resolves it, verified once under that backend's comm model with verify's
     checks, and refused (exit 1, verify's report on stderr) when it fails, unless
-    --unverified. `ties`: the model file's tied stages, placed as --shared places them."""
+    --unverified. `model`: what the model file adds (pipecc/commands/run_model.py): its
+    tied stages, placed as --shared places them; on a mesh with ep > 1 without --moe, its
+    MoE layers, placed as --moe places them."""
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
     ranks = mesh.pp if mesh is not None else args.ranks  # the program is one pipeline's
     world = mesh.world if mesh is not None else None
@@ -313,9 +314,10 @@ def program_to_run(
     )
     _check_sizes(args, source.program, ranks)
     backend = RunBackend(backend_for(world or source.program.num_ranks))
-    tied = ties(source.program) if ties is not None else ()
+    found = model(source.program, mesh.ep if mesh else 1) if model is not None else NOTHING
+    args.moe_stages = found.moe
     placing = lowering(args, backend)
-    resolution = Resolution(backend, replace(placing, shared=(*placing.shared, *tied)))
+    resolution = Resolution(backend, replace(placing, shared=(*placing.shared, *found.ties)))
     outcome, resolved = verify_source(source, Options(models=(backend.comm_model,)), resolution)
     ok = outcome.report.ok
     if not ok and not source.compiled:  # a .json or .csv pipecc cannot use: exit 2, as anywhere
@@ -329,7 +331,7 @@ def program_to_run(
             f"{outcome.label}: refused: it has no correct program to run, as reported above"
         )
     print_notes(
-        (*resolved.notes, *tie_notes(args.model, tied), *filter(None, (resolved.placed_for,)))
+        (*resolved.notes, *tie_notes(args.model, found.ties), *filter(None, (resolved.placed_for,)))
     )
     if not ok:
         print(report.text(outcome.report, outcome.label, outcome.notes), file=sys.stderr)
@@ -372,13 +374,13 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(runtime_import_failure(err)) from None
     steps, warmup = _timing(args)
     mesh = run_mesh(args.mesh, args.ranks) if args.mesh else None
-    ties = functools.partial(_ties, args, launcher.model_ties)
-    verified = program_to_run(args, launcher.backend_for, ties)
+    model = functools.partial(from_model, args, launcher.model_ties, launcher.moe_layers_of)
+    verified = program_to_run(args, launcher.backend_for, model)
     program = verified.resolved.program
     if not args.json:
         print(verified.line(), flush=True)
     batch = args.batch_size or 8 * program.num_microbatches
-    layers, cut_recompute = _partition(args.partition, program)
+    layers, cut_recompute = partition(args.partition, program)
     job = launcher.RunJob(
         program=program,
         model=args.model,
@@ -469,32 +471,7 @@ def _full_stages(spec: object, stages: int) -> set[int]:
     return {int(stage) for stage, mode in spec.items() if mode == "full"}
 
 
-def _ties(args: argparse.Namespace, find: Callable[..., Ties], program: Program) -> Ties:
-    """The model file's ties, found on its stages as this run cuts them (`--partition`)."""
-    layers = _partition(args.partition, program)[0]
-    return find(args.model, program.placement.num_stages(0), layers)
-
-
 def _write_layers(text: str | None, path: str | None) -> None:
     """--profile-layers: the per-layer profile, written."""
     if path is not None and text is not None:
         write_output(text, path)
-
-
-def _partition(
-    path: str | None, program: Program
-) -> tuple[tuple[tuple[str, ...], ...] | None, dict[int, str]]:
-    """--partition: each stage's layer names, one stage of the cut per program stage, and
-    the stages the cut recomputes (`recompute = "full"`, as `--recompute s:full`)."""
-    if path is None:
-        return None, {}
-    cut, names = load_cut(path)
-    stages = program.placement.num_stages(0)
-    if cut.stages != stages:
-        raise InputError(
-            f"{path}: the cut has {cut.stages} stages, but the program "
-            f"({program.schedule}) has {stages}: search the cut for this program's placement"
-        )
-    recompute = {stage: "full" for stage in range(cut.stages) if cut.recompute[stage]}
-    layers = tuple(tuple(names[n] for n in cut.span(stage)) for stage in range(cut.stages))
-    return layers, recompute

@@ -359,6 +359,27 @@ def moe_ops(
     return MoEOps(stage, group, size, timeout, found)
 
 
+def unsplit_problems(
+    instrs: Sequence[Instr], modules: dict[int, nn.Module], mesh: Any
+) -> list[str]:
+    """On a mesh with ep > 1, each chunk of MoE blocks must run in the program's phases: run
+    whole, its EP rank's experts would see only its own tokens and their gradients would not
+    be reduced over ep (runtime/comm/mesh.py), a wrong gradient."""
+    if mesh is None or "ep" not in (mesh.mesh_dim_names or ()) or mesh["ep"].size() == 1:
+        return []
+    phased = {x.op.chunk for x in instrs if type(x) is Phase}
+    found = []
+    for chunk, module in sorted(modules.items()):
+        blocks = blocks_of(module)
+        if blocks and chunk not in phased:
+            found.append(
+                f"chunk {chunk} holds {len(blocks)} MoE block(s) and the program runs it "
+                f"without MoE phases on a mesh with ep={mesh['ep'].size()}: compile it with "
+                "--moe K (pipecc run places the model file's layers; docs/parallelism.md)"
+            )
+    return found
+
+
 def stage_problems(instrs: Sequence[Instr], stage: StageOps) -> list[str]:
     """Each chunk the program runs in phases must be a MoE stage with as many blocks as
     the program has MoE layers there (the layer of its post phase)."""

@@ -12,7 +12,12 @@ I like any stage. From them, per stage and over all stages:
   the experts phases add up to what they took.
 - `a2a`: one all-to-all's duration, the median over the timed steps of each step's mean. A
   blocking all-to-all is timed from its post to its completion on the compute thread (the
-  count exchange, which waits for the EP peers, and the tokens' transfer). An asynchronous
+  count exchange and the tokens' transfer). A member that posts before its EP peers also
+  waits for them, and the simulator's replay already holds a collective until its last
+  member posts: so each all-to-all is the least of its members' times (the last to post
+  waits for the transfer alone), its members the ranks that recorded the stage in that step,
+  matched by their order there (every holder of a stage posts its all-to-alls in the
+  program's order). An asynchronous
   one completes while the other half of a fused op computes, so only its lower bound is
   seen directly: a program with blocking ones takes `a2a` from those alone. Where a stage
   has only asynchronous ones (every MoE op fused), `a2a` is the latency c the rendezvous
@@ -85,13 +90,14 @@ def moe_costs(records: Sequence[Recorder]) -> tuple[dict[str, float], dict[int, 
         share = experts_share(found)
         if share is not None:
             per_stage[stage][SHARE] = share
-    for stage, timed in _by_stage(a2as).items():
+    members = _members(records)
+    for stage, timed in members.items():
         per_stage[stage][A2A] = a2a_ms(timed)
     share = experts_share(phases)
     if share is not None:
         top[SHARE] = share
     if a2as:
-        top[A2A] = a2a_ms(a2as)
+        top[A2A] = round(statistics.fmean(per_stage[s][A2A] for s in members), 4)
     return top, dict(sorted(per_stage.items()))
 
 
@@ -105,17 +111,36 @@ def experts_share(phases: Sequence[PhaseTime]) -> float | None:
     return round(statistics.median(shares), 4) if shares else None
 
 
-def a2a_ms(a2as: Sequence[A2ATime]) -> float:
-    """One all-to-all's duration (ms): from the blocking ones where there are any, else the
-    rendezvous fit to the asynchronous ones' waits (module docstring)."""
-    blocking = [a for a in a2as if a.blocking]
-    if blocking:
-        steps = _by_step(blocking).values()
-        per_step = [statistics.fmean(a.done - a.posted for a in found) for found in steps]
+def a2a_ms(members: Sequence[Sequence[A2ATime]]) -> float:
+    """One all-to-all's duration (ms), from each member's all-to-alls of one stage and step
+    in program order (`_members`): the blocking ones where there are any, each the least of
+    its members' times, else the rendezvous fit to the asynchronous ones' waits (module
+    docstring)."""
+    blocking = [[a for a in seq if a.blocking] for seq in members]
+    per_step = []
+    if any(blocking):
+        steps: dict[int, list[list[A2ATime]]] = defaultdict(list)
+        for seq in blocking:
+            if seq:
+                steps[seq[0].step].append(seq)
+        for found in steps.values():
+            count = min(len(seq) for seq in found)
+            least = [min(seq[i].done - seq[i].posted for seq in found) for i in range(count)]
+            per_step.append(statistics.fmean(least))
     else:
-        steps = _by_step(a2as).values()
-        per_step = [fit_latency([(a.waited, a.posted, a.done) for a in found]) for found in steps]
+        flat = [a for seq in members for a in seq]
+        for each in _by_step(flat).values():
+            per_step.append(fit_latency([(a.waited, a.posted, a.done) for a in each]))
     return round(statistics.median(per_step) * 1e3, 4)
+
+
+def _members(records: Sequence[Recorder]) -> dict[int, list[list[A2ATime]]]:
+    """Per stage, each record's all-to-alls of it (one rank's in one step), in order."""
+    found: dict[int, list[list[A2ATime]]] = defaultdict(list)
+    for record in records:
+        for stage, timed in _by_stage(record.a2as).items():
+            found[stage].append(timed)
+    return dict(sorted(found.items()))
 
 
 def measured_layers(records: Iterable[Recorder]) -> dict[int, int]:

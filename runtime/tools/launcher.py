@@ -61,14 +61,17 @@ from .checking import check_run
 from .environment import GlooPosting, gloo_posting
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
-from .moe_program import moe_layers, refuse_unsplit
+from .moe_program import moe_layers, moe_layers_of, refuse_unsplit
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
 from .ties import model_ties
 from .training_run import aux_by_stage, reported_aux, stages_of
 from .whole_reference import check_whole_run, dropout_off, held_grads
 
-__all__ = ["AUTOCAST", "RunJob", "RunReport", "backend_for", "model_ties", "parse_spec", "run_job"]
+__all__ = [
+    "AUTOCAST", "RunJob", "RunReport", "backend_for", "model_ties", "moe_layers_of",
+    "parse_spec", "run_job",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def run_job(job: RunJob) -> RunReport:
     job = _profiled_cut(job, load_model(job.model))
     model = load_model(job.model).with_cut(job.layers)
     job = with_reference(job, model)
-    if job.mesh is not None and job.mesh.ep > 1 and job.program.moe is None:
+    if job.mesh is not None and job.mesh.ep > 1:  # MoE stages the program does not split
         modules = model.all_stages(job.program.placement.num_stages(0))  # (only here)
         refuse_unsplit(job.program, job.mesh, moe_layers(modules), job.model)
     model.check_cut(job.program.placement.num_stages(0))

@@ -18,6 +18,7 @@ from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
 from ..engine.moe_block import blocks_of
+from .model_file import load_model
 
 
 def moe_layers(stages: Sequence[torch.nn.Module]) -> tuple[int, ...]:
@@ -25,15 +26,29 @@ def moe_layers(stages: Sequence[torch.nn.Module]) -> tuple[int, ...]:
     return tuple(len(blocks_of(stage) or ()) for stage in stages)
 
 
+def moe_layers_of(path: str, num_stages: int) -> tuple[int, ...]:
+    """The MoE blocks of each of the model file's `num_stages` stages, built once here (the
+    launcher's process: `pipecc run` on an ep mesh without --moe places them, as --moe
+    would; docs/parallelism.md)."""
+    return moe_layers(load_model(path).all_stages(num_stages))
+
+
 def refuse_unsplit(program: Program, mesh: Any, layers: Sequence[int], model: str) -> None:
-    """On a mesh with ep > 1 a model of MoE stages runs in phases, with their all-to-alls:
-    the program `pipecc run --moe K` resolved and verified (the compiler's expand_moe), never
-    one split after the verification. A MoE model given a program without them is refused."""
-    if program.moe is not None or mesh is None or mesh.ep == 1 or not any(layers):
+    """On a mesh with ep > 1 a model's MoE stages run in phases, with their all-to-alls:
+    the program `pipecc run` resolved and verified with them (--moe K, or the model file's
+    layers), never one split after the verification. A program that does not split every
+    stage holding MoE blocks (none, or --moe 0) is refused: its experts, each EP rank's
+    own, would be neither exchanged nor reduced over ep (a wrong gradient)."""
+    if mesh is None or mesh.ep == 1:
         return
+    split = program.moe or (0,) * len(layers)
+    unsplit = [s for s, k in enumerate(layers) if k and not split[s]]
+    if not unsplit:
+        return
+    said = ", ".join(f"stage {s} ({layers[s]})" for s in unsplit)
     raise InputError(
-        f"{model}: its stages hold MoE layers ({', '.join(map(str, layers))} by stage) and the "
-        f"mesh has ep={mesh.ep}: give --moe K (K MoE layers a stage), so that the program run "
-        "holds their dispatch and combine all-to-alls, verified with every other op "
-        "(docs/parallelism.md)"
+        f"{model}: on the mesh with ep={mesh.ep} its stages hold MoE blocks the program does "
+        f"not run in phases: {said}; leave --moe out (the model file's layers are placed) "
+        "or give --moe K, so that the program run holds their dispatch and combine "
+        "all-to-alls, verified with every other op (docs/parallelism.md)"
     )

@@ -56,8 +56,8 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
 
 STEPS = (
     "versions", "compat", "gpu-tests", "sync", "streams", "gpt-tied-dropout", "gpt-bf16",
-    "gpt-recompute-full", "gpt-recompute-attn", "fsdp", "nccl-2", "mesh-2", "nccl-4",
-    "sanitizer", "split", "profile",
+    "gpt-recompute-full", "gpt-recompute-attn", "fsdp", "nccl-2", "mesh-2", "nccl-4", "ep-4",
+    "ep-overlap", "sanitizer", "split", "profile",
 )  # fmt: skip
 
 

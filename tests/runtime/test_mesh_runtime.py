@@ -432,18 +432,20 @@ def test_an_expert_parallel_forward_only_step_matches(results: list[dict[str, An
 def test_pipecc_run_checks_an_expert_parallel_model(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """`pipecc run dualpipev --mesh pp=2,ep=2` on examples/moe_ep.py: the program split into
-    MoE phases, each EP rank its experts and share of the batch, every gradient (each
-    expert's by name) against one process on the whole batch. Profiled: every stage's
+    """`pipecc run dualpipev --mesh pp=2,ep=2` on examples/moe_ep.py (no --moe: the model
+    file's MoE blocks are placed, as --moe 2 would): the program split into MoE phases,
+    each EP rank its experts and share of the batch, every gradient (each expert's by
+    name) against one process on the whole batch. Profiled: every stage's
     phases add up to its F, I and B, its all-to-alls give `a2a`, its experts `moe_experts`,
     and `simulate` reads the file back."""
     profile = tmp_path / "moe.toml"
     code, out, err = run_cli(
         capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
-        "--moe", "2", "--model", str(ROOT / "examples" / "moe_ep.py"), "--check", "--json",
+        "--model", str(ROOT / "examples" / "moe_ep.py"), "--check", "--json",
         "--profile", str(profile), "--steps", "2", "--warmup", "0", "--allow-noisy-profile",
     )  # fmt: skip
     assert code == 0, err
+    assert "note: --moe from the model file: MoE layers by stage 2, 2, 2, 2" in err
     fields = json.loads(out)
     assert fields["mesh"] == "pp=2,ep=2" and fields["max_rel_grad_diff"] <= 1e-5
     assert abs(fields["loss"] - fields["reference_loss"]) <= 1e-5 * fields["reference_loss"]
@@ -487,11 +489,13 @@ def test_a_checkpoint_of_a_mesh_resumes_bitwise(results: list[dict[str, Any]], d
 def test_a_moe_model_without_the_programs_phases_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Without --moe the program `pipecc run` verified holds no all-to-all: running the MoE
-    stages in phases would run what the verifier never saw, so the run is refused (exit 2)."""
+    """With --moe 0 the program `pipecc run` verified holds no all-to-all: the MoE stages run
+    whole would leave each EP rank's experts unreduced over ep (a wrong gradient), and
+    splitting them after the verification would run what the verifier never saw, so the
+    run is refused (exit 2) before any process starts."""
     code, _, err = run_cli(
         capsys, "run", "dualpipev", "-M", "8", "--nproc", "4", "--mesh", "pp=2,ep=2",
-        "--model", str(ROOT / "examples" / "moe_ep.py"),
+        "--moe", "0", "--model", str(ROOT / "examples" / "moe_ep.py"),
     )  # fmt: skip
     assert code == 2, err
-    assert "give --moe K (K MoE layers a stage)" in err
+    assert "stage 0 (2), stage 1 (2), stage 2 (2), stage 3 (2); leave --moe out" in err

@@ -7,11 +7,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from pipecc.runtime.engine.moe_ops import stage_problems
+import pytest
+from pipecc.runtime import MoEBlock, MoEStage
+from pipecc.runtime.engine.moe_ops import stage_problems, unsplit_problems
 from pipecc.runtime.plan.plan import forward_only, mailbox
+from pipecc.runtime.tools.moe_program import refuse_unsplit
 from runtime_cases import compile_case
 from torch import nn
 
+from pipecc.diagnostics import InputError
 from pipecc.driver.mesh import MeshOptions, MoeOptions, place_mesh, place_moe
 from pipecc.ir.ops import Collective, CollectiveKind, Fused, Instr, Kind, Phase, Wait
 from pipecc.ir.printer import describe
@@ -113,3 +117,46 @@ def test_without_moe_layers_an_ep_rank_is_a_plain_replica() -> None:
         [("dp-grad s0", ("ep",))],
         [("dp-grad s1", ("ep",))],
     ]
+
+
+class _Mesh:
+    """A stand-in DeviceMesh with an `ep` dimension of `size`."""
+
+    def __init__(self, size: int) -> None:
+        self.mesh_dim_names = ("pp", "ep")
+        self.size = size
+
+    def __getitem__(self, name: str) -> Any:
+        return SimpleNamespace(size=lambda: self.size)
+
+
+def _moe_stage(blocks: int) -> nn.Module:
+    return MoEStage(None, [MoEBlock(4, 8, 2, 1) for _ in range(blocks)], None)
+
+
+def test_moe_blocks_run_without_phases_on_an_ep_mesh_are_refused() -> None:
+    """Run whole on ep > 1, an EP rank's experts would see its own tokens only and their
+    gradients would not be reduced over ep: a wrong gradient, refused at set-up (each chunk
+    named); with its phases, with ep = 1, or without MoE blocks, nothing to say."""
+    plain = place_mesh(compile_case("1f1b", 2, 4), MeshOptions("ep=2")).ranks[0]
+    assert unsplit_problems(plain, {0: _moe_stage(2)}, _Mesh(2)) == [
+        "chunk 0 holds 2 MoE block(s) and the program runs it without MoE phases on a mesh "
+        "with ep=2: compile it with --moe K (pipecc run places the model file's layers; "
+        "docs/parallelism.md)"
+    ]
+    assert unsplit_problems(_split("1f1b", 2).ranks[0], {0: _moe_stage(2)}, _Mesh(2)) == []
+    assert unsplit_problems(plain, {0: _moe_stage(2)}, _Mesh(1)) == []
+    assert unsplit_problems(plain, {0: nn.Linear(2, 2)}, _Mesh(2)) == []
+    assert unsplit_problems(plain, {0: _moe_stage(2)}, None) == []
+
+
+def test_pipecc_run_refuses_a_program_that_leaves_moe_stages_unsplit() -> None:
+    """The launcher's check before any process starts: every stage holding MoE blocks must
+    be split in the program (--moe 0 leaves them whole), per stage."""
+    mesh = SimpleNamespace(ep=2)
+    plain = place_mesh(compile_case("1f1b", 2, 4), MeshOptions("ep=2"))
+    with pytest.raises(InputError, match=r"stage 0 \(2\), stage 1 \(2\); leave --moe out"):
+        refuse_unsplit(plain, mesh, (2, 2), "moe.py")
+    refuse_unsplit(_split("1f1b", 2), mesh, (2, 2), "moe.py")  # split: runs
+    refuse_unsplit(plain, SimpleNamespace(ep=1), (2, 2), "moe.py")  # no ep: a replica
+    refuse_unsplit(plain, mesh, (0, 0), "moe.py")  # no MoE blocks

@@ -239,3 +239,19 @@ def test_on_cuda_phases_and_all_to_alls_are_timed_by_events(
     ]  # fmt: skip
     assert [round(a.done - a.posted, 6) for a in record.a2as] == [0.0025] * 4
     assert all(a.blocking is not asynchronous for a in record.a2as)
+
+
+def test_a_blocking_all_to_all_is_its_last_members_time_not_the_early_posters_wait() -> None:
+    """Two EP peers of stage 0: in each all-to-all one posts 1 ms before the other and so
+    waits 1 ms more; the transfer itself takes 0.5 ms. The replay holds a collective for its
+    last member already, so `a2a` is 0.5 ms, not the mean wait 1 ms."""
+    records = []
+    for rank in range(2):
+        record = Recorder(step=0)
+        for index, start in enumerate((10.0, 20.0, 30.0)):
+            early = (index + rank) % 2 == 0  # the peers take turns posting first
+            posted = start if early else start + 0.001
+            record.a2a(0, True, (posted, posted, start + 0.0015))
+        records.append(record)
+    _, per_stage = measured_costs(records)
+    assert per_stage[0]["a2a"] == pytest.approx(0.5)

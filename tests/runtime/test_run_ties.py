@@ -22,6 +22,7 @@ from runtime_cases import SCHEDULES, compile_case, microbatch_counts
 
 from pipecc.cli import build_parser
 from pipecc.commands import run as run_command
+from pipecc.commands import run_model
 from pipecc.commands.common import lowering
 from pipecc.driver.check import Resolution, verify_source
 from pipecc.driver.load import RunBackend, read_source
@@ -39,8 +40,12 @@ REAL_ONLY = str(Path(__file__).with_name("tied_real_only.py"))
 def _verified(path: str, args: tuple[str, ...], backend: RunBackend) -> run_command.Verified:
     """What `pipecc run PATH ARGS --model tied_stages.py` runs on `backend`, verified."""
     parsed = build_parser().parse_args(["run", path, "--model", TIED_STAGES, *args])
-    ties = functools.partial(run_command._ties, parsed, model_ties)
-    return run_command.program_to_run(parsed, lambda ranks: backend.value, ties)
+    model = functools.partial(run_model.from_model, parsed, model_ties, _no_moe)
+    return run_command.program_to_run(parsed, lambda ranks: backend.value, model)
+
+
+def _no_moe(path: str, stages: int) -> tuple[int, ...]:
+    return (0,) * stages
 
 
 def _tie(program: Program) -> list[tuple[tuple[int, str], ...]]:
