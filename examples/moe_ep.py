@@ -1,6 +1,9 @@
 """A model file for `pipecc run` with expert parallelism: every stage is a MoE stage.
 
-    pipecc run dualpipev --nproc 4 --mesh pp=2,ep=2 --moe 2 -M 8 --model examples/moe_ep.py --check
+    pipecc run dualpipev --nproc 4 --mesh pp=2,ep=2 -M 8 --model examples/moe_ep.py --check
+
+(`pipecc run` counts each stage's MoE blocks and places their phases and all-to-alls, as
+`--moe 2` would.)
 
 Each stage is `pipecc.runtime.MoEStage`: stage 0 embeds the tokens, the last one ends in a
 norm and the vocabulary head, and each holds PIPECC_MOE_LAYERS (default 2) `MoEBlock`s: a

@@ -4,15 +4,19 @@ A dispatch cannot move tokens before every EP rank knows how many rows it receiv
 exchanges the token counts (runtime/engine/moe_ops.py), a small all_to_all that blocks until
 every EP rank has reached the same dispatch. Posted from the compute thread, that wait (the
 other ranks' lag, not the bytes) would be exposed even where the program overlaps the
-dispatch with the other microbatch's computation. So every all-to-all of a rank is handed to
-one `Poster` thread, in the program's order: the compute thread queues the job and goes on;
-the poster exchanges the counts, sizes and posts the tokens' all_to_all, then the next job.
-One thread, one queue: the EP group sees this rank's collectives in program order, which
-every EP rank shares (the program's order is the proof that no collective can hang), and the
-group is the all-to-alls' own (`moe_ops.a2a_group`), so no other collective interleaves.
+dispatch with the other microbatch's computation. So a dispatch is handed to one `Poster`
+thread: the compute thread queues the job and goes on; the poster exchanges the counts,
+sizes and posts the tokens' all_to_all. The other all-to-alls (combine and the backward
+ones: their sizes are known, posting them returns at once) are posted by the compute thread
+itself when nothing is queued before them, else queued behind: waking the thread costs
+about a millisecond on a busy host, which the peers would wait for. One queue, and a direct
+post only when it is empty: the EP group sees this rank's collectives in program order,
+which every EP rank shares (the program's order is the proof that no collective can hang),
+and the group is the all-to-alls' own (`moe_ops.a2a_group`), so no other collective
+interleaves.
 
-A `Ticket` is a job's handle: `wait` blocks until the poster has posted it, then until its
-work completes (an error raised on the poster is raised there, in the compute thread). On
+A `Ticket` is a job's handle: `wait` blocks until it is posted, then until its work
+completes (an error raised on the poster is raised there, in the compute thread). On
 CUDA the poster is where a dispatch waits for its counts on the host, so the compute thread
 keeps queueing the other half's kernels meanwhile.
 """
@@ -67,35 +71,60 @@ class Ticket:
         self.held = ()
 
 
+class Queue:
+    """The poster's jobs and how many of them are queued and not yet posted (`pending`,
+    under `lock`); the thread holds this, not its `Poster`, so the poster can be collected."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Job, Ticket] | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.pending = 0
+
+
 class Poster:
     """A thread that runs posting jobs one after another (module docstring); started at
     the first job, stopped when its owner is collected."""
 
     def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Job, Ticket] | None] = queue.SimpleQueue()
+        self.queue = Queue()
         self.thread: threading.Thread | None = None
 
-    def submit(self, job: Job, ticket: Ticket) -> Ticket:
+    def submit(self, job: Job, ticket: Ticket, *, direct: bool = False) -> Ticket:
+        """Queue `job`; a `direct` one (it never blocks: posting it returns at once) is run
+        here instead when nothing is queued before it, so program order holds and the
+        thread's wake-up is not in its way (a dispatch, which waits for its counts, is not
+        direct)."""
+        state = self.queue
+        with state.lock:
+            if direct and state.pending == 0:
+                _run(job, ticket)
+                return ticket
+            state.pending += 1
         if self.thread is None:
-            self.thread = threading.Thread(target=_loop, args=(self.jobs,), daemon=True)
+            self.thread = threading.Thread(target=_loop, args=(state,), daemon=True)
             self.thread.start()
-            weakref.finalize(self, self.jobs.put, None)
-        self.jobs.put((job, ticket))
+            weakref.finalize(self, state.jobs.put, None)
+        state.jobs.put((job, ticket))
         return ticket
 
 
-def _loop(jobs: queue.SimpleQueue[tuple[Job, Ticket] | None]) -> None:
+def _run(job: Job, ticket: Ticket) -> None:
+    try:
+        ticket.work = job()
+    except BaseException as err:  # handed to the compute thread at the ticket's wait
+        ticket.error = err
+    finally:
+        ticket.done.set()
+
+
+def _loop(state: Queue) -> None:
     while True:
-        item = jobs.get()
+        item = state.jobs.get()
         if item is None:
             return
-        job, ticket = item
-        try:
-            ticket.work = job()
-        except BaseException as err:  # handed to the compute thread at the ticket's wait
-            ticket.error = err
-        finally:
-            ticket.done.set()
+        _run(*item)
+        with state.lock:  # posted: a direct job may now go past the queue
+            state.pending -= 1
 
 
 @dataclass
@@ -148,10 +177,11 @@ class Exchange:
             out, rows = _like(source, layer.send), (layer.send, layer.recv)
             layer.grad_tokens = out
         source = source.contiguous()
-        return self._submit(lambda: self._move(out, source, *rows), source, out)
+        return self._submit(lambda: self._move(out, source, *rows), source, out, direct=True)
 
-    def _submit(self, job: Callable[[], Any], *held: torch.Tensor) -> Ticket:
-        return self.poster.submit(job, Ticket(self.waited, held, self.timeout))
+    def _submit(self, job: Callable[[], Any], *held: torch.Tensor, direct: bool = False) -> Ticket:
+        ticket = Ticket(self.waited, held, self.timeout)
+        return self.poster.submit(job, ticket, direct=direct)
 
     def _dispatch(self, layer: Layer, source: torch.Tensor) -> Any:
         """On the poster: the counts exchanged (blocking), then the tokens posted."""
