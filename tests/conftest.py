@@ -104,6 +104,18 @@ class SpawnInFastTest(Exception):
     """A test not marked slow started a process or a process group."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """matplotlib lists the system's fonts (a subprocess, `fc-list`) the first time it is
+    imported on a machine and caches the list; done here, before any test's guard, so a
+    fresh machine's first PNG test does not count as starting a process (and the cache,
+    otherwise never written, is not built again by every such test)."""
+    del config
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:  # the dev extra's optional pictures: their tests skip
+        pass
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = _relative(item.path)

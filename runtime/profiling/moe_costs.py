@@ -39,14 +39,11 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from pipecc.semantics.costs.keys import key as cost_key
 
 from .figures import fit_latency
-
-if TYPE_CHECKING:
-    from .recorder import Recorder
 
 EXPERTS = "experts"  # the part of a phase that is the experts' (pipecc.ir.ops.PhasePart)
 A2A, SHARE, LAYERS = cost_key("a2a"), cost_key("moe_experts"), cost_key("moe_layers")
@@ -77,6 +74,18 @@ class A2ATime(NamedTuple):
 
 
 T = TypeVar("T", PhaseTime, A2ATime)
+
+
+class Recorder(Protocol):
+    """What these figures read of a rank's `recorder.Recorder` (one step's): its phases
+    and all-to-alls (a protocol, so that the recorder, which renders them, is not imported
+    back)."""
+
+    @property
+    def phases(self) -> list[PhaseTime]: ...
+
+    @property
+    def a2as(self) -> list[A2ATime]: ...
 
 
 def moe_costs(records: Sequence[Recorder]) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
