@@ -181,7 +181,7 @@ class Exchange:
 
     def _submit(self, job: Callable[[], Any], *held: torch.Tensor, direct: bool = False) -> Ticket:
         ticket = Ticket(self.waited, held, self.timeout)
-        return self.poster.submit(job, ticket, direct=direct)
+        return self.poster.submit(on_stream(held[0].device, job), ticket, direct=direct)
 
     def _dispatch(self, layer: Layer, source: torch.Tensor) -> Any:
         """On the poster: the counts exchanged (blocking), then the tokens posted."""
@@ -211,6 +211,28 @@ class Exchange:
         return dist.all_to_all_single(
             out, source, out_rows, in_rows, group=self.group, async_op=True
         )
+
+
+def on_stream(device: torch.device, job: Job) -> Job:
+    """`job` run with the calling thread's current CUDA stream as the current stream, on
+    whichever thread runs it: the tensors it sends were written on that stream, the counts
+    it reads too, and NCCL's all_to_all orders itself after the current stream of the
+    thread that posts it (the poster's own would be the device's default stream, not the
+    step's: a dispatch could send tokens not yet computed). Off CUDA, `job` as it is."""
+    if device.type != "cuda":
+        return job
+    stream = current_stream(device)
+
+    def posted() -> Any:
+        with torch.cuda.stream(stream):
+            return job()
+
+    return posted
+
+
+def current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream on `device` (a test's stand-in replaces it)."""
+    return torch.cuda.current_stream(device)
 
 
 def a2a_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:

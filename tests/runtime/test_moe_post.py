@@ -3,9 +3,14 @@ whichever thread posts, no process group needed (the jobs are stand-ins)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
+import torch
+from pipecc.runtime.engine import moe_post
 from pipecc.runtime.engine.moe_post import Poster, Ticket
 
 
@@ -52,3 +57,29 @@ def test_an_error_of_a_direct_post_is_raised_at_its_wait() -> None:
     ticket = Poster().submit(fails, _ticket(), direct=True)
     with pytest.raises(RuntimeError, match="the group is gone"):
         ticket.wait()
+
+
+def test_a_job_posted_on_the_poster_runs_on_the_stream_current_where_it_was_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA the tokens a dispatch sends were written on the compute thread's current
+    stream; the poster thread's own current stream is the device's default, so the job
+    carries the stream it was queued under (a stand-in stream and context here)."""
+    entered: list[tuple[object, str]] = []
+
+    @contextlib.contextmanager
+    def stream(value: object) -> Iterator[None]:
+        entered.append((value, threading.current_thread().name))
+        yield
+
+    monkeypatch.setattr(moe_post, "current_stream", lambda device: f"the step's stream on {device}")
+    monkeypatch.setattr(moe_post.torch.cuda, "stream", stream)
+    work = SimpleNamespace(wait=lambda: None)  # what all_to_all_single(async_op=True) gives
+    job = moe_post.on_stream(torch.device("cuda", 0), lambda: work)
+    poster = Poster()
+    ticket = poster.submit(job, _ticket())
+    ticket.wait()
+    assert ticket.work is work
+    assert entered == [("the step's stream on cuda:0", poster.thread.name)]
+    plain = lambda: None  # noqa: E731
+    assert moe_post.on_stream(torch.device("cpu"), plain) is plain, "off CUDA: as it is"
