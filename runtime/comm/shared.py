@@ -115,11 +115,7 @@ def local_groups(
     declared: Iterable[Sequence[ParamKey]],
 ) -> list[Group]:
     """Every parameter this rank holds, as groups in key order (declared groups merged)."""
-    merged: dict[ParamKey, tuple[ParamKey, ...]] = {}
-    for keys in declared:
-        group = tuple(sorted((int(s), str(n)) for s, n in keys))
-        for key in group:
-            merged[key] = tuple(sorted({*merged.get(key, ()), *group}))
+    merged = {key: tuple(sorted(group)) for group in merged_ties(declared) for key in group}
     objects: dict[tuple[ParamKey, ...], list[torch.nn.Parameter]] = defaultdict(list)
     for key, param in _held(placement, rank, modules):
         keys = merged.get(key, (key,))
@@ -128,6 +124,19 @@ def local_groups(
     return [
         Group(keys, _holders(placement, keys), tuple(objects[keys])) for keys in sorted(objects)
     ]
+
+
+def merged_ties(declared: Iterable[Sequence[ParamKey]]) -> list[set[ParamKey]]:
+    """The declared groups of keys that are one parameter, merged where they share a key,
+    transitively (a chain of ties, A with B and B with C, is one parameter: the compiler
+    places one sum over all their holders, passes/sum_shared.py)."""
+    merged: list[set[ParamKey]] = []
+    for keys in declared:
+        group = {(int(stage), str(name)) for stage, name in keys}
+        joined = [other for other in merged if other & group]
+        merged = [other for other in merged if not other & group]
+        merged.append(group.union(*joined))
+    return merged
 
 
 def _held(
@@ -414,7 +423,7 @@ def unplaced_sums(
     program: Program, declared: Iterable[Sequence[ParamKey]], *, required: bool
 ) -> list[str]:
     """The sets of ranks that hold one parameter (a stage held twice; a declared group of
-    keys, merged as `local_groups` merges them) over which `program` places no gradient
+    keys, `merged_ties`) over which `program` places no gradient
     sum, each said with the stages and the `--shared` that places it. The same on every
     rank given the same program and declaration, so every rank can refuse before it makes
     a group or takes a step. A program that places no sum at all keeps the path after it
@@ -423,13 +432,7 @@ def unplaced_sums(
     if not placed and not required:
         return []
     placement = program.placement
-    merged: list[set[ParamKey]] = []
-    for keys in declared:
-        group = {(int(stage), str(name)) for stage, name in keys}
-        joined = [other for other in merged if other & group]
-        merged = [other for other in merged if not other & group]
-        merged.append(group.union(*joined))
-    tied = [{stage for stage, _ in group} for group in merged]
+    tied = [{stage for stage, _ in group} for group in merged_ties(declared)]
     twice = [{slot.stage} for slot in placement.slots]  # each stage's other parameters
     found: dict[tuple[int, ...], tuple[bool, set[int]]] = {}
     for is_tie, stages in [(True, s) for s in tied] + [(False, s) for s in twice]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipecc.runtime.comm.shared import GradientSums, ParamGrads, unplaced_sums
+from pipecc.runtime.comm.shared import GradientSums, ParamGrads, local_groups, unplaced_sums
 from pipecc.runtime.tools.ties import model_ties
 from runtime_cases import SCHEDULES, compile_case, microbatch_counts
 
@@ -178,3 +178,15 @@ def test_a_ranks_own_copies_are_added_after_a_program_that_places_other_sums() -
         _no_sums(program), 0, {lone: [], both: []}, ParamGrads(), device=torch.device("cpu")
     )
     assert list(outside.after_program()) == [lone, both]
+
+
+def test_a_chain_of_ties_is_one_parameter_summed_over_all_its_holders() -> None:
+    """A with B and B with C is one parameter: the runtime's groups merge the chain as the
+    compiler's one sum over all their holders does (before, stage 0's key kept only (A, B),
+    so its bucket's holders missed stage 2's rank and the sum did not match the program)."""
+    program = compile_case("1f1b", 3, 3)
+    chain = [((0, "weight"), (1, "weight")), ((1, "weight"), (2, "weight"))]
+    modules = {0: torch.nn.Linear(2, 2, bias=False)}
+    (group,) = local_groups(program.placement, 0, modules, chain)
+    assert group.keys == ((0, "weight"), (1, "weight"), (2, "weight"))
+    assert group.ranks == (0, 1, 2)
