@@ -12,6 +12,7 @@ interval, stalls (every wait on a recv or a rendezvous send) and peak memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
@@ -334,29 +335,47 @@ def _rank_stats(
     )
 
 
-def _stalls(rank: int, run: Replay, threshold: float, *, post: float) -> list[Blocked]:
-    """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv):
-    from the end of the previous instruction to the start (the release) of this one. A post
-    never blocks: it ends `post` after the previous instruction."""
-    found = []
+class Span(NamedTuple):
+    """One instruction of a rank's replay other than a post: where the rank was free to
+    start it (`ready`: the previous instruction's end, plus `post` per post since), when it
+    started (was released) and ended."""
+
+    at: int  # its index in the rank's list
+    instr: Instr
+    ready: float
+    start: float
+    end: float
+
+
+def _spans(run: Replay, rank: int, post: float) -> Iterator[Span]:
+    """The rank's instructions in order as `Span`s; a post never blocks: it ends `post`
+    after the previous instruction."""
     starts, ends, base = run.start, run.end, run.wiring.offsets[rank]
-    instrs = run.program.ranks[rank]
     previous_end = 0.0
-    for index, instr in enumerate(instrs):
+    for index, instr in enumerate(run.program.ranks[rank]):
         kind = type(instr)
         if kind is Send or kind is Recv:
             previous_end += post
             continue
         start = starts[base + index] or 0.0
-        blocked_from = previous_end
-        previous_end = ends[base + index] or start
-        length = start - blocked_from
+        end = ends[base + index] or start
+        yield Span(index, instr, previous_end, start, end)
+        previous_end = end
+
+
+def _stalls(rank: int, run: Replay, threshold: float, *, post: float) -> list[Blocked]:
+    """Every time the rank sat blocked (at a Wait, or at a compute op waiting for a recv):
+    from the end of the previous instruction to the start (the release) of this one."""
+    found = []
+    instrs = run.program.ranks[rank]
+    for span in _spans(run, rank, post):
+        length = span.start - span.ready
         if length <= threshold or length <= 0:
             continue
-        cause = run.cause(rank, index)
+        cause = run.cause(rank, span.at)
         released = cause.index if cause.rank == rank and cause.index >= 0 else None
         message = "previous op" if released is None else _released_by(instrs[released])
-        found.append(Blocked(rank, index, blocked_from, length, released, message))
+        found.append(Blocked(rank, span.at, span.ready, length, released, message))
     return found
 
 
@@ -369,22 +388,15 @@ def exposed_a2a(run: Replay, rank: int, post: float) -> float:
     posting it, and at a Wait that lists only all-to-alls (one the rank's compute did not
     hide). 0 for a program without them."""
     instrs = run.program.ranks[rank]
-    starts, ends, base = run.start, run.end, run.wiring.offsets[rank]
-    total, previous_end = 0.0, 0.0
-    for index, instr in enumerate(instrs):
-        kind = type(instr)
-        if kind is Send or kind is Recv:
-            previous_end += post
-            continue
-        start = starts[base + index] or 0.0
-        end = ends[base + index] or start
+    total = 0.0
+    for span in _spans(run, rank, post):
+        instr = span.instr
         if is_a2a(instr) and not cast(Collective, instr).asynchronous:
-            total += max(end - start - post, 0.0)
-        elif kind is Wait and all(
-            0 <= i < len(instrs) and is_a2a(instrs[i]) for i in cast(Wait, instr).ops
+            total += max(span.end - span.start - post, 0.0)
+        elif type(instr) is Wait and all(
+            0 <= i < len(instrs) and is_a2a(instrs[i]) for i in instr.ops
         ):
-            total += max(start - previous_end, 0.0)
-        previous_end = end
+            total += max(span.start - span.ready, 0.0)
     return total
 
 
