@@ -61,7 +61,7 @@ from .checking import check_run
 from .environment import GlooPosting, gloo_posting
 from .memory import memory_steps
 from .model_file import AUTOCAST, ModelFile, check_targets, load_model, param_dtypes
-from .moe_program import moe_layers, moe_layers_of, refuse_unsplit
+from .moe_program import moe_layers_of, refuse_unsplit, stage_moe_layers
 from .reference import Options, ParamKey, default_tolerance
 from .spawn import spawn
 from .ties import model_ties
@@ -175,8 +175,8 @@ def run_job(job: RunJob) -> RunReport:
     model = load_model(job.model).with_cut(job.layers)
     job = with_reference(job, model)
     if job.mesh is not None and job.mesh.ep > 1:  # MoE stages the program does not split
-        modules = model.all_stages(job.program.placement.num_stages(0))  # (only here)
-        refuse_unsplit(job.program, job.mesh, moe_layers(modules), job.model)
+        layers = stage_moe_layers(model, job.program.placement.num_stages(0))
+        refuse_unsplit(job.program, job.mesh, layers, job.model)
     model.check_cut(job.program.placement.num_stages(0))
     spec, stages = _recompute(job, model), job.program.placement.num_stages(0)
     _check_recompute(spec, model, stages)

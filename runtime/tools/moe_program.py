@@ -18,7 +18,7 @@ from pipecc.diagnostics import InputError
 from pipecc.ir.program import Program
 
 from ..engine.moe_block import blocks_of
-from .model_file import load_model
+from .model_file import ModelFile, load_model
 
 
 def moe_layers(stages: Sequence[torch.nn.Module]) -> tuple[int, ...]:
@@ -27,10 +27,21 @@ def moe_layers(stages: Sequence[torch.nn.Module]) -> tuple[int, ...]:
 
 
 def moe_layers_of(path: str, num_stages: int) -> tuple[int, ...]:
-    """The MoE blocks of each of the model file's `num_stages` stages, built once here (the
-    launcher's process: `pipecc run` on an ep mesh without --moe places them, as --moe
-    would; docs/parallelism.md)."""
-    return moe_layers(load_model(path).all_stages(num_stages))
+    """The MoE blocks of each of the model file's `num_stages` stages (`pipecc run` on an ep
+    mesh without --moe places them, as --moe would; docs/parallelism.md)."""
+    return stage_moe_layers(load_model(path), num_stages)
+
+
+def stage_moe_layers(model: ModelFile, num_stages: int) -> tuple[int, ...]:
+    """The MoE blocks of each stage, counted on stages built on the meta device in the
+    launcher's process (no memory, no initialisation: only the structure is read; a rank
+    builds its own stages for real), or built for real where the model needs real tensors
+    to build."""
+    try:
+        with torch.device("meta"):
+            return moe_layers(model.all_stages(num_stages))
+    except Exception:  # noqa: BLE001 - a model that needs real tensors to build
+        return moe_layers(model.all_stages(num_stages))
 
 
 def refuse_unsplit(program: Program, mesh: Any, layers: Sequence[int], model: str) -> None:

@@ -4,6 +4,7 @@ runtime takes from them (runtime/plan/plan.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from pipecc.runtime import MoEBlock, MoEStage
 from pipecc.runtime.engine.moe_ops import stage_problems, unsplit_problems
 from pipecc.runtime.plan.plan import forward_only, mailbox
+from pipecc.runtime.tools import moe_program
 from pipecc.runtime.tools.moe_program import refuse_unsplit
 from runtime_cases import compile_case
 from torch import nn
@@ -22,6 +24,7 @@ from pipecc.ir.printer import describe
 from pipecc.ir.program import Program
 
 A2A = CollectiveKind.ALL_TO_ALL
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _split(name: str, layers: int, microbatches: int = 8, overlap: bool = True) -> Program:
@@ -160,3 +163,19 @@ def test_pipecc_run_refuses_a_program_that_leaves_moe_stages_unsplit() -> None:
     refuse_unsplit(_split("1f1b", 2), mesh, (2, 2), "moe.py")  # split: runs
     refuse_unsplit(plain, SimpleNamespace(ep=1), (2, 2), "moe.py")  # no ep: a replica
     refuse_unsplit(plain, mesh, (0, 0), "moe.py")  # no MoE blocks
+
+
+def test_the_launcher_counts_moe_blocks_on_the_meta_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pipecc run` counts a model file's MoE blocks in its own process without building the
+    model for real (a rank builds only its own stages): the stages it counts hold meta
+    tensors."""
+    built: list[nn.Module] = []
+    original = moe_program.moe_layers
+
+    def counting(stages: Any) -> tuple[int, ...]:
+        built.extend(stages)
+        return original(stages)
+
+    monkeypatch.setattr(moe_program, "moe_layers", counting)
+    assert moe_program.moe_layers_of(str(ROOT / "examples" / "moe_ep.py"), 4) == (2, 2, 2, 2)
+    assert built and all(p.is_meta for stage in built for p in stage.parameters())
